@@ -1,0 +1,213 @@
+"""Connector settings: the Mooncake store config plus the connector's own options.
+
+Store fields carry the names of Mooncake's config JSON so an existing
+``MOONCAKE_CONFIG_PATH`` file works unchanged. Settings come from vLLM's
+``kv_connector_extra_config``, falling back to (and overriding) the file named by
+``MOONCAKE_CONFIG_PATH``; they render back to ``--kv-transfer-config`` JSON and
+to the Mooncake config file. Invalid input raises ``SettingsError`` naming
+every offending field.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    model_validator,
+)
+
+CONFIG_PATH_ENV = "MOONCAKE_CONFIG_PATH"
+MAX_BATCH_KEYS = 1000
+CONNECTOR_NAME = "KVPoolConnector"
+CONNECTOR_MODULE = "kvpool.connector"
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1 << 10,
+    "kb": 1 << 10,
+    "kib": 1 << 10,
+    "m": 1 << 20,
+    "mb": 1 << 20,
+    "mib": 1 << 20,
+    "g": 1 << 30,
+    "gb": 1 << 30,
+    "gib": 1 << 30,
+    "t": 1 << 40,
+    "tb": 1 << 40,
+    "tib": 1 << 40,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(value: Any) -> int:
+    """Bytes from an int or a string such as ``"4GB"``, ``"512 MiB"``, ``"1024"``.
+
+    Units are binary (1 GB = 2**30 bytes), as in Mooncake's own config.
+    """
+    if isinstance(value, bool):
+        raise ValueError("a size must be a number of bytes or a string like '4GB'")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str):
+        match = _SIZE_RE.match(value)
+        if match and match.group(2).lower() in _UNITS:
+            return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    raise ValueError(f"{value!r} is not a size: use bytes or a string like '4GB'")
+
+
+Size = Annotated[int, BeforeValidator(parse_size), Field(ge=0)]
+
+
+class SettingsError(ValueError):
+    """Invalid connector settings; ``problems`` maps field name to message."""
+
+    def __init__(self, problems: Mapping[str, str]):
+        self.problems = dict(problems)
+        lines = "\n".join(f"  - {field}: {msg}" for field, msg in self.problems.items())
+        super().__init__(f"invalid KVPoolConnector settings:\n{lines}")
+
+
+class ConnectorSettings(BaseModel):
+    """Everything the connector needs to reach the pool and how to use it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # Mooncake store settings, named as in Mooncake's config JSON.
+    master_server_address: str = Field(
+        min_length=1,
+        pattern=r"\S",
+        description="host:port of the Mooncake master, or etcd://host:port[,...] for HA."
+    )
+    metadata_server: str = Field(
+        default="P2PHANDSHAKE", description="Transfer-engine metadata server."
+    )
+    protocol: Literal["tcp", "rdma"] = "tcp"
+    device_name: str = Field(default="", description="RDMA device(s), required for rdma.")
+    local_hostname: str = Field(default="127.0.0.1", description="Address this client serves on.")
+    global_segment_size: Size = Field(
+        default=0, description="Memory this process contributes to the pool (0 = none)."
+    )
+    local_buffer_size: Size = Field(
+        default=64 << 20, description="Client-side transfer buffer."
+    )
+    # Connector options.
+    cache_prefix: str = Field(
+        default="kvpool", pattern=r"^[A-Za-z0-9_.-]{1,64}$", description="Namespace of every key."
+    )
+    load_async: bool = Field(
+        default=False, description="Load between scheduler steps instead of before the forward."
+    )
+    batch_size: int = Field(
+        default=256, ge=1, le=MAX_BATCH_KEYS, description="Keys per Mooncake batch call."
+    )
+    model_id: str = Field(
+        default="", description="Model identity for the layout fingerprint (default: vLLM's)."
+    )
+
+    @model_validator(mode="after")
+    def _cross_field_rules(self) -> ConnectorSettings:
+        if self.protocol == "rdma" and not self.device_name:
+            raise ValueError("device_name: protocol 'rdma' needs an RDMA device name")
+        if self.global_segment_size and self.global_segment_size < (1 << 20):
+            raise ValueError("global_segment_size: a segment under 1 MiB cannot hold a block")
+        return self
+
+    @classmethod
+    def parse(cls, data: Mapping[str, Any]) -> ConnectorSettings:
+        """Validate ``data``; raise ``SettingsError`` naming every bad field."""
+        try:
+            return cls.model_validate(dict(data))
+        except ValidationError as exc:
+            raise SettingsError(_problems_of(exc)) from None
+
+    @classmethod
+    def from_sources(
+        cls, extra_config: Mapping[str, Any] | None, environ: Mapping[str, str] | None = None
+    ) -> ConnectorSettings:
+        """Settings from ``kv_connector_extra_config`` over the ``MOONCAKE_CONFIG_PATH`` file."""
+        environ = os.environ if environ is None else environ
+        merged: dict[str, Any] = {}
+        path = environ.get(CONFIG_PATH_ENV)
+        if path:
+            merged.update(load_config_file(Path(path)))
+        merged.update(extra_config or {})
+        if not merged:
+            raise SettingsError(
+                {
+                    "kv_connector_extra_config": "empty, and MOONCAKE_CONFIG_PATH is not set: "
+                    "at least master_server_address is needed"
+                }
+            )
+        return cls.parse(merged)
+
+    def mooncake_config(self) -> dict[str, Any]:
+        """The Mooncake config file (``MOONCAKE_CONFIG_PATH``) for these settings."""
+        return {
+            "local_hostname": self.local_hostname,
+            "metadata_server": self.metadata_server,
+            "protocol": self.protocol,
+            "device_name": self.device_name,
+            "master_server_address": self.master_server_address,
+            "global_segment_size": self.global_segment_size,
+            "local_buffer_size": self.local_buffer_size,
+        }
+
+    def extra_config(self) -> dict[str, Any]:
+        """All settings as ``kv_connector_extra_config`` (sizes in bytes)."""
+        return self.model_dump(mode="json")
+
+    def kv_transfer_config(self, kv_role: str = "kv_both") -> dict[str, Any]:
+        """The ``--kv-transfer-config`` object vLLM takes to load this connector."""
+        if kv_role not in ("kv_both", "kv_producer", "kv_consumer"):
+            raise SettingsError({"kv_role": f"{kv_role!r} is not kv_both/kv_producer/kv_consumer"})
+        return {
+            "kv_connector": CONNECTOR_NAME,
+            "kv_connector_module_path": CONNECTOR_MODULE,
+            "kv_role": kv_role,
+            "kv_connector_extra_config": self.extra_config(),
+        }
+
+    def kv_transfer_config_json(self, kv_role: str = "kv_both") -> str:
+        return json.dumps(self.kv_transfer_config(kv_role), sort_keys=True, separators=(",", ":"))
+
+
+def load_config_file(path: Path) -> dict[str, Any]:
+    """Read a Mooncake config JSON file; errors name the file and the problem."""
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise SettingsError({CONFIG_PATH_ENV: f"{path} does not exist"}) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SettingsError({CONFIG_PATH_ENV: f"{path} cannot be read: {exc}"}) from None
+    except json.JSONDecodeError as exc:
+        raise SettingsError({CONFIG_PATH_ENV: f"{path} is not valid JSON: {exc}"}) from None
+    if not isinstance(data, dict):
+        raise SettingsError({CONFIG_PATH_ENV: f"{path} must hold a JSON object"})
+    return data
+
+
+def _problems_of(exc: ValidationError) -> dict[str, str]:
+    problems: dict[str, str] = {}
+    for error in exc.errors():
+        field = ".".join(str(p) for p in error["loc"])
+        message = error["msg"].removeprefix("Value error, ")
+        if not field and ": " in message:
+            # Cross-field rules name their field at the front of the message.
+            field, message = message.split(": ", 1)
+        if error["type"] == "extra_forbidden":
+            message = "unknown setting"
+        problems[field or "settings"] = message
+    return problems
