@@ -89,20 +89,16 @@ class ConnectorSettings(BaseModel):
     master_server_address: str = Field(
         min_length=1,
         pattern=r"\S",
-        description="host:port of the Mooncake master, or etcd://host:port[,...] for HA."
+        description="host:port of the Mooncake master, or etcd://host:port[,...] for HA.",
     )
-    metadata_server: str = Field(
-        default="P2PHANDSHAKE", description="Transfer-engine metadata server."
-    )
+    metadata_server: str = Field(default="P2PHANDSHAKE", description="Transfer-engine metadata server.")
     protocol: Literal["tcp", "rdma"] = "tcp"
     device_name: str = Field(default="", description="RDMA device(s), required for rdma.")
     local_hostname: str = Field(default="127.0.0.1", description="Address this client serves on.")
     global_segment_size: Size = Field(
         default=0, description="Memory this process contributes to the pool (0 = none)."
     )
-    local_buffer_size: Size = Field(
-        default=64 << 20, description="Client-side transfer buffer."
-    )
+    local_buffer_size: Size = Field(default=64 << 20, description="Client-side transfer buffer.")
     # Connector options.
     cache_prefix: str = Field(
         default="kvpool", pattern=r"^[A-Za-z0-9_.-]{1,64}$", description="Namespace of every key."
@@ -110,9 +106,7 @@ class ConnectorSettings(BaseModel):
     load_async: bool = Field(
         default=False, description="Load between scheduler steps instead of before the forward."
     )
-    batch_size: int = Field(
-        default=256, ge=1, le=MAX_BATCH_KEYS, description="Keys per Mooncake batch call."
-    )
+    batch_size: int = Field(default=256, ge=1, le=MAX_BATCH_KEYS, description="Keys per Mooncake batch call.")
     model_id: str = Field(
         default="", description="Model identity for the layout fingerprint (default: vLLM's)."
     )

@@ -1,0 +1,200 @@
+"""``KVPoolConnector``: vLLM's KV connector API over a shared Mooncake pool.
+
+Load it with::
+
+    {"kv_connector": "KVPoolConnector",
+     "kv_connector_module_path": "kvpool.connector",
+     "kv_role": "kv_both",
+     "kv_load_failure_policy": "recompute",
+     "kv_connector_extra_config": {"master_server_address": "127.0.0.1:50051"}}
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvpool.connector.keys import KeySpace
+from kvpool.connector.layout import check_or_raise, fingerprint
+from kvpool.connector.metadata import PoolConnectorMetadata
+from kvpool.connector.scheduler_side import SchedulerSide
+from kvpool.connector.settings import ConnectorSettings
+from kvpool.connector.stats import StatsCollector
+from kvpool.connector.store import acquire_client, release_client
+from kvpool.connector.vllm_layout import layout_from_vllm
+from kvpool.connector.worker_side import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+def _ranks() -> tuple[int, int]:
+    """(tp_rank, pp_rank) of this worker; (0, 0) outside a distributed setup."""
+    try:
+        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+        return get_tp_group().rank_in_group, get_pp_group().rank_in_group
+    except (AssertionError, AttributeError, ImportError):
+        return 0, 0
+
+
+class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
+    """Store and load hybrid-model KV blocks in a shared Mooncake pool."""
+
+    _cache_hit_source = CacheHitSource.P2P
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
+        super().__init__(vllm_config, role, kv_cache_config)
+        transfer = self._kv_transfer_config
+        self.settings = ConnectorSettings.from_sources(transfer.kv_connector_extra_config)
+        self.layout = layout_from_vllm(vllm_config, kv_cache_config, self.settings.model_id)
+        check_or_raise(self.layout)
+        if getattr(transfer, "kv_load_failure_policy", "recompute") != "recompute":
+            logger.warning(
+                "kv_load_failure_policy=%r: a block the pool fails to deliver will fail its "
+                "request instead of being recomputed; set it to 'recompute'",
+                transfer.kv_load_failure_policy,
+            )
+        self.keyspace = KeySpace(self.settings.cache_prefix, fingerprint(self.layout))
+        self.stats = StatsCollector(group_kinds=tuple(g.kind.value for g in self.layout.groups))
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            # The scheduler only looks keys up: it contributes no memory.
+            self._client = acquire_client(self.settings, global_segment_size=0)
+            self._scheduler = SchedulerSide(
+                client=self._client,
+                keyspace=self.keyspace,
+                tp_size=self.layout.tp_size,
+                pp_size=self.layout.pp_size,
+                load_async=self.settings.load_async,
+                can_load=transfer.is_kv_consumer,
+                can_save=transfer.is_kv_producer,
+                stats=self.stats,
+            )
+        else:
+            self._client = acquire_client(self.settings)
+            tp_rank, pp_rank = _ranks()
+            self._worker = WorkerSide(
+                client=self._client,
+                keyspace=self.keyspace,
+                tp_rank=tp_rank,
+                pp_rank=pp_rank,
+                group_layers=[list(g.layer_names) for g in kv_cache_config.kv_cache_groups],
+                num_blocks=kv_cache_config.num_blocks,
+                stats=self.stats,
+            )
+        logger.info(
+            "KVPoolConnector %s: master=%s layout=%s groups=%s",
+            role.name,
+            self.settings.master_server_address,
+            self.keyspace.fingerprint,
+            [g.kind.value for g in self.layout.groups],
+        )
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        # A cache: a dropped save is a future miss, never a lost hand-off.
+        return False
+
+    # ==== scheduler side ====================================================
+    def _sched(self) -> SchedulerSide:
+        assert self._scheduler is not None, "scheduler-side call on a worker connector"
+        return self._scheduler
+
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        self._sched().bind(kv_cache_manager.coordinator)
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return self._sched().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        self._sched().update_state_after_alloc(request, blocks.get_block_ids(), num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        manager = self._kv_cache_manager
+        assert manager is not None, "KVPoolConnector needs bind_kv_cache_manager"
+        return self._sched().build_connector_meta(scheduler_output, manager.get_block_ids)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self._sched().finished_recving(set(connector_output.finished_recving or ()))
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._sched().request_finished(request.request_id), None
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self._sched().request_finished(request.request_id), None
+
+    # ==== worker side =======================================================
+    def _work(self) -> WorkerSide:
+        assert self._worker is not None, "worker-side call on a scheduler connector"
+        return self._worker
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        self._work().register_kv_caches(kv_caches)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        # This step's forward may overwrite blocks earlier saves still read.
+        self._work().before_forward()
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, PoolConnectorMetadata)
+        self._work().start_loads(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        # Synchronous loads complete in start_load_kv, before the forward.
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        # A block is stored whole (all layers of its group) after the forward.
+        return
+
+    def wait_for_save(self) -> None:
+        meta = self._connector_metadata
+        if isinstance(meta, PoolConnectorMetadata) and meta.saves:
+            self._work().start_saves(meta)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        sending, recving, failed = self._work().transfer_results(finished_req_ids)
+        return KVConnectorTransferResults(
+            finished_sending=sending, finished_recving=recving, failed_recving=failed
+        )
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        sending, recving, _ = self._work().transfer_results(finished_req_ids)
+        return sending or None, recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._work().take_load_errors()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+        client, self._client = getattr(self, "_client", None), None
+        if client is not None:
+            release_client(client)

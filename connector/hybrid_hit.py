@@ -1,0 +1,237 @@
+"""The external hybrid (HMA) cache-hit coordinator.
+
+Given which ``(group, block hash)`` pairs the pool holds, find the longest
+prefix every KV-cache group can serve, exactly as vLLM's
+``HybridKVCacheCoordinator`` would over its own block pool: vLLM's per-spec
+managers (``find_longest_cache_hit``) run over a duck-typed block pool backed
+by the presence set, iterated to the same fixed point. The result also says,
+per group, which blocks the hit actually needs (its load mask): every block for
+full attention, the window for sliding window, the last state for Mamba.
+
+Hits are aligned to the scheduler block (fine-grained partial hash hits are off:
+the pool moves whole blocks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.utils.math_utils import cdiv
+from vllm.v1.core.kv_cache_utils import KVCacheBlock, eagle_proof_margin, resolve_block_hashes
+from vllm.v1.core.single_type_kv_cache_manager import MambaManager
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec, MambaSpec
+
+
+@dataclass(frozen=True)
+class GroupLookup:
+    """How one KV-cache group takes part in lookups."""
+
+    group_id: int
+    spec: KVCacheSpec
+    manager_cls: type
+    block_size: int  # the manager's effective block size (DCP-scaled)
+    dcp_world_size: int
+    pcp_world_size: int
+    use_eagle: bool
+    prefix_cacheable: bool
+
+
+@dataclass(frozen=True)
+class SpecGroup:
+    """Groups sharing one spec and manager: looked up together, as vLLM does."""
+
+    spec: KVCacheSpec
+    group_ids: tuple[int, ...]
+    manager_cls: type
+    use_eagle: bool
+
+
+@dataclass(frozen=True)
+class HybridHit:
+    """The reconciled hit and what each group needs from the pool for it."""
+
+    hit_tokens: int
+    # Per group: indices of the blocks (at the group's block size) the hit needs.
+    needed_blocks: tuple[tuple[int, ...], ...]
+    # Per group: the hit length the group reached in its last evaluation; for
+    # full attention, what it alone could serve (before the hybrid intersection).
+    group_hit_tokens: tuple[int, ...]
+
+
+class PresenceBlockPool:
+    """Duck-typed ``BlockPool``: ``get_cached_block`` answers from a presence set.
+
+    Each group's block hashes (viewed at the group's block size) map to the
+    block index; a cached "block" is a marker whose ``block_id`` is that index.
+    """
+
+    def __init__(self, hash_block_size: int, present: dict[int, dict[bytes, int]]):
+        self.hash_block_size = hash_block_size
+        self.null_block = KVCacheBlock(block_id=-1, is_null=True)
+        self._present = present
+
+    def get_cached_block(
+        self, block_hash: Any, kv_cache_group_ids: Sequence[int]
+    ) -> list[KVCacheBlock] | None:
+        key = bytes(block_hash)
+        blocks: list[KVCacheBlock] = []
+        for group_id in kv_cache_group_ids:
+            index = self._present.get(group_id, {}).get(key)
+            if index is None:
+                return None
+            blocks.append(KVCacheBlock(block_id=index))
+        return blocks
+
+
+class HybridHitCoordinator:
+    """vLLM's hybrid fixed point over pool presence instead of the GPU block pool."""
+
+    def __init__(
+        self,
+        groups: Sequence[GroupLookup],
+        scheduler_block_size: int,
+        hash_block_size: int,
+    ):
+        self.groups = tuple(groups)
+        self.scheduler_block_size = scheduler_block_size
+        self.hash_block_size = hash_block_size
+        self.alignment_tokens = scheduler_block_size
+        self.spec_groups = self._split(self.groups)
+
+    @classmethod
+    def from_vllm_coordinator(cls, coordinator: Any) -> HybridHitCoordinator:
+        """Mirror the configuration of vLLM's live ``KVCacheCoordinator``."""
+        groups = []
+        eagle_ids = set(getattr(coordinator, "eagle_group_ids", ()))
+        for group_id, (manager, group) in enumerate(
+            zip(coordinator.single_type_managers, coordinator.kv_cache_config.kv_cache_groups)
+        ):
+            groups.append(
+                GroupLookup(
+                    group_id=group_id,
+                    spec=group.kv_cache_spec,
+                    manager_cls=type(manager),
+                    block_size=manager.block_size,
+                    dcp_world_size=manager.dcp_world_size,
+                    pcp_world_size=manager.pcp_world_size,
+                    use_eagle=group_id in eagle_ids,
+                    prefix_cacheable=group.kv_cache_spec.prefix_cacheable,
+                )
+            )
+        return cls(groups, coordinator.scheduler_block_size, coordinator.block_pool.hash_block_size)
+
+    @staticmethod
+    def _split(groups: Sequence[GroupLookup]) -> tuple[SpecGroup, ...]:
+        spec_groups: list[SpecGroup] = []
+        for g in groups:
+            if not g.prefix_cacheable:
+                continue
+            for i, sg in enumerate(spec_groups):
+                if sg.spec == g.spec and sg.manager_cls is g.manager_cls:
+                    spec_groups[i] = SpecGroup(
+                        sg.spec, (*sg.group_ids, g.group_id), sg.manager_cls, sg.use_eagle or g.use_eagle
+                    )
+                    break
+            else:
+                spec_groups.append(SpecGroup(g.spec, (g.group_id,), g.manager_cls, g.use_eagle))
+        # Full attention first: its left-to-right scan gives the tightest first bound.
+        spec_groups.sort(key=lambda sg: not isinstance(sg.spec, FullAttentionSpec))
+        return tuple(spec_groups)
+
+    # --- keys --------------------------------------------------------------
+    def group_block_hashes(self, group_id: int, block_hashes: Sequence[Any]) -> Sequence[Any]:
+        """The request's block hashes viewed at ``group_id``'s block size."""
+        return resolve_block_hashes(block_hashes, self.hash_block_size, self.groups[group_id].block_size)
+
+    def lookup_blocks(self, block_hashes: Sequence[Any], max_hit_tokens: int) -> dict[int, list[bytes]]:
+        """Per cacheable group, the hashes of blocks a hit up to ``max_hit_tokens`` may use."""
+        wanted: dict[int, list[bytes]] = {}
+        for sg in self.spec_groups:
+            for group_id in sg.group_ids:
+                block_size = self.groups[group_id].block_size
+                view = self.group_block_hashes(group_id, block_hashes)
+                # EAGLE groups look one block past the candidate before dropping it.
+                limit = cdiv(max_hit_tokens, block_size) + (1 if sg.use_eagle else 0)
+                count = min(limit, len(view))
+                wanted[group_id] = [bytes(view[i]) for i in range(count)]
+        return wanted
+
+    # --- the fixed point ---------------------------------------------------
+    def find_hit(
+        self,
+        block_hashes: Sequence[Any],
+        present: dict[int, set[bytes]],
+        max_hit_tokens: int,
+    ) -> HybridHit:
+        """Longest hit ≤ ``max_hit_tokens`` every group can serve from ``present``."""
+        index: dict[int, dict[bytes, int]] = {}
+        for group_id, hashes in present.items():
+            view = self.group_block_hashes(group_id, block_hashes)
+            index[group_id] = {h: i for i in range(len(view)) if (h := bytes(view[i])) in hashes}
+        pool = PresenceBlockPool(self.hash_block_size, index)
+        num_groups = len(self.groups)
+        blocks_by_group: list[list[KVCacheBlock] | None] = [None] * num_groups
+        length_by_group = [0] * num_groups
+        hit_length = max_hit_tokens
+        is_simple_hybrid = len(self.spec_groups) == 2 and isinstance(
+            self.spec_groups[0].spec, FullAttentionSpec
+        )
+        eagle_verified: set[int] = set()
+        while True:
+            curr = hit_length
+            for idx, sg in enumerate(self.spec_groups):
+                first = self.groups[sg.group_ids[0]]
+                cached = blocks_by_group[first.group_id]
+                if isinstance(sg.spec, FullAttentionSpec) and cached is not None:
+                    curr = min(curr, length_by_group[first.group_id])
+                    continue
+                drop_eagle = sg.use_eagle and idx not in eagle_verified
+                max_length = curr
+                if drop_eagle and not isinstance(sg.spec, MambaSpec):
+                    margin = eagle_proof_margin(first.block_size, self.hash_block_size, False)
+                    max_length = min(curr + margin, len(block_hashes) * self.hash_block_size)
+                hit_blocks, new_length = sg.manager_cls.find_longest_cache_hit(
+                    block_hashes=block_hashes,
+                    max_length=max_length,
+                    kv_cache_group_ids=list(sg.group_ids),
+                    block_pool=pool,
+                    kv_cache_spec=sg.spec,
+                    drop_eagle_block=drop_eagle,
+                    alignment_tokens=self.alignment_tokens,
+                    dcp_world_size=first.dcp_world_size,
+                    pcp_world_size=first.pcp_world_size,
+                )
+                if drop_eagle:
+                    eagle_verified.add(idx)
+                elif new_length < curr:
+                    eagle_verified.clear()
+                curr = new_length
+                for group_id, blocks in zip(sg.group_ids, hit_blocks):
+                    blocks_by_group[group_id] = blocks
+                    length_by_group[group_id] = new_length
+            if curr >= hit_length:
+                break
+            hit_length = curr
+            if is_simple_hybrid:
+                break
+        return HybridHit(
+            hit_tokens=hit_length,
+            needed_blocks=tuple(
+                self._needed(self.groups[g], blocks_by_group[g], hit_length) for g in range(num_groups)
+            ),
+            group_hit_tokens=tuple(length_by_group),
+        )
+
+    @staticmethod
+    def _needed(group: GroupLookup, blocks: list[KVCacheBlock] | None, hit_length: int) -> tuple[int, ...]:
+        """Indices of real (non-null) hit blocks inside the reconciled hit."""
+        if not blocks or hit_length == 0:
+            return ()
+        limit = cdiv(hit_length, group.block_size)
+        if isinstance(group.spec, MambaSpec) or group.manager_cls is MambaManager:
+            # Only the state at the hit boundary is needed.
+            last = hit_length // group.block_size - 1
+            return (last,) if last < len(blocks) and not blocks[last].is_null else ()
+        return tuple(b.block_id for b in blocks[:limit] if not b.is_null)

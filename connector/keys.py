@@ -1,0 +1,32 @@
+"""Store keys: one key per (layout, rank, group, block prefix hash).
+
+A key names everything that makes a block's bytes interchangeable: the cache
+prefix, the layout fingerprint, the pipeline and tensor rank that produced it,
+the KV-cache group, and a digest of vLLM's chained block hash (so it stands for
+the whole token prefix up to the end of the block). Keys hold no token ids.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+
+def hash_digest(block_hash: bytes) -> str:
+    """A fixed-length hex digest of one of vLLM's (possibly merged) block hashes."""
+    return hashlib.blake2b(bytes(block_hash), digest_size=16).hexdigest()
+
+
+@dataclass(frozen=True)
+class KeySpace:
+    """The key namespace of one deployment layout."""
+
+    cache_prefix: str
+    fingerprint: str
+
+    def key(self, group: int, tp_rank: int, pp_rank: int, digest: str) -> str:
+        return f"{self.cache_prefix}/{self.fingerprint}/pp{pp_rank}-tp{tp_rank}/g{group}/{digest}"
+
+    def rank_keys(self, group: int, tp_size: int, pp_size: int, digest: str) -> list[str]:
+        """Keys of every rank for one block: a hit needs all of them."""
+        return [self.key(group, tp, pp, digest) for pp in range(pp_size) for tp in range(tp_size)]

@@ -1,0 +1,205 @@
+"""A local Mooncake pool on loopback: a master and a store process.
+
+Used by the demo and the tests; every process it starts, it stops. Binaries
+come from the ``mooncake-transfer-engine`` wheel (on PATH in its virtualenv).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+LOOPBACK = "127.0.0.1"
+
+
+def free_port() -> int:
+    """A currently free TCP port on loopback."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((LOOPBACK, 0))
+        return int(sock.getsockname()[1])
+
+
+def find_binary(name: str) -> str:
+    """``name`` next to this interpreter, else on PATH."""
+    candidate = Path(sys.executable).with_name(name)
+    if candidate.exists():
+        return str(candidate)
+    found = shutil.which(name)
+    if not found:
+        raise FileNotFoundError(f"{name} not found: install mooncake-transfer-engine(-non-cuda)")
+    return found
+
+
+def wait_for_port(port: int, timeout: float, process: subprocess.Popen[bytes] | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"process exited with {process.returncode} before listening on {port}")
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.settimeout(0.2)
+            if sock.connect_ex((LOOPBACK, port)) == 0:
+                return
+        time.sleep(0.05)
+    raise TimeoutError(f"nothing listening on {LOOPBACK}:{port} after {timeout}s")
+
+
+def stop_process(process: subprocess.Popen[bytes] | None, timeout: float = 10.0) -> None:
+    """SIGTERM, then SIGKILL if it lingers."""
+    if process is None or process.poll() is not None:
+        return
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(timeout)
+
+
+@dataclass
+class MooncakeMaster:
+    """``mooncake_master`` bound to loopback on free ports."""
+
+    rpc_port: int = field(default_factory=free_port)
+    metrics_port: int = field(default_factory=free_port)
+    extra_args: tuple[str, ...] = ()
+    log_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="kvpool-master-")))
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def address(self) -> str:
+        return f"{LOOPBACK}:{self.rpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{LOOPBACK}:{self.metrics_port}/metrics"
+
+    def command(self) -> list[str]:
+        return [
+            find_binary("mooncake_master"),
+            f"--rpc_address={LOOPBACK}",
+            f"--rpc_port={self.rpc_port}",
+            f"--metrics_host={LOOPBACK}",
+            f"--metrics_port={self.metrics_port}",
+            f"--http_metadata_server_host={LOOPBACK}",
+            "--rpc_thread_num=4",
+            *self.extra_args,
+        ]
+
+    def start(self, timeout: float = 30.0) -> MooncakeMaster:
+        log = (self.log_dir / "master.log").open("ab")
+        self.process = subprocess.Popen(
+            self.command(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        wait_for_port(self.rpc_port, timeout, self.process)
+        wait_for_port(self.metrics_port, timeout, self.process)
+        return self
+
+    def stop(self) -> None:
+        stop_process(self.process)
+
+    def kill(self) -> None:
+        """Kill without warning (fault tests)."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(self.metrics_url, timeout=5) as response:
+            return response.read().decode()
+
+
+@dataclass
+class MooncakeStore:
+    """``mooncake_client``: a store process contributing memory to the pool."""
+
+    master_address: str
+    segment_size: str = "256MB"
+    port: int = field(default_factory=free_port)
+    log_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="kvpool-store-")))
+    process: subprocess.Popen[bytes] | None = None
+
+    def command(self) -> list[str]:
+        return [
+            find_binary("mooncake_client"),
+            f"--host={LOOPBACK}",
+            f"--port={self.port}",
+            f"--master_server_address={self.master_address}",
+            "--metadata_server=P2PHANDSHAKE",
+            "--protocol=tcp",
+            f"--global_segment_size={self.segment_size}",
+        ]
+
+    def start(self, master: MooncakeMaster | None = None, timeout: float = 60.0) -> MooncakeStore:
+        log = (self.log_dir / "store.log").open("ab")
+        env = dict(os.environ, MC_STORE_CLIENT_SETUP_RETRIES="3")
+        self.process = subprocess.Popen(
+            self.command(), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        wait_for_port(self.port, timeout, self.process)
+        if master is not None:
+            _wait_for_capacity(master, timeout)
+        return self
+
+    def stop(self) -> None:
+        stop_process(self.process)
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+
+def _wait_for_capacity(master: MooncakeMaster, timeout: float) -> None:
+    """Until the master reports mounted store memory."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for line in master.metrics().splitlines():
+            if line.startswith("master_total_capacity_bytes ") and float(line.split()[1]) > 0:
+                return
+        time.sleep(0.1)
+    raise TimeoutError("the store never mounted its segment on the master")
+
+
+@dataclass
+class LocalPool:
+    """A master and one store on loopback; a context manager that stops both."""
+
+    segment_size: str = "256MB"
+    master_args: tuple[str, ...] = ()
+    master: MooncakeMaster | None = None
+    store: MooncakeStore | None = None
+
+    def __enter__(self) -> LocalPool:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> LocalPool:
+        self.master = MooncakeMaster(extra_args=self.master_args).start()
+        try:
+            self.store = MooncakeStore(self.master.address, self.segment_size).start(self.master)
+        except BaseException:
+            self.master.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        if self.store is not None:
+            self.store.stop()
+        if self.master is not None:
+            self.master.stop()
+
+    @property
+    def address(self) -> str:
+        assert self.master is not None
+        return self.master.address

@@ -1,0 +1,60 @@
+"""What the scheduler-side connector tells the workers each step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+
+@dataclass
+class GroupTransfer:
+    """Blocks of one KV-cache group to move: store digests paired with block ids."""
+
+    group_id: int
+    digests: list[str] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    # Blocks the hit covers but the group's mask leaves in place (not moved).
+    masked: int = 0
+
+    def __len__(self) -> int:
+        return len(self.block_ids)
+
+
+@dataclass
+class RequestLoad:
+    """Load the pool's blocks of one request into its allocated blocks."""
+
+    req_id: str
+    groups: list[GroupTransfer]
+    hit_tokens: int
+    is_async: bool
+    trace_context: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(len(g) for g in self.groups)
+
+
+@dataclass
+class RequestSave:
+    """Store newly computed blocks of one request."""
+
+    req_id: str
+    groups: list[GroupTransfer]
+    trace_context: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(len(g) for g in self.groups)
+
+
+@dataclass
+class PoolConnectorMetadata(KVConnectorMetadata):
+    """One step's loads and saves for every worker."""
+
+    loads: list[RequestLoad] = field(default_factory=list)
+    saves: list[RequestSave] = field(default_factory=list)
+    # Finished requests whose async load may still be writing into their blocks:
+    # the worker reports them as finished sending once that load is done.
+    hold_until_loaded: list[str] = field(default_factory=list)

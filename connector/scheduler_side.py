@@ -1,0 +1,269 @@
+"""Scheduler half of the connector: lookups, load plans and save plans.
+
+``get_num_new_matched_tokens`` asks the master once which of the request's
+blocks the pool holds, runs the hybrid fixed point over that presence and
+remembers a load plan; ``update_state_after_alloc`` pins the plan to the
+blocks vLLM allocated; ``build_connector_meta`` hands each step's loads and the
+saves of newly computed blocks to the workers.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.utils.math_utils import cdiv
+from vllm.v1.core.kv_cache_coordinator import replay_boundaries
+
+from kvpool.connector.hybrid_hit import HybridHit, HybridHitCoordinator
+from kvpool.connector.keys import KeySpace, hash_digest
+from kvpool.connector.metadata import (
+    GroupTransfer,
+    PoolConnectorMetadata,
+    RequestLoad,
+    RequestSave,
+)
+from kvpool.connector.stats import LookupRecord, StatsCollector
+from kvpool.connector.store import PoolClient
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Plan:
+    """A lookup's outcome for one request, before vLLM allocates blocks."""
+
+    hit: HybridHit
+    local_tokens: int
+    digests: dict[int, dict[int, str]]  # group -> block index -> digest
+
+
+@dataclass
+class _Tracked:
+    """A request the connector saves blocks for."""
+
+    request: Any
+    saved_upto: list[int]  # per group: block index below which nothing is left to save
+    trace_context: dict[str, str] = field(default_factory=dict)
+
+
+class SchedulerSide:
+    """Scheduler-process state of ``KVPoolConnector``."""
+
+    def __init__(
+        self,
+        *,
+        client: PoolClient,
+        keyspace: KeySpace,
+        tp_size: int,
+        pp_size: int,
+        load_async: bool,
+        can_load: bool,
+        can_save: bool,
+        stats: StatsCollector,
+    ):
+        self.client = client
+        self.keyspace = keyspace
+        self.tp_size = tp_size
+        self.pp_size = pp_size
+        self.load_async = load_async
+        self.can_load = can_load
+        self.can_save = can_save
+        self.stats = stats
+        self.coordinator: HybridHitCoordinator | None = None
+        self.retention_interval: int | None = None
+        self._plans: dict[str, _Plan] = {}
+        self._pending_loads: list[RequestLoad] = []
+        self._loading: set[str] = set()
+        self._tracked: dict[str, _Tracked] = {}
+        self._hold: list[str] = []
+        self._local_tokens: dict[str, int] = {}
+
+    def bind(self, vllm_coordinator: Any) -> None:
+        """Mirror vLLM's live coordinator (called once the cache manager exists)."""
+        self.coordinator = HybridHitCoordinator.from_vllm_coordinator(vllm_coordinator)
+        self.retention_interval = getattr(vllm_coordinator, "retention_interval", None)
+
+    # --- lookup ------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        coord = self.coordinator
+        if not self.can_load or coord is None:
+            return 0, False
+        started = time.perf_counter()
+        max_hit = request.num_tokens - 1
+        block_hashes = request.block_hashes
+        wanted = coord.lookup_blocks(block_hashes, max_hit)
+        digests: dict[int, dict[int, str]] = {}
+        keys: list[str] = []
+        owners: list[tuple[int, bytes]] = []
+        for group_id, hashes in wanted.items():
+            digests[group_id] = {}
+            for index, block_hash in enumerate(hashes):
+                digest = hash_digest(block_hash)
+                digests[group_id][index] = digest
+                for key in self.keyspace.rank_keys(group_id, self.tp_size, self.pp_size, digest):
+                    keys.append(key)
+                    owners.append((group_id, block_hash))
+        present_flags = self.client.exists(keys) if keys else []
+        missing: set[tuple[int, bytes]] = {o for o, ok in zip(owners, present_flags) if not ok}
+        present = {
+            group_id: {h for h in hashes if (group_id, h) not in missing}
+            for group_id, hashes in wanted.items()
+        }
+        hit = coord.find_hit(block_hashes, present, max_hit)
+        num_external = max(0, hit.hit_tokens - num_computed_tokens)
+        self._local_tokens[request.request_id] = num_computed_tokens
+        self.stats.record_lookup(
+            LookupRecord(
+                query_tokens=max(0, request.num_tokens - num_computed_tokens),
+                hit_tokens=num_external,
+                group_kinds=self.stats.group_kinds,
+                present_blocks=tuple(len(present.get(g, ())) for g in range(len(coord.groups))),
+                needed_blocks=tuple(len(b) for b in hit.needed_blocks),
+                group_hit_tokens=hit.group_hit_tokens,
+                seconds=time.perf_counter() - started,
+                keys=len(keys),
+            ),
+            request,
+        )
+        if num_external <= 0:
+            self._plans.pop(request.request_id, None)
+            return 0, False
+        self._plans[request.request_id] = _Plan(hit, num_computed_tokens, digests)
+        return num_external, self._is_async()
+
+    def _is_async(self) -> bool:
+        # vLLM reports block-level load failures only for single-group layouts;
+        # hybrid layouts recover failed loads through failed_recving, which
+        # needs the asynchronous load path.
+        assert self.coordinator is not None
+        return self.load_async or len(self.coordinator.groups) > 1
+
+    # --- allocation ------------------------------------------------------------
+    def update_state_after_alloc(
+        self, request: Any, block_ids: Sequence[list[int]], num_external: int
+    ) -> None:
+        req_id = request.request_id
+        plan = self._plans.pop(req_id, None)
+        local_tokens = self._local_tokens.pop(req_id, request.num_computed_tokens)
+        if self.can_save and req_id not in self._tracked and self.coordinator is not None:
+            # Blocks the request starts with (local or pool hit) need no saving.
+            start_tokens = local_tokens + num_external
+            self._tracked[req_id] = _Tracked(
+                request=request,
+                saved_upto=[start_tokens // g.block_size for g in self.coordinator.groups],
+                trace_context=self.stats.trace_context(request),
+            )
+        if num_external == 0 or plan is None:
+            return
+        assert self.coordinator is not None
+        first_new = plan.local_tokens
+        groups: list[GroupTransfer] = []
+        for group in self.coordinator.groups:
+            gid = group.group_id
+            transfer = GroupTransfer(group_id=gid)
+            needed = plan.hit.needed_blocks[gid]
+            covered = cdiv(plan.hit.hit_tokens, group.block_size)
+            first_block = first_new // group.block_size
+            for index in needed:
+                if index < first_block:
+                    continue
+                transfer.digests.append(plan.digests[gid][index])
+                transfer.block_ids.append(block_ids[gid][index])
+            transfer.masked = max(0, covered - first_block) - len(transfer.block_ids)
+            groups.append(transfer)
+        load = RequestLoad(
+            req_id=req_id,
+            groups=groups,
+            hit_tokens=plan.hit.hit_tokens,
+            is_async=self._is_async(),
+            trace_context=self.stats.trace_context(request),
+        )
+        self._pending_loads.append(load)
+        if load.is_async:
+            self._loading.add(req_id)
+
+    # --- per step ---------------------------------------------------------------
+    def build_connector_meta(
+        self, scheduler_output: Any, block_ids_of: Callable[[str], Sequence[list[int]]]
+    ) -> PoolConnectorMetadata:
+        meta = PoolConnectorMetadata(loads=self._pending_loads, hold_until_loaded=self._hold)
+        self._pending_loads = []
+        self._hold = []
+        if self.can_save and self.coordinator is not None:
+            for req_id, num_new in scheduler_output.num_scheduled_tokens.items():
+                tracked = self._tracked.get(req_id)
+                if tracked is None or num_new <= 0:
+                    continue
+                save = self._plan_save(tracked, req_id, num_new, block_ids_of)
+                if save is not None:
+                    meta.saves.append(save)
+        return meta
+
+    def _plan_save(
+        self,
+        tracked: _Tracked,
+        req_id: str,
+        num_new: int,
+        block_ids_of: Callable[[str], Sequence[list[int]]],
+    ) -> RequestSave | None:
+        coord = self.coordinator
+        assert coord is not None
+        request = tracked.request
+        computed_after = min(request.num_computed_tokens + num_new, request.num_tokens)
+        block_ids = block_ids_of(req_id)
+        block_hashes = request.block_hashes
+        groups: list[GroupTransfer] = []
+        for group in coord.groups:
+            gid = group.group_id
+            if not group.prefix_cacheable:
+                groups.append(GroupTransfer(group_id=gid))
+                continue
+            view = coord.group_block_hashes(gid, block_hashes)
+            end = min(computed_after // group.block_size, len(view), len(block_ids[gid]))
+            start = tracked.saved_upto[gid]
+            transfer = GroupTransfer(group_id=gid)
+            if end > start:
+                mask = group.manager_cls.reachable_block_mask(
+                    start,
+                    end,
+                    coord.alignment_tokens,
+                    group.spec,
+                    group.use_eagle,
+                    retention_interval=self.retention_interval,
+                    reachable_boundaries=replay_boundaries(
+                        request.num_prompt_tokens, coord.scheduler_block_size, group.use_eagle
+                    ),
+                    dcp_world_size=group.dcp_world_size,
+                    final_segment_end_block=cdiv(request.num_prompt_tokens, group.block_size),
+                )
+                for index in range(start, end):
+                    block_id = block_ids[gid][index]
+                    if (mask is not None and not mask[index - start]) or block_id <= 0:
+                        transfer.masked += 1
+                        continue
+                    transfer.digests.append(hash_digest(bytes(view[index])))
+                    transfer.block_ids.append(block_id)
+                tracked.saved_upto[gid] = end
+            groups.append(transfer)
+        if not any(len(g) for g in groups) and not any(g.masked for g in groups):
+            return None
+        return RequestSave(req_id=req_id, groups=groups, trace_context=tracked.trace_context)
+
+    # --- completion ---------------------------------------------------------------
+    def finished_recving(self, req_ids: set[str]) -> None:
+        self._loading.difference_update(req_ids)
+
+    def request_finished(self, req_id: str) -> bool:
+        """Forget ``req_id``; True when an async load may still write its blocks."""
+        self._tracked.pop(req_id, None)
+        self._plans.pop(req_id, None)
+        self._local_tokens.pop(req_id, None)
+        if req_id in self._loading:
+            self._loading.discard(req_id)
+            self._hold.append(req_id)
+            return True
+        return False

@@ -1,0 +1,72 @@
+"""What the connector observed: lookups on the scheduler, transfers on workers.
+
+Records are plain data without prompt text or token ids. The metrics and
+tracing layers consume them.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+TRACE_HEADERS = ("traceparent", "tracestate")
+
+
+@dataclass(frozen=True)
+class LookupRecord:
+    """One scheduler lookup: what the pool held and what the hybrid hit kept."""
+
+    query_tokens: int
+    hit_tokens: int
+    group_kinds: tuple[str, ...]
+    present_blocks: tuple[int, ...]
+    needed_blocks: tuple[int, ...]
+    group_hit_tokens: tuple[int, ...]
+    seconds: float
+    keys: int
+
+
+@dataclass(frozen=True)
+class TransferRecord:
+    """One request's load or save on one worker, per group."""
+
+    operation: str  # "load" or "save"
+    group_kinds: tuple[str, ...]
+    blocks: tuple[int, ...]
+    masked: tuple[int, ...]
+    bytes: tuple[int, ...]
+    failures: Mapping[str, int]
+    seconds: float
+    load_error_blocks: int = 0
+
+
+@dataclass
+class StatsCollector:
+    """Thread-safe buffer of records, drained by the metrics layer."""
+
+    group_kinds: tuple[str, ...] = ()
+    lookups: list[LookupRecord] = field(default_factory=list)
+    transfers: list[TransferRecord] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def record_lookup(self, record: LookupRecord, request: Any = None) -> None:
+        with self._lock:
+            self.lookups.append(record)
+
+    def record_transfer(self, record: TransferRecord) -> None:
+        with self._lock:
+            self.transfers.append(record)
+
+    def drain(self) -> tuple[list[LookupRecord], list[TransferRecord]]:
+        with self._lock:
+            lookups, transfers = self.lookups, self.transfers
+            self.lookups, self.transfers = [], []
+        return lookups, transfers
+
+    @staticmethod
+    def trace_context(request: Any) -> dict[str, str]:
+        """The W3C trace headers vLLM's request carries, if any."""
+        headers = getattr(request, "trace_headers", None) or {}
+        return {k: v for k, v in headers.items() if k.lower() in TRACE_HEADERS}

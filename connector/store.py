@@ -1,0 +1,234 @@
+"""The Mooncake store client as the connector uses it.
+
+Bounded batches (never more than ``batch_size`` keys per call), every per-key
+return code classified, and one client per process shared by the scheduler
+and worker roles when they live together.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any, TypeVar
+
+from kvpool.connector.settings import ConnectorSettings
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# Per-key return codes of Mooncake's batch calls (mooncake-store ErrorCode).
+CODE_STORE_FULL = -200
+CODE_BUFFER_TOO_SMALL = -600
+CODE_OBJECT_NOT_FOUND = -704
+CODE_TRANSFER_FAILED = -800
+CODE_RPC_FAILED = -900
+
+
+class Outcome(StrEnum):
+    """What one key's transfer came to."""
+
+    OK = "ok"
+    MISSING = "missing"
+    STORE_FULL = "store_full"
+    TRANSFER_FAILED = "transfer_failed"
+    RPC_FAILED = "rpc_failed"
+    OTHER = "other_error"
+
+
+FAILURE_OUTCOMES = tuple(o for o in Outcome if o is not Outcome.OK)
+
+
+def classify(code: int, expected_size: int | None = None) -> Outcome:
+    """Map a per-key return code (bytes moved when >= 0) to an ``Outcome``.
+
+    A read that moved fewer bytes than the block holds is not a whole block:
+    it counts as a transfer failure, never as loaded.
+    """
+    if code >= 0:
+        if expected_size is not None and code != expected_size:
+            return Outcome.TRANSFER_FAILED
+        return Outcome.OK
+    if code == CODE_OBJECT_NOT_FOUND:
+        return Outcome.MISSING
+    if code == CODE_STORE_FULL:
+        return Outcome.STORE_FULL
+    if code == CODE_TRANSFER_FAILED:
+        return Outcome.TRANSFER_FAILED
+    if code == CODE_RPC_FAILED:
+        return Outcome.RPC_FAILED
+    return Outcome.OTHER
+
+
+class StoreUnavailable(RuntimeError):
+    """The Mooncake client could not be set up or has been closed."""
+
+
+def chunks(items: Sequence[T], size: int) -> list[Sequence[T]]:
+    return [items[i : i + size] for i in range(0, len(items), size)]
+
+
+@dataclass
+class _Shared:
+    client: PoolClient
+    users: int
+
+
+class PoolClient:
+    """One ``MooncakeDistributedStore`` with bounded, classified batch calls."""
+
+    def __init__(self, settings: ConnectorSettings, *, global_segment_size: int | None = None):
+        from mooncake.store import MooncakeDistributedStore
+
+        os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "3")
+        self.settings = settings
+        self.batch_size = settings.batch_size
+        self._store = MooncakeDistributedStore()
+        segment = settings.global_segment_size if global_segment_size is None else global_segment_size
+        code = self._store.setup(
+            settings.local_hostname,
+            settings.metadata_server,
+            segment,
+            settings.local_buffer_size,
+            settings.protocol,
+            settings.device_name,
+            settings.master_server_address,
+        )
+        if code != 0:
+            raise StoreUnavailable(
+                f"Mooncake setup failed with code {code} "
+                f"(master_server_address={settings.master_server_address})"
+            )
+        self._open = True
+        self._registered: set[tuple[int, int]] = set()
+
+    # --- guards -----------------------------------------------------------
+    def _call(self, fn: Callable[..., list[int]], *args: Any) -> list[int]:
+        if not self._open:
+            raise StoreUnavailable("Mooncake client is closed")
+        return list(fn(*args))
+
+    # --- batch API --------------------------------------------------------
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        """Presence of each key; an error for a key counts as absent."""
+        present: list[bool] = []
+        for part in chunks(keys, self.batch_size):
+            try:
+                codes = self._call(self._store.batch_is_exist, list(part))
+            except StoreUnavailable:
+                raise
+            except Exception:  # the RPC itself failed: nothing is known present
+                logger.warning("batch_is_exist failed for %d keys", len(part), exc_info=True)
+                codes = [-1] * len(part)
+            present.extend(code == 1 for code in codes)
+        return present
+
+    def register(self, ptr: int, size: int) -> None:
+        """Register a memory region once for zero-copy transfers."""
+        if (ptr, size) in self._registered:
+            return
+        code = self._store.register_buffer(ptr, size)
+        if code != 0:
+            raise StoreUnavailable(f"register_buffer failed with code {code}")
+        self._registered.add((ptr, size))
+
+    def get_into(
+        self, keys: Sequence[str], ptrs: Sequence[list[int]], sizes: Sequence[list[int]]
+    ) -> list[int]:
+        """Read each key into its scatter list; per-key codes (bytes read when >= 0)."""
+        return self._batched(self._store.batch_get_into_multi_buffers, keys, ptrs, sizes)
+
+    def put_from(
+        self, keys: Sequence[str], ptrs: Sequence[list[int]], sizes: Sequence[list[int]]
+    ) -> list[int]:
+        """Write each key from its gather list; per-key codes (0 when stored)."""
+        return self._batched(self._store.batch_put_from_multi_buffers, keys, ptrs, sizes)
+
+    def _batched(
+        self,
+        fn: Callable[..., list[int]],
+        keys: Sequence[str],
+        ptrs: Sequence[list[int]],
+        sizes: Sequence[list[int]],
+    ) -> list[int]:
+        codes: list[int] = []
+        for start in range(0, len(keys), self.batch_size):
+            end = start + self.batch_size
+            part = list(keys[start:end])
+            try:
+                codes.extend(self._call(fn, part, list(ptrs[start:end]), list(sizes[start:end])))
+            except StoreUnavailable:
+                codes.extend([CODE_RPC_FAILED] * len(part))
+            except Exception:
+                logger.warning("Mooncake batch call failed for %d keys", len(part), exc_info=True)
+                codes.extend([CODE_RPC_FAILED] * len(part))
+        return codes
+
+    def remove(self, keys: Sequence[str]) -> list[int]:
+        codes: list[int] = []
+        for part in chunks(keys, self.batch_size):
+            codes.extend(self._call(self._store.batch_remove, list(part), True))
+        return codes
+
+    def put_bytes(self, key: str, value: bytes) -> int:
+        return int(self._store.put(key, value))
+
+    def get_bytes(self, key: str) -> bytes:
+        return bytes(self._store.get(key))
+
+    def close(self) -> None:
+        if self._open:
+            self._open = False
+            for ptr, _size in self._registered:
+                try:
+                    self._store.unregister_buffer(ptr)
+                except Exception:  # closing anyway
+                    logger.debug("unregister_buffer failed", exc_info=True)
+            self._registered.clear()
+            self._store.close()
+
+
+_shared_lock = threading.Lock()
+_shared: dict[tuple[str, ...], _Shared] = {}
+
+
+def _identity(settings: ConnectorSettings) -> tuple[str, ...]:
+    return (
+        settings.master_server_address,
+        settings.metadata_server,
+        settings.protocol,
+        settings.local_hostname,
+    )
+
+
+def acquire_client(settings: ConnectorSettings, *, global_segment_size: int | None = None) -> PoolClient:
+    """The process's client for ``settings``' pool, created on first use.
+
+    The scheduler and worker roles of one process share it; the first role to
+    ask decides the segment it contributes (vLLM creates the worker first).
+    """
+    identity = _identity(settings)
+    with _shared_lock:
+        entry = _shared.get(identity)
+        if entry is None:
+            entry = _Shared(PoolClient(settings, global_segment_size=global_segment_size), 0)
+            _shared[identity] = entry
+        entry.users += 1
+        return entry.client
+
+
+def release_client(client: PoolClient) -> None:
+    """Drop one user of ``client``; the last one closes it."""
+    with _shared_lock:
+        for identity, entry in list(_shared.items()):
+            if entry.client is client:
+                entry.users -= 1
+                if entry.users <= 0:
+                    del _shared[identity]
+                    client.close()
+                return
+    client.close()

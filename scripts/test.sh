@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Run every check the project has: set-up, lint, then the whole test suite.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh
+.venv/bin/ruff check .
+exec .venv/bin/python -m pytest "$@"

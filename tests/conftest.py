@@ -1,0 +1,51 @@
+"""Shared fixtures: real services on free loopback ports, always stopped."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "3")
+os.environ.setdefault("PYTHONHASHSEED", "0")
+
+
+@pytest.fixture(scope="session")
+def local_pool() -> Iterator[object]:
+    """A real Mooncake master and store process on loopback for the session."""
+    from kvpool.connector.local_pool import LocalPool
+
+    with LocalPool(segment_size="512MB") as pool:
+        yield pool
+
+
+@pytest.fixture
+def cache_prefix() -> str:
+    """A key namespace of its own for each test."""
+    return f"t{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def pool_settings(local_pool, cache_prefix):
+    from kvpool.connector.settings import ConnectorSettings
+
+    return ConnectorSettings.parse(
+        {"master_server_address": local_pool.address, "cache_prefix": cache_prefix}
+    )
+
+
+@pytest.fixture
+def pool_client(pool_settings) -> Iterator[object]:
+    """A store client with no memory of its own (the store process holds it)."""
+    from kvpool.connector.store import PoolClient
+
+    client = PoolClient(pool_settings, global_segment_size=0)
+    yield client
+    client.close()

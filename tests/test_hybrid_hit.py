@@ -1,0 +1,131 @@
+"""Differential: the external coordinator vs vLLM's real HybridKVCacheCoordinator.
+
+For random hybrid layouts and random pool contents, our fixed point over a
+presence set must give exactly the hit vLLM's coordinator finds over a real
+``BlockPool`` holding the same blocks, and the per-group load masks must name
+exactly the real (non-null) blocks vLLM's hit uses.
+"""
+
+from __future__ import annotations
+
+import os
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from vllm.utils.math_utils import cdiv
+
+from kvpool.connector.hybrid_hit import HybridHitCoordinator
+from tests.vllm_specs import GroupDesc, block_sizes, fill_block_pool, make_coordinator
+
+EXAMPLES = int(os.environ.get("KVPOOL_HYPOTHESIS_EXAMPLES", "150"))
+
+BASE = 32  # vLLM CPU needs block sizes in multiples of 32
+
+
+@st.composite
+def layouts(draw: st.DrawFn) -> list[GroupDesc]:
+    n = draw(st.integers(1, 4))
+    groups = []
+    for _ in range(n):
+        kind = draw(st.sampled_from(["full", "sliding_window", "mamba"]))
+        block = BASE * draw(st.sampled_from([1, 1, 2]))
+        window = draw(st.sampled_from([16, 33, 64, 100, 128, 256])) if kind == "sliding_window" else 0
+        groups.append(GroupDesc(kind, block, window))
+    if all(g.kind == "mamba" for g in groups) and n == 1:
+        groups[0] = GroupDesc("full", groups[0].block_size)
+    if any(g.kind == "mamba" for g in groups):
+        # Mamba 'align' keeps one block size across the model.
+        groups = [GroupDesc(g.kind, BASE, g.window) for g in groups]
+    if draw(st.booleans()):
+        eagle_at = draw(st.integers(0, len(groups) - 1))
+        if groups[eagle_at].kind != "mamba":
+            g = groups[eagle_at]
+            groups[eagle_at] = GroupDesc(g.kind, g.block_size, g.window, eagle=True)
+    return groups
+
+
+def _presence(
+    draw: st.DrawFn, coordinator, ours: HybridHitCoordinator, block_hashes
+) -> dict[int, set[bytes]]:
+    present: dict[int, set[bytes]] = {}
+    for group in ours.groups:
+        view = ours.group_block_hashes(group.group_id, block_hashes)
+        n = len(view)
+        prefix = draw(st.integers(0, n))
+        holes = draw(st.sets(st.integers(0, max(n - 1, 0)), max_size=3)) if n else set()
+        extra = draw(st.sets(st.integers(0, max(n - 1, 0)), max_size=3)) if n else set()
+        indices = (set(range(prefix)) - holes) | extra
+        present[group.group_id] = {bytes(view[i]) for i in indices if i < n}
+    return present
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(groups=layouts(), data=st.data())
+def test_same_hit_and_masks_as_vllm(groups: list[GroupDesc], data: st.DataObject) -> None:
+    coordinator = make_coordinator(groups)
+    ours = HybridHitCoordinator.from_vllm_coordinator(coordinator)
+    scheduler_block, hash_block = block_sizes(groups)
+    assert ours.scheduler_block_size == scheduler_block
+    num_tokens = data.draw(st.integers(1, 24 * scheduler_block), label="num_tokens")
+    block_hashes = [os.urandom(32) for _ in range(num_tokens // hash_block)]
+    present = _presence(data.draw, coordinator, ours, block_hashes)
+    fill_block_pool(coordinator, present)
+
+    max_hit = num_tokens - 1
+    real_blocks, real_hit, _ = coordinator.find_longest_cache_hit(block_hashes, max_hit)
+
+    # The connector only asks the pool about the blocks lookup_blocks names.
+    asked = ours.lookup_blocks(block_hashes, max_hit)
+    known = {g: present.get(g, set()) & set(asked.get(g, [])) for g in range(len(groups))}
+    hit = ours.find_hit(block_hashes, known, max_hit)
+
+    assert hit.hit_tokens == real_hit
+    assert hit.hit_tokens % scheduler_block == 0
+    for group in ours.groups:
+        gid = group.group_id
+        limit = cdiv(real_hit, group.block_size)
+        real_positions = [i for i, b in enumerate(real_blocks[gid][:limit]) if not b.is_null]
+        if group.spec.__class__.__name__ == "MambaSpec":
+            real_positions = real_positions[-1:]
+        assert list(hit.needed_blocks[gid]) == real_positions, (gid, group.spec)
+        # A mask never asks for more than the hit covers.
+        assert all(i < limit for i in hit.needed_blocks[gid])
+
+
+def test_sliding_window_needs_only_its_window() -> None:
+    groups = [GroupDesc("full", 32), GroupDesc("sliding_window", 32, window=64)]
+    coordinator = make_coordinator(groups)
+    ours = HybridHitCoordinator.from_vllm_coordinator(coordinator)
+    block_hashes = [os.urandom(32) for _ in range(20)]
+    present = {g: {bytes(h) for h in block_hashes} for g in (0, 1)}
+    hit = ours.find_hit(block_hashes, present, 20 * 32 - 1)
+    assert hit.hit_tokens == 19 * 32
+    assert hit.needed_blocks[0] == tuple(range(19))
+    # A 64-token window at position 608 needs cdiv(63, 32) = 2 blocks: 17 and 18.
+    assert hit.needed_blocks[1] == (17, 18)
+
+
+def test_mamba_needs_only_last_state() -> None:
+    groups = [GroupDesc("full", 32), GroupDesc("mamba", 32)]
+    coordinator = make_coordinator(groups)
+    ours = HybridHitCoordinator.from_vllm_coordinator(coordinator)
+    block_hashes = [os.urandom(32) for _ in range(10)]
+    present = {0: {bytes(h) for h in block_hashes}, 1: {bytes(h) for h in block_hashes[:6]}}
+    hit = ours.find_hit(block_hashes, present, 10 * 32 - 1)
+    assert hit.hit_tokens == 6 * 32
+    assert hit.needed_blocks[0] == tuple(range(6))
+    assert hit.needed_blocks[1] == (5,)
+
+
+def test_group_that_lost_its_window_cuts_the_hit() -> None:
+    groups = [GroupDesc("full", 32), GroupDesc("sliding_window", 32, window=64)]
+    coordinator = make_coordinator(groups)
+    ours = HybridHitCoordinator.from_vllm_coordinator(coordinator)
+    block_hashes = [os.urandom(32) for _ in range(12)]
+    # The window group lost blocks 6..11: its last usable window ends at block 5.
+    present = {0: {bytes(h) for h in block_hashes}, 1: {bytes(h) for h in block_hashes[:6]}}
+    hit = ours.find_hit(block_hashes, present, 12 * 32 - 1)
+    assert hit.hit_tokens == 6 * 32
+    # Full attention alone could have served 11 blocks; the hybrid hit threw 5 away.
+    assert hit.group_hit_tokens[0] == 11 * 32
+    assert hit.needed_blocks[1] == (4, 5)

@@ -1,0 +1,159 @@
+"""The real vLLM Scheduler with KVPoolConnector against a real Mooncake master.
+
+Blocks are written into the pool by a real store client under the keys a
+worker would use; the scheduler must then grant exactly the external tokens
+the hybrid hit allows and plan loads of exactly the masked blocks.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from vllm.v1.request import RequestStatus
+
+from kvpool.connector.keys import hash_digest
+from kvpool.connector.metadata import PoolConnectorMetadata
+from kvpool.connector.tiny_models import build_gemma3
+from tests.scheduler_env import make_request, make_scheduler
+from tests.vllm_specs import GroupDesc
+
+pytestmark = pytest.mark.mooncake
+
+FULL_SWA = [GroupDesc("full", 32), GroupDesc("sliding_window", 32, window=64)]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_gemma3(tmp_path_factory.mktemp("gemma3"))
+
+
+def _extra(pool_settings) -> dict:
+    return {
+        "master_server_address": pool_settings.master_server_address,
+        "cache_prefix": pool_settings.cache_prefix,
+    }
+
+
+def store_blocks(client, scheduler, request, blocks_per_group: dict[int, range]) -> None:
+    """Write the blocks a worker would have saved for ``request``."""
+    connector = scheduler.connector
+    coord = connector._sched().coordinator
+    for group_id, indices in blocks_per_group.items():
+        view = coord.group_block_hashes(group_id, request.block_hashes)
+        for i in indices:
+            key = connector.keyspace.key(group_id, 0, 0, hash_digest(bytes(view[i])))
+            assert client.put_bytes(key, b"kv" * 8) == 0
+
+
+def _load_of(output, req_id: str):
+    meta = output.kv_connector_metadata
+    assert isinstance(meta, PoolConnectorMetadata)
+    loads = [load for load in meta.loads if load.req_id == req_id]
+    return loads[0] if loads else None
+
+
+def test_hybrid_hit_loads_window_only(model_dir, pool_settings, pool_client) -> None:
+    scheduler = make_scheduler(model_dir, FULL_SWA, _extra(pool_settings))
+    try:
+        first = make_request(scheduler, list(range(10, 10 + 10 * 32 + 5)))
+        store_blocks(pool_client, scheduler, first, {0: range(10), 1: range(10)})
+
+        # Shares 8 whole blocks with `first`, then differs.
+        second = make_request(scheduler, list(range(10, 10 + 8 * 32)) + [7] * 100)
+        scheduler.add_request(second)
+        output = scheduler.schedule()
+
+        # Hybrid layouts load asynchronously: the request waits for its KV.
+        assert second.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        assert second.num_computed_tokens == 8 * 32
+        load = _load_of(output, second.request_id)
+        assert load is not None and load.is_async and load.hit_tokens == 8 * 32
+        full, window = load.groups
+        assert len(full.block_ids) == 8 and full.masked == 0
+        # A 64-token window needs the last two blocks; six are masked out.
+        assert len(window.block_ids) == 2 and window.masked == 6
+        assert window.digests == [
+            hash_digest(bytes(h))
+            for h in scheduler.connector._sched().coordinator.group_block_hashes(1, second.block_hashes)[6:8]
+        ]
+        blocks = scheduler.kv_cache_manager.get_block_ids(second.request_id)
+        assert full.block_ids == blocks[0][:8]
+        assert window.block_ids == blocks[1][6:8]
+    finally:
+        scheduler.shutdown()
+
+
+def test_window_group_missing_blocks_cuts_the_hit(model_dir, pool_settings, pool_client) -> None:
+    scheduler = make_scheduler(model_dir, FULL_SWA, _extra(pool_settings))
+    try:
+        prompt = list(range(3, 3 + 12 * 32))
+        request = make_request(scheduler, prompt)
+        # Full attention holds 11 blocks; the window group lost blocks 5..10.
+        store_blocks(pool_client, scheduler, request, {0: range(11), 1: range(5)})
+        scheduler.add_request(request)
+        output = scheduler.schedule()
+        assert request.num_computed_tokens == 5 * 32
+        load = _load_of(output, request.request_id)
+        assert load is not None
+        blocks = scheduler.kv_cache_manager.get_block_ids(request.request_id)
+        assert load.groups[0].block_ids == blocks[0][:5]
+        assert load.groups[1].block_ids == blocks[1][3:5]
+    finally:
+        scheduler.shutdown()
+
+
+def test_single_group_loads_synchronously(model_dir, pool_settings, pool_client) -> None:
+    scheduler = make_scheduler(model_dir, [GroupDesc("full", 32)], _extra(pool_settings))
+    try:
+        request = make_request(scheduler, list(range(1, 1 + 6 * 32 + 3)))
+        store_blocks(pool_client, scheduler, request, {0: range(4)})
+        scheduler.add_request(request)
+        output = scheduler.schedule()
+        assert request.status == RequestStatus.RUNNING
+        assert output.num_scheduled_tokens[request.request_id] == 6 * 32 + 3 - 4 * 32
+        load = _load_of(output, request.request_id)
+        assert load is not None and not load.is_async and len(load.groups[0].block_ids) == 4
+        assert output.has_sync_kv_loads
+    finally:
+        scheduler.shutdown()
+
+
+def test_miss_when_pool_is_empty(model_dir, pool_settings) -> None:
+    scheduler = make_scheduler(model_dir, FULL_SWA, _extra(pool_settings))
+    try:
+        request = make_request(scheduler, list(range(5, 5 + 4 * 32)))
+        scheduler.add_request(request)
+        output = scheduler.schedule()
+        assert output.num_scheduled_tokens[request.request_id] == 4 * 32
+        assert _load_of(output, request.request_id) is None
+        # Every computed block is planned for saving, per group.
+        meta = output.kv_connector_metadata
+        (save,) = [s for s in meta.saves if s.req_id == request.request_id]
+        assert [len(g.block_ids) for g in save.groups] == [4, 4]
+    finally:
+        scheduler.shutdown()
+
+
+def test_producer_role_never_loads(model_dir, pool_settings, pool_client) -> None:
+    scheduler = make_scheduler(model_dir, FULL_SWA, _extra(pool_settings), kv_role="kv_producer")
+    try:
+        request = make_request(scheduler, list(range(10, 10 + 6 * 32)))
+        store_blocks(pool_client, scheduler, request, {0: range(6), 1: range(6)})
+        scheduler.add_request(request)
+        output = scheduler.schedule()
+        assert output.num_scheduled_tokens[request.request_id] == 6 * 32
+        assert _load_of(output, request.request_id) is None
+    finally:
+        scheduler.shutdown()
+
+
+def test_consumer_role_never_saves(model_dir, pool_settings) -> None:
+    scheduler = make_scheduler(model_dir, FULL_SWA, _extra(pool_settings), kv_role="kv_consumer")
+    try:
+        request = make_request(scheduler, list(range(10, 10 + 6 * 32)))
+        scheduler.add_request(request)
+        output = scheduler.schedule()
+        assert output.kv_connector_metadata.saves == []
+    finally:
+        scheduler.shutdown()

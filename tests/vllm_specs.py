@@ -1,0 +1,104 @@
+"""Real vLLM KV-cache configs and coordinators built from compact descriptions."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from vllm.config import VllmConfig
+from vllm.v1.core.kv_cache_coordinator import get_kv_cache_coordinator
+from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+)
+
+_registered = False
+
+
+def ensure_registry() -> None:
+    """vLLM registers its spec→manager map at engine start; do it once here."""
+    global _registered
+    if not _registered:
+        register_all_kvcache_specs(VllmConfig())
+        _registered = True
+
+
+@dataclass(frozen=True)
+class GroupDesc:
+    kind: str  # "full" | "sliding_window" | "mamba"
+    block_size: int
+    window: int = 0
+    eagle: bool = False
+
+
+def make_spec(desc: GroupDesc) -> KVCacheSpec:
+    common = {"block_size": desc.block_size, "num_kv_heads": 1, "head_size": 8, "dtype": torch.float32}
+    if desc.kind == "full":
+        return FullAttentionSpec(**common)
+    if desc.kind == "sliding_window":
+        return SlidingWindowSpec(**common, sliding_window=desc.window)
+    if desc.kind == "mamba":
+        return MambaSpec(
+            block_size=desc.block_size,
+            shapes=((2, 4),),
+            dtypes=(torch.float32,),
+            mamba_cache_mode="align",
+        )
+    raise ValueError(desc.kind)
+
+
+def make_kv_cache_config(groups: list[GroupDesc], num_blocks: int = 4096) -> KVCacheConfig:
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec([f"layer.{i}"], make_spec(g), is_eagle_group=g.eagle)
+            for i, g in enumerate(groups)
+        ],
+    )
+
+
+def block_sizes(groups: list[GroupDesc]) -> tuple[int, int]:
+    """(scheduler_block_size, hash_block_size) as vLLM resolves them."""
+    sizes = [g.block_size for g in groups]
+    if len(sizes) == 1:
+        return sizes[0], sizes[0]
+    return math.lcm(*sizes), math.gcd(*sizes)
+
+
+def make_coordinator(groups: list[GroupDesc], max_model_len: int = 8192):
+    """vLLM's real coordinator (hybrid for several groups) with caching on."""
+    ensure_registry()
+    config = make_kv_cache_config(groups)
+    scheduler_block, hash_block = block_sizes(groups)
+    return get_kv_cache_coordinator(
+        config,
+        max_model_len=max_model_len,
+        max_in_flight_tokens=max_model_len,
+        use_eagle=any(g.eagle for g in groups),
+        enable_caching=True,
+        enable_kv_cache_events=False,
+        dcp_world_size=1,
+        pcp_world_size=1,
+        scheduler_block_size=scheduler_block,
+        hash_block_size=hash_block,
+        allow_partial_hash_hits=False,
+    )
+
+
+def fill_block_pool(coordinator, present: dict[int, set[bytes]]) -> None:
+    """Make the real block pool hold a cached block for each (group, hash)."""
+    pool = coordinator.block_pool
+    next_id = 1
+    for group_id, hashes in present.items():
+        for block_hash in hashes:
+            block = pool.blocks[next_id]
+            next_id += 1
+            pool.cached_block_hash_to_block.insert(make_block_hash_with_group_id(block_hash, group_id), block)
