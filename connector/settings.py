@@ -171,6 +171,8 @@ class ConnectorSettings(BaseModel):
             "kv_connector": CONNECTOR_NAME,
             "kv_connector_module_path": CONNECTOR_MODULE,
             "kv_role": kv_role,
+            # A block the pool fails to deliver is recomputed, never an error.
+            "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": self.extra_config(),
         }
 
