@@ -11,7 +11,6 @@ Load it with::
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -25,6 +24,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvpool.connector.keys import KeySpace
 from kvpool.connector.layout import check_or_raise, fingerprint
+from kvpool.connector.logs import get_logger
 from kvpool.connector.metadata import PoolConnectorMetadata
 from kvpool.connector.scheduler_side import SchedulerSide
 from kvpool.connector.settings import ConnectorSettings
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 def _ranks() -> tuple[int, int]:

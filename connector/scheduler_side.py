@@ -9,7 +9,6 @@ saves of newly computed blocks to the workers.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -20,6 +19,7 @@ from vllm.v1.core.kv_cache_coordinator import replay_boundaries
 
 from kvpool.connector.hybrid_hit import HybridHit, HybridHitCoordinator
 from kvpool.connector.keys import KeySpace, hash_digest
+from kvpool.connector.logs import get_logger
 from kvpool.connector.metadata import (
     GroupTransfer,
     PoolConnectorMetadata,
@@ -29,7 +29,7 @@ from kvpool.connector.metadata import (
 from kvpool.connector.stats import LookupRecord, StatsCollector
 from kvpool.connector.store import PoolClient
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 @dataclass
@@ -74,7 +74,6 @@ class SchedulerSide:
         self.can_save = can_save
         self.stats = stats
         self.coordinator: HybridHitCoordinator | None = None
-        self.retention_interval: int | None = None
         self._plans: dict[str, _Plan] = {}
         self._pending_loads: list[RequestLoad] = []
         self._loading: set[str] = set()
@@ -85,7 +84,6 @@ class SchedulerSide:
     def bind(self, vllm_coordinator: Any) -> None:
         """Mirror vLLM's live coordinator (called once the cache manager exists)."""
         self.coordinator = HybridHitCoordinator.from_vllm_coordinator(vllm_coordinator)
-        self.retention_interval = getattr(vllm_coordinator, "retention_interval", None)
 
     # --- lookup ------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
@@ -233,7 +231,9 @@ class SchedulerSide:
                     coord.alignment_tokens,
                     group.spec,
                     group.use_eagle,
-                    retention_interval=self.retention_interval,
+                    # Dense: a future prompt may share any aligned prefix, not
+                    # only this prompt's replay boundary.
+                    retention_interval=None,
                     reachable_boundaries=replay_boundaries(
                         request.num_prompt_tokens, coord.scheduler_block_size, group.use_eagle
                     ),

@@ -7,7 +7,6 @@ and worker roles when they live together.
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -15,9 +14,10 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, TypeVar
 
+from kvpool.connector.logs import get_logger
 from kvpool.connector.settings import ConnectorSettings
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 T = TypeVar("T")
 

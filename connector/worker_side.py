@@ -10,7 +10,6 @@ only once they have read their blocks (those blocks may then be reused).
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections import Counter
@@ -21,11 +20,12 @@ from typing import Any
 
 from kvpool.connector.block_regions import LayerBlocks, describe_layer, storage_span
 from kvpool.connector.keys import KeySpace
+from kvpool.connector.logs import get_logger
 from kvpool.connector.metadata import GroupTransfer, PoolConnectorMetadata, RequestLoad, RequestSave
 from kvpool.connector.stats import StatsCollector, TransferRecord
 from kvpool.connector.store import Outcome, PoolClient, classify
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 TRANSFER_THREADS = 4
 SHUTDOWN_TIMEOUT_S = 30.0
