@@ -138,7 +138,11 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         return self._sched().build_connector_meta(scheduler_output, manager.get_block_ids)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        self._sched().finished_recving(set(connector_output.finished_recving or ()))
+        self._sched().on_worker_output(
+            set(connector_output.finished_recving or ()),
+            set(getattr(connector_output, "failed_recving", None) or ()),
+            set(connector_output.invalid_block_ids or ()),
+        )
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._sched().request_finished(request.request_id), None

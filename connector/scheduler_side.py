@@ -80,6 +80,10 @@ class SchedulerSide:
         self._tracked: dict[str, _Tracked] = {}
         self._hold: list[str] = []
         self._local_tokens: dict[str, int] = {}
+        # Block ids each request's load wrote, and requests whose load failed:
+        # those recompute and never take the pool's word for them again.
+        self._loaded_blocks: dict[str, set[int]] = {}
+        self._load_failed: set[str] = set()
 
     def bind(self, vllm_coordinator: Any) -> None:
         """Mirror vLLM's live coordinator (called once the cache manager exists)."""
@@ -88,7 +92,7 @@ class SchedulerSide:
     # --- lookup ------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         coord = self.coordinator
-        if not self.can_load or coord is None:
+        if not self.can_load or coord is None or request.request_id in self._load_failed:
             return 0, False
         started = time.perf_counter()
         max_hit = request.num_tokens - 1
@@ -182,6 +186,9 @@ class SchedulerSide:
         )
         self._pending_loads.append(load)
         if load.is_async:
+            # A synchronous load's request keeps running after a failure (vLLM
+            # trims it); an asynchronous one comes back to lookup: remember it.
+            self._loaded_blocks[req_id] = {b for g in groups for b in g.block_ids}
             self._loading.add(req_id)
 
     # --- per step ---------------------------------------------------------------
@@ -254,14 +261,26 @@ class SchedulerSide:
         return RequestSave(req_id=req_id, groups=groups, trace_context=tracked.trace_context)
 
     # --- completion ---------------------------------------------------------------
-    def finished_recving(self, req_ids: set[str]) -> None:
-        self._loading.difference_update(req_ids)
+    def on_worker_output(
+        self, finished_recving: set[str], failed_recving: set[str], invalid_blocks: set[int]
+    ) -> None:
+        """Note completed loads, and which requests a failed load sends back to recompute."""
+        self._loading.difference_update(finished_recving)
+        self._load_failed.update(failed_recving)
+        if invalid_blocks:
+            for req_id, blocks in self._loaded_blocks.items():
+                if blocks & invalid_blocks:
+                    self._load_failed.add(req_id)
+        for req_id in finished_recving:
+            self._loaded_blocks.pop(req_id, None)
 
     def request_finished(self, req_id: str) -> bool:
         """Forget ``req_id``; True when an async load may still write its blocks."""
         self._tracked.pop(req_id, None)
         self._plans.pop(req_id, None)
         self._local_tokens.pop(req_id, None)
+        self._loaded_blocks.pop(req_id, None)
+        self._load_failed.discard(req_id)
         if req_id in self._loading:
             self._loading.discard(req_id)
             self._hold.append(req_id)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import random
 from typing import Any
 
+from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-from vllm.sampling_params import SamplingParams
 from vllm.v1.request import Request
 
 from kvpool.connector.keys import KeySpace, hash_digest

@@ -162,3 +162,17 @@ def test_gpt_oss_layout_shares_prefixes(tmp_path_factory, pool_settings) -> None
     b = run_engine_subprocess(EngineOptions(model=str(model), kv_transfer_config=config), [[P2]], MAX_TOKENS)
     assert b.token_ids[0] == reference
     assert b.results[0].num_cached_tokens == PREFIX_HIT
+
+
+def test_blocks_that_always_fail_are_recomputed_once(gemma_dir, gemma_reference, pool_settings, pool_client):
+    """Objects of the wrong size fail every load: the request recomputes, it never loops."""
+    config = transfer_config(pool_settings)
+    _, (keyspace, num_groups, _) = run_in_process(gemma_dir, config, [P1])
+    keys = pool_keys(keyspace, PREFIX, num_groups)
+    pool_client.remove(keys)
+    for key in keys:
+        assert pool_client.put_bytes(key, b"short") == 0
+    results, (_, _, transfers) = run_in_process(gemma_dir, config, [P2])
+    assert results[0].token_ids == gemma_reference
+    loads = [t for t in transfers if t.operation == "load"]
+    assert len(loads) == 1 and sum(loads[0].failures.values()) == 9 + 2 + 2
