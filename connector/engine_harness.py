@@ -89,6 +89,9 @@ class EngineRun:
     batches: list[list[RequestResult]]
     metrics: dict[str, float] | None = None
     kv_cache_config: dict[str, Any] | None = None
+    # KVPoolConnector's own records (lookups on the scheduler, transfers on the worker).
+    lookups: list[dict[str, Any]] = field(default_factory=list)
+    transfers: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def results(self) -> list[RequestResult]:
@@ -106,7 +109,13 @@ class EngineRun:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> EngineRun:
         batches = [[RequestResult(**r) for r in b] for b in data["batches"]]
-        return cls(batches, data.get("metrics"), data.get("kv_cache_config"))
+        return cls(
+            batches,
+            data.get("metrics"),
+            data.get("kv_cache_config"),
+            data.get("lookups", []),
+            data.get("transfers", []),
+        )
 
 
 def create_llm(opts: EngineOptions) -> Any:
@@ -189,6 +198,14 @@ def worker_connector() -> Any | None:
     from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 
     return get_kv_transfer_group() if has_kv_transfer_group() else None
+
+
+def connector_records(llm: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """KVPoolConnector's lookup and transfer records of this engine, as dicts."""
+    sched, worker = scheduler_connector(llm), worker_connector()
+    lookups = [asdict(r) for r in getattr(getattr(sched, "stats", None), "history_lookups", ())]
+    transfers = [asdict(r) for r in getattr(getattr(worker, "stats", None), "history_transfers", ())]
+    return lookups, transfers
 
 
 def kv_cache_config_summary(cfg: Any) -> dict[str, Any]:
@@ -283,7 +300,8 @@ def run_engine(
         cfg = None if core is None else kv_cache_config_summary(core.scheduler.kv_cache_config)
         results = [generate(llm, batch, max_tokens, logprobs=logprobs) for batch in batches]
         metrics = None if opts.disable_log_stats else collect_metrics(llm)
-        return EngineRun(results, metrics, cfg)
+        lookups, transfers = connector_records(llm)
+        return EngineRun(results, metrics, cfg, lookups, transfers)
     finally:
         shutdown_llm(llm)
 

@@ -123,6 +123,7 @@ class SchedulerSide:
                 query_tokens=max(0, request.num_tokens - num_computed_tokens),
                 hit_tokens=num_external,
                 group_kinds=self.stats.group_kinds,
+                looked_up_blocks=tuple(len(wanted.get(g, ())) for g in range(len(coord.groups))),
                 present_blocks=tuple(len(present.get(g, ())) for g in range(len(coord.groups))),
                 needed_blocks=tuple(len(b) for b in hit.needed_blocks),
                 group_hit_tokens=hit.group_hit_tokens,

@@ -7,11 +7,13 @@ tracing layers consume them.
 from __future__ import annotations
 
 import threading
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 TRACE_HEADERS = ("traceparent", "tracestate")
+HISTORY = 10_000
 
 
 @dataclass(frozen=True)
@@ -21,6 +23,7 @@ class LookupRecord:
     query_tokens: int
     hit_tokens: int
     group_kinds: tuple[str, ...]
+    looked_up_blocks: tuple[int, ...]
     present_blocks: tuple[int, ...]
     needed_blocks: tuple[int, ...]
     group_hit_tokens: tuple[int, ...]
@@ -44,20 +47,27 @@ class TransferRecord:
 
 @dataclass
 class StatsCollector:
-    """Thread-safe buffer of records, drained by the metrics layer."""
+    """Thread-safe buffer of records, drained by the metrics layer.
+
+    The last ``HISTORY`` records also stay in ``history_*`` for reports.
+    """
 
     group_kinds: tuple[str, ...] = ()
     lookups: list[LookupRecord] = field(default_factory=list)
     transfers: list[TransferRecord] = field(default_factory=list)
+    history_lookups: deque[LookupRecord] = field(default_factory=lambda: deque(maxlen=HISTORY))
+    history_transfers: deque[TransferRecord] = field(default_factory=lambda: deque(maxlen=HISTORY))
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def record_lookup(self, record: LookupRecord, request: Any = None) -> None:
         with self._lock:
             self.lookups.append(record)
+            self.history_lookups.append(record)
 
     def record_transfer(self, record: TransferRecord) -> None:
         with self._lock:
             self.transfers.append(record)
+            self.history_transfers.append(record)
 
     def drain(self) -> tuple[list[LookupRecord], list[TransferRecord]]:
         with self._lock:

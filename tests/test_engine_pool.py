@@ -48,7 +48,7 @@ def run_in_process(model: Path, config: dict[str, Any], prompts: list[list[int]]
         results = generate(llm, prompts, MAX_TOKENS)
         connector = scheduler_connector(llm)
         worker = worker_connector()
-        info = (connector.keyspace, len(connector.layout.groups), worker.stats.drain()[1])
+        info = (connector.keyspace, len(connector.layout.groups), list(worker.stats.history_transfers))
         return results, info
     finally:
         shutdown_llm(llm)

@@ -1,0 +1,111 @@
+"""The main job on an embedded default: two vLLM engines share a prefix through a pool.
+
+Starts a Mooncake master and store on loopback, builds a tiny hybrid model
+(Gemma3: sliding-window and full attention) if absent, runs engine A on a
+prompt and a fresh engine B (its own process) on a prompt sharing a long
+prefix, and compares B's output with a reference run without the pool.
+Prints what moved per KV-cache group; exits 0 only if everything held.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from kvpool.connector.engine_harness import EngineOptions, EngineRun, run_engine_subprocess
+from kvpool.connector.local_pool import LocalPool
+from kvpool.connector.settings import ConnectorSettings
+from kvpool.connector.tiny_models import build
+
+
+def prompts(prefix_len: int, seed: int = 7) -> tuple[list[int], list[int]]:
+    """Two token-id prompts sharing ``prefix_len`` tokens."""
+    rng = random.Random(seed)
+    prefix = [rng.randrange(3, 500) for _ in range(prefix_len)]
+    return prefix + [rng.randrange(3, 500) for _ in range(40)], prefix + [
+        rng.randrange(3, 500) for _ in range(50)
+    ]
+
+
+def _timed(label: str, fn: Any) -> tuple[Any, float]:
+    print(f"  {label} ...", flush=True)
+    started = time.perf_counter()
+    result = fn()
+    return result, time.perf_counter() - started
+
+
+def group_table(run: EngineRun) -> list[str]:
+    """Per group: blocks looked up, present, needed by the hit, masked, loaded, bytes."""
+    lookups = [r for r in run.lookups if r["hit_tokens"] > 0] or run.lookups
+    loads = [t for t in run.transfers if t["operation"] == "load"]
+    if not lookups:
+        return ["  (no lookups recorded)"]
+    lookup = lookups[0]
+    rows = [
+        f"  {'group':>5}  {'kind':<15} {'looked up':>9} {'in pool':>7} {'hit uses':>8} "
+        f"{'masked':>6} {'loaded':>6} {'bytes':>9}"
+    ]
+    for g, kind in enumerate(lookup["group_kinds"]):
+        loaded = sum(t["blocks"][g] for t in loads)
+        masked = sum(t["masked"][g] for t in loads)
+        nbytes = sum(t["bytes"][g] for t in loads)
+        rows.append(
+            f"  {g:>5}  {kind:<15} {lookup['looked_up_blocks'][g]:>9} {lookup['present_blocks'][g]:>7} "
+            f"{lookup['needed_blocks'][g]:>8} {masked:>6} {loaded:>6} {nbytes:>9}"
+        )
+    rows.append(f"  lookup: {lookup['keys']} keys in one round trip, {lookup['seconds'] * 1e3:.1f} ms")
+    rows.append(f"  load: {sum(t['seconds'] for t in loads) * 1e3:.1f} ms for every group's blocks")
+    return rows
+
+
+def run_demo(model_dir: Path, prefix_len: int, max_tokens: int) -> bool:
+    print(f"model: {model_dir}")
+    build("gemma3", model_dir)
+    p1, p2 = prompts(prefix_len)
+    expected_hit = (prefix_len // 32) * 32
+    with LocalPool(segment_size="256MB") as pool:
+        assert pool.master is not None
+        print(f"pool: Mooncake master {pool.address} (metrics {pool.master.metrics_url}), one store")
+        settings = ConnectorSettings.parse({"master_server_address": pool.address, "cache_prefix": "demo"})
+        with_pool = EngineOptions(model=str(model_dir), kv_transfer_config=settings.kv_transfer_config())
+        reference, ref_s = _timed(
+            "reference: engine without the pool serves P2",
+            lambda: run_engine_subprocess(EngineOptions(model=str(model_dir)), [[p2]], max_tokens),
+        )
+        a, a_s = _timed(
+            "engine A serves P1 and stores its blocks",
+            lambda: run_engine_subprocess(with_pool, [[p1]], max_tokens),
+        )
+        b, b_s = _timed(
+            "engine B (new process) serves P2", lambda: run_engine_subprocess(with_pool, [[p2]], max_tokens)
+        )
+    saved = sum(sum(t["blocks"]) for t in a.transfers if t["operation"] == "save")
+    equal = b.token_ids == reference.token_ids
+    cached = b.results[0].num_cached_tokens
+    print()
+    print(f"P1 {len(p1)} tokens, P2 {len(p2)} tokens, shared prefix {prefix_len} tokens")
+    print(f"engine A stored {saved} blocks ({a_s:.1f} s); engine B ({b_s:.1f} s); reference ({ref_s:.1f} s)")
+    print("engine B, per KV-cache group:")
+    print("\n".join(group_table(b)))
+    print(f"engine B tokens from the pool: {cached} (expected {expected_hit})")
+    print(f"B's output equals the reference computed without the pool: {'yes' if equal else 'NO'}")
+    ok = equal and cached == expected_hit
+    print("RESULT:", "OK" if ok else "FAILED")
+    return ok
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model-dir", type=Path, default=Path(".models/gemma3-tiny"))
+    parser.add_argument("--prefix-len", type=int, default=300)
+    parser.add_argument("--max-tokens", type=int, default=12)
+    args = parser.parse_args(argv)
+    return 0 if run_demo(args.model_dir, args.prefix_len, args.max_tokens) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
