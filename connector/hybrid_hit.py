@@ -55,8 +55,7 @@ class HybridHit:
     hit_tokens: int
     # Per group: indices of the blocks (at the group's block size) the hit needs.
     needed_blocks: tuple[tuple[int, ...], ...]
-    # Per group: the hit length the group reached in its last evaluation; for
-    # full attention, what it alone could serve (before the hybrid intersection).
+    # Per group: the hit that group alone could serve (before the hybrid intersection).
     group_hit_tokens: tuple[int, ...]
 
 
@@ -221,8 +220,32 @@ class HybridHitCoordinator:
             needed_blocks=tuple(
                 self._needed(self.groups[g], blocks_by_group[g], hit_length) for g in range(num_groups)
             ),
-            group_hit_tokens=tuple(length_by_group),
+            group_hit_tokens=self._alone(block_hashes, pool, max_hit_tokens),
         )
+
+    def _alone(self, block_hashes: Sequence[Any], pool: PresenceBlockPool, max_hit_tokens: int) -> tuple[int, ...]:
+        """Each group's own hit, as vLLM's ``find_longest_cache_hit_per_group`` sees it."""
+        alone = [0] * len(self.groups)
+        for sg in self.spec_groups:
+            first = self.groups[sg.group_ids[0]]
+            max_length = max_hit_tokens
+            if sg.use_eagle and not isinstance(sg.spec, MambaSpec):
+                margin = eagle_proof_margin(first.block_size, self.hash_block_size, False)
+                max_length = min(max_hit_tokens + margin, len(block_hashes) * self.hash_block_size)
+            _, length = sg.manager_cls.find_longest_cache_hit(
+                block_hashes=block_hashes,
+                max_length=max_length,
+                kv_cache_group_ids=list(sg.group_ids),
+                block_pool=pool,
+                kv_cache_spec=sg.spec,
+                drop_eagle_block=sg.use_eagle,
+                alignment_tokens=self.alignment_tokens,
+                dcp_world_size=first.dcp_world_size,
+                pcp_world_size=first.pcp_world_size,
+            )
+            for group_id in sg.group_ids:
+                alone[group_id] = length
+        return tuple(alone)
 
     @staticmethod
     def _needed(group: GroupLookup, blocks: list[KVCacheBlock] | None, hit_length: int) -> tuple[int, ...]:

@@ -81,6 +81,9 @@ def test_same_hit_and_masks_as_vllm(groups: list[GroupDesc], data: st.DataObject
 
     assert hit.hit_tokens == real_hit
     assert hit.hit_tokens % scheduler_block == 0
+    if hasattr(coordinator, "find_longest_cache_hit_per_group"):
+        _, alone = coordinator.find_longest_cache_hit_per_group(block_hashes, max_hit)
+        assert hit.group_hit_tokens == tuple(alone)
     for group in ours.groups:
         gid = group.group_id
         limit = cdiv(real_hit, group.block_size)
@@ -127,5 +130,5 @@ def test_group_that_lost_its_window_cuts_the_hit() -> None:
     hit = ours.find_hit(block_hashes, present, 12 * 32 - 1)
     assert hit.hit_tokens == 6 * 32
     # Full attention alone could have served 11 blocks; the hybrid hit threw 5 away.
-    assert hit.group_hit_tokens[0] == 11 * 32
+    assert hit.group_hit_tokens == (11 * 32, 6 * 32)
     assert hit.needed_blocks[1] == (4, 5)

@@ -1,0 +1,119 @@
+"""The connector's Prometheus metrics: names, types, labels, help. One source.
+
+Imports neither vLLM nor prometheus_client, so the dashboards generator and
+the alert rules can import it. Every series also carries vLLM's own labels
+(``model_name``, ``engine``). Label values are group indices, kinds and
+operation names: never prompt text or token ids.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+PREFIX = "vllm:kvpool_"
+VLLM_LABELS = ("model_name", "engine")
+
+GROUP_LABELS = ("group", "group_kind")
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+SIZE_BUCKETS = tuple(float(1 << p) for p in range(12, 34, 2))  # 4 KiB .. 8 GiB
+
+
+class Kind(StrEnum):
+    COUNTER = "counter"
+    HISTOGRAM = "histogram"
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """One metric as exported (counters without the ``_total`` suffix here)."""
+
+    name: str
+    kind: Kind
+    help: str
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] = ()
+
+    @property
+    def exported(self) -> str:
+        """The series name as Prometheus scrapes it (counters end in ``_total``)."""
+        return f"{self.name}_total" if self.kind is Kind.COUNTER else self.name
+
+
+def _counter(short: str, help: str, labels: tuple[str, ...] = ()) -> MetricSpec:
+    return MetricSpec(f"{PREFIX}{short}", Kind.COUNTER, help, labels)
+
+
+LOOKUP_QUERY_TOKENS = _counter(
+    "lookup_query_tokens", "Prompt tokens beyond the local cache hit that lookups asked the pool for."
+)
+LOOKUP_HIT_TOKENS = _counter(
+    "lookup_hit_tokens", "Tokens the reconciled hybrid (HMA) hit granted from the pool."
+)
+LOOKUPS = _counter("lookups", "Scheduler lookups against the pool.")
+GROUP_HIT_TOKENS = _counter(
+    "group_hit_tokens",
+    "Tokens each KV-cache group alone could have served from the pool (per-group hit).",
+    GROUP_LABELS,
+)
+PRESENT_BLOCKS = _counter(
+    "present_blocks", "Blocks of the looked-up prefix present in the pool, per group.", GROUP_LABELS
+)
+HIT_BLOCKS = _counter(
+    "hit_blocks", "Blocks the reconciled hit uses, per group (after the group's mask).", GROUP_LABELS
+)
+MASKED_BLOCKS = _counter(
+    "masked_blocks",
+    "Blocks a transfer covers but the group's mask leaves in place (load: outside the window "
+    "or before the last Mamba state; save: no future hit could load them).",
+    (*GROUP_LABELS, "operation"),
+)
+TRANSFER_BLOCKS = _counter("transfer_blocks", "Blocks moved, per group.", (*GROUP_LABELS, "operation"))
+TRANSFER_BYTES = _counter("transfer_bytes", "Bytes moved, per group.", (*GROUP_LABELS, "operation"))
+FAILURES = _counter(
+    "failures",
+    "Keys whose transfer failed, by kind (missing, store_full, transfer_failed, rpc_failed, other_error).",
+    (*GROUP_LABELS, "operation", "reason"),
+)
+LOAD_ERROR_BLOCKS = _counter(
+    "load_error_blocks", "Blocks whose load failed and that vLLM recomputes instead."
+)
+RECOMPUTED_REQUESTS = _counter(
+    "recomputed_requests", "Requests a failed load sent back to recompute from their local state."
+)
+OPERATION_SECONDS = MetricSpec(
+    f"{PREFIX}operation_seconds",
+    Kind.HISTOGRAM,
+    "Latency of lookups, and of each group's load and save per request, in seconds.",
+    ("operation", "group_kind"),
+    LATENCY_BUCKETS,
+)
+TRANSFER_SIZE_BYTES = MetricSpec(
+    f"{PREFIX}transfer_size_bytes",
+    Kind.HISTOGRAM,
+    "Bytes one request's load or save moved (all groups).",
+    ("operation",),
+    SIZE_BUCKETS,
+)
+
+ALL: tuple[MetricSpec, ...] = (
+    LOOKUPS,
+    LOOKUP_QUERY_TOKENS,
+    LOOKUP_HIT_TOKENS,
+    GROUP_HIT_TOKENS,
+    PRESENT_BLOCKS,
+    HIT_BLOCKS,
+    MASKED_BLOCKS,
+    TRANSFER_BLOCKS,
+    TRANSFER_BYTES,
+    FAILURES,
+    LOAD_ERROR_BLOCKS,
+    RECOMPUTED_REQUESTS,
+    OPERATION_SECONDS,
+    TRANSFER_SIZE_BYTES,
+)
+BY_NAME = {spec.name: spec for spec in ALL}
+
+# Operations and failure reasons, as label values.
+LOOKUP, LOAD, SAVE = "lookup", "load", "save"
+ALL_GROUPS_KIND = "all"
