@@ -1,0 +1,108 @@
+"""``kvpool-operator``: ``run`` the operator, print its ``crd`` or its ``rbac`` rules."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from collections.abc import Sequence
+
+import yaml
+
+from kvpool.operator.config import OperatorConfig, WebhookConfig
+from kvpool.operator.crd import render_crd
+from kvpool.operator.rbac import RULES, WEBHOOK_RULES
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvpool-operator",
+        description="Run the MooncakeKVPool operator, or print its CRD or its RBAC rules.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("crd", help="print the MooncakeKVPool CustomResourceDefinition (YAML)")
+    rbac = sub.add_parser("rbac", help="print the RBAC rules the operator needs (YAML)")
+    rbac.add_argument(
+        "--webhook-managed",
+        action="store_true",
+        help="include the rules for a kopf-managed webhook configuration",
+    )
+    run = sub.add_parser("run", help="run the operator")
+    run.add_argument(
+        "-n",
+        "--namespace",
+        action="append",
+        default=[],
+        help="watch only this namespace (repeatable; default: all namespaces)",
+    )
+    run.add_argument(
+        "--kubeconfig", help="kubeconfig file (default: in-cluster, else $KUBECONFIG or ~/.kube/config)"
+    )
+    run.add_argument(
+        "--liveness",
+        default="http://0.0.0.0:8080/healthz",
+        help="liveness/readiness endpoint URL ('' to disable)",
+    )
+    run.add_argument("--metrics-host", default="0.0.0.0")
+    run.add_argument("--metrics-port", type=int, default=9090, help="0 to disable")
+    run.add_argument(
+        "--resync-interval", type=float, default=30.0, help="seconds between level checks of every pool"
+    )
+    run.add_argument("--retry-delay", type=float, default=10.0)
+    run.add_argument("--webhook-port", type=int, help="serve the validating webhook here")
+    run.add_argument("--webhook-host", help="hostname the API server uses to reach it")
+    run.add_argument(
+        "--webhook-cert", help="TLS certificate file (without one kopf self-signs, which needs certbuilder)"
+    )
+    run.add_argument("--webhook-key", help="TLS private key file")
+    run.add_argument(
+        "--webhook-managed",
+        help="name of a ValidatingWebhookConfiguration for the operator to keep up to date",
+    )
+    run.add_argument("-v", "--verbose", action="store_true")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> OperatorConfig:
+    webhook = None
+    if args.webhook_port is not None:
+        webhook = WebhookConfig(
+            port=args.webhook_port,
+            host=args.webhook_host,
+            certfile=args.webhook_cert,
+            pkeyfile=args.webhook_key,
+            managed=args.webhook_managed,
+        )
+    return OperatorConfig(
+        namespaces=tuple(args.namespace),
+        kubeconfig=args.kubeconfig,
+        liveness_endpoint=args.liveness or None,
+        metrics_host=args.metrics_host,
+        metrics_port=args.metrics_port or None,
+        resync_interval=args.resync_interval,
+        retry_delay=args.retry_delay,
+        webhook=webhook,
+        log_level=logging.DEBUG if args.verbose else logging.INFO,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "crd":
+        sys.stdout.write(render_crd())
+        return 0
+    if args.command == "rbac":
+        rules = RULES + (WEBHOOK_RULES if args.webhook_managed else ())
+        sys.stdout.write(yaml.safe_dump([r.as_dict() for r in rules], sort_keys=False))
+        return 0
+    from kvpool.operator.runner import run
+
+    config = config_from_args(args)
+    logging.basicConfig(level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(run(config))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

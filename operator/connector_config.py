@@ -1,0 +1,69 @@
+"""Connector settings of a pool, rendered by the contract into the ``<pool>-connector`` ConfigMap."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from kvpool.connector.settings import ConnectorSettings
+from kvpool.operator import names, pods
+from kvpool.operator.master import master_address
+from kvpool.operator.models import PoolSpec
+
+CONFIG_PATH = f"{names.CONNECTOR_MOUNT_PATH}/{names.MOONCAKE_CONFIG_FILE}"
+# vLLM hashes blocks with Python's hash() when so configured: every consumer of a
+# pool must use the same seed, or equal prefixes would get different keys.
+PYTHONHASHSEED = "0"
+
+# Where each contract field comes from in the pool spec (for error messages).
+SETTINGS_FIELDS = {
+    "master_server_address": "spec.master",
+    "protocol": "spec.store.protocol",
+    "device_name": "spec.store.rdmaDevices",
+    "global_segment_size": "spec.store.segmentSize",
+    "local_hostname": "spec.consumers",
+}
+
+
+def pool_settings(pool: str, namespace: str, spec: PoolSpec) -> ConnectorSettings:
+    """The pool's connector settings; ``SettingsError`` when the contract rejects them.
+
+    Standalone pools leave ``global_segment_size`` at 0 (vLLM contributes no memory);
+    embedded pools give every vLLM rank a segment of ``store.segmentSize``.
+    """
+    data: dict[str, Any] = dict(spec.connector.model_dump())
+    data.update(
+        master_server_address=master_address(pool, namespace, spec),
+        protocol=spec.store.protocol,
+        device_name=",".join(spec.store.rdma_devices),
+        global_segment_size=spec.store.segment_size if spec.store.mode == "embedded" else 0,
+    )
+    return ConnectorSettings.parse(data)
+
+
+def consumer_settings(settings: ConnectorSettings) -> ConnectorSettings:
+    """Settings as a consumer pod uses them: it serves on its own pod IP."""
+    return ConnectorSettings.parse({**settings.extra_config(), "local_hostname": f"$({pods.POD_IP_ENV})"})
+
+
+def settings_field(name: str) -> str:
+    """The spec path a contract settings field comes from."""
+    return SETTINGS_FIELDS.get(name, f"spec.connector.{name}")
+
+
+def connector_configmap(pool: str, namespace: str, settings: ConnectorSettings) -> dict[str, Any]:
+    """ConfigMap ``<pool>-connector``: the Mooncake config file and the transfer config."""
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {
+            "name": names.connector_configmap_name(pool),
+            "namespace": namespace,
+            "labels": names.labels(pool, "connector"),
+        },
+        "data": {
+            names.MOONCAKE_CONFIG_FILE: json.dumps(settings.mooncake_config(), indent=2, sort_keys=True)
+            + "\n",
+            names.KV_TRANSFER_CONFIG_FILE: settings.kv_transfer_config_json(),
+        },
+    }

@@ -1,0 +1,96 @@
+"""The operator's Prometheus metrics: names, types, labels, help. One source.
+
+Imports no prometheus_client, so the dashboards generator and the alert rules can
+import it. Same shape as ``kvpool.connector.metric_names`` (counters are named
+without ``_total`` here; ``exported`` is the scraped name).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+PREFIX = "kvpool_operator_"
+DURATION_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class Kind(StrEnum):
+    COUNTER = "counter"
+    HISTOGRAM = "histogram"
+    GAUGE = "gauge"
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """One metric as exported (counters without the ``_total`` suffix here)."""
+
+    name: str
+    kind: Kind
+    help: str
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] = ()
+
+    @property
+    def exported(self) -> str:
+        """The series name as Prometheus scrapes it (counters end in ``_total``)."""
+        return f"{self.name}_total" if self.kind is Kind.COUNTER else self.name
+
+
+RECONCILES = MetricSpec(
+    f"{PREFIX}reconciles",
+    Kind.COUNTER,
+    "Reconcile passes by trigger and result (success, invalid, error).",
+    ("trigger", "result"),
+)
+RECONCILE_ERRORS = MetricSpec(
+    f"{PREFIX}reconcile_errors",
+    Kind.COUNTER,
+    "Failed reconcile passes by trigger and reason (http_<status> or the error type).",
+    ("trigger", "reason"),
+)
+RECONCILE_DURATION = MetricSpec(
+    f"{PREFIX}reconcile_duration_seconds",
+    Kind.HISTOGRAM,
+    "Duration of reconcile passes in seconds.",
+    ("trigger",),
+    DURATION_BUCKETS,
+)
+API_WRITES = MetricSpec(
+    f"{PREFIX}api_writes",
+    Kind.COUNTER,
+    "Kubernetes API writes by verb and resource (zero in a steady state).",
+    ("verb", "resource"),
+)
+POOLS = MetricSpec(
+    f"{PREFIX}pools",
+    Kind.GAUGE,
+    "Pools by condition (ConfigValid, MasterReady, StoreReady, ConsumersRolledOut) and status.",
+    ("condition", "status"),
+)
+CONSUMERS = MetricSpec(
+    f"{PREFIX}consumers",
+    Kind.GAUGE,
+    "Consumers declared per pool.",
+    ("namespace", "pool"),
+)
+CONSUMERS_ROLLED_OUT = MetricSpec(
+    f"{PREFIX}consumers_rolled_out",
+    Kind.GAUGE,
+    "Consumers of a pool running its current settings on all replicas.",
+    ("namespace", "pool"),
+)
+
+ALL: tuple[MetricSpec, ...] = (
+    RECONCILES,
+    RECONCILE_ERRORS,
+    RECONCILE_DURATION,
+    API_WRITES,
+    POOLS,
+    CONSUMERS,
+    CONSUMERS_ROLLED_OUT,
+)
+BY_NAME = {spec.name: spec for spec in ALL}
+
+# Label values.
+TRIGGERS = ("create", "update", "resume", "resync", "delete")
+RESULTS = ("success", "invalid", "error")

@@ -1,0 +1,87 @@
+"""The operator's Prometheus collectors (names in ``metric_names``); one registry per run."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kvpool.operator.metric_names import (
+    API_WRITES,
+    CONSUMERS,
+    CONSUMERS_ROLLED_OUT,
+    POOLS,
+    RECONCILE_DURATION,
+    RECONCILE_ERRORS,
+    RECONCILES,
+    MetricSpec,
+)
+from kvpool.operator.models import CONDITION_TYPES
+from kvpool.operator.resources import Resource
+
+
+def _counter(spec: MetricSpec, registry: CollectorRegistry) -> Counter:
+    return Counter(spec.name, spec.help, spec.labels, registry=registry)
+
+
+def _gauge(spec: MetricSpec) -> GaugeMetricFamily:
+    return GaugeMetricFamily(spec.name, spec.help, labels=list(spec.labels))
+
+
+class _PoolCollector(Collector):
+    """Gauges computed at scrape time from the pools' last known status."""
+
+    def __init__(self, metrics: OperatorMetrics):
+        self._metrics = metrics
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        pools = _gauge(POOLS)
+        counts = {(kind, status): 0 for kind in CONDITION_TYPES for status in ("True", "False", "Unknown")}
+        for conditions in self._metrics.conditions.values():
+            for kind, status in conditions.items():
+                counts[(kind, status)] = counts.get((kind, status), 0) + 1
+        for (kind, status), count in sorted(counts.items()):
+            pools.add_metric([kind, status], count)
+        yield pools
+        for spec, index in ((CONSUMERS, 0), (CONSUMERS_ROLLED_OUT, 1)):
+            family = _gauge(spec)
+            for (namespace, pool), values in sorted(self._metrics.consumers.items()):
+                family.add_metric([namespace, pool], values[index])
+            yield family
+
+
+class OperatorMetrics:
+    """The collectors of one running operator."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.conditions: dict[tuple[str, str], dict[str, str]] = {}
+        self.consumers: dict[tuple[str, str], tuple[int, int]] = {}
+        self.reconciles = _counter(RECONCILES, self.registry)
+        self.errors = _counter(RECONCILE_ERRORS, self.registry)
+        self.writes = _counter(API_WRITES, self.registry)
+        self.duration = Histogram(
+            RECONCILE_DURATION.name,
+            RECONCILE_DURATION.help,
+            RECONCILE_DURATION.labels,
+            buckets=RECONCILE_DURATION.buckets,
+            registry=self.registry,
+        )
+        self.registry.register(_PoolCollector(self))
+
+    def count_write(self, verb: str, resource: Resource) -> None:
+        self.writes.labels(verb, resource.plural).inc()
+
+    def observe_pool(self, namespace: str, pool: str, status: Mapping[str, Any]) -> None:
+        """Remember a pool's conditions and consumer counts from its status."""
+        self.conditions[(namespace, pool)] = {c["type"]: c["status"] for c in status.get("conditions") or []}
+        consumers = status.get("consumers") or []
+        rolled_out = sum(1 for c in consumers if c.get("rolledOut"))
+        self.consumers[(namespace, pool)] = (len(consumers), rolled_out)
+
+    def forget_pool(self, namespace: str, pool: str) -> None:
+        self.conditions.pop((namespace, pool), None)
+        self.consumers.pop((namespace, pool), None)

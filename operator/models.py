@@ -1,0 +1,205 @@
+"""The ``MooncakeKVPool`` resource as pydantic models; the CRD schema is generated from them.
+
+The operator's own fields are camelCase, as usual in Kubernetes. The two blocks that
+belong to the connector's contract keep the contract's own field names:
+``connector`` (the fields of ``ConnectorSettings``, as in ``kv_connector_extra_config``)
+and ``consumers[].layout`` (``KVLayout`` itself, vLLM's names).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    create_model,
+)
+from pydantic.alias_generators import to_camel
+
+from kvpool.connector.layout import KVLayout
+from kvpool.connector.settings import ConnectorSettings, parse_size
+from kvpool.operator.quantity import parse_quantity
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, alias_generator=to_camel)
+
+
+def _check_quantity(value: int | str) -> int | str:
+    parse_quantity(value)
+    return value
+
+
+Quantity = Annotated[int | str, AfterValidator(_check_quantity)]
+Port = Annotated[int, Field(ge=1, le=65535)]
+DNSName = Annotated[str, StringConstraints(pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", max_length=253)]
+Endpoint = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9.\-\[\]:]+:[0-9]{1,5}$")]
+# Byte sizes take the contract's own parser: an integer, or a string such as "4GB" (binary units).
+ByteSize = Annotated[int, BeforeValidator(parse_size, json_schema_input_type=int | str)]
+
+
+class Resources(_Model):
+    """Compute resources of a container, as in a Pod."""
+
+    limits: dict[str, Quantity] = Field(default_factory=dict)
+    requests: dict[str, Quantity] = Field(default_factory=dict)
+
+
+class Toleration(_Model):
+    """A Pod toleration."""
+
+    key: str | None = None
+    operator: Literal["Exists", "Equal"] | None = None
+    value: str | None = None
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    toleration_seconds: int | None = None
+
+
+class HASpec(_Model):
+    """Master high availability: several masters elect a leader through etcd."""
+
+    enabled: bool = False
+    etcd_endpoints: list[Endpoint] = Field(
+        default_factory=list, description="etcd endpoints (host:port); required when enabled."
+    )
+
+
+class MasterSpec(_Model):
+    """The Mooncake master (mooncake_master)."""
+
+    replicas: int = Field(default=1, ge=1, description="1 without HA; at least 2 with HA.")
+    ha: HASpec = Field(default_factory=HASpec)
+    rpc_port: Port = Field(default=50051, description="Master RPC port.")
+    metrics_port: Port = Field(default=9003, description="HTTP port of /metrics and /health.")
+    eviction_high_watermark_ratio: float = Field(
+        default=0.95, gt=0, le=1, description="Pool usage that triggers eviction."
+    )
+    eviction_ratio: float = Field(default=0.05, gt=0, le=1, description="Share evicted at once.")
+    lease_ttl_ms: int = Field(default=5000, ge=1, description="Default KV lease TTL (ms).")
+    resources: Resources = Field(default_factory=Resources)
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    tolerations: list[Toleration] = Field(default_factory=list)
+    extra_args: list[str] = Field(default_factory=list, description="More mooncake_master flags.")
+
+
+class StoreSpec(_Model):
+    """Where the pool's memory comes from."""
+
+    mode: Literal["standalone", "embedded"] = Field(
+        default="standalone",
+        description="standalone: store pods own the memory and vLLM contributes none; "
+        "embedded: each vLLM rank contributes a segment and there are no store pods.",
+    )
+    replicas: int = Field(default=1, ge=0, description="Store pods (standalone mode).")
+    segment_size: ByteSize = Field(
+        default=4 << 30,
+        ge=1 << 20,
+        description="Memory each store pod (or vLLM rank, when embedded) contributes: "
+        "bytes or a string like '4GB' (binary units).",
+    )
+    port: Port = Field(default=50052, description="Store client service port.")
+    protocol: Literal["tcp", "rdma"] = "tcp"
+    rdma_devices: list[str] = Field(default_factory=list, description="RDMA devices for rdma.")
+    resources: Resources = Field(default_factory=Resources)
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    tolerations: list[Toleration] = Field(default_factory=list)
+    extra_args: list[str] = Field(default_factory=list, description="More mooncake_client flags.")
+
+
+# The consumer-facing connector options, taken field by field from the contract's
+# ConnectorSettings (same names, types, limits, descriptions). Addresses, protocol and
+# segment sizes are not here: the operator derives them from the pool.
+CONNECTOR_FIELDS = ("cache_prefix", "load_async", "batch_size", "local_buffer_size", "metadata_server")
+
+
+def _contract_field(name: str) -> tuple[Any, Any]:
+    info = ConnectorSettings.model_fields[name]
+    metadata = [
+        BeforeValidator(parse_size, json_schema_input_type=int | str)
+        if isinstance(item, BeforeValidator) and item.func is parse_size
+        else item
+        for item in info.metadata
+    ]
+    annotation = Annotated[(info.annotation, *metadata)] if metadata else info.annotation
+    return annotation, Field(default=info.default, description=info.description)
+
+
+ConnectorSpec: type[BaseModel] = create_model(
+    "ConnectorSpec",
+    __config__=ConfigDict(extra="forbid", frozen=True),
+    __doc__="Connector settings every consumer gets (the contract's field names).",
+    **{name: _contract_field(name) for name in CONNECTOR_FIELDS},
+)
+
+
+class ConsumerSpec(_Model):
+    """A vLLM Deployment in the pool's namespace that uses the pool."""
+
+    name: DNSName = Field(description="Deployment name.")
+    container: DNSName | None = Field(
+        default=None, description="The vLLM container; default: the Deployment's first."
+    )
+    kv_role: Literal["kv_both", "kv_producer", "kv_consumer"] = "kv_both"
+    layout: KVLayout = Field(description="The KV-cache layout the model produces.")
+
+
+class NetworkPolicySpec(_Model):
+    """Who may reach the master and store ports."""
+
+    enabled: bool = True
+    metrics_from: list[dict[str, str]] = Field(
+        default_factory=list,
+        description="Namespace label selectors also allowed to scrape the metrics ports.",
+    )
+
+
+class PoolSpec(_Model):
+    """Desired state of a Mooncake KV-cache pool and its vLLM consumers."""
+
+    image: str = Field(min_length=1, description="Image with mooncake_master and mooncake_client.")
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    master: MasterSpec = Field(default_factory=MasterSpec)
+    store: StoreSpec = Field(default_factory=StoreSpec)
+    connector: ConnectorSpec = Field(default_factory=ConnectorSpec)  # type: ignore[valid-type]
+    consumers: list[ConsumerSpec] = Field(default_factory=list)
+    network_policy: NetworkPolicySpec = Field(default_factory=NetworkPolicySpec)
+
+
+ConditionStatus = Literal["True", "False", "Unknown"]
+CONDITION_TYPES = ("ConfigValid", "MasterReady", "StoreReady", "ConsumersRolledOut")
+
+
+class Condition(_Model):
+    """One status condition."""
+
+    type: str
+    status: ConditionStatus
+    reason: str
+    message: str = ""
+    last_transition_time: str | None = None
+    observed_generation: int | None = None
+
+
+class ConsumerStatus(_Model):
+    """Where one consumer stands."""
+
+    name: str
+    config_hash: str | None = None
+    layout_fingerprint: str | None = None
+    rolled_out: bool = False
+    message: str = ""
+
+
+class PoolStatus(_Model):
+    """Observed state of a pool."""
+
+    observed_generation: int | None = None
+    phase: Literal["Pending", "Progressing", "Ready", "Invalid"] = "Pending"
+    master_address: str | None = None
+    conditions: list[Condition] = Field(default_factory=list)
+    consumers: list[ConsumerStatus] = Field(default_factory=list)

@@ -1,0 +1,79 @@
+"""The desired state of one pool, computed from its spec alone (no API calls)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvpool.connector.layout import Problem
+from kvpool.operator import names
+from kvpool.operator.connector_config import connector_configmap
+from kvpool.operator.consumers import Injection, plan_injection
+from kvpool.operator.master import master_address, master_deployment, master_service
+from kvpool.operator.network import network_policy
+from kvpool.operator.resources import CONFIGMAPS, DEPLOYMENTS, NETWORK_POLICIES, SERVICES, Resource
+from kvpool.operator.store import store_deployment
+from kvpool.operator.validation import validate
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything a pool should have; ``problems`` non-empty means: change nothing."""
+
+    pool: str
+    namespace: str
+    problems: list[Problem] = field(default_factory=list)
+    master_address: str = ""
+    embedded: bool = False
+    children: list[dict[str, Any]] = field(default_factory=list)
+    absent: list[tuple[Resource, str]] = field(default_factory=list)
+    consumers: list[Injection] = field(default_factory=list)
+
+    @property
+    def valid(self) -> bool:
+        return not self.problems
+
+
+def children_names(pool: str) -> list[tuple[Resource, str]]:
+    """Every child a pool may own, whatever its spec (for teardown)."""
+    return [
+        (DEPLOYMENTS, names.store_name(pool)),
+        (DEPLOYMENTS, names.master_name(pool)),
+        (SERVICES, names.master_name(pool)),
+        (NETWORK_POLICIES, names.network_policy_name(pool)),
+        (CONFIGMAPS, names.connector_configmap_name(pool)),
+    ]
+
+
+def build_plan(pool: str, namespace: str, raw_spec: Mapping[str, Any] | None) -> Plan:
+    """Validate the spec and build every desired object from it."""
+    spec, settings, problems = validate(pool, namespace, raw_spec)
+    if problems or spec is None or settings is None:
+        return Plan(pool=pool, namespace=namespace, problems=problems)
+    address = master_address(pool, namespace, spec)
+    configmap = connector_configmap(pool, namespace, settings)
+    children = [
+        configmap,
+        master_deployment(pool, namespace, spec),
+        master_service(pool, namespace, spec),
+    ]
+    absent: list[tuple[Resource, str]] = []
+    embedded = spec.store.mode == "embedded"
+    if embedded:
+        absent.append((DEPLOYMENTS, names.store_name(pool)))
+    else:
+        children.append(store_deployment(pool, namespace, spec, address, settings.metadata_server))
+    if spec.network_policy.enabled:
+        children.append(network_policy(pool, namespace, spec))
+    else:
+        absent.append((NETWORK_POLICIES, names.network_policy_name(pool)))
+    return Plan(
+        pool=pool,
+        namespace=namespace,
+        master_address=address,
+        embedded=embedded,
+        children=children,
+        absent=absent,
+        consumers=[plan_injection(pool, c, settings, configmap) for c in spec.consumers],
+    )

@@ -1,0 +1,154 @@
+"""Every reason a pool spec cannot be served, as the contract's ``Problem`` records.
+
+Consumer layouts go through the connector's own ``check``; connector settings through
+its own ``ConnectorSettings``. The operator adds only the rules about what it runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import ValidationError
+
+from kvpool.connector.layout import Problem, check
+from kvpool.connector.settings import ConnectorSettings, SettingsError
+from kvpool.operator import names, store
+from kvpool.operator.connector_config import pool_settings, settings_field
+from kvpool.operator.models import PoolSpec
+
+
+def location(loc: tuple[int | str, ...], root: str = "spec") -> str:
+    """A field path such as ``spec.consumers[0].layout.groups[1].kind``."""
+    out = root
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else f".{part}"
+    return out
+
+
+def parse_spec(raw: Mapping[str, Any] | None) -> tuple[PoolSpec | None, list[Problem]]:
+    """The typed spec, or the schema problems that prevent it."""
+    try:
+        return PoolSpec.model_validate(dict(raw or {})), []
+    except ValidationError as exc:
+        problems = []
+        for error in exc.errors():
+            message = error["msg"].removeprefix("Value error, ")
+            if error["type"] == "extra_forbidden":
+                message = "unknown field"
+            problems.append(
+                Problem(field=location(error["loc"]), rule=f"schema:{error['type']}", message=message)
+            )
+        return None, problems
+
+
+def _problem(field: str, rule: str, message: str) -> Problem:
+    return Problem(field=field, rule=rule, message=message)
+
+
+def check_master(spec: PoolSpec) -> list[Problem]:
+    master = spec.master
+    problems = []
+    if master.ha.enabled:
+        if master.replicas < 2:
+            problems.append(
+                _problem(
+                    "spec.master.replicas",
+                    "ha-replicas",
+                    f"HA needs at least 2 masters, got {master.replicas}",
+                )
+            )
+        if not master.ha.etcd_endpoints:
+            problems.append(
+                _problem("spec.master.ha.etcdEndpoints", "ha-etcd", "HA needs at least one etcd endpoint")
+            )
+    elif master.replicas != 1:
+        problems.append(
+            _problem(
+                "spec.master.replicas",
+                "single-master",
+                f"without HA there is exactly one master, got {master.replicas}",
+            )
+        )
+    if master.rpc_port == master.metrics_port:
+        problems.append(
+            _problem(
+                "spec.master.metricsPort",
+                "port-conflict",
+                f"metrics port {master.metrics_port} is also the RPC port",
+            )
+        )
+    return problems
+
+
+def check_store(spec: PoolSpec) -> list[Problem]:
+    if spec.store.mode != "standalone":
+        return []
+    problems = []
+    if spec.store.replicas < 1:
+        problems.append(
+            _problem("spec.store.replicas", "store-replicas", "standalone mode needs at least one store pod")
+        )
+    limit = store.memory_limit(spec)
+    if limit is not None and limit < spec.store.segment_size:
+        problems.append(
+            _problem(
+                "spec.store.resources.limits.memory",
+                "store-memory",
+                f"memory limit {limit} bytes cannot hold the {spec.store.segment_size}-byte segment",
+            )
+        )
+    return problems
+
+
+def check_consumers(spec: PoolSpec) -> list[Problem]:
+    problems = []
+    seen: set[str] = set()
+    for index, consumer in enumerate(spec.consumers):
+        where = f"spec.consumers[{index}]"
+        if consumer.name in seen:
+            problems.append(
+                _problem(f"{where}.name", "consumer-unique", f"consumer {consumer.name!r} is listed twice")
+            )
+        seen.add(consumer.name)
+        for p in check(consumer.layout):
+            problems.append(
+                _problem(f"{where}.layout.{p.field}", p.rule, f"consumer {consumer.name!r}: {p.message}")
+            )
+    return problems
+
+
+def check_settings(
+    pool: str, namespace: str, spec: PoolSpec
+) -> tuple[ConnectorSettings | None, list[Problem]]:
+    try:
+        return pool_settings(pool, namespace, spec), []
+    except SettingsError as exc:
+        return None, [
+            _problem(settings_field(field), "connector-settings", message)
+            for field, message in exc.problems.items()
+        ]
+
+
+def validate(
+    pool: str, namespace: str, raw_spec: Mapping[str, Any] | None
+) -> tuple[PoolSpec | None, ConnectorSettings | None, list[Problem]]:
+    """The typed spec and settings, and every problem; usable only when there are none."""
+    problems = []
+    if len(pool) > names.MAX_POOL_NAME:
+        problems.append(
+            _problem(
+                "metadata.name", "name-length", f"pool names are limited to {names.MAX_POOL_NAME} characters"
+            )
+        )
+    spec, schema_problems = parse_spec(raw_spec)
+    if spec is None:
+        return None, None, problems + schema_problems
+    problems += check_master(spec) + check_store(spec) + check_consumers(spec)
+    settings, settings_problems = check_settings(pool, namespace, spec)
+    return spec, settings, problems + settings_problems
+
+
+def describe(problems: list[Problem]) -> str:
+    """One message naming every field and rule."""
+    return "; ".join(str(p) for p in problems)

@@ -1,0 +1,195 @@
+"""Pure builders: every desired object, straight from the spec."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from kvpool.connector.settings import ConnectorSettings
+from kvpool.operator import names
+from kvpool.operator.connector_config import pool_settings
+from kvpool.operator.models import PoolSpec
+from kvpool.operator.plan import build_plan
+from kvpool.operator.resources import DEPLOYMENTS, NETWORK_POLICIES
+from tests.operator.harness import pool_spec
+
+NS = "team-a"
+
+
+def spec(**overrides: Any) -> PoolSpec:
+    return PoolSpec.model_validate(pool_spec(**overrides))
+
+
+def children(raw: dict[str, Any], pool: str = "pool") -> dict[str, dict[str, Any]]:
+    plan = build_plan(pool, NS, raw)
+    assert plan.problems == []
+    return {f"{c['kind']}/{c['metadata']['name']}": c for c in plan.children}
+
+
+def container(deployment: dict[str, Any]) -> dict[str, Any]:
+    (only,) = deployment["spec"]["template"]["spec"]["containers"]
+    return only
+
+
+def test_single_master_is_recreated_and_probed() -> None:
+    objs = children(
+        pool_spec(master={"rpcPort": 50051, "metricsPort": 9003, "leaseTtlMs": 7000, "evictionRatio": 0.1})
+    )
+    master = objs["Deployment/pool-master"]
+    assert master["spec"]["replicas"] == 1
+    assert master["spec"]["strategy"] == {"type": "Recreate"}
+    c = container(master)
+    assert c["command"] == ["mooncake_master"]
+    assert c["args"] == [
+        "--rpc_port=50051",
+        "--metrics_port=9003",
+        "--eviction_high_watermark_ratio=0.95",
+        "--eviction_ratio=0.1",
+        "--default_kv_lease_ttl=7000",
+    ]
+    assert c["readinessProbe"]["tcpSocket"] == {"port": "rpc"}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/health", "port": "metrics"}
+    assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"rpc": 50051, "metrics": 9003}
+    assert master["spec"]["selector"]["matchLabels"] == names.selector("pool", "master")
+    labels = master["spec"]["template"]["metadata"]["labels"]
+    assert labels.items() >= master["spec"]["selector"]["matchLabels"].items()
+
+
+def test_ha_master_uses_etcd_and_rolls() -> None:
+    raw = pool_spec(
+        master={"replicas": 3, "ha": {"enabled": True, "etcdEndpoints": ["etcd-0:2379", "etcd-1:2379"]}}
+    )
+    plan = build_plan("pool", NS, raw)
+    assert plan.problems == []
+    master = next(
+        c for c in plan.children if c["metadata"]["name"] == "pool-master" and c["kind"] == "Deployment"
+    )
+    assert master["spec"]["replicas"] == 3
+    assert master["spec"]["strategy"]["type"] == "RollingUpdate"
+    args = container(master)["args"]
+    assert "--enable_ha=true" in args
+    assert "--ha_backend_type=etcd" in args
+    assert "--etcd_endpoints=etcd-0:2379;etcd-1:2379" in args
+    assert "--rpc_address=$(POD_IP)" in args
+    assert plan.master_address == "etcd://etcd-0:2379;etcd-1:2379"
+    kv = json.loads(plan.consumers[0].kv_transfer_config)
+    assert kv["kv_connector_extra_config"]["master_server_address"] == plan.master_address
+
+
+def test_master_service_exposes_rpc_and_metrics() -> None:
+    service = children(pool_spec())["Service/pool-master"]
+    assert service["spec"]["selector"] == names.selector("pool", "master")
+    assert [(p["name"], p["port"], p["targetPort"]) for p in service["spec"]["ports"]] == [
+        ("rpc", 50051, "rpc"),
+        ("metrics", 9003, "metrics"),
+    ]
+
+
+def test_store_pods_hold_the_segment() -> None:
+    store = children(
+        pool_spec(store={"segmentSize": "2GB", "replicas": 3, "port": 50060, "nodeSelector": {"pool": "mem"}})
+    )["Deployment/pool-store"]
+    assert store["spec"]["replicas"] == 3
+    c = container(store)
+    assert c["command"] == ["mooncake_client"]
+    assert "--global_segment_size=2147483648" in c["args"]
+    assert "--master_server_address=pool-master.team-a.svc:50051" in c["args"]
+    assert "--metadata_server=P2PHANDSHAKE" in c["args"]
+    assert "--port=50060" in c["args"]
+    # No memory limit given: one that holds the segment plus overhead.
+    assert c["resources"]["limits"]["memory"] == "2560Mi"
+    assert store["spec"]["template"]["spec"]["nodeSelector"] == {"pool": "mem"}
+
+
+def test_store_keeps_an_explicit_limit_and_rdma_gets_its_devices() -> None:
+    raw = pool_spec(
+        store={
+            "segmentSize": "1GB",
+            "protocol": "rdma",
+            "rdmaDevices": ["mlx5_0", "mlx5_1"],
+            "resources": {"limits": {"memory": "4Gi", "cpu": 2}},
+        }
+    )
+    c = container(children(raw)["Deployment/pool-store"])
+    assert c["resources"] == {"limits": {"memory": "4Gi", "cpu": 2}}
+    assert "--device_names=mlx5_0,mlx5_1" in c["args"]
+    assert c["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["IPC_LOCK"]}
+
+
+def test_every_pod_runs_as_non_root() -> None:
+    for obj in children(pool_spec()).values():
+        if obj["kind"] != "Deployment":
+            continue
+        pod = obj["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["securityContext"]["runAsUser"] != 0
+        for c in pod["containers"]:
+            sc = c["securityContext"]
+            assert sc["allowPrivilegeEscalation"] is False
+            assert sc["readOnlyRootFilesystem"] is True
+            assert "ALL" in sc["capabilities"]["drop"]
+
+
+def test_configmap_is_the_contracts_rendering() -> None:
+    raw = pool_spec(connector={"cache_prefix": "team-a", "batch_size": 64, "load_async": True})
+    configmap = children(raw)["ConfigMap/pool-connector"]
+    settings = ConnectorSettings.parse(
+        {
+            "master_server_address": "pool-master.team-a.svc:50051",
+            "cache_prefix": "team-a",
+            "batch_size": 64,
+            "load_async": True,
+        }
+    )
+    assert configmap["data"][names.MOONCAKE_CONFIG_FILE] == (
+        json.dumps(settings.mooncake_config(), indent=2, sort_keys=True) + "\n"
+    )
+    assert configmap["data"][names.KV_TRANSFER_CONFIG_FILE] == settings.kv_transfer_config_json()
+
+
+def test_embedded_mode_has_no_store_pods_and_gives_vllm_the_segment() -> None:
+    raw = pool_spec(store={"mode": "embedded", "segmentSize": "512MB"})
+    plan = build_plan("pool", NS, raw)
+    assert plan.problems == []
+    assert plan.embedded
+    assert not any(c["metadata"]["name"] == "pool-store" for c in plan.children)
+    assert (DEPLOYMENTS, "pool-store") in plan.absent
+    settings = pool_settings("pool", NS, spec(store={"mode": "embedded", "segmentSize": "512MB"}))
+    assert settings.global_segment_size == 512 << 20
+    assert pool_settings("pool", NS, spec()).global_segment_size == 0
+
+
+def test_network_policy_admits_only_the_pool() -> None:
+    raw = pool_spec(networkPolicy={"metricsFrom": [{"kubernetes.io/metadata.name": "monitoring"}]})
+    policy = children(raw)["NetworkPolicy/pool-kvpool"]
+    selector = policy["spec"]["podSelector"]
+    assert selector["matchLabels"] == {names.LABEL_POOL: "pool"}
+    assert selector["matchExpressions"][0]["values"] == ["master", "store"]
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    own, metrics = policy["spec"]["ingress"]
+    assert own == {"from": [{"podSelector": {"matchLabels": {names.LABEL_POOL: "pool"}}}]}
+    assert metrics["ports"] == [{"protocol": "TCP", "port": 9003}]
+    assert metrics["from"] == [
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+    ]
+    disabled = build_plan("pool", NS, pool_spec(networkPolicy={"enabled": False}))
+    assert (NETWORK_POLICIES, "pool-kvpool") in disabled.absent
+
+
+def test_consumer_hash_follows_settings_and_layout_only() -> None:
+    def injection(raw: dict[str, Any]) -> Any:
+        return build_plan("pool", NS, raw).consumers[0]
+
+    base = injection(pool_spec())
+    assert base.config_hash == injection(pool_spec()).config_hash
+    assert injection(pool_spec(master={"leaseTtlMs": 9000})).config_hash == base.config_hash
+    assert injection(pool_spec(connector={"cache_prefix": "other"})).config_hash != base.config_hash
+    changed_layout = pool_spec()
+    changed_layout["consumers"][0]["layout"]["groups"][1]["sliding_window"] = 2048
+    changed = injection(changed_layout)
+    assert changed.layout_fingerprint != base.layout_fingerprint
+    assert changed.config_hash != base.config_hash
+
+
+def test_builders_are_deterministic() -> None:
+    assert build_plan("pool", NS, pool_spec()) == build_plan("pool", NS, pool_spec())

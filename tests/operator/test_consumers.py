@@ -1,0 +1,222 @@
+"""Consumer Deployments: injection and restoration as pure merge patches."""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvpool.operator import names
+from kvpool.operator.consumers import (
+    ConsumerError,
+    Injection,
+    inject_patch,
+    injected,
+    restore_patch,
+    restored,
+    split_flag,
+)
+from kvpool.operator.patching import apply
+from kvpool.operator.plan import build_plan
+from tests.operator.harness import ORIGINAL_KV_CONFIG, pool_spec, vllm_deployment
+
+
+def injection(**overrides: Any) -> Injection:
+    return build_plan("pool", "team-a", pool_spec(**overrides)).consumers[0]
+
+
+def vllm(deployment: dict[str, Any]) -> dict[str, Any]:
+    return deployment["spec"]["template"]["spec"]["containers"][0]
+
+
+def flags(container: dict[str, Any]) -> list[str]:
+    tokens = list(container.get("command") or []) + list(container.get("args") or [])
+    return [t for t in tokens if t.startswith(("--kv-transfer-config", "--kv_transfer_config"))]
+
+
+def test_injection_replaces_the_transfer_config_and_mounts_the_settings() -> None:
+    inj = injection()
+    original = vllm_deployment()
+    new = apply(original, inject_patch(original, inj))
+    c = vllm(new)
+    assert flags(c) == [f"--kv-transfer-config={inj.kv_transfer_config}"]
+    assert c["args"][:4] == ["--model", "org/model", "--port", "8000"]
+    env = {e["name"]: e for e in c["env"]}
+    assert env["MOONCAKE_CONFIG_PATH"]["value"] == "/etc/kvpool/mooncake.json"
+    assert env["PYTHONHASHSEED"]["value"] == "0"
+    assert env["POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    assert env["HF_HOME"]["value"] == "/cache"
+    assert {"name": names.CONNECTOR_VOLUME, "mountPath": "/etc/kvpool", "readOnly": True} in (
+        c["volumeMounts"]
+    )
+    pod = new["spec"]["template"]
+    assert {"name": names.CONNECTOR_VOLUME, "configMap": {"name": "pool-connector"}} in (
+        pod["spec"]["volumes"]
+    )
+    assert pod["metadata"]["annotations"][names.ANNOTATION_CONFIG_HASH] == inj.config_hash
+    assert pod["metadata"]["labels"][names.LABEL_POOL] == "pool"
+    assert new["metadata"]["labels"][names.LABEL_CONSUMER_OF] == "pool"
+    # The sidecar is untouched.
+    assert (
+        new["spec"]["template"]["spec"]["containers"][1]
+        == (original["spec"]["template"]["spec"]["containers"][1])
+    )
+
+
+def test_the_rendered_transfer_config_is_the_contracts() -> None:
+    kv = json.loads(injection().kv_transfer_config)
+    assert kv["kv_connector"] == "KVPoolConnector"
+    assert kv["kv_connector_module_path"] == "kvpool.connector"
+    extra = kv["kv_connector_extra_config"]
+    assert extra["cache_prefix"] == "team-a"
+    assert extra["master_server_address"] == "pool-master.team-a.svc:50051"
+    assert extra["local_hostname"] == "$(POD_IP)"
+    assert extra["global_segment_size"] == 0
+
+
+def test_an_unchanged_hash_changes_nothing() -> None:
+    inj = injection()
+    once = injected(vllm_deployment(), inj)
+    assert inject_patch(once, inj) == {}
+
+
+def test_a_new_hash_patches_only_what_changed() -> None:
+    once = injected(vllm_deployment(), injection())
+    once["metadata"]["resourceVersion"] = "41"
+    other = injection(connector={"cache_prefix": "other"})
+    patch = inject_patch(once, other)
+    assert patch["metadata"] == {"resourceVersion": "41"}
+    template = patch["spec"]["template"]
+    assert template["metadata"] == {"annotations": {names.ANNOTATION_CONFIG_HASH: other.config_hash}}
+    assert set(template["spec"]) == {"containers"}  # volumes and the rest unchanged
+    assert flags(vllm(apply(once, patch))) == [f"--kv-transfer-config={other.kv_transfer_config}"]
+
+
+@pytest.mark.parametrize(
+    "tokens",
+    [
+        ["--kv-transfer-config", "{}", "--x"],
+        ["--kv-transfer-config={}", "--x"],
+        ["--kv_transfer_config", "{}", "--x"],
+        ["--x", "--kv_transfer_config={}"],
+    ],
+)
+def test_every_spelling_of_the_flag_is_replaced(tokens: list[str]) -> None:
+    assert split_flag(tokens) == (["--x"], "{}")
+    deployment = vllm_deployment()
+    vllm(deployment)["args"] = tokens
+    assert len(flags(vllm(injected(deployment, injection())))) == 1
+
+
+def test_a_flag_in_the_command_is_replaced_too() -> None:
+    deployment = vllm_deployment()
+    c = vllm(deployment)
+    c["command"] = ["vllm", "serve", "m", "--kv-transfer-config", ORIGINAL_KV_CONFIG]
+    del c["args"]
+    new = injected(deployment, injection())
+    assert vllm(new)["command"] == ["vllm", "serve", "m"]
+    assert len(flags(vllm(new))) == 1
+    assert restored(new) == deployment
+
+
+def test_restoring_gives_back_the_original() -> None:
+    original = vllm_deployment()
+    once = injected(original, injection())
+    twice = injected(once, injection(connector={"cache_prefix": "other"}))
+    assert restored(twice) == original
+    assert apply(twice, restore_patch(twice)) == original
+    assert restore_patch(original) == {}
+
+
+def test_restoring_keeps_changes_made_in_between() -> None:
+    once = injected(vllm_deployment(), injection())
+    vllm(once)["args"].insert(0, "--enforce-eager")
+    vllm(once)["env"].append({"name": "EXTRA", "value": "1"})
+    back = vllm(restored(once))
+    assert back["args"] == [
+        "--enforce-eager",
+        "--model",
+        "org/model",
+        "--port",
+        "8000",
+        f"--kv-transfer-config={ORIGINAL_KV_CONFIG}",
+    ]
+    assert [e["name"] for e in back["env"]] == ["HF_HOME", "EXTRA", "PYTHONHASHSEED"]
+    assert {"name": "PYTHONHASHSEED", "value": "42"} in back["env"]
+
+
+def test_a_missing_container_is_reported() -> None:
+    with pytest.raises(ConsumerError, match="no container 'vllm'"):
+        injected(
+            vllm_deployment()
+            | {"spec": {"template": {"spec": {"containers": [{"name": "other", "image": "x"}]}}}},
+            injection(),
+        )
+
+
+def test_the_first_container_is_the_default() -> None:
+    inj = build_plan(
+        "pool",
+        "team-a",
+        pool_spec(consumers=[{"name": "llm", "layout": {"groups": [{"kind": "full", "block_size": 16}]}}]),
+    ).consumers[0]
+    assert inj.container is None
+    assert len(flags(vllm(injected(vllm_deployment(), inj)))) == 1
+
+
+tokens = st.lists(
+    st.sampled_from(
+        [
+            "--model",
+            "m",
+            "--port",
+            "8000",
+            "--kv-transfer-config",
+            "{}",
+            "--kv_transfer_config={}",
+            "-tp",
+            "2",
+        ]
+    ),
+    max_size=8,
+)
+env_entries = st.lists(
+    st.builds(
+        lambda n, v: {"name": n, "value": v},
+        st.sampled_from(["A", "B", "PYTHONHASHSEED", "POD_IP", "MOONCAKE_CONFIG_PATH"]),
+        st.sampled_from(["1", "2"]),
+    ),
+    max_size=4,
+    unique_by=lambda e: e["name"],
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    args=st.none() | tokens, command=st.none() | tokens, env=st.none() | env_entries, volumes=st.booleans()
+)
+def test_inject_then_restore_is_the_identity(
+    args: list[str] | None,
+    command: list[str] | None,
+    env: list[dict[str, str]] | None,
+    volumes: bool,
+) -> None:
+    deployment = vllm_deployment()
+    c = vllm(deployment)
+    for key, value in (("args", args), ("command", command), ("env", env)):
+        if value is None:
+            c.pop(key, None)
+        else:
+            c[key] = value
+    if volumes:
+        deployment["spec"]["template"]["spec"]["volumes"] = [{"name": "cache", "emptyDir": {}}]
+    original = copy.deepcopy(deployment)
+    new = injected(deployment, injection())
+    assert deployment == original  # pure
+    assert len(flags(vllm(new))) == 1
+    assert inject_patch(new, injection()) == {}
+    assert restored(new) == original

@@ -1,0 +1,81 @@
+"""A pool's spec evolving through every kind of change, and the RBAC rules it needs."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpool.operator.rbac import RULES, request_permission
+from tests.operator.harness import (
+    DEPLOYMENTS_PATH,
+    NAMESPACE,
+    POOLS_PATH,
+    Cluster,
+    Operator,
+    as_created,
+    converge,
+    eventually,
+    kv_flags,
+    pool_manifest,
+    template,
+    vllm_deployment,
+)
+
+pytestmark = pytest.mark.asyncio
+NETPOL = "networking.k8s.io/v1/networkpolicies"
+
+
+async def test_every_change_converges_and_uses_every_rule(cluster: Cluster, operator: Operator) -> None:
+    await cluster.create(vllm_deployment())
+    await cluster.create(pool_manifest())
+    await converge(cluster, generation=1)
+
+    # A new RPC port: Service, master, ConfigMap and the consumer follow.
+    await cluster.patch_pool(
+        "pool",
+        {"spec": {"master": {"rpcPort": 50100}, "networkPolicy": {"metricsFrom": [{"team": "monitoring"}]}}},
+    )
+    status = await converge(cluster, generation=2)
+    assert status["masterAddress"] == f"pool-master.{NAMESPACE}.svc:50100"
+    service = cluster.get("v1/services", "pool-master")
+    assert service is not None and service["spec"]["ports"][0]["port"] == 50100
+    assert "pool-master.team-a.svc:50100" in kv_flags(cluster.get(DEPLOYMENTS_PATH, "llm"))[0]
+    policy = cluster.get(NETPOL, "pool-kvpool")
+    assert policy is not None and len(policy["spec"]["ingress"]) == 2
+
+    # Embedded mode, no NetworkPolicy: store pods and the policy go away.
+    await cluster.patch_pool(
+        "pool", {"spec": {"store": {"mode": "embedded"}, "networkPolicy": {"enabled": False}}}
+    )
+    status = await converge(cluster, generation=3)
+    assert cluster.get(DEPLOYMENTS_PATH, "pool-store") is None
+    assert cluster.get(NETPOL, "pool-kvpool") is None
+    assert {c["type"]: c["reason"] for c in status["conditions"]}["StoreReady"] == "Embedded"
+    assert '"global_segment_size":1073741824' in kv_flags(cluster.get(DEPLOYMENTS_PATH, "llm"))[0]
+
+    # No consumers: the Deployment gets its own settings back.
+    await cluster.patch_pool("pool", {"spec": {"consumers": []}})
+    await eventually(
+        lambda: template(cluster.get(DEPLOYMENTS_PATH, "llm")) == template(as_created(cluster, "llm")),
+        what="consumer released",
+    )
+    await converge(cluster, generation=4)
+
+    await cluster.delete_pool("pool")
+    await eventually(lambda: cluster.get(POOLS_PATH, "pool") is None, what="pool gone")
+    assert cluster.get("v1/configmaps", "pool-connector") is None
+    assert cluster.get("v1/services", "pool-master") is None
+
+    # Every request was allowed by RBAC (the fixture checks), and every rule was needed.
+    used = {
+        (p.api_group, p.resource, p.verb)
+        for r in cluster.requests()
+        if (p := request_permission(r.method, str(r.url))) is not None
+    }
+    granted = {
+        (rule.api_group, resource, verb)
+        for rule in RULES
+        for resource in rule.resources
+        for verb in rule.verbs
+    }
+    assert granted - used == set()
+    assert used - granted == set()

@@ -1,0 +1,138 @@
+"""RBAC rules, metric names, quantities, CLI, imports."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from kvpool.operator import metric_names, metrics
+from kvpool.operator.cli import _parser, config_from_args, main
+from kvpool.operator.quantity import format_bytes, parse_quantity
+from kvpool.operator.rbac import RULES, WEBHOOK_RULES, Permission, allowed, request_permission
+
+
+@pytest.mark.parametrize(
+    ("method", "url", "expected"),
+    [
+        (
+            "GET",
+            "/apis/kvpool.mooncake.io/v1alpha1/mooncakekvpools?watch=true",
+            Permission("kvpool.mooncake.io", "mooncakekvpools", "watch"),
+        ),
+        (
+            "GET",
+            "/apis/kvpool.mooncake.io/v1alpha1/mooncakekvpools",
+            Permission("kvpool.mooncake.io", "mooncakekvpools", "list"),
+        ),
+        (
+            "PATCH",
+            "/apis/kvpool.mooncake.io/v1alpha1/namespaces/a/mooncakekvpools/p/status",
+            Permission("kvpool.mooncake.io", "mooncakekvpools/status", "patch"),
+        ),
+        (
+            "GET",
+            "/apis/apps/v1/namespaces/a/deployments?labelSelector=x",
+            Permission("apps", "deployments", "list"),
+        ),
+        ("DELETE", "/api/v1/namespaces/a/configmaps/c", Permission("", "configmaps", "delete")),
+        ("POST", "/api/v1/namespaces/a/events", Permission("", "events", "create")),
+        ("GET", "/apis", None),
+        ("GET", "/api/v1", None),
+        ("GET", "/apis/apps/v1", None),
+    ],
+)
+def test_requests_map_to_permissions(method: str, url: str, expected: Permission | None) -> None:
+    assert request_permission(method, url) == expected
+
+
+def test_rules_have_no_wildcards_and_grant_what_they_say() -> None:
+    for rule in RULES + WEBHOOK_RULES:
+        assert "*" not in rule.verbs and "*" not in rule.resources and rule.api_group != "*"
+    assert allowed(Permission("apps", "deployments", "patch"))
+    assert allowed(Permission("", "secrets", "get")) is None
+    assert allowed(Permission("kvpool.mooncake.io", "mooncakekvpools", "delete")) is None
+
+
+def test_cli_prints_rbac(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["rbac"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out) == [r.as_dict() for r in RULES]
+
+
+def test_cli_run_options() -> None:
+    args = _parser().parse_args(
+        ["run", "-n", "a", "-n", "b", "--metrics-port", "0", "--liveness", "", "--webhook-port", "9443"]
+    )
+    config = config_from_args(args)
+    assert config.namespaces == ("a", "b")
+    assert config.metrics_port is None and config.liveness_endpoint is None
+    assert config.webhook is not None and config.webhook.port == 9443
+
+
+def test_metric_names_are_unique_and_registered() -> None:
+    names = [m.name for m in metric_names.ALL]
+    assert len(names) == len(set(names)) == len(metric_names.BY_NAME)
+    assert all(n.startswith(metric_names.PREFIX) for n in names)
+    families = {f.name: f.type for f in metrics.OperatorMetrics().registry.collect()}
+    for spec in metric_names.ALL:
+        assert families.get(spec.name) == spec.kind.value, spec.name
+
+
+def test_names_import_no_prometheus_client() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, kvpool.operator.metric_names; assert 'prometheus_client' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_operator_imports_neither_vllm_nor_torch() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, kvpool.operator.runner, kvpool.operator.cli; "
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('vllm', 'torch')); "
+        "assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_pool_gauges_follow_status() -> None:
+    m = metrics.OperatorMetrics()
+
+    def sample(spec: metric_names.MetricSpec, **labels: str) -> float | None:
+        return m.registry.get_sample_value(spec.exported, labels)
+
+    status = {
+        "conditions": [{"type": "ConfigValid", "status": "True"}],
+        "consumers": [{"rolledOut": True}, {"rolledOut": False}],
+    }
+    m.observe_pool("a", "p", status)
+    assert sample(metric_names.POOLS, condition="ConfigValid", status="True") == 1
+    assert sample(metric_names.CONSUMERS_ROLLED_OUT, namespace="a", pool="p") == 1
+    assert sample(metric_names.CONSUMERS, namespace="a", pool="p") == 2
+    m.forget_pool("a", "p")
+    assert sample(metric_names.POOLS, condition="ConfigValid", status="True") == 0
+    assert sample(metric_names.CONSUMERS, namespace="a", pool="p") is None
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [
+        ("8Gi", 8 << 30),
+        ("500M", 500_000_000),
+        ("1e3", 1000),
+        ("100m", 0.1),
+        (512, 512),
+        ("1.5Gi", 3 << 29),
+    ],
+)
+def test_quantities(text: str | int, value: float) -> None:
+    assert float(parse_quantity(text)) == pytest.approx(value)
+
+
+def test_bad_quantities_and_formatting() -> None:
+    with pytest.raises(ValueError):
+        parse_quantity("8 gigs")
+    assert format_bytes(5 << 29) == "2560Mi"
+    assert format_bytes(1000) == "1000"

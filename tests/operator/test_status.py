@@ -1,0 +1,100 @@
+"""Status: rollout progress, conditions, phase."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvpool.connector.layout import Problem
+from kvpool.operator.status import (
+    ConsumerState,
+    condition_of,
+    deployment_progress,
+    invalid_status,
+    valid_status,
+)
+
+
+def deployment(
+    generation: int = 2, observed: int | None = 2, replicas: int = 2, updated: int = 2, available: int = 2
+) -> dict[str, Any]:
+    status: dict[str, Any] = {"updatedReplicas": updated, "availableReplicas": available}
+    if observed is not None:
+        status["observedGeneration"] = observed
+    return {"metadata": {"generation": generation}, "spec": {"replicas": replicas}, "status": status}
+
+
+def test_progress_needs_the_new_generation_observed_and_all_replicas() -> None:
+    assert deployment_progress(deployment()).done
+    assert not deployment_progress(deployment(observed=1)).done
+    assert not deployment_progress(deployment(observed=None)).done
+    assert not deployment_progress(deployment(updated=1)).done
+    assert not deployment_progress(deployment(available=1)).done
+    assert not deployment_progress(None).done
+    assert "not yet observed" in deployment_progress(deployment(observed=1)).message
+
+
+def valid(
+    consumers: list[ConsumerState],
+    old: dict[str, Any] | None = None,
+    now: str = "t1",
+    store: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    return valid_status(
+        master_address="m:1",
+        master=deployment(),
+        store=store or deployment(),
+        embedded=False,
+        consumers=consumers,
+        old=old or {},
+        generation=2,
+        now=now,
+    )
+
+
+def test_all_ready_is_ready() -> None:
+    status = valid([ConsumerState("llm", "h", "f", True, "ok")])
+    assert status["phase"] == "Ready"
+    assert status["observedGeneration"] == 2
+    assert {c["type"]: c["status"] for c in status["conditions"]} == {
+        "ConfigValid": "True",
+        "MasterReady": "True",
+        "StoreReady": "True",
+        "ConsumersRolledOut": "True",
+    }
+    assert status["consumers"] == [
+        {"name": "llm", "configHash": "h", "layoutFingerprint": "f", "rolledOut": True, "message": "ok"}
+    ]
+
+
+def test_pending_consumers_keep_it_progressing() -> None:
+    status = valid([ConsumerState("llm", "h", "f", False, "1 updated")], store=deployment(available=0))
+    assert status["phase"] == "Progressing"
+    assert condition_of(status, "ConsumersRolledOut")["message"] == "waiting for: llm"
+    assert condition_of(status, "StoreReady")["status"] == "False"
+
+
+def test_transition_times_move_only_on_change() -> None:
+    first = valid([ConsumerState("llm", "h", "f", False, "")], now="t1")
+    second = valid([ConsumerState("llm", "h", "f", True, "")], old=first, now="t2")
+    times = {c["type"]: c["lastTransitionTime"] for c in second["conditions"]}
+    assert times == {"ConfigValid": "t1", "MasterReady": "t1", "StoreReady": "t1", "ConsumersRolledOut": "t2"}
+    assert valid([ConsumerState("llm", "h", "f", True, "")], old=second, now="t3") == second
+
+
+def test_an_invalid_spec_keeps_the_other_conditions() -> None:
+    ready = valid([ConsumerState("llm", "h", "f", True, "")])
+    problem = Problem(
+        field="spec.consumers[0].layout.groups[1].kind",
+        rule="cross-attention",
+        message="consumer 'llm': group 1 is cross attention",
+    )
+    status = invalid_status([problem], ready, 3, "t9")
+    assert status["phase"] == "Invalid"
+    valid_condition = condition_of(status, "ConfigValid")
+    assert valid_condition["status"] == "False"
+    assert valid_condition["reason"] == "InvalidLayout"
+    assert valid_condition["message"] == str(problem)
+    assert condition_of(status, "MasterReady")["status"] == "True"
+    assert status["consumers"] == ready["consumers"]
+    fresh = invalid_status([problem], {}, 1, "t1")
+    assert condition_of(fresh, "MasterReady")["status"] == "Unknown"

@@ -1,0 +1,127 @@
+"""Validation: the contract's rules for layouts and settings, the operator's own for the pool."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kvpool.connector.layout import KVLayout, check
+from kvpool.operator.handlers import admission_problems
+from kvpool.operator.plan import build_plan
+from tests.operator.harness import full_group, layout, pool_manifest, pool_spec
+
+
+def problems(raw: dict[str, Any], pool: str = "pool") -> list[tuple[str, str]]:
+    return [(p.field, p.rule) for p in build_plan(pool, "ns", raw).problems]
+
+
+def with_consumer_layout(groups: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    raw = pool_spec()
+    raw["consumers"][0]["layout"] = layout(*groups, **extra)
+    return raw
+
+
+def test_a_good_spec_has_no_problems() -> None:
+    assert problems(pool_spec()) == []
+
+
+@pytest.mark.parametrize(
+    ("groups", "extra", "expected"),
+    [
+        (
+            [full_group(), {"kind": "cross", "block_size": 16}],
+            {},
+            ("spec.consumers[0].layout.groups[1].kind", "cross-attention"),
+        ),
+        (
+            [full_group(), {"kind": "mamba", "block_size": 16, "mamba_cache_mode": "all"}],
+            {},
+            ("spec.consumers[0].layout.groups[1].mamba_cache_mode", "mamba-align"),
+        ),
+        (
+            [full_group(), {"kind": "sliding_window", "block_size": 16, "sliding_window": 128}],
+            {"dcp_size": 2},
+            ("spec.consumers[0].layout.dcp_size", "hybrid-context-parallel"),
+        ),
+        (
+            [{"kind": "sliding_window", "block_size": 16}],
+            {},
+            ("spec.consumers[0].layout.groups[0].sliding_window", "window-required"),
+        ),
+    ],
+)
+def test_layouts_go_through_the_contracts_check(
+    groups: list[dict[str, Any]], extra: dict[str, Any], expected: tuple[str, str]
+) -> None:
+    raw = with_consumer_layout(groups=groups, **extra)
+    assert expected in problems(raw)
+    # The same rule set as the connector's own: one problem per contract problem.
+    contract = check(KVLayout.model_validate(raw["consumers"][0]["layout"]))
+    assert {p.rule for p in contract} == {rule for _, rule in problems(raw)}
+
+
+def test_messages_name_consumer_group_and_rule() -> None:
+    raw = with_consumer_layout(groups=[full_group(), {"kind": "cross", "block_size": 16}])
+    (problem,) = build_plan("pool", "ns", raw).problems
+    text = str(problem)
+    assert "spec.consumers[0].layout.groups[1].kind" in text
+    assert "consumer 'llm'" in text
+    assert "[cross-attention]" in text
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        ({"master": {"replicas": 2}}, ("spec.master.replicas", "single-master")),
+        (
+            {"master": {"replicas": 1, "ha": {"enabled": True, "etcdEndpoints": ["e:2379"]}}},
+            ("spec.master.replicas", "ha-replicas"),
+        ),
+        ({"master": {"replicas": 2, "ha": {"enabled": True}}}, ("spec.master.ha.etcdEndpoints", "ha-etcd")),
+        ({"master": {"rpcPort": 9003}}, ("spec.master.metricsPort", "port-conflict")),
+        ({"store": {"replicas": 0}}, ("spec.store.replicas", "store-replicas")),
+        (
+            {"store": {"segmentSize": "8GB", "resources": {"limits": {"memory": "6Gi"}}}},
+            ("spec.store.resources.limits.memory", "store-memory"),
+        ),
+        ({"store": {"protocol": "rdma"}}, ("spec.store.rdmaDevices", "connector-settings")),
+        (
+            {"connector": {"cache_prefix": "no spaces"}},
+            ("spec.connector.cache_prefix", "schema:string_pattern_mismatch"),
+        ),
+        ({"master": {"rpcPort": "x"}}, ("spec.master.rpcPort", "schema:int_parsing")),
+        ({"store": {"mode": "shared"}}, ("spec.store.mode", "schema:literal_error")),
+        ({"surprise": 1}, ("spec.surprise", "schema:extra_forbidden")),
+        (
+            {"store": {"resources": {"limits": {"memory": "lots"}}}},
+            ("spec.store.resources.limits.memory", "schema:value_error"),
+        ),
+    ],
+)
+def test_pool_rules(overrides: dict[str, Any], expected: tuple[str, str]) -> None:
+    assert expected in problems(pool_spec(**overrides))
+
+
+def test_memory_limit_that_holds_the_segment_is_fine() -> None:
+    assert problems(pool_spec(store={"segmentSize": "4GB", "resources": {"limits": {"memory": "5Gi"}}})) == []
+
+
+def test_duplicate_consumers_and_long_names() -> None:
+    raw = pool_spec()
+    raw["consumers"].append(dict(raw["consumers"][0]))
+    assert ("spec.consumers[1].name", "consumer-unique") in problems(raw)
+    assert ("metadata.name", "name-length") in problems(pool_spec(), pool="p" * 60)
+
+
+def test_an_invalid_plan_builds_nothing() -> None:
+    plan = build_plan("pool", "ns", pool_spec(master={"replicas": 2}))
+    assert not plan.valid
+    assert plan.children == [] and plan.consumers == [] and plan.absent == []
+
+
+def test_the_webhook_uses_the_same_messages() -> None:
+    raw = with_consumer_layout(groups=[full_group(), {"kind": "cross", "block_size": 16}])
+    message = admission_problems(pool_manifest(spec=raw))
+    assert message == str(build_plan("pool", "team-a", raw).problems[0])
+    assert admission_problems(pool_manifest()) is None
