@@ -22,10 +22,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from kvpool.connector import tracing
 from kvpool.connector.keys import KeySpace
 from kvpool.connector.layout import check_or_raise, fingerprint
 from kvpool.connector.logs import get_logger
 from kvpool.connector.metadata import PoolConnectorMetadata
+from kvpool.connector.pool_stats import PoolConnectorStats, PoolPromMetrics, records_to_data
 from kvpool.connector.scheduler_side import SchedulerSide
 from kvpool.connector.settings import ConnectorSettings
 from kvpool.connector.stats import StatsCollector
@@ -71,6 +73,7 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
                 "request instead of being recomputed; set it to 'recompute'",
                 transfer.kv_load_failure_policy,
             )
+        tracing.configure_from_env()
         self.keyspace = KeySpace(self.settings.cache_prefix, fingerprint(self.layout))
         self.stats = StatsCollector(group_kinds=tuple(g.kind.value for g in self.layout.groups))
         self._scheduler: SchedulerSide | None = None
@@ -152,6 +155,27 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> tuple[bool, dict[str, Any] | None]:
         return self._sched().request_finished(request.request_id), None
 
+    # ==== stats (both sides) ================================================
+    def get_kv_connector_stats(self) -> PoolConnectorStats | None:
+        lookups, transfers = self.stats.drain()
+        if not lookups and not transfers:
+            return None
+        return PoolConnectorStats(data=records_to_data(lookups, transfers))
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> PoolConnectorStats:
+        return PoolConnectorStats(data=data or {})
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> PoolPromMetrics:
+        return PoolPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     # ==== worker side =======================================================
     def _work(self) -> WorkerSide:
         assert self._worker is not None, "worker-side call on a scheduler connector"
@@ -199,6 +223,7 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
+        tracing.flush()
         client, self._client = getattr(self, "_client", None), None
         if client is not None:
             release_client(client)

@@ -145,12 +145,19 @@ def create_llm(opts: EngineOptions) -> Any:
 
 
 def generate(
-    llm: Any, prompts: list[Prompt], max_tokens: int = 16, *, logprobs: bool = False
+    llm: Any,
+    prompts: list[Prompt],
+    max_tokens: int = 16,
+    *,
+    logprobs: bool = False,
+    trace_headers: dict[str, str] | None = None,
 ) -> list[RequestResult]:
     """Greedy-generate exactly ``max_tokens`` tokens for each token-id prompt.
 
     With ``logprobs`` the log-probability of each chosen token is returned too
     (a finer check than token ids that KV loaded from a store is bit-exact).
+    With ``trace_headers`` (W3C ``traceparent``) every request carries them,
+    as an API server passes a client's headers.
     """
     from vllm import SamplingParams
 
@@ -161,7 +168,10 @@ def generate(
         detokenize=False,
         logprobs=0 if logprobs else None,
     )
-    outs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+    if trace_headers:
+        outs = _generate_with_headers(llm, prompts, params, trace_headers)
+    else:
+        outs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
     results = []
     for prompt, out in zip(prompts, outs, strict=True):
         comp = out.outputs[0]
@@ -179,6 +189,24 @@ def generate(
             )
         )
     return results
+
+
+def _generate_with_headers(
+    llm: Any, prompts: list[Prompt], params: Any, trace_headers: dict[str, str]
+) -> list[Any]:
+    """``LLM.generate`` through ``LLMEngine.add_request``, which takes trace headers."""
+    engine = llm.llm_engine
+    ids = [f"traced-{i}" for i in range(len(prompts))]
+    for request_id, prompt in zip(ids, prompts, strict=True):
+        engine.add_request(
+            request_id, {"prompt_token_ids": list(prompt)}, params, trace_headers=trace_headers
+        )
+    done: dict[str, Any] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return [done[i] for i in ids]
 
 
 def engine_core(llm: Any) -> Any | None:
@@ -288,6 +316,7 @@ def run_engine(
     max_tokens: int = 16,
     *,
     logprobs: bool = False,
+    trace_headers: dict[str, str] | None = None,
 ) -> EngineRun:
     """Create an engine, run each batch as one ``generate`` call (in order), shut down.
 
@@ -298,7 +327,10 @@ def run_engine(
     try:
         core = engine_core(llm)
         cfg = None if core is None else kv_cache_config_summary(core.scheduler.kv_cache_config)
-        results = [generate(llm, batch, max_tokens, logprobs=logprobs) for batch in batches]
+        results = [
+            generate(llm, batch, max_tokens, logprobs=logprobs, trace_headers=trace_headers)
+            for batch in batches
+        ]
         metrics = None if opts.disable_log_stats else collect_metrics(llm)
         lookups, transfers = connector_records(llm)
         return EngineRun(results, metrics, cfg, lookups, transfers)
@@ -312,6 +344,7 @@ def run_engine_subprocess(
     max_tokens: int = 16,
     *,
     logprobs: bool = False,
+    trace_headers: dict[str, str] | None = None,
     env: dict[str, str] | None = None,
     timeout: float = 600.0,
     log_path: str | os.PathLike[str] | None = None,
@@ -327,7 +360,13 @@ def run_engine_subprocess(
         result = Path(tmp) / "result.json"
         spec.write_text(
             json.dumps(
-                {"opts": asdict(opts), "batches": batches, "max_tokens": max_tokens, "logprobs": logprobs}
+                {
+                    "opts": asdict(opts),
+                    "batches": batches,
+                    "max_tokens": max_tokens,
+                    "logprobs": logprobs,
+                    "trace_headers": trace_headers,
+                }
             )
         )
         child_env = {**ENGINE_ENV, **os.environ, **(env or {})}
@@ -359,6 +398,7 @@ def main(argv: list[str] | None = None) -> int:
         spec["batches"],
         spec["max_tokens"],
         logprobs=spec.get("logprobs", False),
+        trace_headers=spec.get("trace_headers"),
     )
     Path(args[1]).write_text(json.dumps(run.to_json()))
     return 0

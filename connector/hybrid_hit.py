@@ -152,7 +152,7 @@ class HybridHitCoordinator:
                 block_size = self.groups[group_id].block_size
                 view = self.group_block_hashes(group_id, block_hashes)
                 # EAGLE groups look one block past the candidate before dropping it.
-                limit = cdiv(max_hit_tokens, block_size) + (1 if sg.use_eagle else 0)
+                limit = max_hit_tokens // block_size + (1 if sg.use_eagle else 0)
                 count = min(limit, len(view))
                 wanted[group_id] = [bytes(view[i]) for i in range(count)]
         return wanted
@@ -223,7 +223,9 @@ class HybridHitCoordinator:
             group_hit_tokens=self._alone(block_hashes, pool, max_hit_tokens),
         )
 
-    def _alone(self, block_hashes: Sequence[Any], pool: PresenceBlockPool, max_hit_tokens: int) -> tuple[int, ...]:
+    def _alone(
+        self, block_hashes: Sequence[Any], pool: PresenceBlockPool, max_hit_tokens: int
+    ) -> tuple[int, ...]:
         """Each group's own hit, as vLLM's ``find_longest_cache_hit_per_group`` sees it."""
         alone = [0] * len(self.groups)
         for sg in self.spec_groups:

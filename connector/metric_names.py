@@ -117,3 +117,16 @@ BY_NAME = {spec.name: spec for spec in ALL}
 # Operations and failure reasons, as label values.
 LOOKUP, LOAD, SAVE = "lookup", "load", "save"
 ALL_GROUPS_KIND = "all"
+
+# prometheus_client >= 0.22 writes ``vllm:x`` samples as ``vllm_x`` when a scraper
+# negotiates OpenMetrics (its HELP/TYPE lines keep the colon); Prometheus 2.x
+# negotiates OpenMetrics by default. This scrape-time rule restores vLLM's
+# names so dashboards and alerts see one name either way; the chart's
+# ServiceMonitor and the tests' Prometheus both apply it.
+VLLM_NAME_RELABEL: dict[str, object] = {
+    "source_labels": ["__name__"],
+    "regex": "vllm_(.+)",
+    "target_label": "__name__",
+    "replacement": "vllm:${1}",
+    "action": "replace",
+}

@@ -17,6 +17,7 @@ from typing import Any
 from vllm.utils.math_utils import cdiv
 from vllm.v1.core.kv_cache_coordinator import replay_boundaries
 
+from kvpool.connector import tracing
 from kvpool.connector.hybrid_hit import HybridHit, HybridHitCoordinator
 from kvpool.connector.keys import KeySpace, hash_digest
 from kvpool.connector.logs import get_logger
@@ -94,6 +95,35 @@ class SchedulerSide:
         coord = self.coordinator
         if not self.can_load or coord is None or request.request_id in self._load_failed:
             return 0, False
+        with tracing.span(
+            "kvpool.lookup",
+            self.stats.trace_context(request),
+            request_id=request.request_id,
+            groups=self.stats.group_kinds,
+        ) as span:
+            record, plan = self._lookup(coord, request, num_computed_tokens)
+            tracing.set_attributes(
+                span,
+                query_tokens=record.query_tokens,
+                hit_tokens=record.hit_tokens,
+                keys=record.keys,
+                looked_up_blocks=record.looked_up_blocks,
+                present_blocks=record.present_blocks,
+                hit_blocks=record.needed_blocks,
+                group_hit_tokens=record.group_hit_tokens,
+            )
+        self.stats.record_lookup(record, request)
+        self._local_tokens[request.request_id] = num_computed_tokens
+        if plan is None:
+            self._plans.pop(request.request_id, None)
+            return 0, False
+        self._plans[request.request_id] = plan
+        return record.hit_tokens, self._is_async()
+
+    def _lookup(
+        self, coord: HybridHitCoordinator, request: Any, num_computed_tokens: int
+    ) -> tuple[LookupRecord, _Plan | None]:
+        """One round trip to the master, then the hybrid fixed point over what it holds."""
         started = time.perf_counter()
         max_hit = request.num_tokens - 1
         block_hashes = request.block_hashes
@@ -117,26 +147,20 @@ class SchedulerSide:
         }
         hit = coord.find_hit(block_hashes, present, max_hit)
         num_external = max(0, hit.hit_tokens - num_computed_tokens)
-        self._local_tokens[request.request_id] = num_computed_tokens
-        self.stats.record_lookup(
-            LookupRecord(
-                query_tokens=max(0, request.num_tokens - num_computed_tokens),
-                hit_tokens=num_external,
-                group_kinds=self.stats.group_kinds,
-                looked_up_blocks=tuple(len(wanted.get(g, ())) for g in range(len(coord.groups))),
-                present_blocks=tuple(len(present.get(g, ())) for g in range(len(coord.groups))),
-                needed_blocks=tuple(len(b) for b in hit.needed_blocks),
-                group_hit_tokens=hit.group_hit_tokens,
-                seconds=time.perf_counter() - started,
-                keys=len(keys),
-            ),
-            request,
+        groups = range(len(coord.groups))
+        record = LookupRecord(
+            query_tokens=max(0, request.num_tokens - num_computed_tokens),
+            hit_tokens=num_external,
+            group_kinds=self.stats.group_kinds,
+            looked_up_blocks=tuple(len(wanted.get(g, ())) for g in groups),
+            present_blocks=tuple(len(present.get(g, ())) for g in groups),
+            needed_blocks=tuple(len(b) for b in hit.needed_blocks),
+            group_hit_tokens=tuple(max(0, t - num_computed_tokens) for t in hit.group_hit_tokens),
+            seconds=time.perf_counter() - started,
+            keys=len(keys),
         )
-        if num_external <= 0:
-            self._plans.pop(request.request_id, None)
-            return 0, False
-        self._plans[request.request_id] = _Plan(hit, num_computed_tokens, digests)
-        return num_external, self._is_async()
+        plan = _Plan(hit, num_computed_tokens, digests) if num_external > 0 else None
+        return record, plan
 
     def _is_async(self) -> bool:
         # vLLM reports block-level load failures only for single-group layouts;

@@ -40,9 +40,13 @@ class TransferRecord:
     blocks: tuple[int, ...]
     masked: tuple[int, ...]
     bytes: tuple[int, ...]
-    failures: Mapping[str, int]
-    seconds: float
-    load_error_blocks: int = 0
+    failures: Mapping[str, int]  # all groups together, by reason
+    seconds: float  # the whole request
+    group_failures: tuple[Mapping[str, int], ...] = ()
+    group_seconds: tuple[float, ...] = ()
+    group_attempted: tuple[bool, ...] = ()  # whether the group had blocks to move
+    load_error_blocks: int = 0  # blocks handed back to vLLM to recompute
+    recomputed: bool = False  # the whole request was sent back to recompute
 
 
 @dataclass

@@ -18,6 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpool.connector import tracing
 from kvpool.connector.block_regions import LayerBlocks, describe_layer, storage_span
 from kvpool.connector.keys import KeySpace
 from kvpool.connector.logs import get_logger
@@ -39,6 +40,8 @@ class GroupResult:
     bytes: int = 0
     failed_block_ids: list[int] = field(default_factory=list)
     failures: Counter[str] = field(default_factory=Counter)
+    seconds: float = 0.0
+    attempted: bool = False
 
 
 class WorkerSide:
@@ -166,6 +169,8 @@ class WorkerSide:
         result = GroupResult()
         if not transfer.block_ids or not self.groups[transfer.group_id]:
             return result
+        started = time.perf_counter()
+        result.attempted = True
         keys = [self.keyspace.key(transfer.group_id, self.tp_rank, self.pp_rank, d) for d in transfer.digests]
         ptrs, sizes = [], []
         for block_id in transfer.block_ids:
@@ -185,12 +190,30 @@ class WorkerSide:
             else:
                 result.failures[outcome.value] += 1
                 result.failed_block_ids.append(block_id)
+        result.seconds = time.perf_counter() - started
+        return result
+
+    def _traced_group(self, op: str, transfer: GroupTransfer) -> GroupResult:
+        """One group's transfer as a child span of the request's."""
+        with tracing.span(
+            f"kvpool.{op}.group",
+            group=transfer.group_id,
+            group_kind=self.stats.group_kinds[transfer.group_id] if self.stats.group_kinds else None,
+            masked_blocks=transfer.masked,
+        ) as span:
+            result = self._transfer_group(op, transfer)
+            tracing.set_attributes(span, blocks=result.blocks, bytes=result.bytes)
+            tracing.mark_failed(span, result.failures)
         return result
 
     def _load_request(self, load: RequestLoad) -> bool:
-        """Load one request's blocks; True when every block arrived whole."""
+        """Load one request's blocks; False when the request must recompute instead."""
         started = time.perf_counter()
-        results = [self._transfer_group("load", g) for g in load.groups]
+        with tracing.span(
+            "kvpool.load", load.trace_context, request_id=load.req_id, hit_tokens=load.hit_tokens
+        ) as span:
+            results = [self._traced_group("load", g) for g in load.groups]
+            tracing.mark_failed(span, sum((r.failures for r in results), Counter()))
         failed = [b for r in results for b in r.failed_block_ids]
         if failed and not load.is_async:
             with self._lock:
@@ -199,13 +222,23 @@ class WorkerSide:
             # Single-group layouts recover block by block; hybrid ones by request.
             with self._lock:
                 self._load_errors.update(failed)
-        self._record("load", load.groups, results, started, len(failed))
-        return not failed or len(self.groups) == 1
+        recovered_by_request = bool(failed) and len(self.groups) > 1
+        self._record(
+            "load",
+            load.groups,
+            results,
+            started,
+            0 if recovered_by_request else len(failed),
+            recovered_by_request,
+        )
+        return not recovered_by_request
 
     def _save_request(self, save: RequestSave) -> None:
         started = time.perf_counter()
-        results = [self._transfer_group("save", g) for g in save.groups]
-        self._record("save", save.groups, results, started, 0)
+        with tracing.span("kvpool.save", save.trace_context, request_id=save.req_id) as span:
+            results = [self._traced_group("save", g) for g in save.groups]
+            tracing.mark_failed(span, sum((r.failures for r in results), Counter()))
+        self._record("save", save.groups, results, started, 0, False)
 
     def _record(
         self,
@@ -214,6 +247,7 @@ class WorkerSide:
         results: list[GroupResult],
         started: float,
         load_errors: int,
+        recomputed: bool,
     ) -> None:
         failures: Counter[str] = Counter()
         for r in results:
@@ -227,7 +261,11 @@ class WorkerSide:
                 bytes=tuple(r.bytes for r in results),
                 failures=dict(failures),
                 seconds=time.perf_counter() - started,
+                group_failures=tuple(dict(r.failures) for r in results),
+                group_seconds=tuple(r.seconds for r in results),
+                group_attempted=tuple(r.attempted for r in results),
                 load_error_blocks=load_errors,
+                recomputed=recomputed,
             )
         )
 

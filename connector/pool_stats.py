@@ -1,0 +1,162 @@
+"""Connector stats the way vLLM carries them: worker → scheduler → Prometheus.
+
+Records become a plain, serialisable ``{"counters": {key: n}, "histograms":
+{key: [obs...]}}`` payload (``key`` = metric name plus label pairs), which
+``PoolConnectorStats`` aggregates across workers and steps and
+``PoolPromMetrics`` turns into series on vLLM's own ``/metrics``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+
+from kvpool.connector import metric_names as m
+from kvpool.connector.stats import LookupRecord, TransferRecord
+
+SEP = "|"
+MAX_OBSERVATIONS = 4096  # per histogram series and interval; beyond, the oldest go
+
+
+def series_key(spec: m.MetricSpec, **labels: object) -> str:
+    """``name|label=value|...`` with labels in the spec's order."""
+    return SEP.join([spec.name, *(f"{name}={labels[name]}" for name in spec.labels)])
+
+
+def parse_key(key: str) -> tuple[str, tuple[str, ...]]:
+    """(metric name, label values) of a series key."""
+    name, *pairs = key.split(SEP)
+    return name, tuple(pair.split("=", 1)[1] for pair in pairs)
+
+
+class _Payload:
+    def __init__(self) -> None:
+        self.counters: dict[str, float] = {}
+        self.histograms: dict[str, list[float]] = {}
+
+    def inc(self, spec: m.MetricSpec, value: float, **labels: object) -> None:
+        if value:
+            key = series_key(spec, **labels)
+            self.counters[key] = self.counters.get(key, 0.0) + value
+
+    def observe(self, spec: m.MetricSpec, value: float, **labels: object) -> None:
+        self.histograms.setdefault(series_key(spec, **labels), []).append(value)
+
+    def data(self) -> dict[str, Any]:
+        return {"counters": self.counters, "histograms": self.histograms}
+
+
+def records_to_data(lookups: Iterable[LookupRecord], transfers: Iterable[TransferRecord]) -> dict[str, Any]:
+    """The stats payload for a batch of records."""
+    out = _Payload()
+    for r in lookups:
+        out.inc(m.LOOKUPS, 1)
+        out.inc(m.LOOKUP_QUERY_TOKENS, r.query_tokens)
+        out.inc(m.LOOKUP_HIT_TOKENS, r.hit_tokens)
+        for g, kind in enumerate(r.group_kinds):
+            out.inc(m.GROUP_HIT_TOKENS, r.group_hit_tokens[g], group=g, group_kind=kind)
+            out.inc(m.PRESENT_BLOCKS, r.present_blocks[g], group=g, group_kind=kind)
+            if r.hit_tokens:
+                out.inc(m.HIT_BLOCKS, r.needed_blocks[g], group=g, group_kind=kind)
+        out.observe(m.OPERATION_SECONDS, r.seconds, operation=m.LOOKUP, group_kind=m.ALL_GROUPS_KIND)
+    for t in transfers:
+        op = t.operation
+        for g, kind in enumerate(t.group_kinds):
+            labels = {"group": g, "group_kind": kind, "operation": op}
+            out.inc(m.TRANSFER_BLOCKS, t.blocks[g], **labels)
+            out.inc(m.TRANSFER_BYTES, t.bytes[g], **labels)
+            out.inc(m.MASKED_BLOCKS, t.masked[g], **labels)
+            for reason, count in t.group_failures[g].items():
+                out.inc(m.FAILURES, count, reason=reason, **labels)
+            if t.group_attempted[g]:
+                out.observe(m.OPERATION_SECONDS, t.group_seconds[g], operation=op, group_kind=kind)
+        if any(t.group_attempted):
+            out.observe(m.TRANSFER_SIZE_BYTES, float(sum(t.bytes)), operation=op)
+        out.inc(m.LOAD_ERROR_BLOCKS, t.load_error_blocks)
+        out.inc(m.RECOMPUTED_REQUESTS, int(t.recomputed))
+    return out.data()
+
+
+@dataclass
+class PoolConnectorStats(KVConnectorStats):
+    """Aggregatable, serialisable counters and observations of KVPoolConnector."""
+
+    def __post_init__(self) -> None:
+        if not self.data:
+            self.reset()
+
+    def reset(self) -> None:
+        self.data = {"counters": {}, "histograms": {}}
+
+    def is_empty(self) -> bool:
+        return not self.data.get("counters") and not self.data.get("histograms")
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        counters: dict[str, float] = dict(self.data.get("counters", {}))
+        for key, value in other.data.get("counters", {}).items():
+            counters[key] = counters.get(key, 0.0) + value
+        histograms: dict[str, list[float]] = {k: list(v) for k, v in self.data.get("histograms", {}).items()}
+        for key, values in other.data.get("histograms", {}).items():
+            merged = histograms.setdefault(key, [])
+            merged.extend(values)
+            del merged[:-MAX_OBSERVATIONS]
+        return PoolConnectorStats(data={"counters": counters, "histograms": histograms})
+
+    def counter(self, spec: m.MetricSpec) -> float:
+        """Sum of one counter over all its label sets."""
+        return sum(v for k, v in self.data.get("counters", {}).items() if parse_key(k)[0] == spec.name)
+
+    def reduce(self) -> dict[str, int | float]:
+        """A one-line summary for vLLM's periodic log."""
+        queried = self.counter(m.LOOKUP_QUERY_TOKENS)
+        hit = self.counter(m.LOOKUP_HIT_TOKENS)
+        return {
+            "lookups": int(self.counter(m.LOOKUPS)),
+            "hit_rate": round(hit / queried, 4) if queried else 0.0,
+            "bytes_moved": int(self.counter(m.TRANSFER_BYTES)),
+            "failures": int(self.counter(m.FAILURES)),
+        }
+
+
+class PoolPromMetrics(KVConnectorPromMetrics):
+    """KVPoolConnector's series, registered with the metric classes vLLM passes."""
+
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: Mapping[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ):
+        super().__init__(vllm_config, dict(metric_types), labelnames, per_engine_labelvalues)
+        self._metrics: dict[str, Any] = {}
+        for spec in m.ALL:
+            names = [*labelnames, *spec.labels]
+            if spec.kind is m.Kind.COUNTER:
+                metric = self._counter_cls(name=spec.name, documentation=spec.help, labelnames=names)
+            else:
+                metric = self._histogram_cls(
+                    name=spec.name, documentation=spec.help, labelnames=names, buckets=list(spec.buckets)
+                )
+            self._metrics[spec.name] = metric
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        engine_labels = [str(v) for v in self.per_engine_labelvalues.get(engine_idx, [])]
+        for key, value in transfer_stats_data.get("counters", {}).items():
+            name, labels = parse_key(key)
+            metric = self._metrics.get(name)
+            if metric is not None and value:
+                metric.labels(*engine_labels, *labels).inc(value)
+        for key, values in transfer_stats_data.get("histograms", {}).items():
+            name, labels = parse_key(key)
+            metric = self._metrics.get(name)
+            if metric is not None:
+                child = metric.labels(*engine_labels, *labels)
+                for value in values:
+                    child.observe(value)
