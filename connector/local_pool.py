@@ -94,14 +94,22 @@ class MooncakeMaster:
             *self.extra_args,
         ]
 
-    def start(self, timeout: float = 30.0) -> MooncakeMaster:
+    def start(self, timeout: float = 30.0, *, wait_rpc: bool = True) -> MooncakeMaster:
+        """Start and wait until it serves; an HA standby serves RPC only once it leads."""
         log = (self.log_dir / "master.log").open("ab")
         self.process = subprocess.Popen(
             self.command(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
-        wait_for_port(self.rpc_port, timeout, self.process)
         wait_for_port(self.metrics_port, timeout, self.process)
+        if wait_rpc:
+            wait_for_port(self.rpc_port, timeout, self.process)
         return self
+
+    def serving_rpc(self) -> bool:
+        """Whether this master accepts RPC (an HA leader, or a single master)."""
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.settimeout(0.2)
+            return sock.connect_ex((LOOPBACK, self.rpc_port)) == 0
 
     def stop(self) -> None:
         stop_process(self.process)
