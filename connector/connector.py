@@ -128,7 +128,11 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        return self._sched().get_num_new_matched_tokens(request, num_computed_tokens)
+        try:
+            return self._sched().get_num_new_matched_tokens(request, num_computed_tokens)
+        except Exception:  # a lookup must never stop a request: it computes instead
+            logger.exception("KVPoolConnector lookup failed; computing the request without the pool")
+            return 0, False
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int

@@ -171,20 +171,15 @@ class WorkerSide:
             return result
         started = time.perf_counter()
         result.attempted = True
-        keys = [self.keyspace.key(transfer.group_id, self.tp_rank, self.pp_rank, d) for d in transfer.digests]
-        ptrs, sizes = [], []
-        for block_id in transfer.block_ids:
-            p, s = self._scatter_list(transfer.group_id, block_id)
-            ptrs.append(p)
-            sizes.append(s)
+        try:
+            codes = self._move(op, transfer)
+        except Exception:  # never let a transfer bug reach the forward pass
+            logger.exception("KVPoolConnector %s failed for group %d", op, transfer.group_id)
+            codes = [None] * len(transfer.block_ids)
         expected = self.group_block_bytes(transfer.group_id)
-        if op == "load":
-            codes = self.client.get_into(keys, ptrs, sizes)
-        else:
-            codes = self.client.put_from(keys, ptrs, sizes)
         for block_id, code in zip(transfer.block_ids, codes):
-            outcome = classify(code, expected if op == "load" else None)
-            if outcome is Outcome.OK or (op == "save" and _already_stored(code)):
+            outcome = Outcome.OTHER if code is None else classify(code, expected if op == "load" else None)
+            if outcome is Outcome.OK or (op == "save" and code is not None and _already_stored(code)):
                 result.blocks += 1
                 result.bytes += expected
             else:
@@ -192,6 +187,18 @@ class WorkerSide:
                 result.failed_block_ids.append(block_id)
         result.seconds = time.perf_counter() - started
         return result
+
+    def _move(self, op: str, transfer: GroupTransfer) -> list[int]:
+        """One bounded-batch Mooncake call per group: per-key codes."""
+        keys = [self.keyspace.key(transfer.group_id, self.tp_rank, self.pp_rank, d) for d in transfer.digests]
+        ptrs, sizes = [], []
+        for block_id in transfer.block_ids:
+            p, s = self._scatter_list(transfer.group_id, block_id)
+            ptrs.append(p)
+            sizes.append(s)
+        if op == "load":
+            return self.client.get_into(keys, ptrs, sizes)
+        return self.client.put_from(keys, ptrs, sizes)
 
     def _traced_group(self, op: str, transfer: GroupTransfer) -> GroupResult:
         """One group's transfer as a child span of the request's."""
@@ -215,14 +222,12 @@ class WorkerSide:
             results = [self._traced_group("load", g) for g in load.groups]
             tracing.mark_failed(span, sum((r.failures for r in results), Counter()))
         failed = [b for r in results for b in r.failed_block_ids]
-        if failed and not load.is_async:
-            with self._lock:
-                self._load_errors.update(failed)
-        if failed and load.is_async and len(self.groups) == 1:
-            # Single-group layouts recover block by block; hybrid ones by request.
-            with self._lock:
-                self._load_errors.update(failed)
+        # vLLM takes block-level load errors for single-group layouts only; a
+        # hybrid request (always loaded asynchronously) is sent back whole.
         recovered_by_request = bool(failed) and len(self.groups) > 1
+        if failed and not recovered_by_request:
+            with self._lock:
+                self._load_errors.update(failed)
         self._record(
             "load",
             load.groups,
