@@ -183,3 +183,25 @@ def test_hold_released_only_after_finish(worker) -> None:
 )
 def test_classify(code, expected, outcome) -> None:
     assert classify(code, expected) is outcome
+
+
+def test_a_broken_transfer_is_a_failure_not_an_exception(pool_client, cache_prefix) -> None:
+    w = WorkerSide(
+        client=pool_client,
+        keyspace=KeySpace(cache_prefix, "fp2"),
+        tp_rank=0,
+        pp_rank=0,
+        group_layers=[["l0"]],
+        num_blocks=NUM_BLOCKS,
+        stats=StatsCollector(group_kinds=("full",)),
+    )
+    try:
+        w.register_kv_caches({"l0": torch.randn(SHAPE)})
+        # Block 999 does not exist: addressing it raises inside the worker.
+        load = RequestLoad("r", [GroupTransfer(0, ["x"], [999])], hit_tokens=32, is_async=False)
+        w.start_loads(PoolConnectorMetadata(loads=[load]))
+        assert w.take_load_errors() == {999}
+        (record,) = w.stats.history_transfers
+        assert record.failures == {"other_error": 1}
+    finally:
+        w.shutdown()
