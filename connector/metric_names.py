@@ -22,6 +22,7 @@ SIZE_BUCKETS = tuple(float(1 << p) for p in range(12, 34, 2))  # 4 KiB .. 8 GiB
 class Kind(StrEnum):
     COUNTER = "counter"
     HISTOGRAM = "histogram"
+    GAUGE = "gauge"
 
 
 @dataclass(frozen=True)

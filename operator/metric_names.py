@@ -1,39 +1,16 @@
 """The operator's Prometheus metrics: names, types, labels, help. One source.
 
 Imports no prometheus_client, so the dashboards generator and the alert rules can
-import it. Same shape as ``kvpool.connector.metric_names`` (counters are named
-without ``_total`` here; ``exported`` is the scraped name).
+import it. It shares ``MetricSpec`` with ``kvpool.connector.metric_names``
+(counters are named without ``_total`` here; ``exported`` is the scraped name).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from enum import StrEnum
+from kvpool.connector.metric_names import Kind, MetricSpec
 
 PREFIX = "kvpool_operator_"
 DURATION_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
-
-
-class Kind(StrEnum):
-    COUNTER = "counter"
-    HISTOGRAM = "histogram"
-    GAUGE = "gauge"
-
-
-@dataclass(frozen=True)
-class MetricSpec:
-    """One metric as exported (counters without the ``_total`` suffix here)."""
-
-    name: str
-    kind: Kind
-    help: str
-    labels: tuple[str, ...] = ()
-    buckets: tuple[float, ...] = ()
-
-    @property
-    def exported(self) -> str:
-        """The series name as Prometheus scrapes it (counters end in ``_total``)."""
-        return f"{self.name}_total" if self.kind is Kind.COUNTER else self.name
 
 
 RECONCILES = MetricSpec(
