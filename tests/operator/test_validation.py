@@ -125,3 +125,15 @@ def test_the_webhook_uses_the_same_messages() -> None:
     message = admission_problems(pool_manifest(spec=raw))
     assert message == str(build_plan("pool", "team-a", raw).problems[0])
     assert admission_problems(pool_manifest()) is None
+
+
+def test_webhook_lets_metadata_updates_and_deletions_through() -> None:
+    from kvpool.operator.handlers import spec_changed
+
+    pool = pool_manifest()
+    assert spec_changed(None, pool)
+    assert not spec_changed(pool, {**pool, "metadata": {**pool["metadata"], "finalizers": []}})
+    changed = {**pool, "spec": {**pool["spec"], "image": "other:1"}}
+    assert spec_changed(pool, changed)
+    deleting = {**changed, "metadata": {**pool["metadata"], "deletionTimestamp": "2026-01-01T00:00:00Z"}}
+    assert not spec_changed(pool, deleting)

@@ -1,0 +1,86 @@
+{{/* The chart name, or nameOverride. */}}
+{{- define "kvpool.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* The prefix of every object name: "<release>-<chart>" unless the release name holds the chart name. */}}
+{{- define "kvpool.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "kvpool.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Selector labels of the operator's pods (stable across upgrades: never change them). */}}
+{{- define "kvpool.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "kvpool.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: operator
+{{- end }}
+
+{{/* The recommended labels of every object; pass a dict with "root" and optional "component". */}}
+{{- define "kvpool.labels" -}}
+{{- $root := .root -}}
+helm.sh/chart: {{ include "kvpool.chart" $root }}
+app.kubernetes.io/name: {{ include "kvpool.name" $root }}
+app.kubernetes.io/instance: {{ $root.Release.Name }}
+app.kubernetes.io/component: {{ .component | default "operator" }}
+app.kubernetes.io/part-of: mooncake-kvpool
+app.kubernetes.io/version: {{ $root.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ $root.Release.Service }}
+{{- end }}
+
+{{- define "kvpool.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "kvpool.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "kvpool.image" -}}
+{{- if .Values.image.digest }}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest }}
+{{- else }}
+{{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion) }}
+{{- end }}
+{{- end }}
+
+{{/* The namespaces watched in namespaced mode (a list, as JSON). */}}
+{{- define "kvpool.watchNamespaces" -}}
+{{- if .Values.watchNamespaces }}
+{{- toJson (uniq .Values.watchNamespaces) }}
+{{- else }}
+{{- toJson (list .Release.Namespace) }}
+{{- end }}
+{{- end }}
+
+{{- define "kvpool.webhookSecretName" -}}
+{{- if .Values.webhook.certManager.enabled }}
+{{- printf "%s-webhook-tls" (include "kvpool.fullname" .) }}
+{{- else }}
+{{- .Values.webhook.tls.secretName }}
+{{- end }}
+{{- end }}
+
+{{/* Where a monitor looks for pool objects: every namespace, or the watched ones. */}}
+{{- define "kvpool.monitorNamespaceSelector" -}}
+{{- if .Values.clusterWide }}
+any: true
+{{- else }}
+matchNames:
+{{- range (include "kvpool.watchNamespaces" . | fromJsonArray) }}
+  - {{ . | quote }}
+{{- end }}
+{{- end }}
+{{- end }}

@@ -1,0 +1,88 @@
+"""The chart's CRD is the operator's generated one; example pools are valid custom resources."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+
+from kvpool.operator import validation
+from kvpool.operator.crd import build_crd
+from tests.chart.helm import CHART, EXAMPLES, Helm, of_kind, one
+
+CRD_FILE = CHART / "crds" / "mooncakekvpools.yaml"
+
+
+def test_the_chart_crd_is_the_operators() -> None:
+    script = Path(sys.executable).parent / "kvpool-operator"
+    printed = subprocess.run([str(script), "crd"], capture_output=True, text=True, check=True, timeout=60)
+    assert CRD_FILE.read_text() == printed.stdout, (
+        "the chart's CRD is stale: kvpool-operator crd > charts/mooncake-kvpool/crds/mooncakekvpools.yaml"
+    )
+    assert sorted(p.name for p in CRD_FILE.parent.iterdir()) == [CRD_FILE.name]
+
+
+def test_helm_installs_it(helm: Helm) -> None:
+    assert one(helm.template(), "CustomResourceDefinition") == build_crd()
+
+
+def crd_validator() -> jsonschema.Validator:
+    """The CRD's openAPIV3Schema as a JSON Schema validator.
+
+    It is OpenAPI 3.0 (boolean exclusiveMinimum/Maximum, as in draft 4); the Kubernetes
+    extensions (x-kubernetes-int-or-string, nullable) are left to the API server: they only
+    widen what is accepted, so this check is never stricter than Kubernetes.
+    """
+    schema = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    jsonschema.Draft4Validator.check_schema(schema)
+    return jsonschema.Draft4Validator(schema)
+
+
+def example_pools(helm: Helm) -> list[tuple[str, dict[str, Any]]]:
+    pools = [("examples/pool.yaml", yaml.safe_load((EXAMPLES / "pool.yaml").read_text()))]
+    rendered = helm.template(sets=["examplePool.enabled=true"])
+    pools += [("values.yaml examplePool", one(rendered, "MooncakeKVPool"))]
+    for path in sorted(EXAMPLES.glob("*-values.yaml")):
+        pools += [(path.name, pool) for pool in of_kind(helm.template(path), "MooncakeKVPool")]
+    return pools
+
+
+def test_example_pools_validate_against_the_crd_and_the_operator(helm: Helm) -> None:
+    validator = crd_validator()
+    pools = example_pools(helm)
+    assert len(pools) >= 3, [name for name, _ in pools]
+    for name, pool in pools:
+        errors = sorted(validator.iter_errors(pool), key=str)
+        assert not errors, f"{name}: " + "; ".join(f"{list(e.path)}: {e.message}" for e in errors)
+        assert pool["apiVersion"] == "kvpool.mooncake.io/v1alpha1" and pool["kind"] == "MooncakeKVPool"
+        # What the webhook and the ConfigValid condition would say: nothing.
+        meta = pool["metadata"]
+        _, _, problems = validation.validate(meta["name"], meta.get("namespace", "default"), pool["spec"])
+        assert problems == [], f"{name}: {validation.describe(problems)}"
+
+
+@pytest.mark.parametrize(
+    ("path", "value"),
+    [
+        (("spec", "store", "mode"), "shared"),
+        (("spec", "master", "replicas"), 0),
+        (("spec", "consumers", 0, "layout", "groups"), []),
+        (("spec", "image"), None),
+    ],
+)
+def test_the_crd_check_bites(path: tuple[Any, ...], value: Any) -> None:
+    pool = copy.deepcopy(yaml.safe_load((EXAMPLES / "pool.yaml").read_text()))
+    node = pool
+    for key in path[:-1]:
+        node = node[key]
+    if value is None:
+        del node[path[-1]]
+    else:
+        node[path[-1]] = value
+    assert list(crd_validator().iter_errors(pool))

@@ -1,0 +1,181 @@
+"""The operator's Deployment, Service and webhook: secure by default, and wired to what the
+operator's own CLI serves (its flags parsed by the operator's own parser)."""
+
+from __future__ import annotations
+
+from importlib import metadata
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+
+from kvpool.operator.cli import _parser, config_from_args
+from kvpool.operator.config import OperatorConfig
+from kvpool.operator.endpoints import METRICS_PATH
+from kvpool.operator.handlers import VALIDATE_ID
+from kvpool.operator.resources import POOLS
+from tests.chart.helm import EXAMPLES, NAMESPACE, Helm, of_kind, one
+
+
+def operator_container(objects: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
+    pod = one(objects, "Deployment")["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    return pod, container
+
+
+def operator_config(container: dict[str, Any]) -> OperatorConfig:
+    assert container["command"] == ["kvpool-operator"]
+    return config_from_args(_parser().parse_args(container["args"]))
+
+
+def port(container: dict[str, Any], name: str) -> int:
+    (number,) = [p["containerPort"] for p in container["ports"] if p["name"] == name]
+    return int(number)
+
+
+def test_the_command_is_the_console_script() -> None:
+    (script,) = metadata.entry_points(group="console_scripts", name="kvpool-operator")
+    assert script.value == "kvpool.operator.cli:main"
+
+
+def test_secure_by_default(helm: Helm) -> None:
+    objects = helm.template()
+    deployment = one(objects, "Deployment")
+    assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"] == {"type": "Recreate"}
+    pod, container = operator_container(objects)
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["runAsUser"] not in (None, 0)
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert not any(pod.get(key) for key in ("hostNetwork", "hostPID", "hostIPC"))
+    security = container["securityContext"]
+    assert security["runAsNonRoot"] is True and security["privileged"] is False
+    assert security["allowPrivilegeEscalation"] is False
+    assert security["readOnlyRootFilesystem"] is True
+    assert security["capabilities"] == {"drop": ["ALL"]}
+    assert security["seccompProfile"] == {"type": "RuntimeDefault"}
+    resources = container["resources"]
+    assert {"cpu", "memory"} <= set(resources["requests"]) and "memory" in resources["limits"]
+    # A read-only root needs a writable /tmp; nothing else is mounted.
+    assert [m["mountPath"] for m in container["volumeMounts"]] == ["/tmp"]
+    assert [set(v) - {"name"} for v in pod["volumes"]] == [{"emptyDir"}]
+
+
+def test_probes_and_ports_are_the_operators_endpoints(helm: Helm) -> None:
+    objects = helm.template(sets=["operator.healthPort=8181", "operator.metricsPort=9191"])
+    _, container = operator_container(objects)
+    config = operator_config(container)
+    assert config.liveness_endpoint is not None
+    liveness = urlsplit(config.liveness_endpoint)
+    assert liveness.port == port(container, "health") == 8181
+    for probe in ("livenessProbe", "readinessProbe"):
+        assert container[probe]["httpGet"] == {"path": liveness.path, "port": "health"}
+    assert config.metrics_port == port(container, "metrics") == 9191
+    assert config.metrics_host == "0.0.0.0"
+    service = one(objects, "Service")
+    assert service["spec"]["ports"] == [
+        {"name": "metrics", "port": 9090, "targetPort": "metrics", "protocol": "TCP"}
+    ]
+    labels = one(objects, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= labels.items()
+
+
+def test_the_other_flags_reach_the_operator(helm: Helm) -> None:
+    objects = helm.template(
+        sets=["operator.resyncInterval=12.5", "operator.retryDelay=3", "operator.verbose=true"]
+    )
+    config = operator_config(operator_container(objects)[1])
+    assert (config.resync_interval, config.retry_delay) == (12.5, 3.0)
+    assert config.log_level == 10
+    assert config.kubeconfig is None  # in-cluster
+
+
+@pytest.mark.parametrize(
+    ("sets", "namespaces"),
+    [
+        ([], ()),
+        (["clusterWide=false"], (NAMESPACE,)),
+        (["clusterWide=false", "watchNamespaces={team-a,team-b}"], ("team-a", "team-b")),
+    ],
+)
+def test_the_operator_watches_what_rbac_allows(
+    helm: Helm, sets: list[str], namespaces: tuple[str, ...]
+) -> None:
+    objects = helm.template(sets=sets)
+    assert operator_config(operator_container(objects)[1]).namespaces == namespaces
+    role_namespaces = tuple(r["metadata"]["namespace"] for r in of_kind(objects, "Role"))
+    assert role_namespaces == namespaces
+
+
+def test_the_operator_metrics_path() -> None:
+    # The operator's ServiceMonitor scrapes this path (see test_chart_monitoring).
+    assert METRICS_PATH == "/metrics"
+
+
+def webhook_case(helm: Helm, name: str) -> list[dict[str, Any]]:
+    return helm.template(EXAMPLES / name)
+
+
+def test_the_webhook_with_cert_manager(helm: Helm) -> None:
+    objects = webhook_case(helm, "webhook-cert-manager-values.yaml")
+    pod, container = operator_container(objects)
+    config = operator_config(container)
+    hook = config.webhook
+    assert hook is not None and hook.port == port(container, "webhook") == 9443
+    (mount,) = [m for m in container["volumeMounts"] if m["name"] == "webhook-tls"]
+    assert mount["readOnly"] is True
+    assert (
+        hook.certfile == f"{mount['mountPath']}/tls.crt" and hook.pkeyfile == f"{mount['mountPath']}/tls.key"
+    )
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "webhook-tls"]
+
+    certificate = one(objects, "Certificate")
+    assert certificate["spec"]["secretName"] == volume["secret"]["secretName"]
+    issuer = one(objects, "Issuer")
+    assert certificate["spec"]["issuerRef"]["name"] == issuer["metadata"]["name"]
+    assert issuer["spec"] == {"selfSigned": {}}
+
+    service = one(objects, "Service")
+    assert {"name": "webhook", "port": 443, "targetPort": "webhook", "protocol": "TCP"} in service["spec"][
+        "ports"
+    ]
+    dns = f"{service['metadata']['name']}.{NAMESPACE}.svc"
+    assert dns in certificate["spec"]["dnsNames"] and hook.host == dns
+
+    configuration = one(objects, "ValidatingWebhookConfiguration")
+    namespace, name = configuration["metadata"]["annotations"]["cert-manager.io/inject-ca-from"].split("/")
+    assert (namespace, name) == (certificate["metadata"]["namespace"], certificate["metadata"]["name"])
+    (webhook,) = configuration["webhooks"]
+    assert webhook["clientConfig"]["service"] == {
+        "name": service["metadata"]["name"],
+        "namespace": NAMESPACE,
+        "path": f"/{VALIDATE_ID}",  # kopf serves each admission handler at /<handler id>
+        "port": 443,
+    }
+    (rule,) = webhook["rules"]
+    assert (rule["apiGroups"], rule["apiVersions"], rule["resources"]) == (
+        [POOLS.group],
+        [POOLS.version],
+        [POOLS.plural],
+    )
+    assert rule["operations"] == ["CREATE", "UPDATE"]
+    assert "namespaceSelector" not in webhook  # cluster-wide: every namespace
+    assert webhook["sideEffects"] == "None" and webhook["failurePolicy"] == "Fail"
+
+
+def test_the_webhook_with_a_certificate_of_your_own(helm: Helm) -> None:
+    objects = webhook_case(helm, "webhook-own-tls-values.yaml")
+    assert of_kind(objects, "Certificate") == of_kind(objects, "Issuer") == []
+    pod, _ = operator_container(objects)
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "webhook-tls"]
+    assert volume["secret"]["secretName"] == "kvpool-webhook-tls"
+    (webhook,) = one(objects, "ValidatingWebhookConfiguration")["webhooks"]
+    assert webhook["clientConfig"]["caBundle"]
+    # Namespaced mode: only the watched namespaces are sent to it.
+    (expression,) = webhook["namespaceSelector"]["matchExpressions"]
+    assert expression == {"key": "kubernetes.io/metadata.name", "operator": "In", "values": [NAMESPACE]}
+
+
+def test_no_webhook_by_default(helm: Helm) -> None:
+    objects = helm.template()
+    assert operator_config(operator_container(objects)[1]).webhook is None
+    assert of_kind(objects, "ValidatingWebhookConfiguration") == []
