@@ -176,3 +176,19 @@ def test_blocks_that_always_fail_are_recomputed_once(gemma_dir, gemma_reference,
     assert results[0].token_ids == gemma_reference
     loads = [t for t in transfers if t.operation == "load"]
     assert len(loads) == 1 and sum(loads[0].failures.values()) == 9 + 2 + 2
+
+
+def test_single_group_model_loads_before_the_forward(tmp_path_factory, pool_settings) -> None:
+    """All-full-attention model: one KV group, so loads are synchronous and errors per block."""
+    model = build_gemma3(
+        tmp_path_factory.mktemp("gemma3-full"), layer_types=["full_attention"] * 4, num_hidden_layers=4
+    )
+    reference = run_engine_subprocess(EngineOptions(model=str(model)), [[P2]], MAX_TOKENS).token_ids[0]
+    config = transfer_config(pool_settings)
+    run_in_process(model, config, [P1])
+    results, (_, num_groups, transfers) = run_in_process(model, config, [P2])
+    assert num_groups == 1
+    assert results[0].token_ids == reference
+    assert results[0].num_cached_tokens == PREFIX_HIT
+    (load,) = [t for t in transfers if t.operation == "load"]
+    assert load.blocks == (9,) and not load.failures
