@@ -178,17 +178,36 @@ def test_blocks_that_always_fail_are_recomputed_once(gemma_dir, gemma_reference,
     assert len(loads) == 1 and sum(loads[0].failures.values()) == 9 + 2 + 2
 
 
-def test_single_group_model_loads_before_the_forward(tmp_path_factory, pool_settings) -> None:
+def test_single_group_model_loads_before_the_forward(
+    tmp_path_factory, pool_settings, pool_client, monkeypatch
+):
     """All-full-attention model: one KV group, so loads are synchronous and errors per block."""
+    from kvpool.connector import scheduler_side
+
     model = build_gemma3(
         tmp_path_factory.mktemp("gemma3-full"), layer_types=["full_attention"] * 4, num_hidden_layers=4
     )
     reference = run_engine_subprocess(EngineOptions(model=str(model)), [[P2]], MAX_TOKENS).token_ids[0]
     config = transfer_config(pool_settings)
     run_in_process(model, config, [P1])
-    results, (_, num_groups, transfers) = run_in_process(model, config, [P2])
+    results, (keyspace, num_groups, transfers) = run_in_process(model, config, [P2])
     assert num_groups == 1
     assert results[0].token_ids == reference
     assert results[0].num_cached_tokens == PREFIX_HIT
     (load,) = [t for t in transfers if t.operation == "load"]
     assert load.blocks == (9,) and not load.failures
+
+    # Blocks 4..8 vanish between lookup and load: vLLM gets their ids back and
+    # recomputes from block 4 on; the output is still the reference.
+    doomed = pool_keys(keyspace, PREFIX, 1, blocks=range(4, 9))
+    original = scheduler_side.SchedulerSide.update_state_after_alloc
+
+    def delete_then_alloc(self, request, block_ids, num_external):
+        pool_client.remove(doomed)
+        return original(self, request, block_ids, num_external)
+
+    monkeypatch.setattr(scheduler_side.SchedulerSide, "update_state_after_alloc", delete_then_alloc)
+    results, (_, _, transfers) = run_in_process(model, config, [P2])
+    assert results[0].token_ids == reference
+    (load,) = [t for t in transfers if t.operation == "load"]
+    assert load.failures == {"missing": 5} and load.load_error_blocks == 5
