@@ -145,6 +145,12 @@ class PoolPromMetrics(KVConnectorPromMetrics):
                     name=spec.name, documentation=spec.help, labelnames=names, buckets=list(spec.buckets)
                 )
             self._metrics[spec.name] = metric
+            if spec.kind is m.Kind.COUNTER and not spec.labels:
+                # Series without labels of ours exist from the start, so the
+                # first event is visible to rate(); labelled ones appear with
+                # their first event.
+                for labelvalues in per_engine_labelvalues.values():
+                    metric.labels(*[str(v) for v in labelvalues])
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         engine_labels = [str(v) for v in self.per_engine_labelvalues.get(engine_idx, [])]

@@ -1,0 +1,205 @@
+"""Prometheus alert rules for the pool, the connector and the operator."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from dashboards import external as ext
+from dashboards.conventions import MASTER_JOB, MODEL, NAMESPACE, OPERATOR_JOB, POOL
+from dashboards.promql import by
+from kvpool.connector import metric_names as m
+from kvpool.connector.store import Outcome
+from kvpool.operator import metric_names as o
+
+PER_POOL = [NAMESPACE, POOL]
+PER_MODEL = [NAMESPACE, POOL, MODEL]
+PER_GROUP = [NAMESPACE, POOL, MODEL, "group", "group_kind"]
+
+# Thresholds (documented in each alert's description).
+HIT_RATE_DROP = 0.5  # the group's hit rate fell below half of the hour before
+HIT_RATE_FLOOR = 0.1  # ... and the hour before it was at least 10%
+LOAD_ERROR_SHARE = 0.05  # more than 5% of load keys failed
+EVICTION_SPIKE = 3  # evictions three times the hour before ...
+EVICTION_SHARE = 0.05  # ... and more than 5% of the pool's keys in 5 minutes
+
+
+@dataclass(frozen=True)
+class Alert:
+    name: str
+    expr: str
+    duration: str
+    severity: str
+    summary: str
+    description: str
+    extra_labels: dict[str, str] = field(default_factory=dict)
+
+    def rule(self) -> dict[str, Any]:
+        return {
+            "alert": self.name,
+            "expr": self.expr.strip() + "\n",
+            "for": self.duration,
+            "labels": {"severity": self.severity, **self.extra_labels},
+            "annotations": {"summary": self.summary, "description": self.description},
+        }
+
+
+def _sum_rate(metric: str, labels: list[str], window: str, sel: str = "", offset: str = "") -> str:
+    off = f" offset {offset}" if offset else ""
+    return f"sum{by(labels)} (rate({metric}{sel}[{window}]{off}))"
+
+
+def _group_hit_rate(window: str, offset: str = "") -> str:
+    return (
+        f"{_sum_rate(m.GROUP_HIT_TOKENS.exported, PER_GROUP, window, offset=offset)}\n"
+        f"  / on ({', '.join(PER_MODEL)}) group_left\n"
+        f"{_sum_rate(m.LOOKUP_QUERY_TOKENS.exported, PER_MODEL, window, offset=offset)}"
+    )
+
+
+def connector_alerts() -> list[Alert]:
+    before = _group_hit_rate("1h", offset="10m")
+    failed = _sum_rate(m.FAILURES.exported, PER_MODEL, "10m", f'{{operation="{m.LOAD}"}}')
+    moved = _sum_rate(m.TRANSFER_BLOCKS.exported, PER_MODEL, "10m", f'{{operation="{m.LOAD}"}}')
+    return [
+        Alert(
+            "KVPoolGroupHitRateCollapse",
+            f"(\n{_group_hit_rate('10m')}\n)\n< {HIT_RATE_DROP} * (\n{before}\n)\n"
+            f"and (\n{before}\n) > {HIT_RATE_FLOOR}",
+            "10m",
+            "warning",
+            "KV-cache group {{ $labels.group }} ({{ $labels.group_kind }}) of {{ $labels.model_name }} "
+            "lost its pool hit rate",
+            "Over the last 10 minutes group {{ $labels.group }} ({{ $labels.group_kind }}) of "
+            "{{ $labels.model_name }} in {{ $labels.namespace }}/{{ $labels.pool }} hit "
+            "{{ $value | humanizePercentage }} of looked-up tokens, less than half of the hour before. "
+            "Check the Connector dashboard: a group whose presence drops while others keep theirs "
+            "points at evictions or at a layout change (a new fingerprint starts a cold key space).",
+        ),
+        Alert(
+            "KVPoolLoadErrorsRising",
+            f"(\n{failed}\n)\n/ (\n{failed}\n  + (\n{moved}\n  or\n{failed} * 0\n  )\n)\n"
+            f"> {LOAD_ERROR_SHARE}",
+            "10m",
+            "warning",
+            "Loads from the KV pool fail for {{ $labels.model_name }}",
+            "{{ $value | humanizePercentage }} of the keys {{ $labels.model_name }} in "
+            "{{ $labels.namespace }}/{{ $labels.pool }} loaded from the pool over 10 minutes failed "
+            f"(threshold {LOAD_ERROR_SHARE:.0%}). vLLM recomputes those blocks, so output stays "
+            "correct but the pool saves nothing. See 'Failed keys by kind' on the Connector dashboard.",
+        ),
+    ]
+
+
+def pool_alerts() -> list[Alert]:
+    up = f'{ext.UP}{{job="{MASTER_JOB}"}}'
+    pool_by = f"({', '.join(PER_POOL)})"
+    evicted_now = _sum_rate(ext.MASTER_EVICTED_KEYS, PER_POOL, "5m")
+    evicted_before = _sum_rate(ext.MASTER_EVICTED_KEYS, PER_POOL, "1h", offset="5m")
+    store_full = _sum_rate(m.FAILURES.exported, PER_POOL, "5m", f'{{reason="{Outcome.STORE_FULL}"}}')
+    return [
+        Alert(
+            "KVPoolMasterDown",
+            f"max by {pool_by} ({up}) == 0\n"
+            f"or\n"
+            f"(\n  group by {pool_by} ({o.CONSUMERS.exported})\n"
+            f"  unless on {pool_by}\n  ({up} == 1)\n)",
+            "2m",
+            "critical",
+            "No Mooncake master of {{ $labels.namespace }}/{{ $labels.pool }} is up",
+            "Prometheus reaches no master of pool {{ $labels.namespace }}/{{ $labels.pool }} (or the "
+            "operator manages the pool and no master target exists). Lookups, loads and saves fail; "
+            "vLLM keeps serving by recomputing.",
+        ),
+        Alert(
+            "KVPoolNoLeader",
+            f"max by {pool_by} ({ext.MASTER_CAPACITY}) == 0\nand on {pool_by}\nmax by {pool_by} ({up}) == 1",
+            "3m",
+            "critical",
+            "No master of {{ $labels.namespace }}/{{ $labels.pool }} is serving the pool",
+            "The masters of {{ $labels.namespace }}/{{ $labels.pool }} are up but none holds mounted "
+            "store memory: with HA no leader was elected (check etcd), or no store mounted its "
+            "segment at the current leader.",
+        ),
+        Alert(
+            "KVPoolStandbyFailed",
+            f"max{by([*PER_POOL, 'instance'])} ({ext.HA_STANDBY_STATE}) == {ext.HA_STANDBY_FAILED}",
+            "5m",
+            "warning",
+            "The HA standby {{ $labels.instance }} of {{ $labels.namespace }}/{{ $labels.pool }} failed",
+            "The standby master {{ $labels.instance }} stopped replicating the leader's OpLog; a "
+            "failover would lose the pool's metadata.",
+        ),
+        Alert(
+            "KVPoolStoreFull",
+            f"{store_full} > 0\nor\n{_sum_rate(ext.MASTER_PUT_ALLOC_FAILURES, PER_POOL, '5m')} > 0",
+            "5m",
+            "warning",
+            "The KV pool {{ $labels.namespace }}/{{ $labels.pool }} is full",
+            "Saves fail because the pool has no room ({{ $value | humanize }} failures/s) and eviction "
+            "does not keep up. Add store memory (spec.store.segmentSize or replicas) or lower the "
+            "eviction watermark.",
+        ),
+        Alert(
+            "KVPoolEvictionSpike",
+            f"{evicted_now}\n> {EVICTION_SPIKE} * (\n{evicted_before}\n  or\n{evicted_now} * 0\n)\n"
+            f"and\nsum by {pool_by} (increase({ext.MASTER_EVICTED_KEYS}[5m]))\n"
+            f"> {EVICTION_SHARE} * max by {pool_by} ({ext.MASTER_KEYS})",
+            "5m",
+            "warning",
+            "Evictions spike in the KV pool {{ $labels.namespace }}/{{ $labels.pool }}",
+            f"The master evicts {{{{ $value | humanize }}}} keys/s, more than {EVICTION_SPIKE} times the "
+            f"hour before and over {EVICTION_SHARE:.0%} of the pool's keys in 5 minutes: the working "
+            "set no longer fits, and hit rates will fall.",
+        ),
+    ]
+
+
+def operator_alerts() -> list[Alert]:
+    return [
+        Alert(
+            "KVPoolConfigInvalid",
+            f'sum({o.POOLS.exported}{{condition="ConfigValid", status="False"}}) > 0',
+            "1m",
+            "warning",
+            "{{ $value }} MooncakeKVPool(s) have ConfigValid=False",
+            "The operator rejected a pool's spec or a consumer's KV layout and rolls nothing out for "
+            "it. `kubectl get mooncakekvpools -A` and the pool's ConfigValid condition name each "
+            "problem.",
+        ),
+        Alert(
+            "KVPoolRolloutStuck",
+            f"{o.CONSUMERS_ROLLED_OUT.exported} < {o.CONSUMERS.exported}",
+            "15m",
+            "warning",
+            "Consumers of {{ $labels.namespace }}/{{ $labels.pool }} are not rolled out",
+            "For 15 minutes only {{ $value }} of the pool's consumers run its current connector "
+            "settings on all replicas. Check the consumer Deployments' rollout and the pool's "
+            "ConsumersRolledOut condition.",
+        ),
+        Alert(
+            "KVPoolOperatorDown",
+            f'absent({ext.UP}{{job="{OPERATOR_JOB}"}} == 1)',
+            "5m",
+            "warning",
+            "The kvpool operator is down",
+            "Prometheus reaches no kvpool operator: pools are not reconciled and the operator's "
+            "alerts (ConfigValid, rollouts) cannot fire.",
+        ),
+    ]
+
+
+GROUPS = {
+    "kvpool-connector": connector_alerts,
+    "kvpool-pool": pool_alerts,
+    "kvpool-operator": operator_alerts,
+}
+
+
+def all_alerts() -> list[Alert]:
+    return [alert for make in GROUPS.values() for alert in make()]
+
+
+def rules() -> dict[str, Any]:
+    """The rules file: ``{"groups": [...]}``."""
+    return {"groups": [{"name": name, "rules": [a.rule() for a in make()]} for name, make in GROUPS.items()]}

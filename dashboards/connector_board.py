@@ -1,0 +1,230 @@
+"""The Connector dashboard: what the KV connector in each vLLM engine asked, got, moved and lost."""
+
+from __future__ import annotations
+
+from dashboards import external as ext
+from dashboards.board import Board, Target, Variable
+from dashboards.conventions import (
+    ENGINE,
+    MODEL,
+    NAMESPACE,
+    POOL,
+    VAR_ENGINE,
+    VAR_MODEL,
+    VAR_NAMESPACE,
+    VAR_POOL,
+    selector,
+)
+from dashboards.promql import quantile, ratio, sum_rate
+from kvpool.connector import metric_names as m
+
+UID = "kvpool-connector"
+SEL = selector(VAR_NAMESPACE, VAR_POOL, VAR_MODEL, VAR_ENGINE)
+GROUP = ["group", "group_kind"]
+
+
+def _sel(**fixed: str) -> str:
+    return selector(VAR_NAMESPACE, VAR_POOL, VAR_MODEL, VAR_ENGINE, **fixed)
+
+
+def _hit_rate(hits: str, queries: str, labels: list[str]) -> str:
+    return ratio(sum_rate(hits, SEL, labels), sum_rate(queries, SEL, labels))
+
+
+def build() -> Board:
+    by_model = [MODEL]
+    variables = [
+        Variable(VAR_NAMESPACE, NAMESPACE, m.LOOKUPS.exported),
+        Variable(VAR_POOL, POOL, m.LOOKUPS.exported, selector(VAR_NAMESPACE)),
+        Variable(VAR_MODEL, MODEL, m.LOOKUPS.exported, selector(VAR_NAMESPACE, VAR_POOL)),
+        Variable(VAR_ENGINE, ENGINE, m.LOOKUPS.exported, selector(VAR_NAMESPACE, VAR_POOL, VAR_MODEL)),
+    ]
+    board = Board(
+        UID,
+        "KV pool / Connector",
+        "The KVPoolConnector in each vLLM engine: per-group hit rate, masked blocks, transfer "
+        "latency and bytes, failures; vLLM's own prefix-cache hit rates beside ours.",
+        variables,
+    )
+    hma_hit = _hit_rate(m.LOOKUP_HIT_TOKENS.exported, m.LOOKUP_QUERY_TOKENS.exported, by_model)
+
+    board.row("Overview")
+    board.stat(
+        "Pool hit rate",
+        "Tokens the reconciled hybrid (HMA) hit took from the pool, over tokens looked up.",
+        [Target(_hit_rate(m.LOOKUP_HIT_TOKENS.exported, m.LOOKUP_QUERY_TOKENS.exported, []))],
+        unit="percentunit",
+    )
+    board.stat(
+        "Lookups per second",
+        "Scheduler lookups against the pool.",
+        [Target(sum_rate(m.LOOKUPS.exported, SEL))],
+        unit="reqps",
+    )
+    board.stat(
+        "Loaded per second",
+        "Bytes loaded from the pool into vLLM's KV cache.",
+        [Target(sum_rate(m.TRANSFER_BYTES.exported, _sel(operation=m.LOAD)))],
+        unit="binBps",
+    )
+    board.stat(
+        "Failed keys per second",
+        "Keys whose load or save failed, all kinds.",
+        [Target(sum_rate(m.FAILURES.exported, SEL))],
+        unit="short",
+    )
+
+    board.row("Hit rate")
+    board.timeseries(
+        "Pool hit rate beside vLLM's prefix caches",
+        "Ours: tokens the hybrid hit granted over tokens looked up. vLLM's external prefix cache "
+        "counts the same hit from vLLM's side; its local prefix cache is the GPU-resident one.",
+        [
+            Target(hma_hit, "{{model_name}} pool (HMA hit)"),
+            Target(
+                _hit_rate(
+                    ext.total(ext.VLLM_EXTERNAL_PREFIX_CACHE_HITS),
+                    ext.total(ext.VLLM_EXTERNAL_PREFIX_CACHE_QUERIES),
+                    by_model,
+                ),
+                "{{model_name}} vLLM external prefix cache",
+            ),
+            Target(
+                _hit_rate(
+                    ext.total(ext.VLLM_PREFIX_CACHE_HITS), ext.total(ext.VLLM_PREFIX_CACHE_QUERIES), by_model
+                ),
+                "{{model_name}} vLLM local prefix cache",
+            ),
+        ],
+        unit="percentunit",
+        max_value=1,
+    )
+    board.timeseries(
+        "Hit rate per KV-cache group, and the HMA hit",
+        "Tokens each group alone could have served from the pool, over tokens looked up; the HMA "
+        "hit is what all groups together granted. A group far above the HMA hit is held back by "
+        "another group.",
+        [
+            Target(
+                ratio(
+                    sum_rate(m.GROUP_HIT_TOKENS.exported, SEL, [MODEL, *GROUP]),
+                    sum_rate(m.LOOKUP_QUERY_TOKENS.exported, SEL, by_model),
+                    on=by_model,
+                    group_left=True,
+                ),
+                "{{model_name}} group {{group}} ({{group_kind}})",
+            ),
+            Target(hma_hit, "{{model_name}} HMA hit"),
+        ],
+        unit="percentunit",
+        max_value=1,
+    )
+    board.timeseries(
+        "Blocks present in the pool, and blocks the hit uses, per group",
+        "Present: blocks of the looked-up prefix found in the pool. Used: blocks the reconciled "
+        "hit loads (after the group's mask).",
+        [
+            Target(
+                sum_rate(m.PRESENT_BLOCKS.exported, SEL, GROUP), "present: group {{group}} ({{group_kind}})"
+            ),
+            Target(sum_rate(m.HIT_BLOCKS.exported, SEL, GROUP), "used: group {{group}} ({{group_kind}})"),
+        ],
+        unit="short",
+    )
+    board.timeseries(
+        "Share of present blocks the hit uses, per group",
+        "How much of each group's raw presence survives the hybrid intersection and the group's "
+        "mask (a sliding-window group needs only its window, a Mamba group its last state).",
+        [
+            Target(
+                ratio(
+                    sum_rate(m.HIT_BLOCKS.exported, SEL, [MODEL, *GROUP]),
+                    sum_rate(m.PRESENT_BLOCKS.exported, SEL, [MODEL, *GROUP]),
+                ),
+                "{{model_name}} group {{group}} ({{group_kind}})",
+            )
+        ],
+        unit="percentunit",
+        max_value=1,
+    )
+
+    board.row("Transfers")
+    board.timeseries(
+        "Masked blocks per group, on load and save",
+        "Blocks a transfer covers but the group's mask leaves in place (load: outside the window "
+        "or before the last Mamba state; save: no future hit could load them).",
+        [
+            Target(
+                sum_rate(m.MASKED_BLOCKS.exported, SEL, ["operation", *GROUP]),
+                "{{operation}}: group {{group}} ({{group_kind}})",
+            )
+        ],
+    )
+    board.timeseries(
+        "Blocks moved per group",
+        "Blocks loaded from and saved to the pool.",
+        [
+            Target(
+                sum_rate(m.TRANSFER_BLOCKS.exported, SEL, ["operation", *GROUP]),
+                "{{operation}}: group {{group}} ({{group_kind}})",
+            )
+        ],
+    )
+    board.timeseries(
+        "Bytes per second",
+        "Bytes loaded and saved, by group kind.",
+        [
+            Target(
+                sum_rate(m.TRANSFER_BYTES.exported, SEL, ["operation", "group_kind"]),
+                "{{operation}} {{group_kind}}",
+            )
+        ],
+        unit="binBps",
+    )
+    board.timeseries(
+        "Latency p50 and p99 by operation and group kind",
+        "Lookups (group kind 'all'), and each group's load and save per request.",
+        [
+            Target(
+                quantile(q, m.OPERATION_SECONDS.exported, SEL, ["operation", "group_kind"]),
+                f"p{int(q * 100)} {{{{operation}}}} {{{{group_kind}}}}",
+            )
+            for q in (0.5, 0.99)
+        ],
+        unit="s",
+    )
+    board.timeseries(
+        "Bytes per request p50 and p99",
+        "Bytes one request's load or save moved, all groups.",
+        [
+            Target(
+                quantile(q, m.TRANSFER_SIZE_BYTES.exported, SEL, ["operation"]),
+                f"p{int(q * 100)} {{{{operation}}}}",
+            )
+            for q in (0.5, 0.99)
+        ],
+        unit="bytes",
+    )
+
+    board.row("Failures")
+    board.timeseries(
+        "Failed keys by kind",
+        "missing: gone between lookup and load; store_full: no space to save; transfer_failed and "
+        "rpc_failed: the transfer engine or the master failed.",
+        [
+            Target(
+                sum_rate(m.FAILURES.exported, SEL, ["operation", "reason", "group_kind"]),
+                "{{operation}} {{reason}} ({{group_kind}})",
+            )
+        ],
+    )
+    board.timeseries(
+        "Handed back to vLLM for recompute",
+        "Blocks whose load failed and that vLLM recomputes (single-group layouts), and requests a "
+        "failed load sent back to recompute (hybrid layouts). Never wrong KV, never a stuck request.",
+        [
+            Target(sum_rate(m.LOAD_ERROR_BLOCKS.exported, SEL, by_model), "{{model_name}} blocks"),
+            Target(sum_rate(m.RECOMPUTED_REQUESTS.exported, SEL, by_model), "{{model_name}} requests"),
+        ],
+    )
+    return board

@@ -1,0 +1,208 @@
+"""The Pool dashboard: the Mooncake master's own metrics, per pool."""
+
+from __future__ import annotations
+
+from dashboards import external as ext
+from dashboards.board import Board, Target, Variable
+from dashboards.conventions import MASTER_JOB, NAMESPACE, POOL, VAR_NAMESPACE, VAR_POOL, selector
+from dashboards.promql import ratio, sum_rate
+
+UID = "kvpool-pool"
+SEL = selector(VAR_NAMESPACE, VAR_POOL)
+PER_POOL = [NAMESPACE, POOL]
+PER_MASTER = [NAMESPACE, POOL, "instance"]
+
+
+def pool_max(metric: str) -> str:
+    """A pool's value of a master gauge: the serving master's (a standby reports zeros)."""
+    return f"max by ({NAMESPACE}, {POOL}) ({metric}{SEL})"
+
+
+def _total(metric: str) -> str:
+    return f"sum({pool_max(metric)})"
+
+
+def build() -> Board:
+    board = Board(
+        UID,
+        "KV pool / Mooncake pool",
+        "The Mooncake master of each pool: capacity, use, keys, evictions, clients, requests and "
+        "failures, HA standby state and lag.",
+        [
+            Variable(VAR_NAMESPACE, NAMESPACE, ext.MASTER_CAPACITY),
+            Variable(VAR_POOL, POOL, ext.MASTER_CAPACITY, selector(VAR_NAMESPACE)),
+        ],
+    )
+
+    board.row("Capacity")
+    board.stat(
+        "Capacity", "Store memory mounted in the pool.", [Target(_total(ext.MASTER_CAPACITY))], "bytes"
+    )
+    board.stat(
+        "Used",
+        "Allocated over mounted memory; the master evicts above its high watermark.",
+        [Target(ratio(_total(ext.MASTER_ALLOCATED), _total(ext.MASTER_CAPACITY)))],
+        "percentunit",
+    )
+    board.stat("Keys", "Objects (KV blocks) in the pool.", [Target(_total(ext.MASTER_KEYS))])
+    board.stat(
+        "Active clients",
+        "Store processes and vLLM workers with a live session at the master.",
+        [Target(_total(ext.MASTER_ACTIVE_CLIENTS))],
+    )
+    board.timeseries(
+        "Memory",
+        "Allocated and mounted bytes per pool.",
+        [
+            Target(pool_max(ext.MASTER_ALLOCATED), "{{namespace}}/{{pool}} allocated"),
+            Target(pool_max(ext.MASTER_CAPACITY), "{{namespace}}/{{pool}} capacity"),
+        ],
+        unit="bytes",
+    )
+    board.timeseries(
+        "Use per store segment",
+        "Allocated over capacity of each mounted segment (one per store process).",
+        [
+            Target(
+                ratio(
+                    f"sum by ({NAMESPACE}, {POOL}, segment) ({ext.SEGMENT_ALLOCATED}{SEL})",
+                    f"sum by ({NAMESPACE}, {POOL}, segment) ({ext.SEGMENT_CAPACITY}{SEL})",
+                ),
+                "{{pool}} {{segment}}",
+            )
+        ],
+        unit="percentunit",
+        max_value=1,
+    )
+    board.timeseries(
+        "Keys",
+        "Objects in the pool, and those soft-pinned (evicted last).",
+        [
+            Target(pool_max(ext.MASTER_KEYS), "{{namespace}}/{{pool}} keys"),
+            Target(pool_max(ext.MASTER_SOFT_PIN_KEYS), "{{namespace}}/{{pool}} soft-pinned"),
+        ],
+    )
+    board.timeseries(
+        "Active clients",
+        "Clients with a live session at the master.",
+        [Target(pool_max(ext.MASTER_ACTIVE_CLIENTS), "{{namespace}}/{{pool}}")],
+    )
+
+    board.row("Evictions")
+    board.timeseries(
+        "Eviction passes per second",
+        "Successful and attempted eviction passes.",
+        [
+            Target(sum_rate(ext.MASTER_EVICTIONS, SEL, PER_POOL), "{{namespace}}/{{pool}} successful"),
+            Target(sum_rate(ext.MASTER_EVICTION_ATTEMPTS, SEL, PER_POOL), "{{namespace}}/{{pool}} attempted"),
+        ],
+        width=8,
+    )
+    board.timeseries(
+        "Evicted keys per second",
+        "Objects evicted to make room.",
+        [Target(sum_rate(ext.MASTER_EVICTED_KEYS, SEL, PER_POOL), "{{namespace}}/{{pool}}")],
+        width=8,
+    )
+    board.timeseries(
+        "Evicted bytes per second",
+        "Bytes evicted to make room.",
+        [Target(sum_rate(ext.MASTER_EVICTED_BYTES, SEL, PER_POOL), "{{namespace}}/{{pool}}")],
+        unit="binBps",
+        width=8,
+    )
+
+    board.row("Requests")
+    board.timeseries(
+        "Master requests per second",
+        "batch_exist_key: connector lookups; batch_put_*: saves; batch_get_replica_list: loads; "
+        "ping: client heartbeats.",
+        [Target(sum_rate(req, SEL, PER_POOL), f"{{{{pool}}}} {rpc}") for rpc, req, _ in ext.MASTER_REQUESTS],
+        unit="reqps",
+        width=24,
+    )
+    board.timeseries(
+        "Master request failures per second",
+        "Failed requests by RPC, and failed items inside batch requests (a batch put of a key "
+        "that already exists counts as a failed item; a batch get of a missing key too).",
+        [Target(sum_rate(fail, SEL, PER_POOL), f"{{{{pool}}}} {rpc}") for rpc, _, fail in ext.MASTER_REQUESTS]
+        + [
+            Target(
+                sum_rate(ext.MASTER_BATCH_PUT_FAILED_ITEMS, SEL, PER_POOL), "{{pool}} batch_put_start items"
+            ),
+            Target(
+                sum_rate(ext.MASTER_BATCH_GET_FAILED_ITEMS, SEL, PER_POOL),
+                "{{pool}} batch_get_replica_list items",
+            ),
+        ],
+        width=12,
+    )
+    board.timeseries(
+        "Store full: allocation failures per second",
+        "Puts the master could not place even after evicting: the pool is full (the connector "
+        "counts these saves as store_full failures).",
+        [Target(sum_rate(ext.MASTER_PUT_ALLOC_FAILURES, SEL, PER_POOL), "{{namespace}}/{{pool}}")],
+        width=12,
+    )
+
+    board.row("High availability")
+    board.timeseries(
+        "Masters up and serving",
+        "Up: master targets Prometheus reaches. Serving: masters holding mounted store memory; "
+        "with HA exactly one (the leader), zero means no leader is serving the pool.",
+        [
+            Target(
+                f"sum by ({NAMESPACE}, {POOL}) ({ext.UP}{selector(VAR_NAMESPACE, VAR_POOL, job=MASTER_JOB)})",
+                "{{namespace}}/{{pool}} up",
+            ),
+            Target(
+                f"count by ({NAMESPACE}, {POOL}) ({ext.MASTER_CAPACITY}{SEL} > 0)",
+                "{{namespace}}/{{pool}} serving",
+            ),
+        ],
+        width=8,
+    )
+    board.stat(
+        "Standby state",
+        "Each master's HA standby service (a leader, or a master without HA, reports 'stopped').",
+        [Target(f"max by ({', '.join(PER_MASTER)}) ({ext.HA_STANDBY_STATE}{SEL})", "{{pool}} {{instance}}")],
+        width=8,
+        height=8,
+        mappings=ext.HA_STANDBY_STATES,
+    )
+    board.timeseries(
+        "Standby lag",
+        "OpLog entries a standby is behind the leader, entries waiting out of order, and "
+        "mutations waiting for an etcd write retry.",
+        [
+            Target(
+                f"max by ({', '.join(PER_MASTER)}) ({ext.HA_STANDBY_LAG}{SEL})", "{{pool}} {{instance}} lag"
+            ),
+            Target(
+                f"max by ({', '.join(PER_MASTER)}) ({ext.HA_OPLOG_PENDING}{SEL})",
+                "{{pool}} {{instance}} pending",
+            ),
+            Target(
+                f"max by ({', '.join(PER_MASTER)}) ({ext.HA_PENDING_MUTATIONS}{SEL})",
+                "{{pool}} {{instance}} mutation queue",
+            ),
+        ],
+        width=8,
+    )
+    board.timeseries(
+        "OpLog sequence",
+        "Last OpLog entry the leader wrote and the last a standby applied.",
+        [
+            Target(
+                f"max by ({', '.join(PER_MASTER)}) ({ext.HA_OPLOG_LAST}{SEL})",
+                "{{pool}} {{instance}} written",
+            ),
+            Target(
+                f"max by ({', '.join(PER_MASTER)}) ({ext.HA_OPLOG_APPLIED}{SEL})",
+                "{{pool}} {{instance}} applied",
+            ),
+        ],
+        width=24,
+        height=6,
+    )
+    return board

@@ -1,0 +1,237 @@
+"""The alert rules pass ``promtool check rules``, and ``promtool test rules`` shows each one
+firing on a synthetic history that should fire it and staying quiet on one that should not."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dashboards import alerts, external
+from dashboards.conventions import MASTER_JOB, OPERATOR_JOB
+from kvpool.connector import metric_names as cm
+from kvpool.operator import metric_names as om
+
+RULES = Path(__file__).resolve().parents[2] / "dashboards" / alerts.__name__.split(".")[-1]
+RULES_FILE = RULES.with_suffix(".yaml")
+NS = "team-a"
+MODEL = {"namespace": NS, "pool": "pool-a", "engine": "0"}
+
+
+def promtool() -> str:
+    binary = shutil.which("promtool")
+    if binary is None:
+        pytest.skip("promtool not installed: run scripts/setup.sh")
+    return binary
+
+
+def series(name: str, **labels: str) -> str:
+    inner = ", ".join(f'{k}="{v}"' for k, v in labels.items())
+    return f"{name}{{{inner}}}"
+
+
+@dataclass
+class Firing:
+    labels: dict[str, str]
+    value: str = ""  # $value as the annotation templates render it
+
+
+@dataclass
+class Case:
+    """One promtool test: ``series`` (selector -> values), then alerts expected at each time."""
+
+    alert: str
+    series: dict[str, str]
+    checks: dict[str, list[Firing]] = field(default_factory=dict)
+
+
+def _render(template: str, labels: dict[str, str], value: str) -> str:
+    text = re.sub(r"\{\{ \$labels\.(\w+) \}\}", lambda m: labels.get(m.group(1), ""), template)
+    return re.sub(r"\{\{ \$value( \| \w+)? \}\}", value, text)
+
+
+def cases() -> list[Case]:
+    hybrid = {**MODEL, "model_name": "m"}
+    g0 = {"group": "0", "group_kind": "full"}
+    g1 = {"group": "1", "group_kind": "sliding_window"}
+    load = {"operation": cm.LOAD, "reason": "missing"}
+    master = {"job": MASTER_JOB, "namespace": NS}
+    op = {"job": OPERATOR_JOB, "instance": "operator:9090"}
+    valid_false = {"condition": "ConfigValid", "status": "False", **op}
+    return [
+        Case(
+            "KVPoolGroupHitRateCollapse",
+            {
+                series(cm.LOOKUP_QUERY_TOKENS.exported, **hybrid): "0+1000x120",
+                series(cm.GROUP_HIT_TOKENS.exported, **hybrid, **g0): "0+800x120",
+                # group 1 stops hitting at minute 80
+                series(cm.GROUP_HIT_TOKENS.exported, **hybrid, **g1): "0+800x80 64000x40",
+            },
+            {
+                "75m": [],
+                "110m": [Firing({"namespace": NS, "pool": "pool-a", "model_name": "m", **g1}, "0%")],
+            },
+        ),
+        Case(
+            "KVPoolLoadErrorsRising",
+            {
+                series(cm.FAILURES.exported, **hybrid, **g0, **load): "0+25x40",
+                series(cm.TRANSFER_BLOCKS.exported, **hybrid, **g0, operation=cm.LOAD): "0+75x40",
+                # 1% failed: quiet
+                series(cm.FAILURES.exported, **MODEL, model_name="ok", **g0, **load): "0+1x40",
+                series(
+                    cm.TRANSFER_BLOCKS.exported, **MODEL, model_name="ok", **g0, operation=cm.LOAD
+                ): "0+99x40",
+                # every load failed, nothing moved at all
+                series(cm.FAILURES.exported, **MODEL, model_name="none", **g0, **load): "0+10x40",
+            },
+            {
+                "5m": [],
+                "30m": [
+                    Firing({"namespace": NS, "pool": "pool-a", "model_name": "m"}, "25%"),
+                    Firing({"namespace": NS, "pool": "pool-a", "model_name": "none"}, "100%"),
+                ],
+            },
+        ),
+        Case(
+            "KVPoolMasterDown",
+            {
+                series(external.UP, **master, pool="a", instance="a-master"): "1x4 0x10",
+                series(external.UP, **master, pool="b", instance="b-master"): "1x15",
+                series(om.CONSUMERS.exported, **op, namespace=NS, pool="b"): "1x15",
+                # a pool the operator manages, with no master target at all
+                series(om.CONSUMERS.exported, **op, namespace=NS, pool="c"): "1x15",
+            },
+            {
+                "1m": [],
+                "10m": [Firing({"namespace": NS, "pool": "a"}), Firing({"namespace": NS, "pool": "c"})],
+            },
+        ),
+        Case(
+            "KVPoolNoLeader",
+            {
+                series(external.UP, **master, pool="a", instance="m1"): "1x15",
+                series(external.UP, **master, pool="a", instance="m2"): "1x15",
+                series(external.MASTER_CAPACITY, **master, pool="a", instance="m1"): "0x15",
+                series(external.MASTER_CAPACITY, **master, pool="a", instance="m2"): "0x15",
+                # b: a leader holds the memory, the standby reports zero
+                series(external.UP, **master, pool="b", instance="m3"): "1x15",
+                series(external.UP, **master, pool="b", instance="m4"): "1x15",
+                series(external.MASTER_CAPACITY, **master, pool="b", instance="m3"): "1000000000x15",
+                series(external.MASTER_CAPACITY, **master, pool="b", instance="m4"): "0x15",
+                # c: the master is down (KVPoolMasterDown's case, not this one)
+                series(external.UP, **master, pool="c", instance="m5"): "0x15",
+                series(external.MASTER_CAPACITY, **master, pool="c", instance="m5"): "0x15",
+            },
+            {"2m": [], "10m": [Firing({"namespace": NS, "pool": "a"})]},
+        ),
+        Case(
+            "KVPoolStandbyFailed",
+            {
+                series(external.HA_STANDBY_STATE, **master, pool="a", instance="s1"): "8x15",
+                series(external.HA_STANDBY_STATE, **master, pool="a", instance="s2"): "3x15",
+            },
+            {"2m": [], "10m": [Firing({"namespace": NS, "pool": "a", "instance": "s1"})]},
+        ),
+        Case(
+            "KVPoolStoreFull",
+            {
+                series(
+                    cm.FAILURES.exported, **hybrid, **g0, operation=cm.SAVE, reason="store_full"
+                ): "0+60x15",
+                series(external.MASTER_PUT_ALLOC_FAILURES, **master, pool="b", instance="m"): "0+120x15",
+                series(external.MASTER_PUT_ALLOC_FAILURES, **master, pool="c", instance="m"): "0x15",
+            },
+            {
+                "2m": [],
+                "10m": [
+                    Firing({"namespace": NS, "pool": "pool-a"}, "1"),
+                    Firing({"namespace": NS, "pool": "b"}, "2"),
+                ],
+            },
+        ),
+        Case(
+            "KVPoolEvictionSpike",
+            {
+                # a: 10 keys a minute for an hour, then 1000 a minute
+                series(
+                    external.MASTER_EVICTED_KEYS, **master, pool="a", instance="m"
+                ): "0+10x60 1600+1000x25",
+                series(external.MASTER_KEYS, **master, pool="a", instance="m"): "5000x85",
+                series(external.MASTER_EVICTED_KEYS, **master, pool="b", instance="m"): "0+10x85",
+                series(external.MASTER_KEYS, **master, pool="b", instance="m"): "5000x85",
+            },
+            {"60m": [], "80m": [Firing({"namespace": NS, "pool": "a"}, "16.67")]},
+        ),
+        Case(
+            "KVPoolConfigInvalid",
+            {series(om.POOLS.exported, **valid_false): "2x10"},
+            {"5m": [Firing({}, "2")]},
+        ),
+        Case(
+            "KVPoolConfigInvalid",
+            {series(om.POOLS.exported, **valid_false): "0x10"},
+            {"5m": []},
+        ),
+        Case(
+            "KVPoolRolloutStuck",
+            {
+                series(om.CONSUMERS.exported, **op, namespace=NS, pool="a"): "2x30",
+                series(om.CONSUMERS_ROLLED_OUT.exported, **op, namespace=NS, pool="a"): "1x30",
+                series(om.CONSUMERS.exported, **op, namespace=NS, pool="b"): "2x30",
+                series(om.CONSUMERS_ROLLED_OUT.exported, **op, namespace=NS, pool="b"): "2x30",
+            },
+            {"10m": [], "20m": [Firing({"namespace": NS, "pool": "a", **op}, "1")]},
+        ),
+        Case("KVPoolOperatorDown", {series(external.UP, **op): "0x10"}, {"6m": [Firing({})]}),
+        Case("KVPoolOperatorDown", {series(external.UP, **op): "1x10"}, {"6m": []}),
+    ]
+
+
+def promtool_tests() -> dict:
+    by_name = {a.name: a for a in alerts.all_alerts()}
+    tests = []
+    for case in cases():
+        alert = by_name[case.alert]
+        checks = []
+        for time, firing in case.checks.items():
+            expected = []
+            for f in firing:
+                labels = {"severity": alert.rule()["labels"]["severity"], **f.labels}
+                annotations = {k: _render(v, labels, f.value) for k, v in alert.rule()["annotations"].items()}
+                expected.append({"exp_labels": labels, "exp_annotations": annotations})
+            checks.append({"eval_time": time, "alertname": case.alert, "exp_alerts": expected})
+        tests.append(
+            {
+                "interval": "1m",
+                "input_series": [{"series": s, "values": v} for s, v in case.series.items()],
+                "alert_rule_test": checks,
+            }
+        )
+    return {"rule_files": [str(RULES_FILE)], "evaluation_interval": "1m", "tests": tests}
+
+
+def test_promtool_checks_the_rules() -> None:
+    result = subprocess.run(
+        [promtool(), "check", "rules", str(RULES_FILE)], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"SUCCESS: {len(alerts.all_alerts())} rules found" in result.stdout
+
+
+def test_every_alert_fires_and_stays_quiet_in_promtool(tmp_path: Path) -> None:
+    fired = {c.alert for c in cases() if any(c.checks.values())}
+    quiet = {c.alert for c in cases() if any(not f for f in c.checks.values())}
+    names = {a.name for a in alerts.all_alerts()}
+    assert fired == names and quiet == names
+    path = tmp_path / "alerts_test.yaml"
+    path.write_text(yaml.safe_dump(promtool_tests(), sort_keys=False))
+    result = subprocess.run(
+        [promtool(), "test", "rules", str(path)], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stdout + result.stderr

@@ -1,0 +1,172 @@
+"""The committed dashboards and rules are the generator's output, and every query is sound.
+
+Sound: it parses (promql-parser), every metric it names is exported by our code, by a real
+Mooncake master (its /metrics read here) or by vLLM itself, and it honours the dashboard's
+template variables.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+from grafana_foundation_sdk.cog.encoder import JSONEncoder
+from grafana_foundation_sdk.models.dashboard import Dashboard
+
+from dashboards import alerts, connector_board, external, generate, operator_board, pool_board
+from dashboards.conventions import NAMESPACE, POOL, VARIABLE_LABELS
+from kvpool.connector import metric_names as cm
+from kvpool.operator import metric_names as om
+from tests.dashboards.queries import panel_queries, selectors, substitute, variable_queries
+
+REPO = Path(__file__).resolve().parents[2]
+HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
+
+
+def _exported(specs) -> set[str]:
+    names = set()
+    for spec in specs:
+        if spec.kind == "histogram":
+            names |= {spec.name + suffix for suffix in HISTOGRAM_SUFFIXES}
+        else:
+            names.add(spec.exported)
+    return names
+
+
+OURS = _exported(cm.ALL) | _exported(om.ALL)
+
+
+def vllm_counters() -> set[str]:
+    """Counters vLLM defines (scraped with ``_total``), read from vLLM's own source."""
+    spec = importlib.util.find_spec("vllm")
+    assert spec is not None and spec.origin is not None
+    loggers = Path(spec.origin).parent / "v1" / "metrics" / "loggers.py"
+    text = loggers.read_text()
+    return {f"{name}_total" for name in re.findall(r'name="(vllm:[a-z_:]+)"', text)}
+
+
+@pytest.fixture(scope="module")
+def master_metrics(local_pool) -> set[str]:
+    """Series names a real Mooncake master exports."""
+    names = set()
+    for line in local_pool.master.metrics().splitlines():
+        if line.startswith("# TYPE "):
+            names.add(line.split()[2])
+        elif line and not line.startswith("#"):
+            names.add(re.split(r"[{ ]", line, maxsplit=1)[0])
+    return names
+
+
+@pytest.fixture(scope="module")
+def models() -> dict[str, dict]:
+    return generate.dashboards()
+
+
+def test_committed_files_equal_the_generators_output() -> None:
+    assert generate.stale(REPO) == [], "run `python -m dashboards` and commit the result"
+    outputs = generate.outputs()
+    assert {str(p) for p in outputs} == {
+        *(f"dashboards/{uid}.json" for uid in generate.BOARDS),
+        *(f"charts/mooncake-kvpool/files/dashboards/{uid}.json" for uid in generate.BOARDS),
+        "dashboards/alerts.yaml",
+        "charts/mooncake-kvpool/files/alerts.yaml",
+    }
+    rules = yaml.safe_load((REPO / "charts/mooncake-kvpool/files/alerts.yaml").read_text())
+    assert [g["name"] for g in rules["groups"]] == list(alerts.GROUPS)
+
+
+def test_the_cli_check_passes() -> None:
+    from dashboards.__main__ import main
+
+    assert main(["--check"]) == 0
+
+
+def test_dashboards_are_well_formed(models) -> None:
+    expected_vars = {
+        connector_board.UID: ["datasource", "namespace", "pool", "model", "engine"],
+        pool_board.UID: ["datasource", "namespace", "pool"],
+        operator_board.UID: ["datasource", "namespace", "pool"],
+    }
+    assert set(models) == set(expected_vars)
+    for uid, model in models.items():
+        assert model["uid"] == uid
+        assert [v["name"] for v in model["templating"]["list"]] == expected_vars[uid]
+        ids = [p["id"] for p in model["panels"]]
+        assert len(ids) == len(set(ids)) and 0 not in ids
+        for panel in model["panels"]:
+            assert panel["gridPos"]["x"] >= 0 and panel["gridPos"]["x"] + panel["gridPos"]["w"] <= 24
+            if panel["type"] == "row":
+                continue
+            assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
+            assert panel["targets"], panel["title"]
+            refs = [t["refId"] for t in panel["targets"]]
+            assert len(refs) == len(set(refs))
+        for var in model["templating"]["list"][1:]:
+            assert var["includeAll"] and var["allValue"] == ".*" and var["multi"]
+        # The SDK's own model reads the committed JSON back unchanged.
+        committed = json.loads((REPO / "dashboards" / f"{uid}.json").read_text())
+        assert json.loads(JSONEncoder(sort_keys=True).encode(Dashboard.from_json(committed))) == committed
+
+
+def test_every_query_parses_and_names_only_real_metrics(models, master_metrics) -> None:
+    vllm = vllm_counters()
+    known = OURS | master_metrics | vllm | {external.UP}
+    mooncake = {
+        name
+        for name in vars(external).values()
+        if isinstance(name, str) and name.startswith(("master_", "segment_", "ha_"))
+    }
+    assert mooncake and mooncake <= master_metrics, sorted(mooncake - master_metrics)
+    exprs = [q.expr for uid, m in models.items() for q in panel_queries(uid, m)]
+    exprs += [f"{v.selector}" for uid, m in models.items() for v in variable_queries(uid, m)]
+    exprs += [a.expr for a in alerts.all_alerts()]
+    unknown = set()
+    for expr in exprs:
+        for sel in selectors(substitute(expr)):
+            assert sel.metric, f"a selector without a metric name in {expr}"
+            if sel.metric not in known:
+                unknown.add(sel.metric)
+    assert not unknown, f"metrics nobody exports: {sorted(unknown)}"
+    for name in external.VLLM_COUNTERS:
+        assert external.total(name) in vllm
+    for _, request, failure in external.MASTER_REQUESTS:
+        assert {request, failure} <= master_metrics
+
+
+def test_every_metric_of_ours_is_on_a_dashboard(models) -> None:
+    shown = {
+        sel.metric
+        for uid, m in models.items()
+        for q in panel_queries(uid, m)
+        for sel in selectors(substitute(q.expr))
+    }
+    for spec in (*cm.ALL, *om.ALL):
+        names = {spec.name + s for s in HISTOGRAM_SUFFIXES} if spec.kind == "histogram" else {spec.exported}
+        assert names & shown, f"{spec.name} is on no dashboard"
+    for name in external.VLLM_COUNTERS:
+        assert external.total(name) in shown
+
+
+def test_queries_honour_the_template_variables(models) -> None:
+    """Every selector filters on each variable its series carry."""
+    connector_labels = set(VARIABLE_LABELS.values())
+    per_pool = {NAMESPACE, POOL}
+    operator_wide = {om.RECONCILES, om.RECONCILE_ERRORS, om.RECONCILE_DURATION, om.API_WRITES, om.POOLS}
+    operator_wide_names = _exported(operator_wide)
+    for uid, model in models.items():
+        for query in panel_queries(uid, model):
+            for sel in selectors(substitute(query.expr, values={v: ["x"] for v in VARIABLE_LABELS})):
+                if uid == connector_board.UID:
+                    required = connector_labels
+                elif sel.metric in operator_wide_names:
+                    required = set()
+                else:
+                    required = per_pool
+                filtered = {
+                    label for label, (op, value) in sel.matchers.items() if op == "Re" and value == "(x)"
+                }
+                assert required <= filtered, f"{query}: {sel.metric} ignores {required - filtered}"
