@@ -159,10 +159,11 @@ def operator_alerts() -> list[Alert]:
     return [
         Alert(
             "KVPoolConfigInvalid",
-            f'sum({o.POOLS.exported}{{condition="ConfigValid", status="False"}}) > 0',
+            f"max by (namespace, pool) "
+            f'({o.POOL_CONDITION.exported}{{condition="ConfigValid", status="False"}}) == 1',
             "1m",
             "warning",
-            "{{ $value }} MooncakeKVPool(s) have ConfigValid=False",
+            "MooncakeKVPool {{ $labels.namespace }}/{{ $labels.pool }} has ConfigValid=False",
             "The operator rejected a pool's spec or a consumer's KV layout and rolls nothing out for "
             "it. `kubectl get mooncakekvpools -A` and the pool's ConfigValid condition name each "
             "problem.",

@@ -52,6 +52,17 @@ def build() -> Board:
         [Target(f"sum by (condition, status) ({pools})", "{{condition}}={{status}}")],
     )
     board.timeseries(
+        "Conditions per pool",
+        "Each pool's conditions by name; a ConfigValid=False series is a rejected spec or consumer "
+        "layout (the pool's status says which field and rule).",
+        [
+            Target(
+                f"max by ({NAMESPACE}, {POOL}, condition, status) ({o.POOL_CONDITION.exported}{SEL})",
+                "{{namespace}}/{{pool}} {{condition}}={{status}}",
+            )
+        ],
+    )
+    board.timeseries(
         "Consumers rolled out per pool",
         "Consumers on the pool's current settings, beside those declared; a gap that stays is a "
         "stuck rollout.",

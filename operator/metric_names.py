@@ -44,6 +44,12 @@ POOLS = MetricSpec(
     "Pools by condition (ConfigValid, MasterReady, StoreReady, ConsumersRolledOut) and status.",
     ("condition", "status"),
 )
+POOL_CONDITION = MetricSpec(
+    f"{PREFIX}pool_condition",
+    Kind.GAUGE,
+    "1 for each pool's current status of each condition (so alerts can name the pool).",
+    ("namespace", "pool", "condition", "status"),
+)
 CONSUMERS = MetricSpec(
     f"{PREFIX}consumers",
     Kind.GAUGE,
@@ -63,6 +69,7 @@ ALL: tuple[MetricSpec, ...] = (
     RECONCILE_DURATION,
     API_WRITES,
     POOLS,
+    POOL_CONDITION,
     CONSUMERS,
     CONSUMERS_ROLLED_OUT,
 )

@@ -13,6 +13,7 @@ from kvpool.operator.metric_names import (
     API_WRITES,
     CONSUMERS,
     CONSUMERS_ROLLED_OUT,
+    POOL_CONDITION,
     POOLS,
     RECONCILE_DURATION,
     RECONCILE_ERRORS,
@@ -46,6 +47,11 @@ class _PoolCollector(Collector):
         for (kind, status), count in sorted(counts.items()):
             pools.add_metric([kind, status], count)
         yield pools
+        per_pool = _gauge(POOL_CONDITION)
+        for (namespace, pool), conditions in sorted(self._metrics.conditions.items()):
+            for kind, status in sorted(conditions.items()):
+                per_pool.add_metric([namespace, pool, kind, status], 1)
+        yield per_pool
         for spec, index in ((CONSUMERS, 0), (CONSUMERS_ROLLED_OUT, 1)):
             family = _gauge(spec)
             for (namespace, pool), values in sorted(self._metrics.consumers.items()):

@@ -170,12 +170,21 @@ def cases() -> list[Case]:
         ),
         Case(
             "KVPoolConfigInvalid",
-            {series(om.POOLS.exported, **valid_false): "2x10"},
-            {"5m": [Firing({}, "2")]},
+            {
+                series(om.POOL_CONDITION.exported, **valid_false, namespace=NS, pool="a"): "1x10",
+                series(
+                    om.POOL_CONDITION.exported, **{**valid_false, "status": "True"}, namespace=NS, pool="b"
+                ): "1x10",
+            },
+            {"5m": [Firing({"namespace": NS, "pool": "a"}, "1")]},
         ),
         Case(
             "KVPoolConfigInvalid",
-            {series(om.POOLS.exported, **valid_false): "0x10"},
+            {
+                series(
+                    om.POOL_CONDITION.exported, **{**valid_false, "status": "True"}, namespace=NS, pool="a"
+                ): "1x10"
+            },
             {"5m": []},
         ),
         Case(
