@@ -155,18 +155,31 @@ def build_gemma3(
     **overrides: Any,
 ) -> Path:
     """Build (or reuse) a random Gemma3 text model (``Gemma3ForCausalLM``) in ``path``."""
-    path = Path(path)
     cfg = gemma3_config(size, **overrides)
-    stamp = _stamp("gemma3", size, seed, dtype, cfg)
+    return _build("gemma3", Path(path), size, seed, dtype, cfg, "Gemma3TextConfig", "Gemma3ForCausalLM")
+
+
+def _build(
+    family: str,
+    path: Path,
+    size: Size,
+    seed: int,
+    dtype: str,
+    cfg: dict[str, Any],
+    config_class: str,
+    model_class: str,
+) -> Path:
+    """Random weights for transformers' ``model_class`` under ``cfg``, unless already built."""
+    stamp = _stamp(family, size, seed, dtype, cfg)
     if _is_built(path, stamp):
         return path
     import torch
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    import transformers
 
-    config = Gemma3TextConfig(**cfg)
+    config = getattr(transformers, config_class)(**cfg)
     torch.manual_seed(seed)
     with torch.device("meta"):
-        model = Gemma3ForCausalLM(config)
+        model = getattr(transformers, model_class)(config)
     model = model.to_empty(device="cpu")
     model.tie_weights()
     _init_weights(model, seed)
@@ -215,23 +228,8 @@ def build_gpt_oss(
     **overrides: Any,
 ) -> Path:
     """Build (or reuse) a random unquantized gpt-oss model in ``path``."""
-    path = Path(path)
     cfg = gpt_oss_config(size, **overrides)
-    stamp = _stamp("gpt_oss", size, seed, dtype, cfg)
-    if _is_built(path, stamp):
-        return path
-    import torch
-    from transformers import GptOssConfig, GptOssForCausalLM
-
-    config = GptOssConfig(**cfg)
-    torch.manual_seed(seed)
-    with torch.device("meta"):
-        model = GptOssForCausalLM(config)
-    model = model.to_empty(device="cpu")
-    model.tie_weights()
-    _init_weights(model, seed)
-    _save(model, path, stamp, dtype)
-    return path
+    return _build("gpt_oss", Path(path), size, seed, dtype, cfg, "GptOssConfig", "GptOssForCausalLM")
 
 
 BUILDERS = {"gemma3": build_gemma3, "gpt_oss": build_gpt_oss}
