@@ -131,10 +131,13 @@ class SchedulerSide:
         digests: dict[int, dict[int, str]] = {}
         keys: list[str] = []
         owners: list[tuple[int, bytes]] = []
+        known: dict[bytes, str] = {}  # groups of one block size share their hashes
         for group_id, hashes in wanted.items():
             digests[group_id] = {}
             for index, block_hash in enumerate(hashes):
-                digest = hash_digest(block_hash)
+                digest = known.get(block_hash)
+                if digest is None:
+                    digest = known[block_hash] = hash_digest(block_hash)
                 digests[group_id][index] = digest
                 for key in self.keyspace.rank_keys(group_id, self.tp_size, self.pp_size, digest):
                     keys.append(key)

@@ -15,7 +15,7 @@ from enum import StrEnum
 from typing import Any, TypeVar
 
 from kvpool.connector.logs import get_logger
-from kvpool.connector.settings import ConnectorSettings
+from kvpool.connector.settings import MAX_BATCH_KEYS, ConnectorSettings
 
 logger = get_logger(__name__)
 
@@ -114,9 +114,13 @@ class PoolClient:
 
     # --- batch API --------------------------------------------------------
     def exists(self, keys: Sequence[str]) -> list[bool]:
-        """Presence of each key; an error for a key counts as absent."""
+        """Presence of each key; an error for a key counts as absent.
+
+        Metadata only, so one round trip per ``MAX_BATCH_KEYS`` keys (not per
+        ``batch_size``, which bounds data transfers).
+        """
         present: list[bool] = []
-        for part in chunks(keys, self.batch_size):
+        for part in chunks(keys, MAX_BATCH_KEYS):
             try:
                 codes = self._call(self._store.batch_is_exist, list(part))
             except StoreUnavailable:

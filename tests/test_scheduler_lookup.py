@@ -157,3 +157,25 @@ def test_consumer_role_never_saves(model_dir, pool_settings) -> None:
         assert output.kv_connector_metadata.saves == []
     finally:
         scheduler.shutdown()
+
+
+def _master_counter(local_pool, name: str) -> float:
+    for line in local_pool.master.metrics().splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not exported by the master")
+
+
+def test_one_round_trip_per_lookup(model_dir, pool_settings, local_pool) -> None:
+    """Every group's blocks in one batch_is_exist (chunked only past 1000 keys)."""
+    scheduler = make_scheduler(model_dir, FULL_SWA, _extra(pool_settings))
+    try:
+        calls = _master_counter(local_pool, "master_batch_exist_key_requests_total")
+        items = _master_counter(local_pool, "master_batch_exist_key_items_total")
+        request = make_request(scheduler, list(range(9, 9 + 40 * 32 + 1)))
+        scheduler.add_request(request)
+        scheduler.schedule()
+        assert _master_counter(local_pool, "master_batch_exist_key_requests_total") - calls == 1
+        assert _master_counter(local_pool, "master_batch_exist_key_items_total") - items == 2 * 40
+    finally:
+        scheduler.shutdown()
