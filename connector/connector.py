@@ -212,14 +212,12 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
             self._work().start_saves(meta)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        sending, recving, failed = self._work().transfer_results(finished_req_ids)
-        return KVConnectorTransferResults(
-            finished_sending=sending, finished_recving=recving, failed_recving=failed
-        )
+        recving, failed = self._work().transfer_results()
+        return KVConnectorTransferResults(finished_recving=recving, failed_recving=failed)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        sending, recving, _ = self._work().transfer_results(finished_req_ids)
-        return sending or None, recving or None
+        recving, _ = self._work().transfer_results()
+        return None, recving or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._work().take_load_errors()

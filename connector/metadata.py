@@ -55,6 +55,3 @@ class PoolConnectorMetadata(KVConnectorMetadata):
 
     loads: list[RequestLoad] = field(default_factory=list)
     saves: list[RequestSave] = field(default_factory=list)
-    # Finished requests whose async load may still be writing into their blocks:
-    # the worker reports them as finished sending once that load is done.
-    hold_until_loaded: list[str] = field(default_factory=list)

@@ -79,7 +79,6 @@ class SchedulerSide:
         self._pending_loads: list[RequestLoad] = []
         self._loading: set[str] = set()
         self._tracked: dict[str, _Tracked] = {}
-        self._hold: list[str] = []
         self._local_tokens: dict[str, int] = {}
         # Block ids each request's load wrote, and requests whose load failed:
         # those recompute and never take the pool's word for them again.
@@ -179,14 +178,18 @@ class SchedulerSide:
         req_id = request.request_id
         plan = self._plans.pop(req_id, None)
         local_tokens = self._local_tokens.pop(req_id, request.num_computed_tokens)
-        if self.can_save and req_id not in self._tracked and self.coordinator is not None:
-            # Blocks the request starts with (local or pool hit) need no saving.
+        if self.can_save and self.coordinator is not None:
+            # Blocks the request starts with (local or pool hit) need no saving;
+            # after a failed load, the blocks it recomputes instead do.
             start_tokens = local_tokens + num_external
-            self._tracked[req_id] = _Tracked(
-                request=request,
-                saved_upto=[start_tokens // g.block_size for g in self.coordinator.groups],
-                trace_context=self.stats.trace_context(request),
-            )
+            start = [start_tokens // g.block_size for g in self.coordinator.groups]
+            tracked = self._tracked.get(req_id)
+            if tracked is None:
+                self._tracked[req_id] = _Tracked(
+                    request=request, saved_upto=start, trace_context=self.stats.trace_context(request)
+                )
+            elif req_id in self._load_failed:
+                tracked.saved_upto = [min(a, b) for a, b in zip(tracked.saved_upto, start)]
         if num_external == 0 or plan is None:
             return
         assert self.coordinator is not None
@@ -223,9 +226,8 @@ class SchedulerSide:
     def build_connector_meta(
         self, scheduler_output: Any, block_ids_of: Callable[[str], Sequence[list[int]]]
     ) -> PoolConnectorMetadata:
-        meta = PoolConnectorMetadata(loads=self._pending_loads, hold_until_loaded=self._hold)
+        meta = PoolConnectorMetadata(loads=self._pending_loads)
         self._pending_loads = []
-        self._hold = []
         if self.can_save and self.coordinator is not None:
             for req_id, num_new in scheduler_output.num_scheduled_tokens.items():
                 tracked = self._tracked.get(req_id)
@@ -303,7 +305,11 @@ class SchedulerSide:
             self._loaded_blocks.pop(req_id, None)
 
     def request_finished(self, req_id: str) -> bool:
-        """Forget ``req_id``; True when an async load may still write its blocks."""
+        """Forget ``req_id``; True when an async load may still write its blocks.
+
+        vLLM then frees them when the worker reports that load finished
+        receiving (``finished_recving`` of a finished request frees its blocks).
+        """
         self._tracked.pop(req_id, None)
         self._plans.pop(req_id, None)
         self._local_tokens.pop(req_id, None)
@@ -311,6 +317,5 @@ class SchedulerSide:
         self._load_failed.discard(req_id)
         if req_id in self._loading:
             self._loading.discard(req_id)
-            self._hold.append(req_id)
             return True
         return False

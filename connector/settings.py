@@ -14,6 +14,7 @@ import json
 import os
 import re
 from collections.abc import Mapping
+from decimal import Decimal
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -61,14 +62,18 @@ def parse_size(value: Any) -> int:
         return value
     if isinstance(value, float) and value.is_integer():
         return int(value)
-    if isinstance(value, str):
+    if isinstance(value, str) and len(value) <= 64:
         match = _SIZE_RE.match(value)
         if match and match.group(2).lower() in _UNITS:
-            return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
-    raise ValueError(f"{value!r} is not a size: use bytes or a string like '4GB'")
+            return int(Decimal(match.group(1)) * _UNITS[match.group(2).lower()])
+    raise ValueError(
+        f"{value[:40] if isinstance(value, str) else value!r} is not a size: use bytes or a string like '4GB'"
+    )
 
 
-Size = Annotated[int, BeforeValidator(parse_size), Field(ge=0)]
+MAX_SIZE = 2**63 - 1  # Mooncake takes sizes as 64-bit integers
+
+Size = Annotated[int, BeforeValidator(parse_size), Field(ge=0, le=MAX_SIZE)]
 
 
 class SettingsError(ValueError):
@@ -190,6 +195,8 @@ def load_config_file(path: Path) -> dict[str, Any]:
         raise SettingsError({CONFIG_PATH_ENV: f"{path} cannot be read: {exc}"}) from None
     except json.JSONDecodeError as exc:
         raise SettingsError({CONFIG_PATH_ENV: f"{path} is not valid JSON: {exc}"}) from None
+    except RecursionError:
+        raise SettingsError({CONFIG_PATH_ENV: f"{path} nests too deeply to be a Mooncake config"}) from None
     if not isinstance(data, dict):
         raise SettingsError({CONFIG_PATH_ENV: f"{path} must hold a JSON object"})
     return data

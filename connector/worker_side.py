@@ -71,8 +71,6 @@ class WorkerSide:
         self._saves_in_flight: list[Future[None]] = []
         self._async_loads: dict[str, Future[bool]] = {}
         self._load_errors: set[int] = set()
-        self._holding: set[str] = set()
-        self._finished_seen: set[str] = set()
         self._closed = False
 
     # --- registration --------------------------------------------------------
@@ -124,8 +122,6 @@ class WorkerSide:
                     self._async_loads[load.req_id] = future
             else:
                 sync_jobs.append(self._pool.submit(self._load_request, load))
-        with self._lock:
-            self._holding.update(meta.hold_until_loaded)
         for job in sync_jobs:
             job.result()
 
@@ -136,28 +132,23 @@ class WorkerSide:
             with self._lock:
                 self._saves_in_flight.append(future)
 
-    def transfer_results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
-        """(finished sending, finished receiving, failed receiving) since the last call."""
+    def transfer_results(self) -> tuple[set[str], set[str]]:
+        """(finished receiving, failed receiving) since the last call.
+
+        A request finished (aborted) while its load ran is freed by vLLM on its
+        finished receiving; there is nothing to report as sent: saves keep no
+        blocks past the next forward (see ``before_forward``).
+        """
         finished_recving: set[str] = set()
         failed_recving: set[str] = set()
-        finished_sending: set[str] = set()
         with self._lock:
-            self._finished_seen.update(finished_req_ids)
             for req_id, future in list(self._async_loads.items()):
                 if future.done():
                     del self._async_loads[req_id]
                     finished_recving.add(req_id)
                     if not future.result():
                         failed_recving.add(req_id)
-            for req_id in list(self._holding):
-                if req_id not in self._async_loads and req_id in self._finished_seen:
-                    self._holding.discard(req_id)
-                    self._finished_seen.discard(req_id)
-                    finished_sending.add(req_id)
-            self._finished_seen.difference_update(
-                r for r in list(self._finished_seen) if r not in self._holding
-            )
-        return finished_sending, finished_recving, failed_recving
+        return finished_recving, failed_recving
 
     def take_load_errors(self) -> set[int]:
         with self._lock:

@@ -72,7 +72,7 @@ class HASpec(_Model):
 class MasterSpec(_Model):
     """The Mooncake master (mooncake_master)."""
 
-    replicas: int = Field(default=1, ge=1, description="1 without HA; at least 2 with HA.")
+    replicas: int = Field(default=1, ge=1, le=2**31 - 1, description="1 without HA; at least 2 with HA.")
     ha: HASpec = Field(default_factory=HASpec)
     rpc_port: Port = Field(default=50051, description="Master RPC port.")
     metrics_port: Port = Field(default=9003, description="HTTP port of /metrics and /health.")
@@ -95,7 +95,7 @@ class StoreSpec(_Model):
         description="standalone: store pods own the memory and vLLM contributes none; "
         "embedded: each vLLM rank contributes a segment and there are no store pods.",
     )
-    replicas: int = Field(default=1, ge=0, description="Store pods (standalone mode).")
+    replicas: int = Field(default=1, ge=0, le=2**31 - 1, description="Store pods (standalone mode).")
     segment_size: ByteSize = Field(
         default=4 << 30,
         ge=1 << 20,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal, DecimalException
 
 _SUFFIXES: dict[str, Decimal] = {
     "": Decimal(1),
@@ -23,6 +23,7 @@ _SUFFIXES: dict[str, Decimal] = {
     "Pi": Decimal(2) ** 50,
     "Ei": Decimal(2) ** 60,
 }
+MAX_QUANTITY = Decimal(2**63)
 _QUANTITY_RE = re.compile(r"^([+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?)([a-zA-Z]*)$")
 
 
@@ -31,15 +32,18 @@ def parse_quantity(value: int | float | str) -> Decimal:
     if isinstance(value, bool):
         raise ValueError(f"{value!r} is not a quantity")
     if isinstance(value, int | float):
-        return Decimal(str(value))
-    match = _QUANTITY_RE.match(value.strip())
-    if not match or match.group(2) not in _SUFFIXES:
-        raise ValueError(f"{value!r} is not a Kubernetes quantity (e.g. '8Gi', '500M')")
-    try:
-        number = Decimal(match.group(1))
-    except InvalidOperation:
-        raise ValueError(f"{value!r} is not a Kubernetes quantity") from None
-    return number * _SUFFIXES[match.group(2)]
+        number = Decimal(str(value))
+    else:
+        match = _QUANTITY_RE.match(value.strip())
+        if not match or match.group(2) not in _SUFFIXES:
+            raise ValueError(f"{value!r} is not a Kubernetes quantity (e.g. '8Gi', '500M')")
+        try:
+            number = Decimal(match.group(1)) * _SUFFIXES[match.group(2)]
+        except DecimalException:
+            raise ValueError(f"{value!r} is not a Kubernetes quantity") from None
+    if not number.is_finite() or abs(number) >= MAX_QUANTITY:
+        raise ValueError(f"{value!r} is beyond any resource quantity (at most 2**63-1)")
+    return number
 
 
 def format_bytes(size: int) -> str:

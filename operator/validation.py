@@ -89,6 +89,16 @@ def check_store(spec: PoolSpec) -> list[Problem]:
         problems.append(
             _problem("spec.store.replicas", "store-replicas", "standalone mode needs at least one store pod")
         )
+    master_ports = {spec.master.rpc_port: "rpcPort", spec.master.metrics_port: "metricsPort"}
+    if spec.store.port in master_ports:
+        problems.append(
+            _problem(
+                "spec.store.port",
+                "port-clash",
+                f"store port {spec.store.port} equals spec.master.{master_ports[spec.store.port]}: "
+                "the network policy opens the master's metrics port to spec.networkPolicy.metricsFrom",
+            )
+        )
     limit = store.memory_limit(spec)
     if limit is not None and limit < spec.store.segment_size:
         problems.append(
