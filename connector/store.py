@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -27,6 +28,11 @@ CODE_BUFFER_TOO_SMALL = -600
 CODE_OBJECT_NOT_FOUND = -704
 CODE_TRANSFER_FAILED = -800
 CODE_RPC_FAILED = -900
+
+# After this many batches in a row whose every key failed its RPC, fail fast for
+# UNREACHABLE_BACKOFF_S, then try again.
+UNREACHABLE_AFTER_BATCHES = 2
+UNREACHABLE_BACKOFF_S = 2.0
 
 
 class Outcome(StrEnum):
@@ -105,12 +111,35 @@ class PoolClient:
             )
         self._open = True
         self._registered: set[tuple[int, int]] = set()
+        self._unreachable_until = 0.0
+        self._failed_batches = 0
 
     # --- guards -----------------------------------------------------------
     def _call(self, fn: Callable[..., list[int]], *args: Any) -> list[int]:
         if not self._open:
             raise StoreUnavailable("Mooncake client is closed")
         return list(fn(*args))
+
+    @property
+    def unreachable(self) -> bool:
+        """Whether a recent transfer found the master unreachable (then calls fail fast)."""
+        return time.monotonic() < self._unreachable_until
+
+    def _note_codes(self, codes: Sequence[int]) -> None:
+        # Batches in a row whose every key failed its RPC mean the master is gone:
+        # then, for a moment, fail at once instead of waiting out each call's RPC
+        # timeout (seconds per batch), so requests compute at normal speed
+        # meanwhile. One such batch alone (a partial failure) changes nothing.
+        if not codes or not all(code == CODE_RPC_FAILED for code in codes):
+            self._failed_batches = 0
+            return
+        self._failed_batches += 1
+        if self._failed_batches >= UNREACHABLE_AFTER_BATCHES:
+            self._failed_batches = 0
+            self._unreachable_until = time.monotonic() + UNREACHABLE_BACKOFF_S
+            logger.warning(
+                "Mooncake master unreachable; pool transfers fail fast for %.0f s", UNREACHABLE_BACKOFF_S
+            )
 
     # --- batch API --------------------------------------------------------
     def exists(self, keys: Sequence[str]) -> list[bool]:
@@ -120,6 +149,8 @@ class PoolClient:
         ``batch_size``, which bounds data transfers).
         """
         present: list[bool] = []
+        if self.unreachable:
+            return [False] * len(keys)
         for part in chunks(keys, MAX_BATCH_KEYS):
             try:
                 codes = self._call(self._store.batch_is_exist, list(part))
@@ -163,13 +194,18 @@ class PoolClient:
         for start in range(0, len(keys), self.batch_size):
             end = start + self.batch_size
             part = list(keys[start:end])
-            try:
-                codes.extend(self._call(fn, part, list(ptrs[start:end]), list(sizes[start:end])))
-            except StoreUnavailable:
+            if self.unreachable:
                 codes.extend([CODE_RPC_FAILED] * len(part))
+                continue
+            try:
+                part_codes = self._call(fn, part, list(ptrs[start:end]), list(sizes[start:end]))
+            except StoreUnavailable:
+                part_codes = [CODE_RPC_FAILED] * len(part)
             except Exception:
                 logger.warning("Mooncake batch call failed for %d keys", len(part), exc_info=True)
-                codes.extend([CODE_RPC_FAILED] * len(part))
+                part_codes = [CODE_RPC_FAILED] * len(part)
+            self._note_codes(part_codes)
+            codes.extend(part_codes)
         return codes
 
     def remove(self, keys: Sequence[str]) -> list[int]:

@@ -402,6 +402,18 @@ def failures_by_reason(transfers: Iterable[Any], operation: str | None = None) -
     return out
 
 
+def outlast_fail_fast() -> None:
+    """Wait out the client's fail-fast window after an outage (a bounded sleep, no assertion).
+
+    After a batch whose every key failed its RPC, the connector drops transfers for
+    ``UNREACHABLE_BACKOFF_S`` instead of waiting seconds per call; saves in that window are
+    skipped (future misses), so a refill is judged after it.
+    """
+    from kvpool.connector.store import UNREACHABLE_BACKOFF_S
+
+    time.sleep(UNREACHABLE_BACKOFF_S)
+
+
 def serve_until_hits(
     engine: Engine, keys: Sequence[tuple[int, int]], hits: int = 1, deadline_s: float = 60.0
 ) -> list[Served]:

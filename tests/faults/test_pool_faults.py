@@ -31,6 +31,7 @@ from tests.faults.helpers import (
     SinglePool,
     check_outputs,
     failures_by_reason,
+    outlast_fail_fast,
     serve_until_hits,
     wait_for_capacity,
 )
@@ -163,6 +164,7 @@ def test_master_killed_and_restarted_mid_load(
     faulted = engine.serve((0, 2))
     monkeypatch.undo()
     fault.join()
+    outlast_fail_fast()
 
     # The restarted master is empty: nothing stored before the fault is offered again.
     assert engine.stored_prefix_keys((1, 0)) == 0
@@ -199,6 +201,7 @@ def test_master_killed_and_restarted_mid_save(
     faulted = engine.serve((2, 0))
     monkeypatch.undo()
     fault.join()
+    outlast_fail_fast()
 
     assert engine.stored_prefix_keys((1, 0)) == 0
     refill = serve_until_hits(engine, [(2, 1), (2, 2), (2, 3), (2, 0)])

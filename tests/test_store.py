@@ -1,0 +1,72 @@
+"""The Mooncake client wrapper against a real master: batching and outages."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvpool.connector.local_pool import LocalPool
+from kvpool.connector.settings import ConnectorSettings
+from kvpool.connector.store import CODE_RPC_FAILED, PoolClient
+
+pytestmark = pytest.mark.mooncake
+
+
+class CountingStore:
+    """The real store client, counting the calls that reach it."""
+
+    def __init__(self, store: object):
+        self._store = store
+        self.calls: list[str] = []
+
+    def __getattr__(self, name: str) -> object:
+        attr = getattr(self._store, name)
+        if callable(attr):
+
+            def counted(*args: object, **kwargs: object) -> object:
+                self.calls.append(name)
+                return attr(*args, **kwargs)
+
+            return counted
+        return attr
+
+
+def test_a_dead_master_makes_transfers_fail_fast() -> None:
+    with LocalPool(segment_size="32MB") as pool:
+        assert pool.master is not None
+        client = PoolClient(
+            ConnectorSettings.parse({"master_server_address": pool.address}), global_segment_size=0
+        )
+        try:
+            buf = np.zeros(4096, dtype=np.uint8)
+            client.register(buf.ctypes.data, buf.nbytes)
+            assert client.put_from(["a"], [[buf.ctypes.data]], [[64]]) == [0]
+            spy = CountingStore(client._store)
+            client._store = spy
+            pool.master.kill()
+            # Batches in a row wait out their RPC timeout and fail...
+            assert client.put_from(["b"], [[buf.ctypes.data]], [[64]]) == [CODE_RPC_FAILED]
+            assert not client.unreachable  # one failed batch may be a partial failure
+            assert client.put_from(["b"], [[buf.ctypes.data]], [[64]]) == [CODE_RPC_FAILED]
+            assert client.unreachable
+            reached = len(spy.calls)
+            # ...then, for a moment, nothing is sent: loads, saves and lookups fail at once.
+            assert client.get_into(["a"], [[buf.ctypes.data]], [[64]]) == [CODE_RPC_FAILED]
+            assert client.put_from(["c"], [[buf.ctypes.data]], [[64]]) == [CODE_RPC_FAILED]
+            assert client.exists(["a"]) == [False]
+            assert len(spy.calls) == reached
+        finally:
+            client.close()
+
+
+def test_batches_stay_within_the_bound(pool_client) -> None:
+    spy = CountingStore(pool_client._store)
+    pool_client._store = spy
+    keys = [f"bound-{i}" for i in range(2 * pool_client.batch_size + 1)]
+    buf = np.zeros(64, dtype=np.uint8)
+    pool_client.register(buf.ctypes.data, buf.nbytes)
+    codes = pool_client.put_from(keys, [[buf.ctypes.data]] * len(keys), [[16]] * len(keys))
+    assert codes == [0] * len(keys)
+    assert spy.calls.count("batch_put_from_multi_buffers") == 3
+    assert pool_client.exists(keys) == [True] * len(keys)
+    assert spy.calls.count("batch_is_exist") == 1
