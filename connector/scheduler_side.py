@@ -249,6 +249,8 @@ class SchedulerSide:
         assert coord is not None
         request = tracked.request
         computed_after = min(request.num_computed_tokens + num_new, request.num_tokens)
+        if all(computed_after // g.block_size <= done for g, done in zip(coord.groups, tracked.saved_upto)):
+            return None  # most decode steps complete no block: nothing to plan
         block_ids = block_ids_of(req_id)
         block_hashes = request.block_hashes
         groups: list[GroupTransfer] = []
