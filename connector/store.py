@@ -29,6 +29,11 @@ CODE_OBJECT_NOT_FOUND = -704
 CODE_TRANSFER_FAILED = -800
 CODE_RPC_FAILED = -900
 
+# Buffers (scatter/gather entries) per multi-buffer call: Mooncake's TCP transport
+# fails calls past ~2,000 entries (-800) and may stall the client (measured in
+# benchmarks/transfer.py); 1,024 never failed.
+MAX_BATCH_ENTRIES = 1024
+
 # After this many batches in a row whose every key failed its RPC, fail fast for
 # UNREACHABLE_BACKOFF_S, then try again.
 UNREACHABLE_AFTER_BATCHES = 2
@@ -191,8 +196,7 @@ class PoolClient:
         sizes: Sequence[list[int]],
     ) -> list[int]:
         codes: list[int] = []
-        for start in range(0, len(keys), self.batch_size):
-            end = start + self.batch_size
+        for start, end in self._spans(sizes):
             part = list(keys[start:end])
             if self.unreachable:
                 codes.extend([CODE_RPC_FAILED] * len(part))
@@ -207,6 +211,21 @@ class PoolClient:
             self._note_codes(part_codes)
             codes.extend(part_codes)
         return codes
+
+    def _spans(self, sizes: Sequence[list[int]]) -> list[tuple[int, int]]:
+        """[start, end) runs of keys: at most ``batch_size`` keys and ``MAX_BATCH_ENTRIES`` buffers a call."""
+        spans: list[tuple[int, int]] = []
+        start = entries = 0
+        for index, scatter in enumerate(sizes):
+            if index > start and (
+                index - start >= self.batch_size or entries + len(scatter) > MAX_BATCH_ENTRIES
+            ):
+                spans.append((start, index))
+                start, entries = index, 0
+            entries += len(scatter)
+        if start < len(sizes):
+            spans.append((start, len(sizes)))
+        return spans
 
     def remove(self, keys: Sequence[str]) -> list[int]:
         codes: list[int] = []

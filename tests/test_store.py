@@ -70,3 +70,24 @@ def test_batches_stay_within_the_bound(pool_client) -> None:
     assert spy.calls.count("batch_put_from_multi_buffers") == 3
     assert pool_client.exists(keys) == [True] * len(keys)
     assert spy.calls.count("batch_is_exist") == 1
+
+
+def test_calls_stay_within_the_buffer_bound(pool_client) -> None:
+    """Each key gathers many buffers (one per layer and K/V): calls are cut by buffers too."""
+    from kvpool.connector.store import MAX_BATCH_ENTRIES
+
+    spy = CountingStore(pool_client._store)
+    pool_client._store = spy
+    buf = np.arange(64 * 8, dtype=np.uint8)
+    pool_client.register(buf.ctypes.data, buf.nbytes)
+    per_key = 12  # e.g. 6 layers x (K, V)
+    keys = [f"entries-{i}" for i in range(200)]
+    ptrs = [[buf.ctypes.data + 8 * j for j in range(per_key)] for _ in keys]
+    sizes = [[8] * per_key for _ in keys]
+    assert pool_client.put_from(keys, ptrs, sizes) == [0] * len(keys)
+    calls = spy.calls.count("batch_put_from_multi_buffers")
+    assert calls == -(-len(keys) * per_key // (MAX_BATCH_ENTRIES // per_key * per_key))
+    out = np.zeros_like(buf)
+    pool_client.register(out.ctypes.data, out.nbytes)
+    got = pool_client.get_into(keys[:1], [[out.ctypes.data + 8 * j for j in range(per_key)]], sizes[:1])
+    assert got == [8 * per_key] and np.array_equal(out[: 8 * per_key], buf[: 8 * per_key])

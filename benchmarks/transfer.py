@@ -1,0 +1,410 @@
+"""Transfer: load and save of N blocks per group, connector worker vs raw Mooncake vs memcpy.
+
+One ``WorkerSide`` (the connector's worker half) with vLLM-shaped KV tensors
+(``(2, blocks, 32 tokens, 4 heads, 128)`` bf16 per layer, two groups of six
+layers sharing each layer tensor as vLLM's hybrid allocator does) registered
+with a Mooncake client. The same blocks move three ways:
+
+* **connector** — ``start_loads`` (a synchronous load) / ``start_saves`` + the
+  ``before_forward`` barrier, exactly what vLLM calls;
+* **raw** — ``batch_get_into_multi_buffers`` / ``batch_put_from_multi_buffers``
+  on the same registered buffers and scatter lists, one call per group (the
+  connector's batching for N ≤ its ``batch_size``; one call for both groups
+  stalls for 60 s above ~2048 scatter entries on Mooncake's TCP transport);
+* **memcpy** — ``memmove`` of the same regions from/to a staging buffer in this process.
+
+Saves write fresh keys every repetition (a second put of a key is a no-op), removed afterwards.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from benchmarks import common, pool
+from benchmarks.common import Options, Report, Stat, Table, Target, ratios, rotate, stopwatch
+
+SIZES = (8, 32, 128)
+SMOKE_SIZES = (4,)
+LAYERS_PER_GROUP = 6
+SHAPE_TAIL = (32, 4, 128)  # tokens per block, KV heads, head size
+VARIANTS = ("connector", "raw", "memcpy")
+
+
+@dataclass
+class Rig:
+    """The worker, its tensors and the raw store handle on the same client."""
+
+    worker: Any
+    client: Any
+    caches: dict[str, Any]
+    num_blocks: int
+    staging: Any
+
+    @property
+    def store(self) -> Any:
+        return self.client._store
+
+    def scatter(self, group: int, block_ids: list[int]) -> tuple[list[list[int]], list[list[int]]]:
+        ptrs, sizes = [], []
+        for b in block_ids:
+            p, s = self.worker._scatter_list(group, b)
+            ptrs.append(p)
+            sizes.append(s)
+        return ptrs, sizes
+
+    def keys(self, group: int, digests: list[str]) -> list[str]:
+        return [self.worker.keyspace.key(group, 0, 0, d) for d in digests]
+
+
+def _make_rig(address: str, max_n: int) -> Rig:
+    import torch
+
+    from kvpool.connector.keys import KeySpace
+    from kvpool.connector.stats import StatsCollector
+    from kvpool.connector.worker_side import WorkerSide
+
+    num_blocks = 4 * max_n + 1  # sources and destinations of both groups, plus block 0
+    client = pool.client(address, "xfer")
+    gen = torch.Generator().manual_seed(0)
+    caches: dict[str, Any] = {}
+    for i in range(LAYERS_PER_GROUP):
+        tensor = torch.randn((2, num_blocks, *SHAPE_TAIL), generator=gen).to(torch.bfloat16)
+        caches[f"full.{i}"] = tensor
+        caches[f"swa.{i}"] = tensor  # the hybrid allocator shares a tensor across groups
+    worker = WorkerSide(
+        client=client,
+        keyspace=KeySpace("xfer", "bench"),
+        tp_rank=0,
+        pp_rank=0,
+        group_layers=[
+            [f"full.{i}" for i in range(LAYERS_PER_GROUP)],
+            [f"swa.{i}" for i in range(LAYERS_PER_GROUP)],
+        ],
+        num_blocks=num_blocks,
+        stats=StatsCollector(group_kinds=("full", "sliding_window")),
+    )
+    worker.register_kv_caches(caches)
+    block_bytes = worker.group_block_bytes(0)
+    staging = torch.zeros(2 * max_n * block_bytes, dtype=torch.uint8)
+    return Rig(worker, client, caches, num_blocks, staging)
+
+
+def _memcpy(pairs: list[tuple[int, int, int]]) -> None:
+    move = ctypes.memmove
+    for dst, src, size in pairs:
+        move(dst, src, size)
+
+
+def _staging_pairs(
+    rig: Rig, ptrs: list[list[int]], sizes: list[list[int]], to_staging: bool, offset: int = 0
+) -> list[tuple[int, int, int]]:
+    base = rig.staging.data_ptr()
+    pairs = []
+    for block_ptrs, block_sizes in zip(ptrs, sizes):
+        for p, s in zip(block_ptrs, block_sizes):
+            pairs.append((base + offset, p, s) if to_staging else (p, base + offset, s))
+            offset += s
+    return pairs
+
+
+def _measure(rig: Rig, n: int, reps: int) -> dict[str, Any]:
+    from kvpool.connector.metadata import GroupTransfer, PoolConnectorMetadata, RequestLoad, RequestSave
+
+    worker, store = rig.worker, rig.store
+    src = [list(range(1 + g * n, 1 + (g + 1) * n)) for g in range(2)]
+    dst = [list(range(1 + (2 + g) * n, 1 + (3 + g) * n)) for g in range(2)]
+    block_bytes = worker.group_block_bytes(0)
+    total = 2 * n * block_bytes
+    src_lists = [rig.scatter(g, src[g]) for g in range(2)]
+    dst_lists = [rig.scatter(g, dst[g]) for g in range(2)]
+
+    # The blocks every load reads, stored once.
+    load_digests = [[f"load-{n}-{g}-{i}" for i in range(n)] for g in range(2)]
+    load_keys = [rig.keys(g, load_digests[g]) for g in range(2)]
+    for g in range(2):
+        codes = store.batch_put_from_multi_buffers(load_keys[g], *src_lists[g])
+        if any(c != 0 for c in codes):
+            raise RuntimeError(f"storing the load set failed: {sorted(set(codes))}")
+
+    def connector_load(rep: int) -> None:
+        groups = [GroupTransfer(g, list(load_digests[g]), list(dst[g])) for g in range(2)]
+        worker.start_loads(
+            PoolConnectorMetadata(
+                loads=[RequestLoad(f"load-{n}-{rep}", groups, hit_tokens=n * 32, is_async=False)]
+            )
+        )
+        if worker.take_load_errors():
+            raise RuntimeError("connector load reported errors")
+
+    def raw_load(rep: int) -> None:
+        for g in range(2):
+            got = store.batch_get_into_multi_buffers(load_keys[g], *dst_lists[g])
+            if any(c != block_bytes for c in got):
+                raise RuntimeError(f"raw load failed: {sorted(set(got))}")
+
+    load_pairs, save_pairs = [], []
+    for g in range(2):
+        load_pairs += _staging_pairs(rig, *dst_lists[g], to_staging=False, offset=g * n * block_bytes)
+        save_pairs += _staging_pairs(rig, *src_lists[g], to_staging=True, offset=g * n * block_bytes)
+    fresh: list[str] = []
+
+    def connector_save(rep: int) -> None:
+        digests = [[f"save-{n}-{rep}-{g}-{i}" for i in range(n)] for g in range(2)]
+        fresh.extend(rig.keys(0, digests[0]) + rig.keys(1, digests[1]))
+        groups = [GroupTransfer(g, digests[g], list(src[g])) for g in range(2)]
+        worker.start_saves(PoolConnectorMetadata(saves=[RequestSave(f"save-{n}-{rep}", groups)]))
+        worker.before_forward()
+
+    def raw_save(rep: int) -> None:
+        for g in range(2):
+            keys = [f"rawsave/{n}/{rep}/{g}/{i}" for i in range(n)]
+            fresh.extend(keys)
+            got = store.batch_put_from_multi_buffers(keys, *src_lists[g])
+            if any(c != 0 for c in got):
+                raise RuntimeError(f"raw save failed: {sorted(set(got))}")
+
+    ops = {
+        "load": {"connector": connector_load, "raw": raw_load, "memcpy": lambda rep: _memcpy(load_pairs)},
+        "save": {"connector": connector_save, "raw": raw_save, "memcpy": lambda rep: _memcpy(save_pairs)},
+    }
+    # A byte check of the connector's load, then a warm-up of everything (untimed).
+    connector_load(-1)
+    for g in range(2):
+        for name in ("full.0", f"full.{LAYERS_PER_GROUP - 1}"):
+            layer = rig.caches[name]
+            for s_id, d_id in zip(src[g], dst[g]):
+                if not bool((layer[:, s_id] == layer[:, d_id]).all()):
+                    raise RuntimeError(f"loaded block {d_id} differs from stored block {s_id}")
+    for op in ops.values():
+        for fn in op.values():
+            fn(-1)
+    rig.client.remove(fresh)
+    fresh.clear()
+    worker.stats.drain()
+
+    seconds: dict[str, dict[str, list[float]]] = {op: {v: [] for v in VARIANTS} for op in ops}
+    for rep in range(reps):
+        for op, fns in ops.items():
+            for v in rotate(VARIANTS, rep):
+                with stopwatch() as t:
+                    fns[v](rep)
+                seconds[op][v].append(t[0])
+            if fresh:
+                rig.client.remove(fresh)
+                fresh.clear()
+    _, records = worker.stats.drain()
+    moved = {op: {r.operation: sum(r.bytes) for r in records}.get(op) for op in ops}
+    for op, nbytes in moved.items():
+        if nbytes != total:
+            raise RuntimeError(f"connector {op} moved {nbytes} bytes, expected {total}")
+    rig.client.remove(load_keys[0] + load_keys[1])
+    return {"blocks_per_group": n, "bytes": total, "seconds": seconds}
+
+
+def run(opts: Options) -> Report:
+    from kvpool.connector.local_pool import LocalPool
+
+    reps = opts.repetitions(15)
+    sizes = SMOKE_SIZES if opts.smoke else SIZES
+    rows = []
+    probe: list[dict[str, Any]] = []
+    with LocalPool(segment_size="1GB") as lp:
+        rig = _make_rig(lp.address, max(sizes))
+        try:
+            for n in sizes:
+                rows.append(_measure(rig, n, reps))
+                print(f"  {n} blocks per group: done", file=sys.stderr, flush=True)
+            if not opts.smoke:
+                probe = _probe_one_call(rig, 2 * max(sizes))
+        finally:
+            rig.worker.shutdown()
+            rig.client.close()
+    report = _report(rows, reps, opts)
+    if probe:
+        table = Table(
+            "one connector call per group: a save, and a load, of one group's blocks in a single request",
+            [
+                "op",
+                "blocks in the call",
+                "scatter entries",
+                "blocks moved",
+                "failed (per-key code)",
+                "seconds",
+            ],
+        )
+        for r in probe:
+            table.add(
+                r["op"], r["blocks"], r["entries"], r["moved"], r["failures"] or "-", f"{r['seconds']:.2f}"
+            )
+        report.tables.append(table)
+        report.data["one_call_probe"] = probe
+        report.notes.append(
+            "The connector bounds each Mooncake call by keys (batch_size, default 256), not by scatter "
+            "entries (keys x regions per key: 2 per layer here, K and V). Over loopback TCP a call "
+            "with more than about 2,000 entries fails the keys past that point with TRANSFER_FAIL, or "
+            "stalls 60 s first; see the README's findings."
+        )
+    return report
+
+
+def _probe_one_call(rig: Rig, n: int) -> list[dict[str, Any]]:
+    """Load, then save, ``n`` blocks of group 0 in one connector request (``n`` <= batch_size: one call)."""
+    from kvpool.connector.metadata import GroupTransfer, PoolConnectorMetadata, RequestLoad, RequestSave
+
+    worker = rig.worker
+    src, dst = list(range(1, n + 1)), list(range(n + 1, 2 * n + 1))
+    entries = n * len(worker._scatter_list(0, 1)[0])
+    out = []
+
+    def record() -> Any:
+        (rec,) = worker.stats.drain()[1]
+        return rec
+
+    # Every block stored in two halves (each call under the limit), then loaded in one call.
+    stored = [f"probe-load-{i}" for i in range(n)]
+    halves = (slice(0, n // 2), slice(n // 2, n))
+    worker.stats.drain()
+    for half in halves:
+        worker.start_saves(
+            PoolConnectorMetadata(saves=[RequestSave("probe", [GroupTransfer(0, stored[half], src[half])])])
+        )
+        worker.before_forward()
+    saved = sum(r.blocks[0] for r in worker.stats.drain()[1])
+    if saved != n:
+        raise RuntimeError(f"storing {n} blocks in halves stored only {saved}")
+    load = RequestLoad("probe", [GroupTransfer(0, stored, dst)], hit_tokens=n * 32, is_async=False)
+    with stopwatch() as t:
+        worker.start_loads(PoolConnectorMetadata(loads=[load]))
+    rec = record()
+    worker.take_load_errors()
+    out.append(
+        {
+            "op": "load",
+            "blocks": n,
+            "entries": entries,
+            "moved": rec.blocks[0],
+            "failures": dict(rec.failures),
+            "seconds": t[0],
+        }
+    )
+    fresh = [f"probe-save-{i}" for i in range(n)]
+    with stopwatch() as t:
+        worker.start_saves(
+            PoolConnectorMetadata(saves=[RequestSave("probe", [GroupTransfer(0, fresh, src)])])
+        )
+        worker.before_forward()
+    rec = record()
+    out.append(
+        {
+            "op": "save",
+            "blocks": n,
+            "entries": entries,
+            "moved": rec.blocks[0],
+            "failures": dict(rec.failures),
+            "seconds": t[0],
+        }
+    )
+    rig.client.remove(rig.keys(0, stored) + rig.keys(0, fresh))
+    return out
+
+
+def _gbps(nbytes: int, seconds: list[float]) -> Stat:
+    return Stat.of([nbytes / s / 1e9 for s in seconds])
+
+
+def _report(rows: list[dict[str, Any]], reps: int, opts: Options) -> Report:
+    report = Report("transfer", "2. Transfer: connector worker vs raw Mooncake batch API vs memcpy", "")
+    table = Table(
+        f"throughput GB/s, median (min..max) of {reps}; ratios are throughput ratios, paired per repetition",
+        [
+            "op",
+            "blocks/group",
+            "bytes",
+            "connector GB/s",
+            "raw GB/s",
+            "memcpy GB/s",
+            "connector/raw",
+            "connector/memcpy",
+        ],
+    )
+    for r in rows:
+        for op in ("load", "save"):
+            sec = r["seconds"][op]
+            vs_raw = ratios(sec["raw"], sec["connector"])
+            vs_mem = ratios(sec["memcpy"], sec["connector"])
+            r[f"{op}_vs_raw"], r[f"{op}_vs_memcpy"] = vs_raw.median, vs_mem.median
+            table.add(
+                op,
+                r["blocks_per_group"],
+                common.mib(r["bytes"]),
+                _gbps(r["bytes"], sec["connector"]).fmt(),
+                _gbps(r["bytes"], sec["raw"]).fmt(),
+                _gbps(r["bytes"], sec["memcpy"]).fmt(),
+                vs_raw.ratio(),
+                vs_mem.ratio(),
+            )
+    report.tables.append(table)
+    last = rows[-1]
+    for op in ("load", "save"):
+        report.targets.append(
+            Target(
+                f"{op}: ≥ 0.9x raw ({last['blocks_per_group']} blocks/group)",
+                f"{last[f'{op}_vs_raw']:.2f}x",
+                last[f"{op}_vs_raw"] >= 0.9,
+            )
+        )
+        report.targets.append(
+            Target(
+                f"{op}: ≥ 0.5x memcpy ({last['blocks_per_group']} blocks/group)",
+                f"{last[f'{op}_vs_memcpy']:.2f}x",
+                last[f"{op}_vs_memcpy"] >= 0.5,
+            )
+        )
+    report.notes.append(
+        "The pool's memory is in the Mooncake store process; every transfer crosses loopback TCP "
+        "(the CPU build has no RDMA), which memcpy does not."
+    )
+    report.data["rows"] = rows
+    path = common.plot_path("transfer", opts)
+    if path is not None and _plot(rows, path):
+        report.plots.append(str(path.relative_to(common.BENCH_DIR)))
+    return report
+
+
+def _plot(rows: list[dict[str, Any]], path: Path) -> bool:
+    plt = common.pyplot()
+    if plt is None:
+        return False
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    xs = [r["blocks_per_group"] for r in rows]
+    for ax, op in zip(axes, ("load", "save")):
+        for v, color in (("connector", "tab:blue"), ("raw", "tab:orange"), ("memcpy", "tab:gray")):
+            stats = [_gbps(r["bytes"], r["seconds"][op][v]) for r in rows]
+            ax.errorbar(
+                xs,
+                [s.median for s in stats],
+                yerr=[[s.median - s.low for s in stats], [s.high - s.median for s in stats]],
+                marker="o",
+                capsize=3,
+                color=color,
+                label=v,
+            )
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("blocks per group (2 groups, 384 KiB per block)")
+        ax.set_ylabel("GB/s (median, min..max)")
+        ax.set_title(op)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+if __name__ == "__main__":
+    sys.exit(common.main("benchmarks.transfer", __doc__, run))

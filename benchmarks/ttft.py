@@ -1,0 +1,220 @@
+"""Time to first token: a real vLLM CPU engine serving a 2k-token prefix from the pool vs recomputing it.
+
+The model is a locally built random-weight Gemma3 (``build_gemma3(size="large")``,
+about 0.35 B parameters; sliding-window and full-attention layers, so three
+KV-cache groups), run in bf16 by vLLM's CPU backend. Each repetition takes a
+fresh random 2048-token prefix:
+
+* **recompute** — the engine with KVPoolConnector serves prefix + suffix A (a
+  pool miss: full prefill; the connector saves the blocks off the forward path);
+* **pool hit** — the engine's local prefix cache is reset, then it serves
+  prefix + suffix B: the prefix comes from the pool, only the suffix is prefilled;
+* **no connector** — the same engine configuration without any KV connector,
+  serving fresh prefixes; engines without and with the connector alternate in
+  blocks within one process (one warm-up request each).
+
+TTFT is the wall time of ``generate`` with ``max_tokens=1``.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+from typing import Any
+
+from benchmarks import common, pool
+from benchmarks.common import MODELS_DIR, Options, Report, Stat, Table, Target, ratios, timed
+
+PREFIX = 2048
+SUFFIX = 16
+SMOKE_PREFIX = 256
+VOCAB = 30000  # the large model has 32768 token ids
+SMOKE_VOCAB = 500  # the tiny one 512
+BLOCKS = 2  # engines alternate: no connector, connector, no connector, connector
+
+
+def _model(smoke: bool) -> Path:
+    from kvpool.connector.tiny_models import build_gemma3
+
+    if smoke:
+        return build_gemma3(MODELS_DIR / "bench-gemma3-tiny")
+    return build_gemma3(MODELS_DIR / "bench-gemma3-large", size="large")
+
+
+def _engine(model: Path, transfer: dict[str, Any] | None) -> Any:
+    from kvpool.connector.engine_harness import EngineOptions, create_llm
+
+    return create_llm(
+        EngineOptions(
+            model=str(model),
+            kv_transfer_config=transfer,
+            max_model_len=4096,
+            max_num_batched_tokens=4096,
+            max_num_seqs=2,
+        )
+    )
+
+
+def _ttft(llm: Any, prompt: list[int]) -> tuple[float, int]:
+    from kvpool.connector.engine_harness import generate
+
+    results, seconds = timed(lambda: generate(llm, [prompt], max_tokens=1))
+    return seconds, int(results[0].num_cached_tokens or 0)
+
+
+def _wait_for_saves() -> None:
+    """The connector's own barrier: every save started so far has read its blocks."""
+    from kvpool.connector.engine_harness import worker_connector
+
+    connector = worker_connector()
+    if connector is not None:
+        connector._work().before_forward()
+
+
+def _records(llm: Any) -> dict[str, list[float]]:
+    """The connector's own records of the pool hits: lookup and load seconds, bytes loaded."""
+    from kvpool.connector.engine_harness import connector_records
+
+    lookups, transfers = connector_records(llm)
+    loads = [t for t in transfers if t["operation"] == "load"]
+    return {
+        "hit_lookup_seconds": [x["seconds"] for x in lookups if x["hit_tokens"] > 0],
+        "load_seconds": [t["seconds"] for t in loads],
+        "load_bytes": [float(sum(t["bytes"])) for t in loads],
+    }
+
+
+def run(opts: Options) -> Report:
+    from kvpool.connector.engine_harness import shutdown_llm
+    from kvpool.connector.local_pool import LocalPool
+
+    reps = opts.repetitions(6)
+    prefix_len = SMOKE_PREFIX if opts.smoke else PREFIX
+    model = _model(opts.smoke)
+    rng = random.Random(11)
+    vocab = SMOKE_VOCAB if opts.smoke else VOCAB
+
+    def prompt(prefix: list[int]) -> list[int]:
+        return prefix + [rng.randrange(3, vocab) for _ in range(SUFFIX)]
+
+    def fresh_prefix() -> list[int]:
+        return [rng.randrange(3, vocab) for _ in range(prefix_len)]
+
+    times: dict[str, list[float]] = {"recompute": [], "hit": [], "no_connector": []}
+    cached: list[int] = []
+    records: dict[str, list[float]] = {"hit_lookup_seconds": [], "load_seconds": [], "load_bytes": []}
+    blocks = 1 if reps < 2 else BLOCKS
+    per_block = [reps // blocks + (1 if b < reps % blocks else 0) for b in range(blocks)]
+
+    def baseline(count: int) -> None:
+        """The same engine without a connector: ``count`` fresh prefixes, after one warm-up."""
+        llm = _engine(model, None)
+        try:
+            for rep in range(-1, count):
+                seconds, _ = _ttft(llm, prompt(fresh_prefix()))
+                llm.reset_prefix_cache()
+                if rep >= 0:
+                    times["no_connector"].append(seconds)
+        finally:
+            shutdown_llm(llm)
+
+    def with_pool(count: int, transfer: dict[str, Any]) -> None:
+        """The engine with KVPoolConnector: ``count`` (recompute, pool hit) pairs, after one warm-up pair."""
+        llm = _engine(model, transfer)
+        try:
+            for rep in range(-1, count):
+                prefix = fresh_prefix()
+                miss, miss_cached = _ttft(llm, prompt(prefix))
+                _wait_for_saves()
+                llm.reset_prefix_cache()
+                hit, hit_cached = _ttft(llm, prompt(prefix))
+                llm.reset_prefix_cache()
+                if miss_cached:
+                    raise RuntimeError(f"the recompute run found {miss_cached} cached tokens")
+                if rep >= 0:
+                    times["recompute"].append(miss)
+                    times["hit"].append(hit)
+                    cached.append(hit_cached)
+                print(
+                    f"  recompute {miss:.3f} s, pool hit {hit:.3f} s ({hit_cached} tokens)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            for key, values in _records(llm).items():
+                records[key] += values[-count:] if count else []
+        finally:
+            shutdown_llm(llm)
+
+    # Engines alternate in blocks (no connector, with it, no connector, ...) against drift.
+    with LocalPool(segment_size="1GB") as lp:
+        transfer = pool.settings(lp.address, "ttft").kv_transfer_config()
+        for count in per_block:
+            baseline(count)
+            with_pool(count, transfer)
+    return _report(times, cached, records, prefix_len, model, reps)
+
+
+def _report(
+    times: dict[str, list[float]],
+    cached: list[int],
+    records: dict[str, list[float]],
+    prefix_len: int,
+    model: Path,
+    reps: int,
+) -> Report:
+    report = Report("ttft", "4. Time to first token: pool hit vs recompute (real vLLM CPU engine)", "")
+    expected = (prefix_len + SUFFIX - 1) // 32 * 32
+    table = Table(
+        f"{model.name}, prefix {prefix_len} + suffix {SUFFIX} tokens; TTFT s, median (min..max) of {reps}",
+        ["run", "TTFT s", "ratio to recompute", "tokens from pool"],
+    )
+    hit_ratio = ratios(times["hit"], times["recompute"])
+    base_ratio = ratios(times["no_connector"], times["recompute"])
+    table.add("recompute (pool miss, connector saves)", Stat.of(times["recompute"]).fmt(digits=3), "1", 0)
+    table.add(
+        "pool hit",
+        Stat.of(times["hit"]).fmt(digits=3),
+        hit_ratio.ratio(),
+        "/".join(sorted({str(c) for c in cached})),
+    )
+    table.add(
+        "no connector (recompute)", Stat.of(times["no_connector"]).fmt(digits=3), base_ratio.ratio(), "-"
+    )
+    if records["load_seconds"]:
+        lookup = Stat.of(records["hit_lookup_seconds"]) if records["hit_lookup_seconds"] else None
+        if lookup is not None:
+            table.add("  of which: pool lookup (connector record)", lookup.fmt(digits=4), "", "")
+        table.add(
+            "  of which: load, all groups (connector record)",
+            Stat.of(records["load_seconds"]).fmt(digits=3),
+            "",
+            common.mib(Stat.of(records["load_bytes"]).median),
+        )
+    report.tables.append(table)
+    ok_tokens = all(c == expected for c in cached)
+    report.targets.append(
+        Target(
+            "hit TTFT ≤ 0.2x recompute",
+            f"{hit_ratio.median:.3f}x (worst {hit_ratio.high:.3f}x)",
+            hit_ratio.median <= 0.2 and ok_tokens,
+        )
+    )
+    report.targets.append(
+        Target(
+            f"hit serves the whole prefix ({expected} tokens)", ", ".join(str(c) for c in cached), ok_tokens
+        )
+    )
+    report.notes.append(
+        "Hit and recompute are paired within one engine (interleaved). The engines without and "
+        f"with the connector alternate in {BLOCKS} blocks in one process; the no-connector ratio "
+        "pairs by repetition index across engines, so it also carries the machine's drift."
+    )
+    report.data.update(
+        {"times": times, "cached": cached, "records": records, "prefix": prefix_len, "model": model.name}
+    )
+    return report
+
+
+if __name__ == "__main__":
+    sys.exit(common.main("benchmarks.ttft", __doc__, run))
