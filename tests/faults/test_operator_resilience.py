@@ -27,13 +27,11 @@ import pytest_asyncio
 from kvpool.operator import names
 from kvpool.operator.config import OperatorConfig
 from kvpool.operator.consumers import FLAG, injected
-from kvpool.operator.crd import build_crd
 from kvpool.operator.plan import build_plan
 from kvpool.operator.resources import POOLS
 from tests.operator.harness import (
     DEPLOYMENTS_PATH,
     NAMESPACE,
-    POOLS_PATH,
     ApiServer,
     Cluster,
     Fault,
@@ -41,6 +39,7 @@ from tests.operator.harness import (
     as_created,
     by_operator,
     converge,
+    declare_resources,
     eventually,
     free_port,
     kv_flags,
@@ -96,16 +95,7 @@ class SlowApiServer(ApiServer):
 @pytest_asyncio.fixture
 async def cluster() -> AsyncIterator[Cluster]:
     async with SlowApiServer() as api, kmock.Server(api, host="127.0.0.1"):
-        api.resources.load_bundled()
-        version = build_crd()["spec"]["versions"][0]
-        api.resources[POOLS_PATH] = kmock.ResourceInfo(
-            kind=POOLS.kind,
-            singular="mooncakekvpool",
-            namespaced=True,
-            verbs={"get", "list", "watch", "create", "patch", "delete"},
-            shortnames={"mkvp"},
-            subresources=set(version["subresources"]),
-        )
+        declare_resources(api)
         yield Cluster(api)
 
 

@@ -11,14 +11,13 @@ import pytest
 import pytest_asyncio
 
 from kvpool.operator.config import OperatorConfig, WebhookConfig
-from kvpool.operator.crd import build_crd
 from kvpool.operator.resources import POOLS
 from tests.operator.harness import (
-    POOLS_PATH,
     ApiServer,
     Cluster,
     Operator,
     OperatorThread,
+    declare_resources,
     eventually,
     free_port,
     write_kubeconfig,
@@ -29,16 +28,7 @@ from tests.operator.harness import (
 async def cluster() -> AsyncIterator[Cluster]:
     """A fresh emulated API server on 127.0.0.1 that knows the builtins and the CRD."""
     async with ApiServer() as api, kmock.Server(api, host="127.0.0.1"):
-        api.resources.load_bundled()
-        version = build_crd()["spec"]["versions"][0]
-        api.resources[POOLS_PATH] = kmock.ResourceInfo(
-            kind=POOLS.kind,
-            singular="mooncakekvpool",
-            namespaced=True,
-            verbs={"get", "list", "watch", "create", "patch", "delete"},
-            shortnames={"mkvp"},
-            subresources=set(version["subresources"]),
-        )
+        declare_resources(api)
         yield Cluster(api)
 
 

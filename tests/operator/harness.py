@@ -98,6 +98,22 @@ class ApiServer(kmock.KubernetesEmulator):
                     meta["generation"] = current.get("metadata", {}).get("generation", 1) + 1
 
 
+def declare_resources(api: kmock.KubernetesEmulator) -> None:
+    """Teach the emulated API the builtin kinds and the ``MooncakeKVPool`` CRD."""
+    from kvpool.operator.crd import build_crd
+
+    api.resources.load_bundled()
+    version = build_crd()["spec"]["versions"][0]
+    api.resources[POOLS_PATH] = kmock.ResourceInfo(
+        kind=POOLS.kind,
+        singular="mooncakekvpool",
+        namespaced=True,
+        verbs={"get", "list", "watch", "create", "patch", "delete"},
+        shortnames={"mkvp"},
+        subresources=set(version["subresources"]),
+    )
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
