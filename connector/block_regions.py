@@ -85,7 +85,3 @@ def storage_span(tensor: Any) -> tuple[int, int]:
     """(address, bytes) of the memory behind ``tensor``, for registration."""
     storage = tensor.untyped_storage()
     return storage.data_ptr(), storage.nbytes()
-
-
-def total_bytes(layers: list[LayerBlocks]) -> int:
-    return sum(layer.block_bytes for layer in layers)

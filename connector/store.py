@@ -236,9 +236,6 @@ class PoolClient:
     def put_bytes(self, key: str, value: bytes) -> int:
         return int(self._store.put(key, value))
 
-    def get_bytes(self, key: str) -> bytes:
-        return bytes(self._store.get(key))
-
     def close(self) -> None:
         if self._open:
             self._open = False
