@@ -45,7 +45,7 @@ def _wait_loaded(worker: Any, req_id: str, timeout: float = 60.0) -> None:
 def _measure(address: str, model: Path, prefix: int, window: int, reps: int) -> dict[str, Any]:
     import torch
 
-    from kvpool.connector.keys import hash_digest
+    from kvpool.connector.contract.keys import hash_digest
     from kvpool.connector.metadata import GroupTransfer, PoolConnectorMetadata, RequestLoad, RequestSave
     from kvpool.connector.stats import StatsCollector
     from kvpool.connector.worker_side import WorkerSide

@@ -46,7 +46,7 @@ LABELS = {
 
 
 def _ours_keys(scheduler: Any, request: Any, counts: list[int]) -> list[str]:
-    from kvpool.connector.keys import hash_digest
+    from kvpool.connector.contract.keys import hash_digest
 
     connector = scheduler.connector
     coord = connector._sched().coordinator
@@ -84,7 +84,7 @@ def _intree_key_count(worker_connector: Any, request: Any) -> int:
 
 def _diagnose(scheduler: Any, request: Any, reps: int) -> dict[str, list[float]]:
     """Time the parts of our lookup that can be called alone; the rest is derived in the report."""
-    from kvpool.connector.keys import hash_digest
+    from kvpool.connector.contract.keys import hash_digest
 
     connector = scheduler.connector
     side = connector._sched()

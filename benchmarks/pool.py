@@ -9,7 +9,7 @@ PUT_CHUNK = 500
 
 
 def settings(address: str, cache_prefix: str, **extra: Any) -> Any:
-    from kvpool.connector.settings import ConnectorSettings
+    from kvpool.connector.contract.settings import ConnectorSettings
 
     return ConnectorSettings.parse({"master_server_address": address, "cache_prefix": cache_prefix, **extra})
 

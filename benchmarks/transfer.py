@@ -63,7 +63,7 @@ class Rig:
 def _make_rig(address: str, max_n: int) -> Rig:
     import torch
 
-    from kvpool.connector.keys import KeySpace
+    from kvpool.connector.contract.keys import KeySpace
     from kvpool.connector.stats import StatsCollector
     from kvpool.connector.worker_side import WorkerSide
 

@@ -2,14 +2,14 @@
 
 vLLM loads it with ``kv_connector_module_path="kvpool.connector"`` and
 ``kv_connector="KVPoolConnector"``. Importing this package pulls in neither
-vLLM nor torch: the contract (``layout``, ``settings``, ``keys``) is usable by
+vLLM nor torch: the contract (``kvpool.connector.contract``) is usable by
 the operator; ``KVPoolConnector`` is imported lazily on first access.
 """
 
 from typing import Any
 
-from kvpool.connector.layout import GroupKind, KVGroup, KVLayout, Problem, check
-from kvpool.connector.settings import ConnectorSettings, SettingsError
+from kvpool.connector.contract.layout import GroupKind, KVGroup, KVLayout, Problem, check
+from kvpool.connector.contract.settings import ConnectorSettings, SettingsError
 
 __all__ = [
     "ConnectorSettings",

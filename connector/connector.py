@@ -23,13 +23,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvpool.connector import tracing
-from kvpool.connector.keys import KeySpace
-from kvpool.connector.layout import check_or_raise, fingerprint
+from kvpool.connector.contract.keys import KeySpace
+from kvpool.connector.contract.layout import check_or_raise, fingerprint
 from kvpool.connector.logs import get_logger
 from kvpool.connector.metadata import PoolConnectorMetadata
 from kvpool.connector.pool_stats import PoolConnectorStats, PoolPromMetrics, records_to_data
 from kvpool.connector.scheduler_side import SchedulerSide
-from kvpool.connector.settings import ConnectorSettings
+from kvpool.connector.contract.settings import ConnectorSettings
 from kvpool.connector.stats import StatsCollector
 from kvpool.connector.store import acquire_client, release_client
 from kvpool.connector.vllm_layout import layout_from_vllm

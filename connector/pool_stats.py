@@ -17,7 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
-from kvpool.connector import metric_names as m
+from kvpool.connector.contract import metric_names as m
 from kvpool.connector.stats import LookupRecord, TransferRecord
 
 SEP = "|"

@@ -19,7 +19,7 @@ from vllm.v1.core.kv_cache_coordinator import replay_boundaries
 
 from kvpool.connector import tracing
 from kvpool.connector.hybrid_hit import HybridHit, HybridHitCoordinator
-from kvpool.connector.keys import KeySpace, hash_digest
+from kvpool.connector.contract.keys import KeySpace, hash_digest
 from kvpool.connector.logs import get_logger
 from kvpool.connector.metadata import (
     GroupTransfer,

@@ -16,7 +16,7 @@ from enum import StrEnum
 from typing import Any, TypeVar
 
 from kvpool.connector.logs import get_logger
-from kvpool.connector.settings import MAX_BATCH_KEYS, ConnectorSettings
+from kvpool.connector.contract.settings import MAX_BATCH_KEYS, ConnectorSettings
 
 logger = get_logger(__name__)
 

@@ -17,7 +17,7 @@ from vllm.v1.kv_cache_interface import (
     UniformTypeKVCacheSpecs,
 )
 
-from kvpool.connector.layout import GroupKind, KVGroup, KVLayout
+from kvpool.connector.contract.layout import GroupKind, KVGroup, KVLayout
 
 
 class UnsupportedSpec(ValueError):

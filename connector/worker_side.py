@@ -20,7 +20,7 @@ from typing import Any
 
 from kvpool.connector import tracing
 from kvpool.connector.block_regions import LayerBlocks, describe_layer, storage_span
-from kvpool.connector.keys import KeySpace
+from kvpool.connector.contract.keys import KeySpace
 from kvpool.connector.logs import get_logger
 from kvpool.connector.metadata import GroupTransfer, PoolConnectorMetadata, RequestLoad, RequestSave
 from kvpool.connector.stats import StatsCollector, TransferRecord

@@ -1,6 +1,6 @@
 """Grafana dashboards and Prometheus alert rules for mooncake-kvpool, generated from code.
 
-Metric names come from ``kvpool.connector.metric_names`` and
+Metric names come from ``kvpool.connector.contract.metric_names`` and
 ``kvpool.operator.metric_names`` (ours) and :mod:`dashboards.external` (the Mooncake
 master's and vLLM's own). ``python -m dashboards`` writes:
 

@@ -8,7 +8,7 @@ from typing import Any
 from dashboards import external as ext
 from dashboards.conventions import MASTER_JOB, MODEL, NAMESPACE, OPERATOR_JOB, POOL
 from dashboards.promql import by
-from kvpool.connector import metric_names as m
+from kvpool.connector.contract import metric_names as m
 from kvpool.connector.store import Outcome
 from kvpool.operator import metric_names as o
 

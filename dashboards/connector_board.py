@@ -16,7 +16,7 @@ from dashboards.conventions import (
     selector,
 )
 from dashboards.promql import quantile, ratio, sum_rate
-from kvpool.connector import metric_names as m
+from kvpool.connector.contract import metric_names as m
 
 UID = "kvpool-connector"
 SEL = selector(VAR_NAMESPACE, VAR_POOL, VAR_MODEL, VAR_ENGINE)

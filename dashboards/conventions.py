@@ -6,7 +6,7 @@ The chart's monitoring objects must produce exactly these labels:
 * ``pool`` — the ``MooncakeKVPool`` a pod belongs to, copied from the pod label
   ``kvpool.mooncake.io/pool`` (the operator sets it on master, store and consumer pods);
 * ``job`` — :data:`MASTER_JOB` for Mooncake master targets, :data:`OPERATOR_JOB` for the operator;
-* vLLM targets get the scrape rule ``kvpool.connector.metric_names.VLLM_NAME_RELABEL``, so the
+* vLLM targets get the scrape rule ``kvpool.connector.contract.metric_names.VLLM_NAME_RELABEL``, so the
   dashboards see vLLM's canonical ``vllm:`` names;
 * the operator's own ``namespace``/``pool`` labels (on its per-pool gauges) must survive the scrape
   (``honorLabels: true`` on its monitor), or they would become ``exported_namespace``.
@@ -17,7 +17,7 @@ matches series that lack the label, so the dashboards work before those labels a
 
 from __future__ import annotations
 
-from kvpool.connector.metric_names import VLLM_LABELS
+from kvpool.connector.contract.metric_names import VLLM_LABELS
 from kvpool.operator.names import LABEL_POOL
 
 NAMESPACE = "namespace"

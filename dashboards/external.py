@@ -1,6 +1,6 @@
 """Metrics that are not ours: the Mooncake master's and vLLM's own.
 
-Our metric names come from ``kvpool.connector.metric_names`` and
+Our metric names come from ``kvpool.connector.contract.metric_names`` and
 ``kvpool.operator.metric_names``; these are the others the dashboards show beside them.
 The tests check every name here against a real master's ``/metrics`` and vLLM's own
 metric definitions.

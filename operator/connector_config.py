@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from kvpool.connector.settings import ConnectorSettings
+from kvpool.connector.contract.settings import ConnectorSettings
 from kvpool.operator import names, pods
 from kvpool.operator.master import master_address
 from kvpool.operator.models import PoolSpec

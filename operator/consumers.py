@@ -12,8 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvpool.connector.layout import fingerprint
-from kvpool.connector.settings import ConnectorSettings
+from kvpool.connector.contract.layout import fingerprint
+from kvpool.connector.contract.settings import ConnectorSettings
 from kvpool.operator import names, pods
 from kvpool.operator.connector_config import CONFIG_PATH, PYTHONHASHSEED, consumer_settings
 from kvpool.operator.models import ConsumerSpec

@@ -1,13 +1,13 @@
 """The operator's Prometheus metrics: names, types, labels, help. One source.
 
 Imports no prometheus_client, so the dashboards generator and the alert rules can
-import it. It shares ``MetricSpec`` with ``kvpool.connector.metric_names``
+import it. It shares ``MetricSpec`` with ``kvpool.connector.contract.metric_names``
 (counters are named without ``_total`` here; ``exported`` is the scraped name).
 """
 
 from __future__ import annotations
 
-from kvpool.connector.metric_names import Kind, MetricSpec
+from kvpool.connector.contract.metric_names import Kind, MetricSpec
 
 PREFIX = "kvpool_operator_"
 DURATION_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)

@@ -21,8 +21,8 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 
-from kvpool.connector.layout import KVLayout
-from kvpool.connector.settings import ConnectorSettings, parse_size
+from kvpool.connector.contract.layout import KVLayout
+from kvpool.connector.contract.settings import ConnectorSettings, parse_size
 from kvpool.operator.quantity import parse_quantity
 
 

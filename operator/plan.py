@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpool.connector.layout import Problem
+from kvpool.connector.contract.layout import Problem
 from kvpool.operator import names
 from kvpool.operator.connector_config import connector_configmap
 from kvpool.operator.consumers import Injection, plan_injection

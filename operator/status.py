@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvpool.connector.layout import Problem
+from kvpool.connector.contract.layout import Problem
 from kvpool.operator.models import CONDITION_TYPES, Condition, ConsumerStatus, PoolStatus
 from kvpool.operator.validation import describe
 

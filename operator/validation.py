@@ -11,8 +11,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from kvpool.connector.layout import Problem, check
-from kvpool.connector.settings import ConnectorSettings, SettingsError
+from kvpool.connector.contract.errors import error_message, field_path
+from kvpool.connector.contract.layout import Problem, check
+from kvpool.connector.contract.settings import ConnectorSettings, SettingsError
 from kvpool.operator import names, store
 from kvpool.operator.connector_config import pool_settings, settings_field
 from kvpool.operator.models import PoolSpec
@@ -20,10 +21,7 @@ from kvpool.operator.models import PoolSpec
 
 def location(loc: tuple[int | str, ...], root: str = "spec") -> str:
     """A field path such as ``spec.consumers[0].layout.groups[1].kind``."""
-    out = root
-    for part in loc:
-        out += f"[{part}]" if isinstance(part, int) else f".{part}"
-    return out
+    return field_path(loc, root)
 
 
 def parse_spec(raw: Mapping[str, Any] | None) -> tuple[PoolSpec | None, list[Problem]]:
@@ -33,9 +31,7 @@ def parse_spec(raw: Mapping[str, Any] | None) -> tuple[PoolSpec | None, list[Pro
     except ValidationError as exc:
         problems = []
         for error in exc.errors():
-            message = error["msg"].removeprefix("Value error, ")
-            if error["type"] == "extra_forbidden":
-                message = "unknown field"
+            message = error_message(error)
             problems.append(
                 Problem(field=location(error["loc"]), rule=f"schema:{error['type']}", message=message)
             )

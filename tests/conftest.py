@@ -34,7 +34,7 @@ def cache_prefix() -> str:
 
 @pytest.fixture
 def pool_settings(local_pool, cache_prefix):
-    from kvpool.connector.settings import ConnectorSettings
+    from kvpool.connector.contract.settings import ConnectorSettings
 
     return ConnectorSettings.parse(
         {"master_server_address": local_pool.address, "cache_prefix": cache_prefix}

@@ -10,7 +10,7 @@ from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.request import Request
 
-from kvpool.connector.keys import KeySpace, hash_digest
+from kvpool.connector.contract.keys import KeySpace, hash_digest
 
 BLOCK = 32
 _rng = random.Random(1234)

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from kvpool.connector.layout import GroupKind, KVGroup, KVLayout, check, check_or_raise, fingerprint
-from kvpool.connector.settings import ConnectorSettings, SettingsError, parse_size
+from kvpool.connector.contract.layout import GroupKind, KVGroup, KVLayout, check, check_or_raise, fingerprint
+from kvpool.connector.contract.settings import ConnectorSettings, SettingsError, parse_size
 
 FULL = KVGroup(kind=GroupKind.FULL, block_size=32)
 SWA = KVGroup(kind=GroupKind.SLIDING_WINDOW, block_size=32, sliding_window=128)
@@ -88,7 +88,7 @@ def test_fingerprint_separates_incompatible_layouts() -> None:
 
 def test_contract_imports_neither_vllm_nor_torch() -> None:
     code = (
-        "import sys, kvpool.connector, kvpool.connector.layout, kvpool.connector.settings;"
+        "import sys, kvpool.connector, kvpool.connector.contract.layout, kvpool.connector.contract.settings;"
         "print('vllm' in sys.modules or 'torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -27,7 +27,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from kvpool.connector import metric_names as m
+from kvpool.connector.contract import metric_names as m
 from kvpool.connector.engine_harness import (
     EngineOptions,
     create_llm,
@@ -37,7 +37,7 @@ from kvpool.connector.engine_harness import (
     shutdown_llm,
     worker_connector,
 )
-from kvpool.connector.keys import KeySpace
+from kvpool.connector.contract.keys import KeySpace
 from kvpool.connector.local_pool import LOOPBACK, free_port
 from kvpool.connector.metadata import GroupTransfer, PoolConnectorMetadata, RequestLoad, RequestSave
 from kvpool.connector.pool_stats import PoolConnectorStats, PoolPromMetrics, parse_key, records_to_data

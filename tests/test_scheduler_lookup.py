@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from vllm.v1.request import RequestStatus
 
-from kvpool.connector.keys import hash_digest
+from kvpool.connector.contract.keys import hash_digest
 from kvpool.connector.metadata import PoolConnectorMetadata
 from kvpool.connector.tiny_models import build_gemma3
 from tests.scheduler_env import make_request, make_scheduler

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from kvpool.connector.local_pool import LocalPool
-from kvpool.connector.settings import ConnectorSettings
+from kvpool.connector.contract.settings import ConnectorSettings
 from kvpool.connector.store import CODE_RPC_FAILED, PoolClient
 
 pytestmark = pytest.mark.mooncake

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from kvpool.connector.keys import KeySpace
+from kvpool.connector.contract.keys import KeySpace
 from kvpool.connector.metadata import GroupTransfer, PoolConnectorMetadata, RequestLoad, RequestSave
 from kvpool.connector.stats import StatsCollector
 from kvpool.connector.store import Outcome, classify

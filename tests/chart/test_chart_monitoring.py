@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import yaml
 
-from kvpool.connector.metric_names import VLLM_NAME_RELABEL
+from kvpool.connector.contract.metric_names import VLLM_NAME_RELABEL
 from kvpool.operator import names
 from kvpool.operator.consumers import injected
 from kvpool.operator.endpoints import METRICS_PATH

@@ -14,7 +14,7 @@ import yaml
 
 from dashboards import alerts, external
 from dashboards.conventions import MASTER_JOB, OPERATOR_JOB
-from kvpool.connector import metric_names as cm
+from kvpool.connector.contract import metric_names as cm
 from kvpool.operator import metric_names as om
 
 RULES = Path(__file__).resolve().parents[2] / "dashboards" / alerts.__name__.split(".")[-1]

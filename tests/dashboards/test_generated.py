@@ -19,7 +19,7 @@ from grafana_foundation_sdk.models.dashboard import Dashboard
 
 from dashboards import alerts, connector_board, external, generate, operator_board, pool_board
 from dashboards.conventions import NAMESPACE, POOL, VARIABLE_LABELS
-from kvpool.connector import metric_names as cm
+from kvpool.connector.contract import metric_names as cm
 from kvpool.operator import metric_names as om
 from tests.dashboards.queries import panel_queries, selectors, substitute, variable_queries
 

@@ -29,8 +29,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from kvpool.connector.layout import GroupKind, KVLayout, check, check_or_raise, fingerprint
-from kvpool.connector.settings import CONFIG_PATH_ENV, ConnectorSettings, SettingsError
+from kvpool.connector.contract.layout import GroupKind, KVLayout, check, check_or_raise, fingerprint
+from kvpool.connector.contract.settings import CONFIG_PATH_ENV, ConnectorSettings, SettingsError
 from kvpool.operator.handlers import admission_problems
 from kvpool.operator.models import PoolSpec
 from kvpool.operator.plan import build_plan

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpool.connector.settings import ConnectorSettings
+from kvpool.connector.contract.settings import ConnectorSettings
 from tests.engine_env import transfer_config
 from tests.faults.helpers import (
     PREFIX_TOKENS,

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from kvpool.connector.settings import ConnectorSettings
+from kvpool.connector.contract.settings import ConnectorSettings
 from kvpool.connector.store import PoolClient
 from kvpool.connector.worker_side import WorkerSide
 from tests.engine_env import transfer_config

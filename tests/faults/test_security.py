@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from kvpool.connector.local_pool import LocalPool
-from kvpool.connector.settings import ConnectorSettings
+from kvpool.connector.contract.settings import ConnectorSettings
 from kvpool.connector.store import PoolClient
 from kvpool.operator import names
 from kvpool.operator.plan import build_plan

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from kvpool.connector.settings import ConnectorSettings
+from kvpool.connector.contract.settings import ConnectorSettings
 from tests.engine_env import transfer_config
 from tests.faults.helpers import (
     PREFIXES,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvpool.connector.layout import Problem
+from kvpool.connector.contract.layout import Problem
 from kvpool.operator.status import (
     ConsumerState,
     condition_of,

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from kvpool.connector.layout import KVLayout, check
+from kvpool.connector.contract.layout import KVLayout, check
 from kvpool.operator.handlers import admission_problems
 from kvpool.operator.plan import build_plan
 from tests.operator.harness import full_group, layout, pool_manifest, pool_spec

@@ -18,6 +18,7 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
+from kvpool.connector.contract.errors import error_message
 from pydantic import (
     BaseModel,
     BeforeValidator,
@@ -206,11 +207,9 @@ def _problems_of(exc: ValidationError) -> dict[str, str]:
     problems: dict[str, str] = {}
     for error in exc.errors():
         field = ".".join(str(p) for p in error["loc"])
-        message = error["msg"].removeprefix("Value error, ")
+        message = error_message(error, unknown="unknown setting")
         if not field and ": " in message:
             # Cross-field rules name their field at the front of the message.
             field, message = message.split(": ", 1)
-        if error["type"] == "extra_forbidden":
-            message = "unknown setting"
         problems[field or "settings"] = message
     return problems

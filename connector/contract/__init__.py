@@ -1,0 +1,7 @@
+"""The contract the connector and the operator share.
+
+Nothing here imports vLLM or torch (the operator's image has neither): the
+KV-layout description and its rules (``layout``), the connector settings and
+their renderings (``settings``), the pool's key scheme (``keys``) and the
+metric names the dashboards and alerts are generated from (``metric_names``).
+"""
