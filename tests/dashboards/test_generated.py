@@ -66,23 +66,14 @@ def models() -> dict[str, dict]:
     return generate.dashboards()
 
 
-def test_committed_files_equal_the_generators_output() -> None:
-    assert generate.stale(REPO) == [], "run `python -m dashboards` and commit the result"
+def test_the_chart_ships_every_dashboard_and_the_rules() -> None:
     outputs = generate.outputs()
     assert {str(p) for p in outputs} == {
-        *(f"dashboards/{uid}.json" for uid in generate.BOARDS),
         *(f"charts/mooncake-kvpool/files/dashboards/{uid}.json" for uid in generate.BOARDS),
-        "dashboards/alerts.yaml",
         "charts/mooncake-kvpool/files/alerts.yaml",
     }
     rules = yaml.safe_load((REPO / "charts/mooncake-kvpool/files/alerts.yaml").read_text())
     assert [g["name"] for g in rules["groups"]] == list(alerts.GROUPS)
-
-
-def test_the_cli_check_passes() -> None:
-    from dashboards.__main__ import main
-
-    assert main(["--check"]) == 0
 
 
 def test_dashboards_are_well_formed(models) -> None:

@@ -122,7 +122,7 @@ def run(local_pool, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
         VLLM_JOB: [f"{LOOPBACK}:{server.server_address[1]}"],
         OPERATOR_JOB: [f"{LOOPBACK}:{operator_port}"],  # up once the operator starts
     }
-    prom = PrometheusServer(targets, rule_files=[generate.ROOT / generate.PACKAGE_DIR / generate.ALERTS_FILE])
+    prom = PrometheusServer(targets, rule_files=[generate.ROOT / generate.CHART_FILES / generate.ALERTS_FILE])
     client = PoolClient(settings, global_segment_size=0)
     try:
         prom.start()
