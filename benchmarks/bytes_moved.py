@@ -47,7 +47,7 @@ def _measure(address: str, model: Path, prefix: int, window: int, reps: int) -> 
 
     from kvpool.connector.contract.keys import hash_digest
     from kvpool.connector.metadata import GroupTransfer, PoolConnectorMetadata, RequestLoad, RequestSave
-    from kvpool.connector.stats import StatsCollector
+    from kvpool.connector.records import StatsCollector
     from kvpool.connector.worker_side import WorkerSide
 
     groups = [GroupDesc("full", BLOCK), GroupDesc("sliding_window", BLOCK, window=window)]

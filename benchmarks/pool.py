@@ -16,7 +16,7 @@ def settings(address: str, cache_prefix: str, **extra: Any) -> Any:
 
 def client(address: str, cache_prefix: str = "bench", **extra: Any) -> Any:
     """A ``PoolClient`` contributing no memory (the pool's store process holds it)."""
-    from kvpool.connector.store import PoolClient
+    from kvpool.connector.pool_client import PoolClient
 
     return PoolClient(settings(address, cache_prefix, **extra), global_segment_size=0)
 

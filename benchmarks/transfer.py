@@ -64,7 +64,7 @@ def _make_rig(address: str, max_n: int) -> Rig:
     import torch
 
     from kvpool.connector.contract.keys import KeySpace
-    from kvpool.connector.stats import StatsCollector
+    from kvpool.connector.records import StatsCollector
     from kvpool.connector.worker_side import WorkerSide
 
     num_blocks = 4 * max_n + 1  # sources and destinations of both groups, plus block 0

@@ -25,14 +25,14 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvpool.connector import tracing
 from kvpool.connector.contract.keys import KeySpace
 from kvpool.connector.contract.layout import check_or_raise, fingerprint
+from kvpool.connector.contract.settings import ConnectorSettings
 from kvpool.connector.logs import get_logger
 from kvpool.connector.metadata import PoolConnectorMetadata
-from kvpool.connector.pool_stats import PoolConnectorStats, PoolPromMetrics, records_to_data
+from kvpool.connector.pool_client import acquire_client, release_client
+from kvpool.connector.records import StatsCollector
 from kvpool.connector.scheduler_side import SchedulerSide
-from kvpool.connector.contract.settings import ConnectorSettings
-from kvpool.connector.stats import StatsCollector
-from kvpool.connector.store import acquire_client, release_client
 from kvpool.connector.vllm_layout import layout_from_vllm
+from kvpool.connector.vllm_metrics import PoolConnectorStats, PoolPromMetrics, records_to_data
 from kvpool.connector.worker_side import WorkerSide
 
 if TYPE_CHECKING:

@@ -16,9 +16,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvpool.connector.contract.settings import ConnectorSettings
 from kvpool.connector.engine_harness import EngineOptions, EngineRun, run_engine_subprocess
 from kvpool.connector.local_pool import LocalPool
-from kvpool.connector.contract.settings import ConnectorSettings
 from kvpool.connector.tiny_models import build
 
 

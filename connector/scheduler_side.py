@@ -18,8 +18,8 @@ from vllm.utils.math_utils import cdiv
 from vllm.v1.core.kv_cache_coordinator import replay_boundaries
 
 from kvpool.connector import tracing
-from kvpool.connector.hybrid_hit import HybridHit, HybridHitCoordinator
 from kvpool.connector.contract.keys import KeySpace, hash_digest
+from kvpool.connector.hybrid_hit import HybridHit, HybridHitCoordinator
 from kvpool.connector.logs import get_logger
 from kvpool.connector.metadata import (
     GroupTransfer,
@@ -27,8 +27,8 @@ from kvpool.connector.metadata import (
     RequestLoad,
     RequestSave,
 )
-from kvpool.connector.stats import LookupRecord, StatsCollector
-from kvpool.connector.store import PoolClient
+from kvpool.connector.pool_client import PoolClient
+from kvpool.connector.records import LookupRecord, StatsCollector
 
 logger = get_logger(__name__)
 

@@ -23,8 +23,8 @@ from kvpool.connector.block_regions import LayerBlocks, describe_layer, storage_
 from kvpool.connector.contract.keys import KeySpace
 from kvpool.connector.logs import get_logger
 from kvpool.connector.metadata import GroupTransfer, PoolConnectorMetadata, RequestLoad, RequestSave
-from kvpool.connector.stats import StatsCollector, TransferRecord
-from kvpool.connector.store import Outcome, PoolClient, classify
+from kvpool.connector.pool_client import Outcome, PoolClient, classify
+from kvpool.connector.records import StatsCollector, TransferRecord
 
 logger = get_logger(__name__)
 

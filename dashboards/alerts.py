@@ -9,7 +9,7 @@ from dashboards import external as ext
 from dashboards.conventions import MASTER_JOB, MODEL, NAMESPACE, OPERATOR_JOB, POOL
 from dashboards.promql import by
 from kvpool.connector.contract import metric_names as m
-from kvpool.connector.store import Outcome
+from kvpool.connector.pool_client import Outcome
 from kvpool.operator import metric_names as o
 
 PER_POOL = [NAMESPACE, POOL]

@@ -44,7 +44,7 @@ def pool_settings(local_pool, cache_prefix):
 @pytest.fixture
 def pool_client(pool_settings) -> Iterator[object]:
     """A store client with no memory of its own (the store process holds it)."""
-    from kvpool.connector.store import PoolClient
+    from kvpool.connector.pool_client import PoolClient
 
     client = PoolClient(pool_settings, global_segment_size=0)
     yield client

@@ -131,8 +131,8 @@ def test_keys_deleted_between_lookup_and_load(
 
 def test_master_killed_during_load(gemma_dir, gemma_reference, cache_prefix, monkeypatch) -> None:
     from kvpool.connector import worker_side
-    from kvpool.connector.local_pool import LocalPool
     from kvpool.connector.contract.settings import ConnectorSettings
+    from kvpool.connector.local_pool import LocalPool
 
     with LocalPool(segment_size="128MB") as pool:
         settings = ConnectorSettings.parse(

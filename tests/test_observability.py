@@ -28,6 +28,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvpool.connector.contract import metric_names as m
+from kvpool.connector.contract.keys import KeySpace
 from kvpool.connector.engine_harness import (
     EngineOptions,
     create_llm,
@@ -37,12 +38,11 @@ from kvpool.connector.engine_harness import (
     shutdown_llm,
     worker_connector,
 )
-from kvpool.connector.contract.keys import KeySpace
 from kvpool.connector.local_pool import LOOPBACK, free_port
 from kvpool.connector.metadata import GroupTransfer, PoolConnectorMetadata, RequestLoad, RequestSave
-from kvpool.connector.pool_stats import PoolConnectorStats, PoolPromMetrics, parse_key, records_to_data
-from kvpool.connector.stats import LookupRecord, StatsCollector, TransferRecord
+from kvpool.connector.records import LookupRecord, StatsCollector, TransferRecord
 from kvpool.connector.tiny_models import build_gemma3
+from kvpool.connector.vllm_metrics import PoolConnectorStats, PoolPromMetrics, parse_key, records_to_data
 from kvpool.connector.worker_side import WorkerSide
 from tests.engine_env import MAX_TOKENS, P1, P2, PREFIX_HIT, transfer_config
 from tests.services import OTLPReceiver, PrometheusServer

@@ -14,8 +14,8 @@ import torch
 
 from kvpool.connector.contract.keys import KeySpace
 from kvpool.connector.metadata import GroupTransfer, PoolConnectorMetadata, RequestLoad, RequestSave
-from kvpool.connector.stats import StatsCollector
-from kvpool.connector.store import Outcome, classify
+from kvpool.connector.pool_client import Outcome, classify
+from kvpool.connector.records import StatsCollector
 from kvpool.connector.worker_side import WorkerSide
 
 pytestmark = pytest.mark.mooncake

@@ -18,7 +18,6 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from kvpool.connector.contract.errors import error_message
 from pydantic import (
     BaseModel,
     BeforeValidator,
@@ -27,6 +26,8 @@ from pydantic import (
     ValidationError,
     model_validator,
 )
+
+from kvpool.connector.contract.errors import error_message
 
 CONFIG_PATH_ENV = "MOONCAKE_CONFIG_PATH"
 MAX_BATCH_KEYS = 1000

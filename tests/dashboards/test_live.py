@@ -104,7 +104,7 @@ def _rounds(
 @pytest.fixture(scope="module")
 def run(local_pool, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
     from kvpool.connector.contract.settings import ConnectorSettings
-    from kvpool.connector.store import PoolClient
+    from kvpool.connector.pool_client import PoolClient
     from kvpool.connector.tiny_models import build_gemma3
     from tests.engine_env import P1, P2
 

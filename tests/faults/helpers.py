@@ -409,7 +409,7 @@ def outlast_fail_fast() -> None:
     ``UNREACHABLE_BACKOFF_S`` instead of waiting seconds per call; saves in that window are
     skipped (future misses), so a refill is judged after it.
     """
-    from kvpool.connector.store import UNREACHABLE_BACKOFF_S
+    from kvpool.connector.pool_client import UNREACHABLE_BACKOFF_S
 
     time.sleep(UNREACHABLE_BACKOFF_S)
 

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from kvpool.connector.contract.settings import ConnectorSettings
-from kvpool.connector.store import PoolClient
+from kvpool.connector.pool_client import PoolClient
 from kvpool.connector.worker_side import WorkerSide
 from tests.engine_env import transfer_config
 from tests.faults.helpers import (

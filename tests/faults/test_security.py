@@ -20,9 +20,9 @@ from typing import Any
 
 import pytest
 
-from kvpool.connector.local_pool import LocalPool
 from kvpool.connector.contract.settings import ConnectorSettings
-from kvpool.connector.store import PoolClient
+from kvpool.connector.local_pool import LocalPool
+from kvpool.connector.pool_client import PoolClient
 from kvpool.operator import names
 from kvpool.operator.plan import build_plan
 from tests.operator.harness import pool_spec

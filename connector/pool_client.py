@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, TypeVar
 
-from kvpool.connector.logs import get_logger
 from kvpool.connector.contract.settings import MAX_BATCH_KEYS, ConnectorSettings
+from kvpool.connector.logs import get_logger
 
 logger = get_logger(__name__)
 

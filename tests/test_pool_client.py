@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvpool.connector.local_pool import LocalPool
 from kvpool.connector.contract.settings import ConnectorSettings
-from kvpool.connector.store import CODE_RPC_FAILED, PoolClient
+from kvpool.connector.local_pool import LocalPool
+from kvpool.connector.pool_client import CODE_RPC_FAILED, PoolClient
 
 pytestmark = pytest.mark.mooncake
 
@@ -74,7 +74,7 @@ def test_batches_stay_within_the_bound(pool_client) -> None:
 
 def test_calls_stay_within_the_buffer_bound(pool_client) -> None:
     """Each key gathers many buffers (one per layer and K/V): calls are cut by buffers too."""
-    from kvpool.connector.store import MAX_BATCH_ENTRIES
+    from kvpool.connector.pool_client import MAX_BATCH_ENTRIES
 
     spy = CountingStore(pool_client._store)
     pool_client._store = spy

@@ -18,7 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 from kvpool.connector.contract import metric_names as m
-from kvpool.connector.stats import LookupRecord, TransferRecord
+from kvpool.connector.records import LookupRecord, TransferRecord
 
 SEP = "|"
 MAX_OBSERVATIONS = 4096  # per histogram series and interval; beyond, the oldest go
