@@ -1,36 +1,32 @@
-"""Side-by-side benchmarks of the KVPool connector (issue 8).
+"""Side-by-side benchmarks of the KVPool connector.
 
 ``python -m benchmarks`` runs them all, each in its own process; each also runs
 alone (``python -m benchmarks.lookup``). ``--smoke`` runs a tiny version in
 seconds (what the test suite checks); ``--write`` stores the tables as JSON and
 Markdown under ``benchmarks/results/`` and the plots under ``benchmarks/plots/``.
 
-Importing the package sets (without overriding) the environment every
-benchmark needs before vLLM or Mooncake load: CPU vLLM in this process, no hub
-access, loopback addresses only, quiet logs.
+Importing the package prepares the environment every benchmark needs before
+vLLM or Mooncake load: the engine environment of ``kvpool.connector.local.engine``
+(CPU vLLM in this process, no hub access, loopback addresses), Mooncake clients
+on loopback (vLLM's in-tree connector sets its clients up itself), quiet logs.
 """
 
 from __future__ import annotations
 
 import os
 
+from kvpool.connector.contract import mooncake_env
+from kvpool.connector.local.engine import apply_engine_env
+from kvpool.connector.local.pool import LOOPBACK
+
+#: Set (without overriding) on top of the engine environment: tables, not logs.
 BENCH_ENV: dict[str, str] = {
-    "VLLM_TARGET_DEVICE": "cpu",
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "VLLM_NO_USAGE_STATS": "1",
-    "DO_NOT_TRACK": "1",
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-    # Loopback only: vLLM would otherwise find "its" address by routing to 8.8.8.8.
-    "VLLM_HOST_IP": "127.0.0.1",
-    "MOONCAKE_REQUESTER_LOCAL_HOSTNAME": "127.0.0.1",
-    "MC_STORE_CLIENT_SETUP_RETRIES": "3",
-    # Tables, not logs: Mooncake (glog) errors only, vLLM errors only.
-    "MC_LOG_LEVEL": "ERROR",
+    mooncake_env.REQUESTER_LOCAL_HOSTNAME: LOOPBACK,
+    mooncake_env.LOG_LEVEL: mooncake_env.ERRORS_ONLY,
     "VLLM_LOGGING_LEVEL": "ERROR",
 }
 
+apply_engine_env()
+mooncake_env.configure_client_process(LOOPBACK)
 for _key, _value in BENCH_ENV.items():
     os.environ.setdefault(_key, _value)

@@ -19,7 +19,9 @@ from typing import Any
 
 from benchmarks import common, pool
 from benchmarks.common import Options, Report, Stat, Table, Target, ratios, rotate, stopwatch
-from benchmarks.vllm_env import GroupDesc, make_request, make_scheduler, ours_transfer, tiny_long_model
+from benchmarks.vllm_env import bench_scheduler, ours_transfer, tiny_long_model
+from tests.support.kv_cache import GroupDesc
+from tests.support.scheduler import make_request
 
 PREFIXES = (1024, 2048, 4096, 8192, 16384)
 SMOKE_PREFIXES = (512,)
@@ -53,7 +55,7 @@ def _measure(address: str, model: Path, prefix: int, window: int, reps: int) -> 
     groups = [GroupDesc("full", BLOCK), GroupDesc("sliding_window", BLOCK, window=window)]
     hit_blocks = prefix // BLOCK
     num_blocks = 2 * hit_blocks + 16
-    scheduler = make_scheduler(
+    scheduler = bench_scheduler(
         model,
         groups,
         ours_transfer(address, f"bytes{prefix}"),
@@ -154,7 +156,7 @@ def _measure(address: str, model: Path, prefix: int, window: int, reps: int) -> 
 
 
 def run(opts: Options) -> Report:
-    from kvpool.connector.local_pool import LocalPool
+    from kvpool.connector.local.pool import LocalPool
 
     reps = opts.repetitions(7)
     prefixes = SMOKE_PREFIXES if opts.smoke else PREFIXES

@@ -24,7 +24,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from benchmarks.vllm_env import GroupDesc, engine_config, make_kv_cache_config
+from benchmarks.vllm_env import bench_engine_config
+from kvpool.connector.contract.mooncake_env import CONFIG_PATH_ENV
+from tests.support.kv_cache import GroupDesc, make_kv_cache_config
 
 _dist_ready = False
 
@@ -101,15 +103,15 @@ def mooncake_config_env(config_path: Path) -> Iterator[None]:
     Only the in-tree worker reads it; KVPoolConnector would read it too, and
     rejects the in-tree file's ``mode`` key (see the benchmark README).
     """
-    old = os.environ.get("MOONCAKE_CONFIG_PATH")
-    os.environ["MOONCAKE_CONFIG_PATH"] = str(config_path)
+    old = os.environ.get(CONFIG_PATH_ENV)
+    os.environ[CONFIG_PATH_ENV] = str(config_path)
     try:
         yield
     finally:
         if old is None:
-            os.environ.pop("MOONCAKE_CONFIG_PATH", None)
+            os.environ.pop(CONFIG_PATH_ENV, None)
         else:
-            os.environ["MOONCAKE_CONFIG_PATH"] = old
+            os.environ[CONFIG_PATH_ENV] = old
 
 
 def start_worker(
@@ -122,7 +124,7 @@ def start_worker(
         MooncakeStoreConnector,
     )
 
-    vllm_config = engine_config(model_dir, transfer)
+    vllm_config = bench_engine_config(model_dir, transfer)
     kv_cache_config = make_kv_cache_config(groups, num_blocks)
     vllm_config.cache_config.num_gpu_blocks = num_blocks
     init_single_rank(vllm_config)

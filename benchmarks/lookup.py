@@ -21,7 +21,9 @@ from typing import Any
 
 from benchmarks import common, intree, pool
 from benchmarks.common import Options, Report, Stat, Table, Target, ratios, rotate, stopwatch
-from benchmarks.vllm_env import GroupDesc, make_request, make_scheduler, ours_transfer, tiny_long_model
+from benchmarks.vllm_env import bench_scheduler, ours_transfer, tiny_long_model
+from tests.support.kv_cache import GroupDesc
+from tests.support.scheduler import make_request
 
 LENGTHS = (1024, 8192, 32768)
 SMOKE_LENGTHS = (1024,)
@@ -132,9 +134,9 @@ def _measure_layout(
     ports = (40000 + 2 * index, 40001 + 2 * index)  # IPC socket names only, not TCP ports
     it_transfer = [intree.intree_transfer(f"intree{index}", port) for port in ports]
     schedulers = {
-        "ours": make_scheduler(model, groups, ours_transfer(address, f"ours{index}"), num_blocks=NUM_BLOCKS),
-        "intree_thread": make_scheduler(model, groups, it_transfer[0], num_blocks=NUM_BLOCKS),
-        "intree_process": make_scheduler(model, groups, it_transfer[1], num_blocks=NUM_BLOCKS),
+        "ours": bench_scheduler(model, groups, ours_transfer(address, f"ours{index}"), num_blocks=NUM_BLOCKS),
+        "intree_thread": bench_scheduler(model, groups, it_transfer[0], num_blocks=NUM_BLOCKS),
+        "intree_process": bench_scheduler(model, groups, it_transfer[1], num_blocks=NUM_BLOCKS),
     }
     worker = intree.start_worker(model, groups, it_transfer[0], NUM_BLOCKS, config_path)
     rows: list[dict[str, Any]] = []
@@ -192,7 +194,7 @@ def run(opts: Options) -> Report:
     reps = opts.repetitions(15)
     lengths = SMOKE_LENGTHS if opts.smoke else LENGTHS
     layouts = list(LAYOUTS.items())[:1] if opts.smoke else list(LAYOUTS.items())
-    from kvpool.connector.local_pool import LocalPool
+    from kvpool.connector.local.pool import LocalPool
 
     model = tiny_long_model()
     rows: list[dict[str, Any]] = []

@@ -16,9 +16,9 @@ def settings(address: str, cache_prefix: str, **extra: Any) -> Any:
 
 def client(address: str, cache_prefix: str = "bench", **extra: Any) -> Any:
     """A ``PoolClient`` contributing no memory (the pool's store process holds it)."""
-    from kvpool.connector.pool_client import PoolClient
+    from kvpool.connector.pool_client import open_client
 
-    return PoolClient(settings(address, cache_prefix, **extra), global_segment_size=0)
+    return open_client(settings(address, cache_prefix, **extra), global_segment_size=0)
 
 
 def put_markers(pool_client: Any, keys: Sequence[str], value: bytes = b"kv" * 8) -> None:

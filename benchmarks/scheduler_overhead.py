@@ -18,7 +18,9 @@ from typing import Any
 
 from benchmarks import common
 from benchmarks.common import Options, Report, Stat, Table, Target, ratios, rotate, stopwatch
-from benchmarks.vllm_env import GroupDesc, make_request, make_scheduler, ours_transfer, tiny_long_model
+from benchmarks.vllm_env import bench_scheduler, ours_transfer, tiny_long_model
+from tests.support.kv_cache import GroupDesc
+from tests.support.scheduler import make_request
 
 WAITING = (64, 256)
 SMOKE_WAITING = (8,)
@@ -62,7 +64,8 @@ def _cycle(scheduler: Any, prompts: list[list[int]]) -> tuple[float, float, int]
 def run(opts: Options) -> Report:
     from vllm.utils.gc_utils import freeze_gc_heap
 
-    from kvpool.connector.local_pool import LocalPool
+    from kvpool.connector.local.pool import LocalPool
+    from kvpool.connector.local.recording import Recording
 
     reps = opts.repetitions(9)
     sizes = SMOKE_WAITING if opts.smoke else WAITING
@@ -77,16 +80,17 @@ def run(opts: Options) -> Report:
             "max_num_batched_tokens": max(sizes) * PROMPT,
         }
         schedulers = {
-            "with": make_scheduler(model, GROUPS, ours_transfer(lp.address, "sched"), **kwargs),
-            "without": make_scheduler(model, GROUPS, None, **kwargs),
+            "with": bench_scheduler(model, GROUPS, ours_transfer(lp.address, "sched"), **kwargs),
+            "without": bench_scheduler(model, GROUPS, None, **kwargs),
         }
+        recording = Recording()  # the lookups' own timings
+        recording.tap(schedulers["with"].connector.stats)
         try:
             for n in sizes:
                 for v in VARIANTS:  # warm-up
                     _cycle(schedulers[v], [[rng.randrange(3, 500) for _ in range(PROMPT)] for _ in range(n)])
                 freeze_gc_heap()  # as vLLM's EngineCore does after start-up
-                history = schedulers["with"].connector.stats.history_lookups
-                seen = len(history)
+                seen = len(recording.lookups)
                 admit: dict[str, list[float]] = {v: [] for v in VARIANTS}
                 decode: dict[str, list[float]] = {v: [] for v in VARIANTS}
                 for rep in range(reps):
@@ -97,7 +101,7 @@ def run(opts: Options) -> Report:
                             raise RuntimeError(f"{v}: admitted {admitted} of {n} waiting requests")
                         admit[v].append(a)
                         decode[v].append(d)
-                lookups = [rec.seconds for rec in list(history)[seen:]]
+                lookups = [rec.seconds for rec in recording.lookups[seen:]]
                 rows.append({"waiting": n, "admit": admit, "decode": decode, "lookup_seconds": lookups})
                 print(f"  {n} waiting: done", file=sys.stderr, flush=True)
         finally:

@@ -206,7 +206,7 @@ def _measure(rig: Rig, n: int, reps: int) -> dict[str, Any]:
 
 
 def run(opts: Options) -> Report:
-    from kvpool.connector.local_pool import LocalPool
+    from kvpool.connector.local.pool import LocalPool
 
     reps = opts.repetitions(15)
     sizes = SMOKE_SIZES if opts.smoke else SIZES

@@ -35,15 +35,16 @@ BLOCKS = 2  # engines alternate: no connector, connector, no connector, connecto
 
 
 def _model(smoke: bool) -> Path:
-    from kvpool.connector.tiny_models import build_gemma3
+    from kvpool.connector.local.tiny_model import build_gemma3
+    from tests.support.models import GEMMA3_LARGE
 
     if smoke:
         return build_gemma3(MODELS_DIR / "bench-gemma3-tiny")
-    return build_gemma3(MODELS_DIR / "bench-gemma3-large", size="large")
+    return build_gemma3(MODELS_DIR / "bench-gemma3-large", **GEMMA3_LARGE)
 
 
 def _engine(model: Path, transfer: dict[str, Any] | None) -> Any:
-    from kvpool.connector.engine_harness import EngineOptions, create_llm
+    from kvpool.connector.local.engine import EngineOptions, create_llm
 
     return create_llm(
         EngineOptions(
@@ -57,7 +58,7 @@ def _engine(model: Path, transfer: dict[str, Any] | None) -> Any:
 
 
 def _ttft(llm: Any, prompt: list[int]) -> tuple[float, int]:
-    from kvpool.connector.engine_harness import generate
+    from kvpool.connector.local.engine import generate
 
     results, seconds = timed(lambda: generate(llm, [prompt], max_tokens=1))
     return seconds, int(results[0].num_cached_tokens or 0)
@@ -65,7 +66,7 @@ def _ttft(llm: Any, prompt: list[int]) -> tuple[float, int]:
 
 def _wait_for_saves() -> None:
     """The connector's own barrier: every save started so far has read its blocks."""
-    from kvpool.connector.engine_harness import worker_connector
+    from kvpool.connector.local.engine import worker_connector
 
     connector = worker_connector()
     if connector is not None:
@@ -73,8 +74,8 @@ def _wait_for_saves() -> None:
 
 
 def _records(llm: Any) -> dict[str, list[float]]:
-    """The connector's own records of the pool hits: lookup and load seconds, bytes loaded."""
-    from kvpool.connector.engine_harness import connector_records
+    """The recording connector's records of the pool hits: lookup and load seconds, bytes loaded."""
+    from kvpool.connector.local.engine import connector_records
 
     lookups, transfers = connector_records(llm)
     loads = [t for t in transfers if t["operation"] == "load"]
@@ -86,8 +87,9 @@ def _records(llm: Any) -> dict[str, list[float]]:
 
 
 def run(opts: Options) -> Report:
-    from kvpool.connector.engine_harness import shutdown_llm
-    from kvpool.connector.local_pool import LocalPool
+    from kvpool.connector.local.engine import shutdown_llm
+    from kvpool.connector.local.pool import LocalPool
+    from kvpool.connector.local.recording import recording_transfer_config
 
     reps = opts.repetitions(6)
     prefix_len = SMOKE_PREFIX if opts.smoke else PREFIX
@@ -148,7 +150,7 @@ def run(opts: Options) -> Report:
 
     # Engines alternate in blocks (no connector, with it, no connector, ...) against drift.
     with LocalPool(segment_size="1GB") as lp:
-        transfer = pool.settings(lp.address, "ttft").kv_transfer_config()
+        transfer = recording_transfer_config(pool.settings(lp.address, "ttft"))
         for count in per_block:
             baseline(count)
             with_pool(count, transfer)

@@ -7,7 +7,6 @@ and worker roles when they live together.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -15,6 +14,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, TypeVar
 
+from kvpool.connector.contract.mooncake_env import configure_client_process
 from kvpool.connector.contract.settings import MAX_BATCH_KEYS, ConnectorSettings
 from kvpool.connector.logs import get_logger
 
@@ -90,12 +90,15 @@ class _Shared:
 
 
 class PoolClient:
-    """One ``MooncakeDistributedStore`` with bounded, classified batch calls."""
+    """One ``MooncakeDistributedStore`` with bounded, classified batch calls.
+
+    Create it with :func:`open_client` (or share one with :func:`acquire_client`),
+    which prepares the process's Mooncake environment first.
+    """
 
     def __init__(self, settings: ConnectorSettings, *, global_segment_size: int | None = None):
         from mooncake.store import MooncakeDistributedStore
 
-        os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "3")
         self.settings = settings
         self.batch_size = settings.batch_size
         self._store = MooncakeDistributedStore()
@@ -248,6 +251,15 @@ class PoolClient:
             self._store.close()
 
 
+def open_client(settings: ConnectorSettings, *, global_segment_size: int | None = None) -> PoolClient:
+    """A new client of ``settings``' pool, set up after this process's Mooncake environment.
+
+    ``global_segment_size`` overrides the memory the client contributes (0: none).
+    """
+    configure_client_process(settings.tcp_bind_address)
+    return PoolClient(settings, global_segment_size=global_segment_size)
+
+
 _shared_lock = threading.Lock()
 _shared: dict[tuple[str, ...], _Shared] = {}
 
@@ -258,6 +270,7 @@ def _identity(settings: ConnectorSettings) -> tuple[str, ...]:
         settings.metadata_server,
         settings.protocol,
         settings.local_hostname,
+        settings.tcp_bind_address,
     )
 
 
@@ -271,7 +284,7 @@ def acquire_client(settings: ConnectorSettings, *, global_segment_size: int | No
     with _shared_lock:
         entry = _shared.get(identity)
         if entry is None:
-            entry = _Shared(PoolClient(settings, global_segment_size=global_segment_size), 0)
+            entry = _Shared(open_client(settings, global_segment_size=global_segment_size), 0)
             _shared[identity] = entry
         entry.users += 1
         return entry.client

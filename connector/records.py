@@ -7,13 +7,11 @@ tracing layers consume them.
 from __future__ import annotations
 
 import threading
-from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 TRACE_HEADERS = ("traceparent", "tracestate")
-HISTORY = 10_000
 
 
 @dataclass(frozen=True)
@@ -51,27 +49,20 @@ class TransferRecord:
 
 @dataclass
 class StatsCollector:
-    """Thread-safe buffer of records, drained by the metrics layer.
-
-    The last ``HISTORY`` records also stay in ``history_*`` for reports.
-    """
+    """Thread-safe buffer of records, drained by the metrics layer."""
 
     group_kinds: tuple[str, ...] = ()
     lookups: list[LookupRecord] = field(default_factory=list)
     transfers: list[TransferRecord] = field(default_factory=list)
-    history_lookups: deque[LookupRecord] = field(default_factory=lambda: deque(maxlen=HISTORY))
-    history_transfers: deque[TransferRecord] = field(default_factory=lambda: deque(maxlen=HISTORY))
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def record_lookup(self, record: LookupRecord, request: Any = None) -> None:
         with self._lock:
             self.lookups.append(record)
-            self.history_lookups.append(record)
 
     def record_transfer(self, record: TransferRecord) -> None:
         with self._lock:
             self.transfers.append(record)
-            self.history_transfers.append(record)
 
     def drain(self) -> tuple[list[LookupRecord], list[TransferRecord]]:
         with self._lock:

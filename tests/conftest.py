@@ -8,19 +8,18 @@ from collections.abc import Iterator
 
 import pytest
 
-os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "3")
+from kvpool.connector.local.engine import apply_engine_env
+
+# Before any test imports vLLM: a CPU engine in this process, no hub access.
+apply_engine_env()
+# vLLM may hash blocks with Python's hash(): every engine process of a run must agree.
 os.environ.setdefault("PYTHONHASHSEED", "0")
 
 
 @pytest.fixture(scope="session")
 def local_pool() -> Iterator[object]:
     """A real Mooncake master and store process on loopback for the session."""
-    from kvpool.connector.local_pool import LocalPool
+    from kvpool.connector.local.pool import LocalPool
 
     with LocalPool(segment_size="512MB") as pool:
         yield pool
@@ -44,8 +43,8 @@ def pool_settings(local_pool, cache_prefix):
 @pytest.fixture
 def pool_client(pool_settings) -> Iterator[object]:
     """A store client with no memory of its own (the store process holds it)."""
-    from kvpool.connector.pool_client import PoolClient
+    from kvpool.connector.pool_client import open_client
 
-    client = PoolClient(pool_settings, global_segment_size=0)
+    client = open_client(pool_settings, global_segment_size=0)
     yield client
     client.close()

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from kvpool.connector.contract import mooncake_env
 from kvpool.connector.contract.layout import GroupKind, KVGroup, KVLayout, check, check_or_raise, fingerprint
 from kvpool.connector.contract.settings import ConnectorSettings, SettingsError, parse_size
 
@@ -133,6 +134,24 @@ def test_rdma_needs_a_device() -> None:
     with pytest.raises(SettingsError) as err:
         ConnectorSettings.parse({"master_server_address": "m:1", "protocol": "rdma"})
     assert list(err.value.problems) == ["device_name"]
+
+
+def test_the_client_binds_where_it_serves_unless_told() -> None:
+    settings = ConnectorSettings.parse({"master_server_address": "m:1", "local_hostname": "10.0.0.7"})
+    assert settings.tcp_bind_address == "10.0.0.7"
+    bound = ConnectorSettings.parse({**settings.extra_config(), "bind_address": "127.0.0.1"})
+    assert bound.tcp_bind_address == "127.0.0.1"
+    assert bound.extra_config()["bind_address"] == "127.0.0.1"
+
+
+def test_a_client_process_gets_the_mooncake_environment() -> None:
+    environ = {mooncake_env.SETUP_RETRIES: "9", mooncake_env.TCP_BIND_ADDRESS: "0.0.0.0"}
+    mooncake_env.configure_client_process("127.0.0.1", environ)
+    assert environ == {"MC_STORE_CLIENT_SETUP_RETRIES": "9", "MC_TCP_BIND_ADDRESS": "127.0.0.1"}
+    fresh: dict[str, str] = {}
+    mooncake_env.configure_client_process("127.0.0.1", fresh)
+    assert fresh == mooncake_env.client_env("127.0.0.1")
+    assert fresh == {"MC_STORE_CLIENT_SETUP_RETRIES": "3", "MC_TCP_BIND_ADDRESS": "127.0.0.1"}
 
 
 def test_extra_config_overrides_config_file(tmp_path) -> None:

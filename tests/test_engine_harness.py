@@ -16,12 +16,9 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvpool.connector.engine_harness import (
-    EngineOptions,
-    run_engine,
-    run_engine_subprocess,
-)
-from kvpool.connector.tiny_models import STAMP_FILE, build_gemma3
+from kvpool.connector.local.engine import EngineOptions
+from kvpool.connector.local.tiny_model import STAMP_FILE, build_gemma3
+from tests.support.engine import run_engine, run_engine_subprocess
 
 pytestmark = pytest.mark.engine
 

@@ -14,17 +14,18 @@ from typing import Any
 
 import pytest
 
-from kvpool.connector.engine_harness import (
+from kvpool.connector.local.engine import (
     EngineOptions,
     create_llm,
     generate,
-    run_engine_subprocess,
     scheduler_connector,
     shutdown_llm,
     worker_connector,
 )
-from kvpool.connector.tiny_models import build_gemma3, build_gpt_oss
-from tests.engine_env import MAX_TOKENS, P1, P2, PREFIX, PREFIX_HIT, pool_keys, transfer_config
+from kvpool.connector.local.tiny_model import build_gemma3
+from tests.support.engine import run_engine_subprocess, transfer_config
+from tests.support.models import build_gpt_oss
+from tests.support.prompts import MAX_TOKENS, P1, P2, PREFIX, PREFIX_HIT, pool_keys
 
 pytestmark = [pytest.mark.engine, pytest.mark.mooncake]
 
@@ -48,7 +49,7 @@ def run_in_process(model: Path, config: dict[str, Any], prompts: list[list[int]]
         results = generate(llm, prompts, MAX_TOKENS)
         connector = scheduler_connector(llm)
         worker = worker_connector()
-        info = (connector.keyspace, len(connector.layout.groups), list(worker.stats.history_transfers))
+        info = (connector.keyspace, len(connector.layout.groups), list(worker.recording.transfers))
         return results, info
     finally:
         shutdown_llm(llm)
@@ -132,7 +133,7 @@ def test_keys_deleted_between_lookup_and_load(
 def test_master_killed_during_load(gemma_dir, gemma_reference, cache_prefix, monkeypatch) -> None:
     from kvpool.connector import worker_side
     from kvpool.connector.contract.settings import ConnectorSettings
-    from kvpool.connector.local_pool import LocalPool
+    from kvpool.connector.local.pool import LocalPool
 
     with LocalPool(segment_size="128MB") as pool:
         settings = ConnectorSettings.parse(

@@ -29,23 +29,22 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvpool.connector.contract import metric_names as m
 from kvpool.connector.contract.keys import KeySpace
-from kvpool.connector.engine_harness import (
+from kvpool.connector.local.engine import (
     EngineOptions,
     create_llm,
     engine_core,
-    generate,
-    run_engine_subprocess,
     shutdown_llm,
     worker_connector,
 )
-from kvpool.connector.local_pool import LOOPBACK, free_port
+from kvpool.connector.local.pool import LOOPBACK, free_port
+from kvpool.connector.local.tiny_model import build_gemma3
 from kvpool.connector.metadata import GroupTransfer, PoolConnectorMetadata, RequestLoad, RequestSave
 from kvpool.connector.records import LookupRecord, StatsCollector, TransferRecord
-from kvpool.connector.tiny_models import build_gemma3
 from kvpool.connector.vllm_metrics import PoolConnectorStats, PoolPromMetrics, parse_key, records_to_data
 from kvpool.connector.worker_side import WorkerSide
-from tests.engine_env import MAX_TOKENS, P1, P2, PREFIX_HIT, transfer_config
-from tests.services import OTLPReceiver, PrometheusServer
+from tests.support.engine import generate, run_engine_subprocess, transfer_config
+from tests.support.prompts import MAX_TOKENS, P1, P2, PREFIX_HIT
+from tests.support.services import OTLPReceiver, PrometheusServer
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_SPAN = "00f067aa0ba902b7"
@@ -202,17 +201,19 @@ def test_worker_spans_join_the_request_trace(spans, pool_client, cache_prefix) -
 
 
 def test_lookup_span_joins_the_request_trace(spans, pool_settings, tmp_path_factory) -> None:
-    from tests.scheduler_env import make_request, make_scheduler
-    from tests.vllm_specs import GroupDesc
+    from tests.support.kv_cache import GroupDesc
+    from tests.support.scheduler import make_request, make_scheduler, pool_transfer
 
     model = build_gemma3(tmp_path_factory.mktemp("gemma3-span"))
     scheduler = make_scheduler(
         model,
         [GroupDesc("full", 32), GroupDesc("sliding_window", 32, window=64)],
-        {
-            "master_server_address": pool_settings.master_server_address,
-            "cache_prefix": pool_settings.cache_prefix,
-        },
+        pool_transfer(
+            {
+                "master_server_address": pool_settings.master_server_address,
+                "cache_prefix": pool_settings.cache_prefix,
+            }
+        ),
     )
     try:
         request = make_request(scheduler, list(range(5, 5 + 3 * 32)))
@@ -262,7 +263,7 @@ def test_metrics_equal_ground_truth_and_prometheus_agrees(gemma_dir, pool_settin
             "full" if type(g.kv_cache_spec).__name__ == "FullAttentionSpec" else "sliding_window"
             for g in engine_core(llm).scheduler.kv_cache_config.kv_cache_groups
         ]
-        transfers = list(worker_connector().stats.history_transfers)
+        transfers = list(worker_connector().recording.transfers)
         series = _series(llm)
         _check_counters(series, result, kinds, per_block)
         _check_prometheus(kinds, transfers)

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from kvpool.connector.contract.settings import ConnectorSettings
-from kvpool.connector.local_pool import LocalPool
-from kvpool.connector.pool_client import CODE_RPC_FAILED, PoolClient
+from kvpool.connector.local.pool import LocalPool
+from kvpool.connector.pool_client import CODE_RPC_FAILED, open_client
 
 pytestmark = pytest.mark.mooncake
 
@@ -34,7 +34,7 @@ class CountingStore:
 def test_a_dead_master_makes_transfers_fail_fast() -> None:
     with LocalPool(segment_size="32MB") as pool:
         assert pool.master is not None
-        client = PoolClient(
+        client = open_client(
             ConnectorSettings.parse({"master_server_address": pool.address}), global_segment_size=0
         )
         try:

@@ -28,8 +28,8 @@ from pydantic import (
 )
 
 from kvpool.connector.contract.errors import error_message
+from kvpool.connector.contract.mooncake_env import CONFIG_PATH_ENV
 
-CONFIG_PATH_ENV = "MOONCAKE_CONFIG_PATH"
 MAX_BATCH_KEYS = 1000
 CONNECTOR_NAME = "KVPoolConnector"
 CONNECTOR_MODULE = "kvpool.connector"
@@ -102,6 +102,10 @@ class ConnectorSettings(BaseModel):
     protocol: Literal["tcp", "rdma"] = "tcp"
     device_name: str = Field(default="", description="RDMA device(s), required for rdma.")
     local_hostname: str = Field(default="127.0.0.1", description="Address this client serves on.")
+    bind_address: str = Field(
+        default="",
+        description="MC_TCP_BIND_ADDRESS of this client's process (empty: local_hostname).",
+    )
     global_segment_size: Size = Field(
         default=0, description="Memory this process contributes to the pool (0 = none)."
     )
@@ -117,6 +121,11 @@ class ConnectorSettings(BaseModel):
     model_id: str = Field(
         default="", description="Model identity for the layout fingerprint (default: vLLM's)."
     )
+
+    @property
+    def tcp_bind_address(self) -> str:
+        """What the client process sets as ``MC_TCP_BIND_ADDRESS``: ``bind_address`` or ``local_hostname``."""
+        return self.bind_address or self.local_hostname
 
     @model_validator(mode="after")
     def _cross_field_rules(self) -> ConnectorSettings:

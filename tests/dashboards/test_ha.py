@@ -22,7 +22,7 @@ import pytest
 
 from dashboards import alerts, external, generate, pool_board
 from dashboards.conventions import MASTER_JOB
-from kvpool.connector.local_pool import (
+from kvpool.connector.local.pool import (
     LOOPBACK,
     MooncakeMaster,
     MooncakeStore,
@@ -31,7 +31,7 @@ from kvpool.connector.local_pool import (
     wait_for_port,
 )
 from tests.dashboards.queries import panel_queries, substitute
-from tests.services import PrometheusServer
+from tests.support.services import PrometheusServer
 
 pytestmark = pytest.mark.mooncake
 

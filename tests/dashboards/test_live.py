@@ -24,18 +24,11 @@ import pytest
 
 from dashboards import alerts, connector_board, generate, operator_board
 from dashboards.conventions import MASTER_JOB, OPERATOR_JOB, VAR_ENGINE, VAR_MODEL, VAR_NAMESPACE, VAR_POOL
-from kvpool.connector.local_pool import LOOPBACK, free_port
+from kvpool.connector.local.pool import LOOPBACK, free_port
 from tests.dashboards.queries import PanelQuery, finite, panel_queries, positive, substitute, variable_queries
-from tests.operator.harness import (
-    NAMESPACE,
-    Cluster,
-    Fault,
-    Operator,
-    converge,
-    pool_manifest,
-    vllm_deployment,
-)
-from tests.services import PrometheusServer
+from tests.operator.harness import Operator, converge, pool_manifest, vllm_deployment
+from tests.support.kube_api import NAMESPACE, Cluster, Fault
+from tests.support.services import PrometheusServer
 
 pytestmark = [pytest.mark.engine, pytest.mark.mooncake]
 
@@ -63,14 +56,15 @@ def _rounds(
     its load (the load of those blocks then fails), or None.
     """
     from kvpool.connector import scheduler_side
-    from kvpool.connector.engine_harness import (
+    from kvpool.connector.local.engine import (
         EngineOptions,
         create_llm,
         generate,
         scheduler_connector,
         shutdown_llm,
     )
-    from tests.engine_env import MAX_TOKENS, PREFIX, pool_keys, transfer_config
+    from tests.support.engine import transfer_config
+    from tests.support.prompts import MAX_TOKENS, PREFIX, pool_keys
 
     llm = create_llm(
         EngineOptions(model=str(model), kv_transfer_config=transfer_config(settings), disable_log_stats=False)
@@ -104,9 +98,9 @@ def _rounds(
 @pytest.fixture(scope="module")
 def run(local_pool, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
     from kvpool.connector.contract.settings import ConnectorSettings
-    from kvpool.connector.pool_client import PoolClient
-    from kvpool.connector.tiny_models import build_gemma3
-    from tests.engine_env import P1, P2
+    from kvpool.connector.local.tiny_model import build_gemma3
+    from kvpool.connector.pool_client import open_client
+    from tests.support.prompts import P1, P2
 
     single = build_gemma3(
         tmp_path_factory.mktemp("gemma3-full"), num_hidden_layers=3, layer_types=["full_attention"] * 3
@@ -123,7 +117,7 @@ def run(local_pool, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
         OPERATOR_JOB: [f"{LOOPBACK}:{operator_port}"],  # up once the operator starts
     }
     prom = PrometheusServer(targets, rule_files=[generate.ROOT / generate.CHART_FILES / generate.ALERTS_FILE])
-    client = PoolClient(settings, global_segment_size=0)
+    client = open_client(settings, global_segment_size=0)
     try:
         prom.start()
         prom.wait_for_scrapes(MASTER_JOB)

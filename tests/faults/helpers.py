@@ -12,19 +12,19 @@ import shutil
 import subprocess
 import tempfile
 import time
-import urllib.request
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvpool.connector.local_pool import (
+from kvpool.connector.local.pool import (
     LOOPBACK,
     MooncakeMaster,
     MooncakeStore,
     free_port,
     stop_process,
+    wait_for_capacity,
     wait_for_port,
 )
 
@@ -107,31 +107,6 @@ class Etcd:
     def stop(self) -> None:
         stop_process(self.process)
         shutil.rmtree(self.workdir, ignore_errors=True)
-
-
-def wait_for_capacity(master: MooncakeMaster, timeout: float, minimum: float = 1.0) -> None:
-    """Until ``master`` reports at least ``minimum`` bytes of mounted store memory."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if capacity(master) >= minimum:
-                return
-        except OSError:
-            pass
-        time.sleep(0.1)
-    raise TimeoutError(f"no store segment mounted on {master.address} after {timeout}s")
-
-
-def capacity(master: MooncakeMaster) -> float:
-    for line in master.metrics().splitlines():
-        if line.startswith("master_total_capacity_bytes "):
-            return float(line.split()[1])
-    return 0.0
-
-
-def metrics_text(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=5) as response:
-        return response.read().decode()
 
 
 @dataclass
@@ -294,7 +269,7 @@ class Engine:
     """
 
     def __init__(self, model: Path, kv_transfer_config: dict[str, Any] | None, *, log_stats: bool = False):
-        from kvpool.connector.engine_harness import EngineOptions, create_llm
+        from kvpool.connector.local.engine import EngineOptions, create_llm
 
         self.llm = create_llm(
             EngineOptions(
@@ -307,11 +282,11 @@ class Engine:
         self._ids = 0
 
     def serve(self, key: tuple[int, int], *, deadline_s: float = 60.0) -> Served:
-        from vllm import SamplingParams
+        from kvpool.connector.local.engine import sampling_params
 
         engine = self.llm.llm_engine
         self._reset_local_cache(engine, deadline_s)
-        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False)
+        params = sampling_params(MAX_TOKENS)
         self._ids += 1
         request_id = f"fault-{self._ids}"
         started = time.monotonic()
@@ -344,21 +319,21 @@ class Engine:
             time.sleep(0.01)
 
     def transfers(self) -> list[Any]:
-        from kvpool.connector.engine_harness import worker_connector
+        from kvpool.connector.local.engine import worker_connector
 
         worker = worker_connector()
-        return list(worker.stats.history_transfers) if worker is not None else []
+        return list(worker.recording.transfers) if worker is not None else []
 
     def lookups(self) -> list[Any]:
-        from kvpool.connector.engine_harness import scheduler_connector
+        from kvpool.connector.local.engine import scheduler_connector
 
         sched = scheduler_connector(self.llm)
-        return list(sched.stats.history_lookups) if sched is not None else []
+        return list(sched.recording.lookups) if sched is not None else []
 
     def stored_prefix_keys(self, key: tuple[int, int]) -> int:
         """How many keys of ``key``'s shared prefix the pool holds (asked through the engine's client)."""
-        from kvpool.connector.engine_harness import scheduler_connector
-        from tests.engine_env import pool_keys
+        from kvpool.connector.local.engine import scheduler_connector
+        from tests.support.prompts import pool_keys
 
         sched = scheduler_connector(self.llm)
         keys = pool_keys(sched.keyspace, prompt(*key), len(sched.layout.groups), range(PREFIX_BLOCKS))
@@ -368,7 +343,7 @@ class Engine:
         """Failures recorded but not yet handed to vLLM's metrics (after in-flight saves end)."""
         from concurrent.futures import wait
 
-        from kvpool.connector.engine_harness import worker_connector
+        from kvpool.connector.local.engine import worker_connector
 
         worker = worker_connector()
         if worker is None:
@@ -389,7 +364,7 @@ class Engine:
         return out
 
     def close(self) -> None:
-        from kvpool.connector.engine_harness import shutdown_llm
+        from kvpool.connector.local.engine import shutdown_llm
 
         shutdown_llm(self.llm)
 

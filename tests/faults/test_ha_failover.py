@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 
 from kvpool.connector.contract.settings import ConnectorSettings
-from tests.engine_env import transfer_config
 from tests.faults.helpers import (
     PREFIX_TOKENS,
     Engine,
@@ -26,6 +25,7 @@ from tests.faults.helpers import (
     failures_by_reason,
     stream,
 )
+from tests.support.engine import transfer_config
 
 pytestmark = [pytest.mark.faults, pytest.mark.engine, pytest.mark.mooncake, pytest.mark.timeout(300)]
 

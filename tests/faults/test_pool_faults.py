@@ -22,9 +22,9 @@ from typing import Any
 import pytest
 
 from kvpool.connector.contract.settings import ConnectorSettings
-from kvpool.connector.pool_client import PoolClient
+from kvpool.connector.local.pool import wait_for_capacity
+from kvpool.connector.pool_client import PoolClient, open_client
 from kvpool.connector.worker_side import WorkerSide
-from tests.engine_env import transfer_config
 from tests.faults.helpers import (
     PREFIX_TOKENS,
     Engine,
@@ -33,8 +33,8 @@ from tests.faults.helpers import (
     failures_by_reason,
     outlast_fail_fast,
     serve_until_hits,
-    wait_for_capacity,
 )
+from tests.support.engine import transfer_config
 
 pytestmark = [pytest.mark.faults, pytest.mark.engine, pytest.mark.mooncake, pytest.mark.timeout(240)]
 
@@ -277,7 +277,7 @@ def test_store_full(
     pool.kill_store()
     pool.restart_master(*NO_EVICTION)
     pool.start_store(SMALL_STORE)
-    client = PoolClient(
+    client = open_client(
         ConnectorSettings.parse({"master_server_address": pool.address}), global_segment_size=0
     )
     try:
@@ -306,7 +306,7 @@ def test_store_full_evicts(pool: SinglePool, engine: Engine, window: Window, ref
     pool.kill_store()
     pool.restart_master()
     pool.start_store(SMALL_STORE)
-    client = PoolClient(
+    client = open_client(
         ConnectorSettings.parse({"master_server_address": pool.address}), global_segment_size=0
     )
     try:

@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 
 from kvpool.connector.contract.settings import ConnectorSettings
-from kvpool.connector.local_pool import LocalPool
-from kvpool.connector.pool_client import PoolClient
+from kvpool.connector.local.pool import LocalPool
+from kvpool.connector.pool_client import open_client
 from kvpool.operator import names
 from kvpool.operator.plan import build_plan
 from tests.operator.harness import pool_spec
@@ -180,7 +180,7 @@ def test_the_master_metrics_port_is_an_admin_port() -> None:
     pool = LocalPool(segment_size="16MB")
     with pool:
         assert pool.master is not None
-        client = PoolClient(
+        client = open_client(
             ConnectorSettings.parse({"master_server_address": pool.address}), global_segment_size=0
         )
         try:

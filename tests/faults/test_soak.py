@@ -22,7 +22,6 @@ from typing import Any
 import pytest
 
 from kvpool.connector.contract.settings import ConnectorSettings
-from tests.engine_env import transfer_config
 from tests.faults.helpers import (
     PREFIXES,
     UNIVERSE,
@@ -33,6 +32,7 @@ from tests.faults.helpers import (
     failures_by_reason,
     sample,
 )
+from tests.support.engine import transfer_config
 
 SOAK_SECONDS = float(os.environ.get("KVPOOL_SOAK_SECONDS", "180"))
 pytestmark = [

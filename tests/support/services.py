@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpool.connector.contract.metric_names import VLLM_NAME_RELABEL
-from kvpool.connector.local_pool import LOOPBACK, free_port, stop_process, wait_for_port
+from kvpool.connector.local.pool import LOOPBACK, free_port, stop_process, wait_for_port
 
 
 @dataclass

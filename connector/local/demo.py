@@ -1,10 +1,22 @@
-"""The main job on an embedded default: two vLLM engines share a prefix through a pool.
+"""kvpool-demo: two vLLM engines share a prompt prefix through a Mooncake pool on this machine.
 
-Starts a Mooncake master and store on loopback, builds a tiny hybrid model
-(Gemma3: sliding-window and full attention) if absent, runs engine A on a
-prompt and a fresh engine B (its own process) on a prompt sharing a long
-prefix, and compares B's output with a reference run without the pool.
-Prints what moved per KV-cache group; exits 0 only if everything held.
+What it starts (all on 127.0.0.1, all stopped before it exits): a Mooncake
+master and one store process; a tiny hybrid Gemma3 model (sliding-window and
+full attention layers, random weights) built once into --model-dir; then
+three vLLM CPU engines, each in its own process, one after another:
+
+* a reference engine without the pool serves prompt P2;
+* engine A, with the pool, serves prompt P1 and stores its KV blocks there;
+* engine B, with the pool, serves P2, which shares a --prefix-len-token
+  prefix with P1.
+
+What it shows: for engine B, per KV-cache group, how many blocks the lookup
+found in the pool, how many the hit uses, how many its window masks out, how
+many it loaded and their bytes; how many prompt tokens B took from the pool;
+and whether B's output equals the reference.
+
+Exit status: 0 (RESULT: OK) when B's output equals the reference and B
+took the whole shared prefix (in whole blocks) from the pool; 1 otherwise.
 """
 
 from __future__ import annotations
@@ -16,10 +28,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvpool.connector.contract.settings import ConnectorSettings
-from kvpool.connector.engine_harness import EngineOptions, EngineRun, run_engine_subprocess
-from kvpool.connector.local_pool import LocalPool
-from kvpool.connector.tiny_models import build
+from kvpool.connector.local.engine import EngineOptions, EngineRun, run_engine_subprocess
+from kvpool.connector.local.pool import LocalPool
+from kvpool.connector.local.tiny_model import build_gemma3
+
+BLOCK_TOKENS = 32  # EngineOptions.block_size: the pool serves whole blocks
 
 
 def prompts(prefix_len: int, seed: int = 7) -> tuple[list[int], list[int]]:
@@ -63,15 +76,20 @@ def group_table(run: EngineRun) -> list[str]:
 
 
 def run_demo(model_dir: Path, prefix_len: int, max_tokens: int) -> bool:
+    """Run the demo; True when B's output equals the reference and B took the prefix from the pool."""
+    from kvpool.connector.contract.settings import ConnectorSettings
+    from kvpool.connector.local.recording import recording_transfer_config
+
     print(f"model: {model_dir}")
-    build("gemma3", model_dir)
+    build_gemma3(model_dir)
     p1, p2 = prompts(prefix_len)
-    expected_hit = (prefix_len // 32) * 32
+    expected_hit = (prefix_len // BLOCK_TOKENS) * BLOCK_TOKENS
     with LocalPool(segment_size="256MB") as pool:
         assert pool.master is not None
         print(f"pool: Mooncake master {pool.address} (metrics {pool.master.metrics_url}), one store")
         settings = ConnectorSettings.parse({"master_server_address": pool.address, "cache_prefix": "demo"})
-        with_pool = EngineOptions(model=str(model_dir), kv_transfer_config=settings.kv_transfer_config())
+        config = recording_transfer_config(settings)
+        with_pool = EngineOptions(model=str(model_dir), kv_transfer_config=config)
         reference, ref_s = _timed(
             "reference: engine without the pool serves P2",
             lambda: run_engine_subprocess(EngineOptions(model=str(model_dir)), [[p2]], max_tokens),
@@ -99,10 +117,28 @@ def run_demo(model_dir: Path, prefix_len: int, max_tokens: int) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model-dir", type=Path, default=Path(".models/gemma3-tiny"))
-    parser.add_argument("--prefix-len", type=int, default=300)
-    parser.add_argument("--max-tokens", type=int, default=12)
+    """``kvpool-demo [--model-dir DIR] [--prefix-len N] [--max-tokens N]``."""
+    parser = argparse.ArgumentParser(
+        prog="kvpool-demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--model-dir",
+        type=Path,
+        default=Path(".models/gemma3-tiny"),
+        help="where the tiny model is built, or found already built (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--prefix-len",
+        type=int,
+        default=300,
+        help="tokens P1 and P2 share (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=12,
+        help="tokens each engine generates per prompt (default: %(default)s)",
+    )
     args = parser.parse_args(argv)
     return 0 if run_demo(args.model_dir, args.prefix_len, args.max_tokens) else 1
 

@@ -1,7 +1,9 @@
-"""A local Mooncake pool on loopback: a master and a store process.
+"""A Mooncake pool on this machine's loopback: a master and a store process.
 
-Used by the demo and the tests; every process it starts, it stops. Binaries
-come from the ``mooncake-transfer-engine`` wheel (on PATH in its virtualenv).
+Every process it starts, it stops. Binaries come from the
+``mooncake-transfer-engine`` wheel (next to the interpreter in its virtualenv,
+else on PATH); the store process gets the Mooncake client environment of
+:mod:`kvpool.connector.contract.mooncake_env`, bound to loopback.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from kvpool.connector.contract.mooncake_env import client_env
 
 LOOPBACK = "127.0.0.1"
 
@@ -40,6 +44,7 @@ def find_binary(name: str) -> str:
 
 
 def wait_for_port(port: int, timeout: float, process: subprocess.Popen[bytes] | None = None) -> None:
+    """Until something accepts connections on loopback ``port``; fails early if ``process`` exits."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process is not None and process.poll() is not None:
@@ -115,14 +120,22 @@ class MooncakeMaster:
         stop_process(self.process)
 
     def kill(self) -> None:
-        """Kill without warning (fault tests)."""
+        """SIGKILL: the master goes without a word to its clients."""
         if self.process is not None and self.process.poll() is None:
             self.process.kill()
             self.process.wait()
 
     def metrics(self) -> str:
+        """The master's Prometheus exposition text."""
         with urllib.request.urlopen(self.metrics_url, timeout=5) as response:
             return response.read().decode()
+
+    def capacity_bytes(self) -> float:
+        """Store memory mounted on this master (0 before a store mounts its segment)."""
+        for line in self.metrics().splitlines():
+            if line.startswith("master_total_capacity_bytes "):
+                return float(line.split()[1])
+        return 0.0
 
 
 @dataclass
@@ -148,33 +161,36 @@ class MooncakeStore:
 
     def start(self, master: MooncakeMaster | None = None, timeout: float = 60.0) -> MooncakeStore:
         log = (self.log_dir / "store.log").open("ab")
-        env = dict(os.environ, MC_STORE_CLIENT_SETUP_RETRIES="3")
+        env = {**os.environ, **client_env(LOOPBACK)}
         self.process = subprocess.Popen(
             self.command(), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
         wait_for_port(self.port, timeout, self.process)
         if master is not None:
-            _wait_for_capacity(master, timeout)
+            wait_for_capacity(master, timeout)
         return self
 
     def stop(self) -> None:
         stop_process(self.process)
 
     def kill(self) -> None:
+        """SIGKILL: the store's memory leaves the pool at once."""
         if self.process is not None and self.process.poll() is None:
             self.process.kill()
             self.process.wait()
 
 
-def _wait_for_capacity(master: MooncakeMaster, timeout: float) -> None:
-    """Until the master reports mounted store memory."""
+def wait_for_capacity(master: MooncakeMaster, timeout: float, minimum: float = 1.0) -> None:
+    """Until ``master`` reports at least ``minimum`` bytes of mounted store memory."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        for line in master.metrics().splitlines():
-            if line.startswith("master_total_capacity_bytes ") and float(line.split()[1]) > 0:
+        try:
+            if master.capacity_bytes() >= minimum:
                 return
+        except OSError:  # a master still starting answers nothing yet
+            pass
         time.sleep(0.1)
-    raise TimeoutError("the store never mounted its segment on the master")
+    raise TimeoutError(f"no store segment mounted on {master.address} after {timeout}s")
 
 
 @dataclass

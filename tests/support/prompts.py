@@ -1,14 +1,8 @@
-"""Prompts, configs and pool-key helpers for the real-engine tests."""
+"""The shared-prefix prompts of the real-engine tests, and the pool keys of their blocks."""
 
 from __future__ import annotations
 
 import random
-from typing import Any
-
-from vllm.sampling_params import SamplingParams
-from vllm.utils.hashing import get_hash_fn_by_name
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-from vllm.v1.request import Request
 
 from kvpool.connector.contract.keys import KeySpace, hash_digest
 
@@ -21,15 +15,13 @@ PREFIX_HIT = (len(PREFIX) // BLOCK) * BLOCK  # 288 tokens the pool can serve P2
 MAX_TOKENS = 12
 
 
-def transfer_config(settings: Any, kv_role: str = "kv_both", **extra: Any) -> dict[str, Any]:
-    """``--kv-transfer-config`` for the connector against ``settings``' pool."""
-    config = settings.kv_transfer_config(kv_role)
-    config["kv_connector_extra_config"].update(extra)
-    return config
-
-
 def block_hashes(prompt: list[int]) -> list[bytes]:
     """vLLM's block hashes for ``prompt`` (sha256, the engine default)."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
     hash_fn = get_hash_fn_by_name("sha256")
     init_none_hash(hash_fn)
     request = Request(

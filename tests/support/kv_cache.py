@@ -1,23 +1,10 @@
-"""Real vLLM KV-cache configs and coordinators built from compact descriptions."""
+"""Real vLLM KV-cache configs and coordinators built from compact group descriptions."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-
-import torch
-from vllm.config import VllmConfig
-from vllm.v1.core.kv_cache_coordinator import get_kv_cache_coordinator
-from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
-from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
-from vllm.v1.kv_cache_interface import (
-    FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheGroupSpec,
-    KVCacheSpec,
-    MambaSpec,
-    SlidingWindowSpec,
-)
+from typing import Any
 
 _registered = False
 
@@ -26,20 +13,34 @@ def ensure_registry() -> None:
     """vLLM registers its spec→manager map at engine start; do it once here."""
     global _registered
     if not _registered:
+        from vllm.config import VllmConfig
+        from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
+
         register_all_kvcache_specs(VllmConfig())
         _registered = True
 
 
 @dataclass(frozen=True)
 class GroupDesc:
-    kind: str  # "full" | "sliding_window" | "mamba"
-    block_size: int
+    """One KV-cache group: ``full``, ``sliding_window`` (with ``window``) or ``mamba``."""
+
+    kind: str
+    block_size: int = 32
     window: int = 0
     eagle: bool = False
 
 
-def make_spec(desc: GroupDesc) -> KVCacheSpec:
-    common = {"block_size": desc.block_size, "num_kv_heads": 1, "head_size": 8, "dtype": torch.float32}
+def make_spec(desc: GroupDesc, head_size: int = 8) -> Any:
+    """vLLM's ``KVCacheSpec`` for ``desc`` (one float32 KV head)."""
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
+
+    common = {
+        "block_size": desc.block_size,
+        "num_kv_heads": 1,
+        "head_size": head_size,
+        "dtype": torch.float32,
+    }
     if desc.kind == "full":
         return FullAttentionSpec(**common)
     if desc.kind == "sliding_window":
@@ -54,7 +55,10 @@ def make_spec(desc: GroupDesc) -> KVCacheSpec:
     raise ValueError(desc.kind)
 
 
-def make_kv_cache_config(groups: list[GroupDesc], num_blocks: int = 4096) -> KVCacheConfig:
+def make_kv_cache_config(groups: list[GroupDesc], num_blocks: int = 4096) -> Any:
+    """vLLM's ``KVCacheConfig``: one layer per group, no tensors."""
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+
     return KVCacheConfig(
         num_blocks=num_blocks,
         kv_cache_tensors=[],
@@ -73,8 +77,10 @@ def block_sizes(groups: list[GroupDesc]) -> tuple[int, int]:
     return math.lcm(*sizes), math.gcd(*sizes)
 
 
-def make_coordinator(groups: list[GroupDesc], max_model_len: int = 8192):
+def make_coordinator(groups: list[GroupDesc], max_model_len: int = 8192) -> Any:
     """vLLM's real coordinator (hybrid for several groups) with caching on."""
+    from vllm.v1.core.kv_cache_coordinator import get_kv_cache_coordinator
+
     ensure_registry()
     config = make_kv_cache_config(groups)
     scheduler_block, hash_block = block_sizes(groups)
@@ -93,8 +99,10 @@ def make_coordinator(groups: list[GroupDesc], max_model_len: int = 8192):
     )
 
 
-def fill_block_pool(coordinator, present: dict[int, set[bytes]]) -> None:
+def fill_block_pool(coordinator: Any, present: dict[int, set[bytes]]) -> None:
     """Make the real block pool hold a cached block for each (group, hash)."""
+    from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+
     pool = coordinator.block_pool
     next_id = 1
     for group_id, hashes in present.items():

@@ -1,0 +1,51 @@
+"""The environment variables Mooncake reads, and the values this project gives them.
+
+Mooncake's store client and transfer engine take part of their configuration
+from the environment of the process they run in. The project sets them in two
+ways only:
+
+* a process that sets up a Mooncake client calls :func:`configure_client_process`
+  first (``kvpool.connector.pool_client.open_client`` does);
+* a process the project starts (a store, an engine) is given :func:`client_env`
+  in the environment it is started with.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import MutableMapping
+
+#: Setup attempts of a store client before it reports failure.
+SETUP_RETRIES = "MC_STORE_CLIENT_SETUP_RETRIES"
+#: The address the transfer engine publishes for peers to reach it, read when a client is
+#: set up. Mooncake uses it with a metadata server; with ``P2PHANDSHAKE`` it publishes
+#: ``local_hostname``. Either way its listening sockets accept on every interface.
+TCP_BIND_ADDRESS = "MC_TCP_BIND_ADDRESS"
+#: Mooncake's log level (glog severities: INFO, WARNING, ERROR).
+LOG_LEVEL = "MC_LOG_LEVEL"
+#: The address vLLM's in-tree Mooncake connector serves on.
+REQUESTER_LOCAL_HOSTNAME = "MOONCAKE_REQUESTER_LOCAL_HOSTNAME"
+#: A Mooncake config JSON file (read by the connector, and by vLLM's in-tree connector).
+CONFIG_PATH_ENV = "MOONCAKE_CONFIG_PATH"
+
+#: Setup attempts the project's clients make: a master that is not there fails fast.
+CLIENT_SETUP_RETRIES = "3"
+#: Mooncake logs errors only (benchmarks print tables, not logs).
+ERRORS_ONLY = "ERROR"
+
+
+def client_env(bind_address: str) -> dict[str, str]:
+    """The variables of a Mooncake client process, for the environment a child starts with."""
+    return {SETUP_RETRIES: CLIENT_SETUP_RETRIES, TCP_BIND_ADDRESS: bind_address}
+
+
+def configure_client_process(bind_address: str, environ: MutableMapping[str, str] | None = None) -> None:
+    """Set this process's Mooncake client variables; call it before a Mooncake client is set up.
+
+    A setup-retry count already set is kept. The bind address is always set:
+    it is the connector's ``bind_address`` setting, and Mooncake reads it once,
+    when a client is set up.
+    """
+    target = os.environ if environ is None else environ
+    target.setdefault(SETUP_RETRIES, CLIENT_SETUP_RETRIES)
+    target[TCP_BIND_ADDRESS] = bind_address

@@ -1,0 +1,318 @@
+"""Run a vLLM CPU engine on token-id prompts, in this process or in a fresh one.
+
+* in this process: :func:`create_llm`, :func:`generate`, :func:`shutdown_llm`
+  (or :func:`run_engine`, which does all three); engines can be created one
+  after another in one process;
+* in a fresh Python process: :func:`run_engine_subprocess` runs
+  ``python -m kvpool.connector.local.engine SPEC.json RESULT.json`` and reads
+  the result back (its own vLLM, connector and Mooncake client).
+
+Generation is greedy (temperature 0, ``ignore_eos``, a fixed ``max_tokens``),
+so runs are deterministic and comparable. With the recording connector
+(:mod:`kvpool.connector.local.recording`) a run also returns the connector's
+lookup and transfer records. vLLM is imported lazily; engines run with
+:data:`ENGINE_ENV`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvpool.connector.local.pool import LOOPBACK
+
+#: Environment of a CPU engine in its own process: no hub access, no usage
+#: reports, loopback addresses, no engine-core subprocess.
+ENGINE_ENV: dict[str, str] = {
+    "VLLM_TARGET_DEVICE": "cpu",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_HOST_IP": LOOPBACK,
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+Prompt = list[int]
+
+#: The module a fresh engine process runs (``python -m``).
+ENGINE_MODULE = "kvpool.connector.local.engine"
+
+
+def apply_engine_env() -> None:
+    """Set :data:`ENGINE_ENV` in ``os.environ``, keeping what is already set; before vLLM loads."""
+    for key, value in ENGINE_ENV.items():
+        os.environ.setdefault(key, value)
+
+
+@dataclass
+class EngineOptions:
+    """What an engine is built with. JSON-serialisable (crosses processes).
+
+    ``dtype=None`` is vLLM's ``auto``: on CPU a float32 checkpoint runs (and
+    caches KV) in bfloat16; pass ``"float32"`` for float32 KV pages.
+    """
+
+    model: str
+    kv_transfer_config: dict[str, Any] | None = None
+    block_size: int = 32
+    max_model_len: int = 1024
+    max_num_seqs: int = 4
+    max_num_batched_tokens: int | None = 1024
+    enable_prefix_caching: bool = True
+    dtype: str | None = None
+    seed: int = 0
+    disable_log_stats: bool = True
+    llm_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class RequestResult:
+    """One finished request."""
+
+    prompt_len: int
+    token_ids: list[int]
+    num_cached_tokens: int | None
+    finish_reason: str | None
+    logprobs: list[float] | None = None
+    """Log-probability of each generated token (only if asked for)."""
+
+
+@dataclass
+class EngineRun:
+    """Per-batch results, and the recording connector's records as dicts (empty without it)."""
+
+    batches: list[list[RequestResult]]
+    lookups: list[dict[str, Any]] = field(default_factory=list)
+    transfers: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def results(self) -> list[RequestResult]:
+        """All results, batches flattened, in submission order."""
+        return [r for batch in self.batches for r in batch]
+
+    @property
+    def token_ids(self) -> list[list[int]]:
+        """Output token ids of every request, in submission order."""
+        return [r.token_ids for r in self.results]
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Any:
+        fields = dict(data)
+        fields["batches"] = [[RequestResult(**r) for r in batch] for batch in data["batches"]]
+        return cls(**fields)
+
+
+def create_llm(opts: EngineOptions) -> Any:
+    """Create an in-process ``vllm.LLM`` for ``opts`` (greedy, eager, no tokenizer)."""
+    apply_engine_env()
+    from vllm import LLM
+
+    kwargs: dict[str, Any] = {
+        "model": opts.model,
+        "skip_tokenizer_init": True,
+        "enforce_eager": True,
+        "block_size": opts.block_size,
+        "max_model_len": opts.max_model_len,
+        "max_num_seqs": opts.max_num_seqs,
+        "enable_prefix_caching": opts.enable_prefix_caching,
+        "seed": opts.seed,
+        "disable_log_stats": opts.disable_log_stats,
+    }
+    if opts.max_num_batched_tokens is not None:
+        kwargs["max_num_batched_tokens"] = opts.max_num_batched_tokens
+    if opts.dtype is not None:
+        kwargs["dtype"] = opts.dtype
+    if opts.kv_transfer_config is not None:
+        kwargs["kv_transfer_config"] = opts.kv_transfer_config
+    kwargs.update(opts.llm_kwargs)
+    return LLM(**kwargs)
+
+
+def sampling_params(max_tokens: int, *, logprobs: bool = False) -> Any:
+    """Greedy sampling of exactly ``max_tokens`` tokens (with each one's log-probability if asked)."""
+    from vllm import SamplingParams
+
+    return SamplingParams(
+        temperature=0.0,
+        max_tokens=max_tokens,
+        ignore_eos=True,
+        detokenize=False,
+        logprobs=0 if logprobs else None,
+    )
+
+
+def generate(
+    llm: Any, prompts: list[Prompt], max_tokens: int = 16, *, logprobs: bool = False
+) -> list[RequestResult]:
+    """Greedy-generate exactly ``max_tokens`` tokens for each token-id prompt.
+
+    With ``logprobs`` the log-probability of each chosen token is returned too
+    (a finer check than token ids that KV loaded from a pool is bit-exact).
+    """
+    params = sampling_params(max_tokens, logprobs=logprobs)
+    outputs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+    return request_results(prompts, outputs, logprobs=logprobs)
+
+
+def request_results(
+    prompts: list[Prompt], outputs: list[Any], *, logprobs: bool = False
+) -> list[RequestResult]:
+    """``RequestResult`` of each vLLM ``RequestOutput``, in the order of ``prompts``."""
+    results = []
+    for prompt, out in zip(prompts, outputs, strict=True):
+        completion = out.outputs[0]
+        chosen = None
+        if logprobs and completion.logprobs is not None:
+            chosen = [
+                float(step[token].logprob)
+                for token, step in zip(completion.token_ids, completion.logprobs, strict=True)
+            ]
+        results.append(
+            RequestResult(
+                prompt_len=len(prompt),
+                token_ids=list(completion.token_ids),
+                num_cached_tokens=out.num_cached_tokens,
+                finish_reason=completion.finish_reason,
+                logprobs=chosen,
+            )
+        )
+    return results
+
+
+def engine_core(llm: Any) -> Any | None:
+    """The in-process ``EngineCore`` (scheduler, executor), or None if multiprocess."""
+    client = llm.llm_engine.engine_core
+    return getattr(client, "engine_core", None)
+
+
+def scheduler_connector(llm: Any) -> Any | None:
+    """The scheduler-side KV connector of an in-process engine, if any."""
+    core = engine_core(llm)
+    return None if core is None else core.scheduler.get_kv_connector()
+
+
+def worker_connector() -> Any | None:
+    """The worker-side KV connector of the (in-process) engine, if any."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    return get_kv_transfer_group() if has_kv_transfer_group() else None
+
+
+def connector_records(llm: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The recording connector's lookups (scheduler) and transfers (worker), as dicts."""
+    lookups = getattr(getattr(scheduler_connector(llm), "recording", None), "lookups", ())
+    transfers = getattr(getattr(worker_connector(), "recording", None), "transfers", ())
+    return [asdict(r) for r in lookups], [asdict(r) for r in transfers]
+
+
+def shutdown_llm(llm: Any) -> None:
+    """Shut an in-process engine down so another can be created in this process."""
+    with contextlib.suppress(Exception):
+        llm.llm_engine.engine_core.shutdown()
+    from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    ensure_kv_transfer_shutdown()
+    cleanup_dist_env_and_memory()
+    gc.collect()
+
+
+def run_engine(opts: EngineOptions, batches: list[list[Prompt]], max_tokens: int = 16) -> EngineRun:
+    """Create an engine, run each batch as one ``generate`` call (in order), shut it down.
+
+    Batches run one after another, so KV saved by batch ``i`` can be hit by
+    batch ``i + 1``.
+    """
+    llm = create_llm(opts)
+    try:
+        results = [generate(llm, batch, max_tokens) for batch in batches]
+        return EngineRun(results, *connector_records(llm))
+    finally:
+        shutdown_llm(llm)
+
+
+def run_module(
+    module: str,
+    spec: dict[str, Any],
+    *,
+    env: dict[str, str] | None = None,
+    timeout: float = 600.0,
+    log_path: str | os.PathLike[str] | None = None,
+) -> dict[str, Any]:
+    """``python -m MODULE SPEC.json RESULT.json`` in a fresh process; the result it wrote.
+
+    The child's environment is :data:`ENGINE_ENV`, this process's environment
+    over it, then ``env``. Its stdout/stderr go to ``log_path`` (a temporary
+    file if None), whose tail is in the error raised when the child fails.
+    """
+    with tempfile.TemporaryDirectory(prefix="kvpool-engine-") as tmp:
+        spec_path = Path(tmp) / "spec.json"
+        result_path = Path(tmp) / "result.json"
+        spec_path.write_text(json.dumps(spec))
+        log = Path(log_path) if log_path is not None else Path(tmp) / "engine.log"
+        with open(log, "wb") as out:
+            proc = subprocess.run(
+                [sys.executable, "-m", module, str(spec_path), str(result_path)],
+                env={**ENGINE_ENV, **os.environ, **(env or {})},
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                timeout=timeout,
+                check=False,
+            )
+        if proc.returncode != 0 or not result_path.exists():
+            tail = log.read_text(errors="replace")[-4000:]
+            raise RuntimeError(f"engine subprocess failed (rc={proc.returncode}):\n{tail}")
+        return json.loads(result_path.read_text())
+
+
+def serve_module(argv: list[str] | None, run: Callable[[dict[str, Any]], dict[str, Any]]) -> int:
+    """The child side of :func:`run_module`: ``run`` the spec file, write the result file."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 2:
+        print("usage: python -m MODULE SPEC.json RESULT.json", file=sys.stderr)
+        return 2
+    result = run(json.loads(Path(args[0]).read_text()))
+    Path(args[1]).write_text(json.dumps(result))
+    return 0
+
+
+def run_engine_subprocess(
+    opts: EngineOptions,
+    batches: list[list[Prompt]],
+    max_tokens: int = 16,
+    *,
+    env: dict[str, str] | None = None,
+    timeout: float = 600.0,
+    log_path: str | os.PathLike[str] | None = None,
+) -> EngineRun:
+    """Like :func:`run_engine`, in a fresh Python process (see :func:`run_module`)."""
+    spec = {"opts": asdict(opts), "batches": batches, "max_tokens": max_tokens}
+    return EngineRun.from_json(run_module(ENGINE_MODULE, spec, env=env, timeout=timeout, log_path=log_path))
+
+
+def _run_spec(spec: dict[str, Any]) -> dict[str, Any]:
+    return run_engine(EngineOptions(**spec["opts"]), spec["batches"], spec["max_tokens"]).to_json()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m kvpool.connector.local.engine SPEC.json RESULT.json``."""
+    return serve_module(argv, _run_spec)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

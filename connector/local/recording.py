@@ -1,0 +1,57 @@
+"""``KVPoolConnector`` that also keeps what it observed, for reading after a run.
+
+The connector hands its lookup and transfer records to vLLM's metrics and
+keeps none. :class:`RecordingKVPoolConnector` is the same connector plus a
+:class:`Recording` of every record, in order, for the life of the connector:
+the demo prints it per KV-cache group. vLLM loads it by module path, as
+:func:`recording_transfer_config` names it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvpool.connector.connector import KVPoolConnector
+from kvpool.connector.contract.settings import ConnectorSettings
+from kvpool.connector.records import LookupRecord, StatsCollector, TransferRecord
+
+
+@dataclass
+class Recording:
+    """Every lookup (scheduler side) and transfer (worker side) record a collector took."""
+
+    lookups: list[LookupRecord] = field(default_factory=list)
+    transfers: list[TransferRecord] = field(default_factory=list)
+
+    def tap(self, collector: StatsCollector) -> None:
+        """Keep a copy of each record ``collector`` takes from now on; the collector works as before."""
+        take_lookup, take_transfer = collector.record_lookup, collector.record_transfer
+
+        def record_lookup(record: LookupRecord, request: Any = None) -> None:
+            take_lookup(record, request)
+            self.lookups.append(record)
+
+        def record_transfer(record: TransferRecord) -> None:
+            take_transfer(record)
+            self.transfers.append(record)
+
+        collector.record_lookup = record_lookup  # type: ignore[method-assign]
+        collector.record_transfer = record_transfer  # type: ignore[method-assign]
+
+
+class RecordingKVPoolConnector(KVPoolConnector):
+    """``KVPoolConnector`` whose records also stay in ``recording``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.recording = Recording()
+        self.recording.tap(self.stats)
+
+
+def recording_transfer_config(settings: ConnectorSettings, kv_role: str = "kv_both") -> dict[str, Any]:
+    """``--kv-transfer-config`` loading :class:`RecordingKVPoolConnector` against ``settings``' pool."""
+    config = settings.kv_transfer_config(kv_role)
+    config["kv_connector"] = RecordingKVPoolConnector.__name__
+    config["kv_connector_module_path"] = __name__
+    return config

@@ -1,0 +1,104 @@
+"""vLLM's real ``Scheduler``, with KVPoolConnector by module path, another connector, or none."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from tests.support.kv_cache import GroupDesc, block_sizes, ensure_registry, make_kv_cache_config
+
+_ids = itertools.count()
+
+
+def pool_transfer(extra_config: Mapping[str, Any], kv_role: str = "kv_both") -> dict[str, Any]:
+    """``KVTransferConfig`` fields loading KVPoolConnector by module path with ``extra_config``."""
+    return {
+        "kv_connector": "KVPoolConnector",
+        "kv_connector_module_path": "kvpool.connector",
+        "kv_role": kv_role,
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": dict(extra_config),
+    }
+
+
+def engine_config(
+    model_dir: Path,
+    transfer: dict[str, Any] | None,
+    *,
+    max_model_len: int = 4096,
+    max_num_seqs: int | None = None,
+    max_num_batched_tokens: int | None = None,
+) -> Any:
+    """vLLM's ``VllmConfig`` for ``model_dir`` (32-token blocks, float32, caching on); a limit left
+    None is vLLM's default."""
+    from vllm.config import KVTransferConfig
+    from vllm.engine.arg_utils import EngineArgs
+
+    limits = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens}
+    args = EngineArgs(
+        model=str(model_dir),
+        skip_tokenizer_init=True,
+        block_size=32,
+        max_model_len=max_model_len,
+        enable_prefix_caching=True,
+        enforce_eager=True,
+        dtype="float32",
+        kv_transfer_config=None if transfer is None else KVTransferConfig(**transfer),
+        **{name: value for name, value in limits.items() if value is not None},
+    )
+    return args.create_engine_config()
+
+
+def make_scheduler(
+    model_dir: Path,
+    groups: list[GroupDesc],
+    transfer: dict[str, Any] | None,
+    *,
+    num_blocks: int = 2048,
+    max_model_len: int = 4096,
+    max_num_seqs: int | None = None,
+    max_num_batched_tokens: int | None = None,
+) -> Any:
+    """vLLM's ``Scheduler`` over ``groups`` with the connector ``transfer`` names (None: no connector)."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    ensure_registry()
+    vllm_config = engine_config(
+        model_dir,
+        transfer,
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+    )
+    kv_cache_config = make_kv_cache_config(groups, num_blocks=num_blocks)
+    scheduler_block, hash_block = block_sizes(groups)
+    vllm_config.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
+    return Scheduler(
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=scheduler_block,
+        hash_block_size=hash_block,
+        log_stats=True,
+    )
+
+
+def make_request(scheduler: Any, prompt: list[int], max_tokens: int = 4) -> Any:
+    """A greedy ``Request`` hashed as ``scheduler``'s engine would hash it (sha256)."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    hash_block = scheduler.kv_cache_manager.block_pool.hash_block_size
+    init_none_hash(get_hash_fn_by_name("sha256"))
+    return Request(
+        request_id=f"req-{next(_ids)}",
+        prompt_token_ids=prompt,
+        sampling_params=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+        pooling_params=None,
+        block_hasher=get_request_block_hasher(hash_block, get_hash_fn_by_name("sha256")),
+    )
