@@ -1,10 +1,10 @@
 """Operator: time from creating a MooncakeKVPool to its children, and 100 pools in steady state.
 
-The real operator (kopf, its handlers, its Kubernetes client; ``kvpool.operator.runner.run``)
-runs in a thread against kmock, a stateful Kubernetes API emulator over HTTP on
-127.0.0.1 (no kube-apiserver can be had here), plus the little an API server
-adds itself (uid, resourceVersion, generation) and a stand-in Deployment
-controller that marks Deployments rolled out. Measured:
+The real operator (kopf, its handlers, its Kubernetes client; ``kvpool.operator.app.run``)
+runs in a thread against the tests' emulated cluster (``tests.support.kube_api``): kmock,
+a stateful Kubernetes API emulator over HTTP on 127.0.0.1 (no kube-apiserver can be had
+here), plus the little an API server adds itself (uid, resourceVersion, generation) and
+a stand-in Deployment controller that marks Deployments rolled out. Measured:
 
 * **time to children** — from the pool's ``POST`` returning to every child the
   pure ``build_plan`` wants existing on the API server;
@@ -17,289 +17,46 @@ controller that marks Deployments rolled out. Measured:
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import sys
 import tempfile
-import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from benchmarks import common
 from benchmarks.common import Options, Report, Stat, Table, Target
 
-NAMESPACE = "bench"
-WRITE_METHODS = {"POST", "PUT", "PATCH", "DELETE"}
-OPERATOR_AGENTS = ("kopf/", "kvpool-operator/")
 POOLS_STEADY = 100
 SMOKE_POOLS = 3
 RESYNC = 20.0  # seconds between resync passes over one pool (production default: 30)
 SMOKE_RESYNC = 2.0
 PASSES = 2
+FAST_POLL = 0.005  # seconds: how closely "every child exists" is watched
 
 
-def _api_server_class() -> type:
-    import itertools
+def _pool_manifest(name: str, consumer_name: str | None) -> dict[str, Any]:
+    """A pool with one hybrid-model consumer (or none), as the operator tests declare it."""
+    from tests.operator.harness import consumer, pool_manifest, pool_spec
 
-    import kmock
-
-    from kvpool.operator.patching import apply as apply_patch
-
-    sequence = itertools.count(1000)
-
-    class ApiServer(kmock.KubernetesEmulator):
-        """kmock's emulator plus the metadata a real API server stamps on writes.
-
-        kmock keeps every request and matches each new one against that whole
-        history (quadratic: hundreds of pools time out); this keeps a compact
-        log of its own (``log``) and only the current request in kmock's.
-        """
-
-        async def _handle(self, request: kmock.Request) -> Any:
-            log = self.__dict__.setdefault("log", [])
-            log.append(Logged.of(request))
-            del self._requests[:-1]
-            if request.resource is not None and isinstance(request.data, dict):
-                self._stamp(request)
-            return await super()._handle(request)
-
-        def _stamp(self, request: kmock.Request) -> None:
-            meta = request.data.setdefault("metadata", {})
-            if request.action == kmock.action.CREATE:
-                if not meta.get("name") and meta.get("generateName"):
-                    meta["name"] = f"{meta['generateName']}{next(sequence)}"
-                meta.setdefault("uid", f"uid-{next(sequence)}")
-                meta["resourceVersion"] = str(next(sequence))
-                meta.setdefault("generation", 1)
-                meta.setdefault("creationTimestamp", "2025-01-01T00:00:00Z")
-            elif request.action == kmock.action.UPDATE and request.name:
-                key = (request.resource, request.namespace, request.name)
-                if key not in self.objects or self.objects[key].deleted:
-                    return
-                current = self.objects[key].raw
-                meta["resourceVersion"] = str(next(sequence))
-                if request.subresource is None:
-                    after = apply_patch(current, request.data)
-                    if after.get("spec") != current.get("spec"):
-                        meta["generation"] = current.get("metadata", {}).get("generation", 1) + 1
-
-    return ApiServer
+    consumers = [consumer(consumer_name)] if consumer_name is not None else []
+    return pool_manifest(name, pool_spec(connector={"cache_prefix": name}, consumers=consumers))
 
 
-@dataclass(frozen=True)
-class Logged:
-    """What the benchmark keeps of one request."""
+def _children_present(cluster: Any, name: str) -> bool:
+    """Every child the pure ``build_plan`` wants for pool ``name`` exists on the API server."""
+    from kvpool.operator.names import api_resource_of
+    from kvpool.operator.plan import build_plan
+    from tests.support.kube_api import NAMESPACE, POOLS_PATH
 
-    method: str
-    plural: str
-    name: str | None
-    watch: bool
-    operator: bool
-
-    @classmethod
-    def of(cls, request: Any) -> Logged:
-        import kmock
-
-        agent = next((v for k, v in request.headers.items() if k.lower() == "user-agent"), "")
-        return cls(
-            method=request.method.upper(),
-            plural=request.resource.plural if request.resource is not None else request.url.path,
-            name=request.name,
-            watch=request.action == kmock.action.WATCH,
-            operator=agent.startswith(OPERATOR_AGENTS),
-        )
-
-
-def _pool_manifest(name: str, consumer: str | None) -> dict[str, Any]:
-    from kvpool.operator.resources import POOLS
-
-    spec: dict[str, Any] = {
-        "image": "registry.example/mooncake:0.3.13",
-        "store": {"segmentSize": "1GB", "replicas": 2},
-        "connector": {"cache_prefix": name},
-        "consumers": [],
-    }
-    if consumer is not None:
-        spec["consumers"] = [
-            {
-                "name": consumer,
-                "container": "vllm",
-                "layout": {
-                    "model": "org/model",
-                    "groups": [
-                        {"kind": "full", "block_size": 16},
-                        {"kind": "sliding_window", "block_size": 16, "sliding_window": 4096},
-                    ],
-                },
-            }
-        ]
-    return {
-        "apiVersion": f"{POOLS.group}/{POOLS.version}",
-        "kind": POOLS.kind,
-        "metadata": {"name": name, "namespace": NAMESPACE},
-        "spec": spec,
-    }
-
-
-def _vllm_deployment(name: str) -> dict[str, Any]:
-    return {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": {"name": name, "namespace": NAMESPACE, "labels": {"app": name}},
-        "spec": {
-            "replicas": 2,
-            "selector": {"matchLabels": {"app": name}},
-            "template": {
-                "metadata": {"labels": {"app": name}},
-                "spec": {
-                    "containers": [
-                        {
-                            "name": "vllm",
-                            "image": "vllm/vllm-openai:v0.11.0",
-                            "args": ["--model", "org/model"],
-                        }
-                    ]
-                },
-            },
-        },
-    }
-
-
-class Cluster:
-    """The emulator and what the benchmark asks of it."""
-
-    def __init__(self, api: Any):
-        self.api = api
-
-    @property
-    def url(self) -> str:
-        return str(self.api.url).rstrip("/")
-
-    @property
-    def log(self) -> list[Logged]:
-        return self.api.__dict__.setdefault("log", [])
-
-    def mark(self) -> int:
-        return len(self.log)
-
-    def operator_requests(self, start: int = 0) -> list[Logged]:
-        return [r for r in self.log[start:] if r.operator]
-
-    def get(self, path: str, name: str) -> dict[str, Any] | None:
-        import kmock
-
-        key = (kmock.resource(path), NAMESPACE, name)
-        if key not in self.api.objects:
-            return None
-        obj = self.api.objects[key]
-        return None if obj.deleted else obj.raw
-
-    async def create(self, obj: dict[str, Any]) -> None:
-        from kvpool.operator.resources import POOLS
-
-        api_version = obj["apiVersion"]
-        root = f"/apis/{api_version}" if "/" in api_version else f"/api/{api_version}"
-        plural = {"Deployment": "deployments", "MooncakeKVPool": POOLS.plural}[obj["kind"]]
-        response = await self.api.post(f"{root}/namespaces/{NAMESPACE}/{plural}", json=obj)
-        if response.status not in (200, 201):
-            raise RuntimeError(await response.text())
-
-    def settle(self) -> None:
-        """Play the Deployment controller: every Deployment's generation is rolled out."""
-        for (resource, _, _), obj in list(self.api.objects.items()):
-            if resource.plural != "deployments" or obj.deleted:
-                continue
-            replicas = obj.raw.get("spec", {}).get("replicas", 1)
-            status = {
-                "observedGeneration": obj.raw.get("metadata", {}).get("generation", 1),
-                "replicas": replicas,
-                "updatedReplicas": replicas,
-                "readyReplicas": replicas,
-                "availableReplicas": replicas,
-            }
-            if obj.raw.get("status") != status:
-                obj.patch({"status": status})
-
-    def children_present(self, name: str) -> bool:
-        from kvpool.operator.plan import build_plan
-
-        pool = self.get(self.pools_path, name)
-        if pool is None:
+    pool = cluster.get(POOLS_PATH, name)
+    if pool is None:
+        return False
+    for child in build_plan(name, NAMESPACE, pool["spec"]).children:
+        resource = api_resource_of(child)
+        if cluster.get(f"{resource.api_version}/{resource.plural}", child["metadata"]["name"]) is None:
             return False
-        plan = build_plan(name, NAMESPACE, pool["spec"])
-        for child in plan.children:
-            group_version = child["apiVersion"]
-            plural = {
-                "ConfigMap": "configmaps",
-                "Deployment": "deployments",
-                "Service": "services",
-                "NetworkPolicy": "networkpolicies",
-            }[child["kind"]]
-            if self.get(f"{group_version}/{plural}", child["metadata"]["name"]) is None:
-                return False
-        return True
-
-    @property
-    def pools_path(self) -> str:
-        from kvpool.operator.resources import POOLS
-
-        return f"{POOLS.group}/{POOLS.version}/{POOLS.plural}"
-
-    def ready(self, name: str) -> bool:
-        """Ready, and kopf is done with the pool's current spec."""
-        from kvpool.operator.resources import POOLS
-
-        pool = self.get(self.pools_path, name) or {}
-        if (pool.get("status") or {}).get("phase") != "Ready":
-            return False
-        annotations = pool.get("metadata", {}).get("annotations") or {}
-        last = json.loads(annotations.get(f"{POOLS.group}/last-handled-configuration", "{}"))
-        in_progress = [
-            k
-            for k in annotations
-            if k.startswith(f"{POOLS.group}/")
-            and k not in (f"{POOLS.group}/kopf-managed", f"{POOLS.group}/last-handled-configuration")
-        ]
-        return not in_progress and last.get("spec") == pool.get("spec")
-
-
-async def _until(check: Any, timeout: float, what: str, interval: float = 0.005) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not check():
-        if loop.time() > deadline:
-            raise TimeoutError(f"not reached in {timeout} s: {what}")
-        await asyncio.sleep(interval)
-
-
-class OperatorThread:
-    """The operator in its own thread and event loop, stopped through kopf's stop flag."""
-
-    def __init__(self, config: Any):
-        self.config = config
-        self.stop_flag = threading.Event()
-        self.ready_flag = threading.Event()
-        self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._main, name="kvpool-operator", daemon=True)
-
-    def _main(self) -> None:
-        from kvpool.operator.runner import run
-
-        try:
-            asyncio.run(run(self.config, stop_flag=self.stop_flag, ready_flag=self.ready_flag))
-        except BaseException as exc:
-            self.error = exc
-
-    def start(self) -> None:
-        self._thread.start()
-
-    async def stop(self, timeout: float = 60.0) -> None:
-        self.stop_flag.set()
-        await asyncio.to_thread(self._thread.join, timeout)
-        if self._thread.is_alive():
-            raise RuntimeError("the operator did not stop")
+    return True
 
 
 def _rss_bytes() -> int:
@@ -309,53 +66,30 @@ def _rss_bytes() -> int:
     return 0
 
 
-async def _register_crd(api: Any) -> None:
-    import kmock
-
-    from kvpool.operator.crd import build_crd
-    from kvpool.operator.resources import POOLS
-
-    api.resources.load_bundled()
-    version = build_crd()["spec"]["versions"][0]
-    api.resources[f"{POOLS.group}/{POOLS.version}/{POOLS.plural}"] = kmock.ResourceInfo(
-        kind=POOLS.kind,
-        singular="mooncakekvpool",
-        namespaced=True,
-        verbs={"get", "list", "watch", "create", "patch", "delete"},
-        shortnames={"mkvp"},
-        subresources=set(version["subresources"]),
-    )
-
-
 async def _bench(reps: int, pools: int, resync: float) -> dict[str, Any]:
     import kmock
 
-    from kvpool.operator.config import OperatorConfig
+    from kvpool.operator.app import OperatorOptions
+    from tests.support.kube_api import (
+        NAMESPACE,
+        Cluster,
+        LeanApiServer,
+        OperatorThread,
+        declare_resources,
+        eventually,
+        write_kubeconfig,
+    )
 
     logging.getLogger("kopf").setLevel(logging.WARNING)
     logging.getLogger("aiohttp").setLevel(logging.WARNING)
-    api_class = _api_server_class()
-    async with api_class() as api, kmock.Server(api, host="127.0.0.1"):
-        await _register_crd(api)
+    async with LeanApiServer() as api, kmock.Server(api, host="127.0.0.1"):
+        declare_resources(api)
         cluster = Cluster(api)
         with tempfile.TemporaryDirectory(prefix="kvpool-bench-op-") as tmp:
-            kubeconfig = Path(tmp) / "kubeconfig"
-            kubeconfig.write_text(
-                json.dumps(
-                    {
-                        "apiVersion": "v1",
-                        "kind": "Config",
-                        "current-context": "kmock",
-                        "clusters": [{"name": "kmock", "cluster": {"server": cluster.url}}],
-                        "users": [{"name": "operator", "user": {"token": "bench"}}],
-                        "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "operator"}}],
-                    }
-                )
-            )
             operator = OperatorThread(
-                OperatorConfig(
+                OperatorOptions(
                     namespaces=(NAMESPACE,),
-                    kubeconfig=str(kubeconfig),
+                    kubeconfig=str(write_kubeconfig(Path(tmp) / "kubeconfig", cluster.url)),
                     liveness_endpoint=None,
                     metrics_port=None,
                     resync_interval=resync,
@@ -367,59 +101,65 @@ async def _bench(reps: int, pools: int, resync: float) -> dict[str, Any]:
             )
             operator.start()
             try:
-                await _until(
+                await eventually(
                     lambda: operator.ready_flag.is_set() or operator.error is not None,
-                    60,
-                    "the operator starts",
+                    what="the operator starts",
+                    interval=FAST_POLL,
                 )
-                await _until(
-                    lambda: any(r.watch for r in cluster.operator_requests()) or operator.error is not None,
-                    60,
-                    "the operator watches",
+                await eventually(
+                    lambda: any(r.watch and r.operator for r in api.log) or operator.error is not None,
+                    what="the operator watches",
+                    interval=FAST_POLL,
                 )
                 if operator.error is not None:
                     raise RuntimeError(f"the operator died: {operator.error!r}")
-                return await _measure(cluster, reps, pools, resync)
+                return await _measure(cluster, api, reps, pools, resync)
             finally:
                 await operator.stop()
                 if operator.error is not None:
                     raise RuntimeError(f"the operator failed: {operator.error!r}")
 
 
-async def _measure(cluster: Cluster, reps: int, pools: int, resync: float) -> dict[str, Any]:
+async def _measure(cluster: Any, api: Any, reps: int, pools: int, resync: float) -> dict[str, Any]:
+    from kvpool.operator.names import POOLS
+    from tests.operator.harness import vllm_deployment
+    from tests.support.kube_api import WRITE_METHODS, eventually
+
     loop = asyncio.get_running_loop()
     to_children = []
     for i in range(reps):
         name = f"first-{i}"
         started = loop.time()
         await cluster.create(_pool_manifest(name, None))
-        await _until(lambda n=name: cluster.children_present(n), 60, f"{name}'s children")
+        await eventually(
+            lambda n=name: _children_present(cluster, n), what=f"{name}'s children", interval=FAST_POLL
+        )
         to_children.append(loop.time() - started)
 
     rss_before = _rss_bytes()
     started = loop.time()
     names = [f"pool-{i:03d}" for i in range(pools)]
     for i, name in enumerate(names):
-        await cluster.create(_vllm_deployment(f"llm-{i:03d}"))
+        await cluster.create(vllm_deployment(f"llm-{i:03d}"))
         await cluster.create(_pool_manifest(name, f"llm-{i:03d}"))
 
     def all_ready() -> bool:
         cluster.settle()
-        return all(cluster.ready(n) for n in names)
+        return all(cluster.pool_status(n).get("phase") == "Ready" and cluster.handled(n) for n in names)
 
-    await _until(all_ready, 10 * resync + 120, f"{pools} pools Ready", interval=0.2)
+    await eventually(all_ready, timeout=10 * resync + 120, what=f"{pools} pools Ready", interval=0.2)
     converge_s = loop.time() - started
     await asyncio.sleep(resync)  # let passes under way finish
-    mark = cluster.mark()
+    mark = len(api.log)
     cpu, wall = time.process_time(), loop.time()
     await asyncio.sleep(PASSES * resync + 0.5)
     cpu, wall = time.process_time() - cpu, loop.time() - wall
     cluster.settle()
-    requests = cluster.operator_requests(mark)
+    requests = [r for r in api.log[mark:] if r.operator]
     rss_after = _rss_bytes()
     every_pool = {*names, *(f"first-{i}" for i in range(reps))}
     pool_gets = [
-        r for r in requests if r.method == "GET" and r.plural == "mooncakekvpools" and r.name in every_pool
+        r for r in requests if r.method == "GET" and r.plural == POOLS.plural and r.name in every_pool
     ]
     passes = len(pool_gets) / len(every_pool)
     by_kind: dict[str, int] = {}

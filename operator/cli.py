@@ -1,4 +1,7 @@
-"""``kvpool-operator``: ``run`` the operator, print its ``crd`` or its ``rbac`` rules."""
+"""``kvpool-operator``: ``run`` the operator, print its ``crd`` or its ``rbac`` rules.
+
+What ``crd`` and ``rbac`` print is what the chart ships (see ``generated``).
+"""
 
 from __future__ import annotations
 
@@ -7,12 +10,13 @@ import asyncio
 import logging
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-import yaml
-
-from kvpool.operator.config import OperatorConfig, WebhookConfig
 from kvpool.operator.crd import render_crd
-from kvpool.operator.rbac import RULES, WEBHOOK_RULES
+from kvpool.operator.rbac import RULES, WEBHOOK_RULES, render_rules
+
+if TYPE_CHECKING:
+    from kvpool.operator.app import OperatorOptions
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -64,17 +68,20 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def config_from_args(args: argparse.Namespace) -> OperatorConfig:
+def options_from_args(args: argparse.Namespace) -> OperatorOptions:
+    """The run options a parsed ``run`` command line sets."""
+    from kvpool.operator.app import OperatorOptions, WebhookOptions
+
     webhook = None
     if args.webhook_port is not None:
-        webhook = WebhookConfig(
+        webhook = WebhookOptions(
             port=args.webhook_port,
             host=args.webhook_host,
             certfile=args.webhook_cert,
             pkeyfile=args.webhook_key,
             managed=args.webhook_managed,
         )
-    return OperatorConfig(
+    return OperatorOptions(
         namespaces=tuple(args.namespace),
         kubeconfig=args.kubeconfig,
         liveness_endpoint=args.liveness or None,
@@ -93,14 +100,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout.write(render_crd())
         return 0
     if args.command == "rbac":
-        rules = RULES + (WEBHOOK_RULES if args.webhook_managed else ())
-        sys.stdout.write(yaml.safe_dump([r.as_dict() for r in rules], sort_keys=False))
+        sys.stdout.write(render_rules(RULES + (WEBHOOK_RULES if args.webhook_managed else ())))
         return 0
-    from kvpool.operator.runner import run
+    from kvpool.operator.app import run
 
-    config = config_from_args(args)
-    logging.basicConfig(level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    asyncio.run(run(config))
+    options = options_from_args(args)
+    logging.basicConfig(level=options.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(run(options))
     return 0
 
 

@@ -13,16 +13,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpool.connector.contract.layout import fingerprint
-from kvpool.connector.contract.settings import ConnectorSettings
-from kvpool.operator import names, pods
-from kvpool.operator.connector_config import CONFIG_PATH, PYTHONHASHSEED, consumer_settings
-from kvpool.operator.models import ConsumerSpec
-from kvpool.operator.patching import diff, digest
+from kvpool.connector.contract.settings import CONFIG_PATH_ENV, ConnectorSettings
+from kvpool.operator import names
+from kvpool.operator.components import POD_IP_ENV, pod_ip_env
+from kvpool.operator.connector_settings import CONFIG_PATH, PYTHONHASHSEED, consumer_connector_settings
+from kvpool.operator.merge_patch import diff, digest
+from kvpool.operator.spec import ConsumerSpec
 
 FLAG = "--kv-transfer-config"
 FLAG_SPELLINGS = (FLAG, "--kv_transfer_config")
-CONFIG_PATH_ENV = "MOONCAKE_CONFIG_PATH"
-INJECTED_ENV = (pods.POD_IP_ENV, CONFIG_PATH_ENV, "PYTHONHASHSEED")
+INJECTED_ENV = (POD_IP_ENV, CONFIG_PATH_ENV, "PYTHONHASHSEED")
 
 
 class ConsumerError(ValueError):
@@ -47,7 +47,7 @@ def plan_injection(
     pool: str, consumer: ConsumerSpec, settings: ConnectorSettings, configmap: Mapping[str, Any]
 ) -> Injection:
     """The injection for ``consumer``; its hash covers everything that reaches the pods."""
-    kv_config = consumer_settings(settings).kv_transfer_config_json(consumer.kv_role)
+    kv_config = consumer_connector_settings(settings).kv_transfer_config_json(consumer.kv_role)
     env = ((CONFIG_PATH_ENV, CONFIG_PATH), ("PYTHONHASHSEED", PYTHONHASHSEED))
     layout_fingerprint = fingerprint(consumer.layout)
     config_hash = digest(
@@ -152,7 +152,7 @@ def injected(deployment: Mapping[str, Any], injection: Injection) -> dict[str, A
         container["command"] = split_flag(list(container["command"] or []))[0]
     args = split_flag(list(container.get("args") or []))[0]
     container["args"] = [*args, f"{FLAG}={injection.kv_transfer_config}"]
-    env = _upsert(list(container.get("env") or []), pods.pod_ip_env())
+    env = _upsert(list(container.get("env") or []), pod_ip_env())
     for name, value in injection.env:
         env = _upsert(env, {"name": name, "value": value})
     container["env"] = env

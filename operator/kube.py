@@ -1,11 +1,17 @@
-"""A small JSON client for the Kubernetes API over ``kubernetes_asyncio``'s ApiClient.
+"""The Kubernetes API: a small JSON client over ``kubernetes_asyncio``, and apply.
 
 Objects stay plain dicts; updates are JSON merge patches. One configuration (in-cluster
 or kubeconfig) serves both this client and kopf's own login.
+
+Apply brings a child to its desired state, writing only when it differs: each child
+carries the JSON it was last applied with (an annotation). Equal JSON means no write;
+otherwise a merge patch sets the desired state and removes the fields the operator
+stopped setting (the ``kubectl apply`` way), leaving others' fields alone.
 """
 
 from __future__ import annotations
 
+import copy
 import inspect
 import json
 import os
@@ -17,10 +23,12 @@ from kubernetes_asyncio.client import ApiClient, Configuration
 from kubernetes_asyncio.client.exceptions import ApiException
 from kubernetes_asyncio.config import ConfigException, load_incluster_config, load_kube_config
 
-from kvpool.operator.resources import Resource
+from kvpool.connector.contract.version import package_version
+from kvpool.operator.merge_patch import canonical_json, overlay
+from kvpool.operator.names import ANNOTATION_LAST_APPLIED, ApiResource, api_resource_of
 
 MERGE_PATCH = "application/merge-patch+json"
-USER_AGENT = "kvpool-operator/0.1"
+USER_AGENT = f"kvpool-operator/{package_version()}"
 
 
 class ApiError(Exception):
@@ -45,10 +53,10 @@ class ApiError(Exception):
         return cls(int(exc.status or 0), str(exc.reason or ""), message)
 
 
-WriteHook = Callable[[str, Resource], None]
+WriteHook = Callable[[str, ApiResource], None]
 
 
-class Kube:
+class KubeClient:
     """GET/LIST/POST/PATCH/DELETE of JSON objects; ``None`` for objects that do not exist."""
 
     def __init__(self, client: ApiClient, on_write: WriteHook | None = None, timeout: float = 30.0):
@@ -84,11 +92,11 @@ class Kube:
         except ApiException as exc:
             raise ApiError.from_exception(exc) from None
 
-    def _wrote(self, verb: str, resource: Resource) -> None:
+    def _wrote(self, verb: str, resource: ApiResource) -> None:
         if self._on_write is not None:
             self._on_write(verb, resource)
 
-    async def get(self, resource: Resource, namespace: str, name: str) -> dict[str, Any] | None:
+    async def get(self, resource: ApiResource, namespace: str, name: str) -> dict[str, Any] | None:
         try:
             return await self._call("GET", resource.path(namespace, name))
         except ApiError as exc:
@@ -97,13 +105,13 @@ class Kube:
             raise
 
     async def list(
-        self, resource: Resource, namespace: str, label_selector: str | None = None
+        self, resource: ApiResource, namespace: str, label_selector: str | None = None
     ) -> list[dict[str, Any]]:
         query = [("labelSelector", label_selector)] if label_selector else None
         result = await self._call("GET", resource.path(namespace), query=query)
         return list((result or {}).get("items") or [])
 
-    async def create(self, resource: Resource, namespace: str, obj: Mapping[str, Any]) -> dict[str, Any]:
+    async def create(self, resource: ApiResource, namespace: str, obj: Mapping[str, Any]) -> dict[str, Any]:
         self._wrote("create", resource)
         return await self._call(
             "POST", resource.path(namespace), body=dict(obj), content_type="application/json"
@@ -111,7 +119,7 @@ class Kube:
 
     async def patch(
         self,
-        resource: Resource,
+        resource: ApiResource,
         namespace: str,
         name: str,
         patch: Mapping[str, Any],
@@ -122,7 +130,7 @@ class Kube:
             "PATCH", resource.path(namespace, name, subresource), body=dict(patch), content_type=MERGE_PATCH
         )
 
-    async def delete(self, resource: Resource, namespace: str, name: str) -> bool:
+    async def delete(self, resource: ApiResource, namespace: str, name: str) -> bool:
         """Delete; ``False`` when it was already gone."""
         self._wrote("delete", resource)
         try:
@@ -169,3 +177,60 @@ async def connection_info(configuration: Configuration) -> kopf.ConnectionInfo:
         private_key_path=configuration.key_file,
         proxy_url=configuration.proxy,
     )
+
+
+def with_last_applied(obj: Mapping[str, Any]) -> tuple[dict[str, Any], str]:
+    """``obj`` annotated with its own canonical JSON, and that JSON."""
+    desired = copy.deepcopy(dict(obj))
+    annotations = desired.setdefault("metadata", {}).setdefault("annotations", {})
+    annotations.pop(ANNOTATION_LAST_APPLIED, None)
+    applied = canonical_json(desired)
+    annotations[ANNOTATION_LAST_APPLIED] = applied
+    return desired, applied
+
+
+def last_applied(live: Mapping[str, Any]) -> tuple[str | None, dict[str, Any]]:
+    """The annotation on a live object, raw and parsed (``{}`` when absent or broken)."""
+    raw = (live.get("metadata", {}).get("annotations") or {}).get(ANNOTATION_LAST_APPLIED)
+    try:
+        parsed = json.loads(raw) if raw else {}
+    except json.JSONDecodeError:
+        parsed = {}
+    return raw, parsed if isinstance(parsed, dict) else {}
+
+
+def desired_patch(live: Mapping[str, Any], desired: Mapping[str, Any]) -> dict[str, Any]:
+    """The merge patch from ``live`` to ``desired``; empty when already applied."""
+    desired, applied = with_last_applied(desired)
+    raw, previous = last_applied(live)
+    if raw == applied:
+        return {}
+    return overlay(previous, desired)
+
+
+async def ensure(kube: KubeClient, obj: Mapping[str, Any]) -> dict[str, Any]:
+    """Create or patch ``obj``; the live object afterwards."""
+    resource = api_resource_of(dict(obj))
+    namespace, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
+    live = await kube.get(resource, namespace, name)
+    if live is None:
+        desired, _ = with_last_applied(obj)
+        try:
+            return await kube.create(resource, namespace, desired)
+        except ApiError as exc:
+            if not exc.conflict:
+                raise
+            live = await kube.get(resource, namespace, name)
+            if live is None:
+                raise
+    patch = desired_patch(live, obj)
+    if not patch:
+        return live
+    return await kube.patch(resource, namespace, name, patch)
+
+
+async def ensure_absent(kube: KubeClient, resource: ApiResource, namespace: str, name: str) -> bool:
+    """Delete the object if it exists; whether a delete was sent and succeeded."""
+    if await kube.get(resource, namespace, name) is None:
+        return False
+    return await kube.delete(resource, namespace, name)

@@ -1,11 +1,16 @@
-"""The operator's Prometheus collectors (names in ``metric_names``); one registry per run."""
+"""The operator's Prometheus collectors (names in ``metric_names``), one registry per run,
+and the endpoint that serves them (kopf serves the liveness endpoint itself).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
+from contextlib import asynccontextmanager
 from typing import Any
 
+from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.aiohttp import make_aiohttp_handler
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -20,8 +25,10 @@ from kvpool.operator.metric_names import (
     RECONCILES,
     MetricSpec,
 )
-from kvpool.operator.models import CONDITION_TYPES
-from kvpool.operator.resources import Resource
+from kvpool.operator.names import ApiResource
+from kvpool.operator.spec import CONDITION_TYPES
+
+METRICS_PATH = "/metrics"
 
 
 def _counter(spec: MetricSpec, registry: CollectorRegistry) -> Counter:
@@ -78,7 +85,7 @@ class OperatorMetrics:
         )
         self.registry.register(_PoolCollector(self))
 
-    def count_write(self, verb: str, resource: Resource) -> None:
+    def count_write(self, verb: str, resource: ApiResource) -> None:
         self.writes.labels(verb, resource.plural).inc()
 
     def observe_pool(self, namespace: str, pool: str, status: Mapping[str, Any]) -> None:
@@ -91,3 +98,17 @@ class OperatorMetrics:
     def forget_pool(self, namespace: str, pool: str) -> None:
         self.conditions.pop((namespace, pool), None)
         self.consumers.pop((namespace, pool), None)
+
+
+@asynccontextmanager
+async def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> AsyncIterator[None]:
+    """Serve the registry on ``http://host:port/metrics`` until the block exits."""
+    app = web.Application()
+    app.router.add_get(METRICS_PATH, make_aiohttp_handler(registry))
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port).start()
+        yield
+    finally:
+        await runner.cleanup()

@@ -1,8 +1,67 @@
-"""Names, labels and annotations of everything a pool creates or touches."""
+"""Every name the operator uses: the API resources it reads and writes, its children, labels, annotations.
+
+Imports nothing beyond the standard library, so the dashboards can use the label names.
+"""
 
 from __future__ import annotations
 
-from kvpool.operator.resources import GROUP
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import quote
+
+GROUP = "kvpool.mooncake.io"
+VERSION = "v1alpha1"
+
+
+@dataclass(frozen=True)
+class ApiResource:
+    """One Kubernetes API resource: group, version, plural name, kind."""
+
+    group: str
+    version: str
+    plural: str
+    kind: str
+    namespaced: bool = True
+
+    @property
+    def api_version(self) -> str:
+        return f"{self.group}/{self.version}" if self.group else self.version
+
+    def path(
+        self, namespace: str | None = None, name: str | None = None, subresource: str | None = None
+    ) -> str:
+        """The URL path of the collection, or of one object (and its subresource)."""
+        root = f"/apis/{self.group}/{self.version}" if self.group else f"/api/{self.version}"
+        parts = [root]
+        if namespace is not None and self.namespaced:
+            parts.append(f"namespaces/{quote(namespace, safe='')}")
+        parts.append(self.plural)
+        if name is not None:
+            parts.append(quote(name, safe=""))
+            if subresource:
+                parts.append(subresource)
+        return "/".join(parts)
+
+
+POOLS = ApiResource(GROUP, VERSION, "mooncakekvpools", "MooncakeKVPool")
+POOL_SINGULAR = "mooncakekvpool"
+POOL_SHORT_NAMES = ("mkvp",)
+
+DEPLOYMENTS = ApiResource("apps", "v1", "deployments", "Deployment")
+SERVICES = ApiResource("", "v1", "services", "Service")
+CONFIGMAPS = ApiResource("", "v1", "configmaps", "ConfigMap")
+NETWORK_POLICIES = ApiResource("networking.k8s.io", "v1", "networkpolicies", "NetworkPolicy")
+EVENTS = ApiResource("", "v1", "events", "Event")
+
+_BY_KIND: dict[tuple[str, str], ApiResource] = {
+    (r.api_version, r.kind): r for r in (POOLS, DEPLOYMENTS, SERVICES, CONFIGMAPS, NETWORK_POLICIES, EVENTS)
+}
+
+
+def api_resource_of(obj: dict) -> ApiResource:
+    """The API resource of a manifest, from its ``apiVersion`` and ``kind``."""
+    return _BY_KIND[(obj["apiVersion"], obj["kind"])]
+
 
 PREFIX = GROUP
 LABEL_POOL = f"{PREFIX}/pool"
@@ -16,7 +75,6 @@ MANAGER = "kvpool-operator"
 
 MASTER = "master"
 STORE = "store"
-CONSUMER = "consumer"
 
 CONNECTOR_VOLUME = "kvpool-connector"
 CONNECTOR_MOUNT_PATH = "/etc/kvpool"
@@ -27,12 +85,17 @@ KV_TRANSFER_CONFIG_FILE = "kv-transfer-config.json"
 MAX_POOL_NAME = 63 - len("-connector")
 
 
+def component_name(pool: str, component: str) -> str:
+    """The name of a component's Deployment (and the master's Service)."""
+    return f"{pool}-{component}"
+
+
 def master_name(pool: str) -> str:
-    return f"{pool}-master"
+    return component_name(pool, MASTER)
 
 
 def store_name(pool: str) -> str:
-    return f"{pool}-store"
+    return component_name(pool, STORE)
 
 
 def connector_configmap_name(pool: str) -> str:
@@ -58,3 +121,8 @@ def labels(pool: str, component: str) -> dict[str, str]:
         "app.kubernetes.io/managed-by": MANAGER,
         **selector(pool, component),
     }
+
+
+def child_metadata(pool: str, namespace: str, name: str, component: str) -> dict[str, Any]:
+    """``metadata`` of an object the pool owns: its name, namespace and the component's labels."""
+    return {"name": name, "namespace": namespace, "labels": labels(pool, component)}

@@ -8,12 +8,16 @@ from typing import Any
 
 from kvpool.connector.contract.layout import Problem
 from kvpool.operator import names
-from kvpool.operator.connector_config import connector_configmap
+from kvpool.operator.components import (
+    master_address,
+    master_deployment,
+    master_service,
+    network_policy,
+    store_deployment,
+)
+from kvpool.operator.connector_settings import connector_configmap
 from kvpool.operator.consumers import Injection, plan_injection
-from kvpool.operator.master import master_address, master_deployment, master_service
-from kvpool.operator.network import network_policy
-from kvpool.operator.resources import CONFIGMAPS, DEPLOYMENTS, NETWORK_POLICIES, SERVICES, Resource
-from kvpool.operator.store import store_deployment
+from kvpool.operator.names import CONFIGMAPS, DEPLOYMENTS, NETWORK_POLICIES, SERVICES, ApiResource
 from kvpool.operator.validation import validate
 
 
@@ -27,7 +31,7 @@ class Plan:
     master_address: str = ""
     embedded: bool = False
     children: list[dict[str, Any]] = field(default_factory=list)
-    absent: list[tuple[Resource, str]] = field(default_factory=list)
+    absent: list[tuple[ApiResource, str]] = field(default_factory=list)
     consumers: list[Injection] = field(default_factory=list)
 
     @property
@@ -35,7 +39,7 @@ class Plan:
         return not self.problems
 
 
-def children_names(pool: str) -> list[tuple[Resource, str]]:
+def children_names(pool: str) -> list[tuple[ApiResource, str]]:
     """Every child a pool may own, whatever its spec (for teardown)."""
     return [
         (DEPLOYMENTS, names.store_name(pool)),
@@ -58,7 +62,7 @@ def build_plan(pool: str, namespace: str, raw_spec: Mapping[str, Any] | None) ->
         master_deployment(pool, namespace, spec),
         master_service(pool, namespace, spec),
     ]
-    absent: list[tuple[Resource, str]] = []
+    absent: list[tuple[ApiResource, str]] = []
     embedded = spec.store.mode == "embedded"
     if embedded:
         absent.append((DEPLOYMENTS, names.store_name(pool)))

@@ -1,20 +1,23 @@
-"""One level-based pass over a pool: apply the plan, roll consumers, compute the status.
+"""Reconcile a pool, and tear it down: the one place the operator acts on the cluster.
 
-Everything here is idempotent: a pass over an unchanged, converged pool reads but
-never writes. An invalid spec changes nothing but the status.
+A pass reads a fresh copy of the pool, applies its plan, rolls its consumers and
+writes the status only when it changed. Everything is idempotent: a pass over an
+unchanged, converged pool reads but never writes; an invalid spec changes nothing but
+the status. Passes over one pool are serialised (change handlers and the resync timer
+may overlap).
 """
 
 from __future__ import annotations
 
+import asyncio
 import copy
+import datetime
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import kopf
 
 from kvpool.operator import names
-from kvpool.operator.apply import ensure, ensure_absent
 from kvpool.operator.consumers import (
     ConsumerError,
     Injection,
@@ -23,24 +26,48 @@ from kvpool.operator.consumers import (
     owner_pool,
     restore_patch,
 )
-from kvpool.operator.kube import Kube
+from kvpool.operator.kube import ApiError, KubeClient, ensure, ensure_absent
+from kvpool.operator.merge_patch import diff
+from kvpool.operator.metrics import OperatorMetrics
+from kvpool.operator.names import DEPLOYMENTS, POOLS
 from kvpool.operator.plan import Plan, build_plan, children_names
-from kvpool.operator.resources import DEPLOYMENTS
-from kvpool.operator.status import ConsumerState, deployment_progress, invalid_status, valid_status
+from kvpool.operator.status import (
+    ConsumerState,
+    condition_of,
+    deployment_progress,
+    invalid_status,
+    valid_status,
+)
 
 # notify(type, reason, message): post a Kubernetes Event about the pool.
 Notify = Callable[[str, str, str], None]
 
 
-@dataclass(frozen=True)
-class Result:
-    """The pass's outcome: the status to have, and the plan it came from."""
-
-    status: dict[str, Any]
-    plan: Plan
+def utcnow() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-async def roll_consumer(kube: Kube, namespace: str, injection: Injection, notify: Notify) -> ConsumerState:
+def error_reason(exc: BaseException) -> str:
+    """A short label for the metrics: ``http_409``, ``TimeoutError``, ..."""
+    if isinstance(exc, ApiError):
+        return f"http_{exc.status}"
+    return type(exc).__name__
+
+
+def announce(old: Mapping[str, Any], new: Mapping[str, Any], notify: Notify) -> None:
+    """Post an Event when the spec turns invalid (or its problems change), or valid again."""
+    before = condition_of(old, "ConfigValid") or {}
+    after = condition_of(new, "ConfigValid") or {}
+    if after.get("status") == "False":
+        if before.get("status") != "False" or before.get("message") != after.get("message"):
+            notify("Warning", after.get("reason", "InvalidSpec"), after.get("message", ""))
+    elif after.get("status") == "True" and before.get("status") == "False":
+        notify("Normal", "ConfigValid", after.get("message", ""))
+
+
+async def roll_consumer(
+    kube: KubeClient, namespace: str, injection: Injection, notify: Notify
+) -> ConsumerState:
     """Patch one consumer when its settings differ; report whether it is rolled out."""
 
     def state(rolled_out: bool, message: str) -> ConsumerState:
@@ -69,7 +96,7 @@ async def roll_consumer(kube: Kube, namespace: str, injection: Injection, notify
 
 
 async def release_consumers(
-    kube: Kube, namespace: str, pool: str, keep: set[str], notify: Notify
+    kube: KubeClient, namespace: str, pool: str, keep: set[str], notify: Notify
 ) -> list[str]:
     """Take the pool's settings out of Deployments it no longer lists; their names."""
     released = []
@@ -86,16 +113,12 @@ async def release_consumers(
     return released
 
 
-async def reconcile(kube: Kube, pool: Mapping[str, Any], *, now: str, notify: Notify) -> Result:
-    """Converge one pool (a fresh copy of the object) and compute its status."""
+async def converge(
+    kube: KubeClient, pool: Mapping[str, Any], plan: Plan, notify: Notify, now: str
+) -> dict[str, Any]:
+    """Apply a valid plan to the cluster; the status it leads to."""
     meta = pool.get("metadata", {})
     name, namespace = meta["name"], meta["namespace"]
-    generation = meta.get("generation")
-    old_status = dict(pool.get("status") or {})
-    plan = build_plan(name, namespace, pool.get("spec"))
-    if not plan.valid:
-        return Result(invalid_status(plan.problems, old_status, generation, now), plan)
-
     live: dict[str, dict[str, Any]] = {}
     for child in plan.children:
         obj = copy.deepcopy(child)
@@ -105,23 +128,79 @@ async def reconcile(kube: Kube, pool: Mapping[str, Any], *, now: str, notify: No
         await ensure_absent(kube, resource, namespace, child_name)
     consumers = [await roll_consumer(kube, namespace, c, notify) for c in plan.consumers]
     await release_consumers(kube, namespace, name, {c.deployment for c in plan.consumers}, notify)
-    status = valid_status(
+    return valid_status(
         master_address=plan.master_address,
         master=live.get(f"Deployment/{names.master_name(name)}"),
         store=live.get(f"Deployment/{names.store_name(name)}"),
         embedded=plan.embedded,
         consumers=consumers,
-        old=old_status,
-        generation=generation,
+        old=pool.get("status") or {},
+        generation=meta.get("generation"),
         now=now,
     )
-    return Result(status, plan)
 
 
-async def teardown(kube: Kube, pool: Mapping[str, Any], notify: Notify) -> None:
-    """Take the settings out of every consumer, then delete the pool's children."""
-    meta = pool.get("metadata", {})
-    name, namespace = meta["name"], meta["namespace"]
-    await release_consumers(kube, namespace, name, set(), notify)
-    for resource, child_name in children_names(name):
-        await ensure_absent(kube, resource, namespace, child_name)
+class Reconciler:
+    """Reconciles and tears down pools for one running operator: its client, metrics, per-pool locks."""
+
+    def __init__(self, kube: KubeClient, metrics: OperatorMetrics):
+        self.kube = kube
+        self.metrics = metrics
+        self._locks: dict[tuple[str, str], asyncio.Lock] = {}
+
+    def _lock(self, namespace: str, name: str) -> asyncio.Lock:
+        return self._locks.setdefault((namespace, name), asyncio.Lock())
+
+    def _failed(self, trigger: str, exc: BaseException) -> None:
+        self.metrics.reconciles.labels(trigger, "error").inc()
+        self.metrics.errors.labels(trigger, error_reason(exc)).inc()
+
+    async def reconcile(self, body: Mapping[str, Any], trigger: str, notify: Notify) -> dict[str, Any] | None:
+        """One pass over the pool ``body`` names; its status, or None if it is gone."""
+        meta = body.get("metadata", {})
+        namespace, name = meta["namespace"], meta["name"]
+        async with self._lock(namespace, name):
+            with self.metrics.duration.labels(trigger).time():
+                try:
+                    outcome = await self._pass(namespace, name, notify)
+                except Exception as exc:
+                    self._failed(trigger, exc)
+                    raise
+            if outcome is None:
+                return None
+            status, valid = outcome
+            self.metrics.reconciles.labels(trigger, "success" if valid else "invalid").inc()
+            self.metrics.observe_pool(namespace, name, status)
+            return status
+
+    async def _pass(self, namespace: str, name: str, notify: Notify) -> tuple[dict[str, Any], bool] | None:
+        """Read the pool fresh, converge it, write its status if it changed; (status, valid)."""
+        pool = await self.kube.get(POOLS, namespace, name)
+        if pool is None or pool.get("metadata", {}).get("deletionTimestamp"):
+            return None
+        plan = build_plan(name, namespace, pool.get("spec"))
+        old = dict(pool.get("status") or {})
+        if plan.valid:
+            status = await converge(self.kube, pool, plan, notify, utcnow())
+        else:
+            status = invalid_status(plan.problems, old, pool["metadata"].get("generation"), utcnow())
+        if status != old:
+            await self.kube.patch(POOLS, namespace, name, {"status": diff(old, status)}, subresource="status")
+            announce(old, status, notify)
+        return status, plan.valid
+
+    async def teardown(self, body: Mapping[str, Any], notify: Notify) -> None:
+        """A pool is being deleted: take its settings out of every consumer, delete its children."""
+        meta = body.get("metadata", {})
+        namespace, name = meta["namespace"], meta["name"]
+        async with self._lock(namespace, name):
+            try:
+                await release_consumers(self.kube, namespace, name, set(), notify)
+                for resource, child_name in children_names(name):
+                    await ensure_absent(self.kube, resource, namespace, child_name)
+            except Exception as exc:
+                self._failed("delete", exc)
+                raise
+            self.metrics.reconciles.labels("delete", "success").inc()
+            self.metrics.forget_pool(namespace, name)
+            self._locks.pop((namespace, name), None)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpool.connector.contract.layout import Problem
-from kvpool.operator.models import CONDITION_TYPES, Condition, ConsumerStatus, PoolStatus
+from kvpool.operator.spec import CONDITION_TYPES, Condition, ConsumerStatus, PoolStatus
 from kvpool.operator.validation import describe
 
 

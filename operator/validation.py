@@ -14,9 +14,10 @@ from pydantic import ValidationError
 from kvpool.connector.contract.errors import error_message, field_path
 from kvpool.connector.contract.layout import Problem, check
 from kvpool.connector.contract.settings import ConnectorSettings, SettingsError
-from kvpool.operator import names, store
-from kvpool.operator.connector_config import pool_settings, settings_field
-from kvpool.operator.models import PoolSpec
+from kvpool.operator import names
+from kvpool.operator.components import store_memory_limit
+from kvpool.operator.connector_settings import pool_connector_settings, spec_field_of
+from kvpool.operator.spec import PoolSpec
 
 
 def location(loc: tuple[int | str, ...], root: str = "spec") -> str:
@@ -95,7 +96,7 @@ def check_store(spec: PoolSpec) -> list[Problem]:
                 "the network policy opens the master's metrics port to spec.networkPolicy.metricsFrom",
             )
         )
-    limit = store.memory_limit(spec)
+    limit = store_memory_limit(spec)
     if limit is not None and limit < spec.store.segment_size:
         problems.append(
             _problem(
@@ -128,10 +129,10 @@ def check_settings(
     pool: str, namespace: str, spec: PoolSpec
 ) -> tuple[ConnectorSettings | None, list[Problem]]:
     try:
-        return pool_settings(pool, namespace, spec), []
+        return pool_connector_settings(pool, namespace, spec), []
     except SettingsError as exc:
         return None, [
-            _problem(settings_field(field), "connector-settings", message)
+            _problem(spec_field_of(field), "connector-settings", message)
             for field, message in exc.problems.items()
         ]
 
@@ -158,3 +159,11 @@ def validate(
 def describe(problems: list[Problem]) -> str:
     """One message naming every field and rule."""
     return "; ".join(str(p) for p in problems)
+
+
+def admission_problems(body: Mapping[str, Any]) -> str | None:
+    """The webhook's verdict on a pool object: a message naming every field and rule, or None."""
+    meta = body.get("metadata") or {}
+    name = meta.get("name") or meta.get("generateName") or "pool"
+    _, _, problems = validate(name, meta.get("namespace") or "default", body.get("spec"))
+    return describe(problems) if problems else None

@@ -57,7 +57,7 @@ def test_runner_help() -> None:
 @pytest.mark.parametrize("name", [pytest.param(n, marks=NEEDS.get(n, [])) for n in _benchmarks()])
 def test_smoke(name: str) -> None:
     if name == "operator_reconcile":
-        pytest.importorskip("kvpool.operator.runner")
+        pytest.importorskip("kvpool.operator.app")
         pytest.importorskip("kmock")
     result = _run("-m", f"benchmarks.{name}", "--smoke")
     assert result.returncode == 0, f"stdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-5000:]}"

@@ -21,7 +21,7 @@ import yaml
 from kvpool.connector.contract.metric_names import VLLM_NAME_RELABEL
 from kvpool.operator import names
 from kvpool.operator.consumers import injected
-from kvpool.operator.endpoints import METRICS_PATH
+from kvpool.operator.metrics import METRICS_PATH
 from kvpool.operator.plan import build_plan
 from tests.chart.helm import CHART, EXAMPLES, NAMESPACE, Helm, of_kind, one
 from tests.operator.harness import vllm_deployment
@@ -226,10 +226,10 @@ def test_the_alert_rules_become_a_prometheus_rule(helm: Helm, with_files: Path, 
 
 
 def test_missing_files_render_nothing(helm: Helm, chart_copy: Path) -> None:
-    shutil.rmtree(chart_copy / "files", ignore_errors=True)
+    shutil.rmtree(chart_copy / DASHBOARDS, ignore_errors=True)
+    (chart_copy / ALERTS).unlink(missing_ok=True)
     objects = helm.template(MONITORING, chart=chart_copy)
     assert of_kind(objects, "ConfigMap") == of_kind(objects, "PrometheusRule") == []
-    (chart_copy / "files").mkdir()
     (chart_copy / ALERTS).write_text("groups: []\n")
     assert of_kind(helm.template(MONITORING, chart=chart_copy), "PrometheusRule") == []
     notes = helm.notes(MONITORING, chart=chart_copy)

@@ -9,11 +9,10 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from kvpool.operator.cli import _parser, config_from_args
-from kvpool.operator.config import OperatorConfig
-from kvpool.operator.endpoints import METRICS_PATH
-from kvpool.operator.handlers import VALIDATE_ID
-from kvpool.operator.resources import POOLS
+from kvpool.operator.app import VALIDATE_ID, OperatorOptions
+from kvpool.operator.cli import _parser, options_from_args
+from kvpool.operator.metrics import METRICS_PATH
+from kvpool.operator.names import POOLS
 from tests.chart.helm import EXAMPLES, NAMESPACE, Helm, of_kind, one
 
 
@@ -23,9 +22,9 @@ def operator_container(objects: list[dict[str, Any]]) -> tuple[dict[str, Any], d
     return pod, container
 
 
-def operator_config(container: dict[str, Any]) -> OperatorConfig:
+def operator_options(container: dict[str, Any]) -> OperatorOptions:
     assert container["command"] == ["kvpool-operator"]
-    return config_from_args(_parser().parse_args(container["args"]))
+    return options_from_args(_parser().parse_args(container["args"]))
 
 
 def port(container: dict[str, Any], name: str) -> int:
@@ -63,14 +62,14 @@ def test_secure_by_default(helm: Helm) -> None:
 def test_probes_and_ports_are_the_operators_endpoints(helm: Helm) -> None:
     objects = helm.template(sets=["operator.healthPort=8181", "operator.metricsPort=9191"])
     _, container = operator_container(objects)
-    config = operator_config(container)
-    assert config.liveness_endpoint is not None
-    liveness = urlsplit(config.liveness_endpoint)
+    options = operator_options(container)
+    assert options.liveness_endpoint is not None
+    liveness = urlsplit(options.liveness_endpoint)
     assert liveness.port == port(container, "health") == 8181
     for probe in ("livenessProbe", "readinessProbe"):
         assert container[probe]["httpGet"] == {"path": liveness.path, "port": "health"}
-    assert config.metrics_port == port(container, "metrics") == 9191
-    assert config.metrics_host == "0.0.0.0"
+    assert options.metrics_port == port(container, "metrics") == 9191
+    assert options.metrics_host == "0.0.0.0"
     service = one(objects, "Service")
     assert service["spec"]["ports"] == [
         {"name": "metrics", "port": 9090, "targetPort": "metrics", "protocol": "TCP"}
@@ -83,10 +82,10 @@ def test_the_other_flags_reach_the_operator(helm: Helm) -> None:
     objects = helm.template(
         sets=["operator.resyncInterval=12.5", "operator.retryDelay=3", "operator.verbose=true"]
     )
-    config = operator_config(operator_container(objects)[1])
-    assert (config.resync_interval, config.retry_delay) == (12.5, 3.0)
-    assert config.log_level == 10
-    assert config.kubeconfig is None  # in-cluster
+    options = operator_options(operator_container(objects)[1])
+    assert (options.resync_interval, options.retry_delay) == (12.5, 3.0)
+    assert options.log_level == 10
+    assert options.kubeconfig is None  # in-cluster
 
 
 @pytest.mark.parametrize(
@@ -101,7 +100,7 @@ def test_the_operator_watches_what_rbac_allows(
     helm: Helm, sets: list[str], namespaces: tuple[str, ...]
 ) -> None:
     objects = helm.template(sets=sets)
-    assert operator_config(operator_container(objects)[1]).namespaces == namespaces
+    assert operator_options(operator_container(objects)[1]).namespaces == namespaces
     role_namespaces = tuple(r["metadata"]["namespace"] for r in of_kind(objects, "Role"))
     assert role_namespaces == namespaces
 
@@ -118,8 +117,8 @@ def webhook_case(helm: Helm, name: str) -> list[dict[str, Any]]:
 def test_the_webhook_with_cert_manager(helm: Helm) -> None:
     objects = webhook_case(helm, "webhook-cert-manager-values.yaml")
     pod, container = operator_container(objects)
-    config = operator_config(container)
-    hook = config.webhook
+    options = operator_options(container)
+    hook = options.webhook
     assert hook is not None and hook.port == port(container, "webhook") == 9443
     (mount,) = [m for m in container["volumeMounts"] if m["name"] == "webhook-tls"]
     assert mount["readOnly"] is True
@@ -177,5 +176,5 @@ def test_the_webhook_with_a_certificate_of_your_own(helm: Helm) -> None:
 
 def test_no_webhook_by_default(helm: Helm) -> None:
     objects = helm.template()
-    assert operator_config(operator_container(objects)[1]).webhook is None
+    assert operator_options(operator_container(objects)[1]).webhook is None
     assert of_kind(objects, "ValidatingWebhookConfiguration") == []

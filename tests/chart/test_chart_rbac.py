@@ -12,14 +12,16 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
 
+from kvpool.operator.generated import RBAC_RULES_PATH
 from kvpool.operator.rbac import RULES, Permission, request_permission
 from tests.chart.conftest import Recording, Request
-from tests.chart.helm import NAMESPACE, Helm, of_kind, one
+from tests.chart.helm import CHART, NAMESPACE, ROOT, Helm, of_kind, one
 
 # Discovery: readable by every authenticated user (the default system:discovery ClusterRole).
 DISCOVERY = re.compile(r"^/(api|apis)(/v1|/[a-z0-9.-]+/v[0-9a-z]+)?/?$")
@@ -146,6 +148,12 @@ def test_the_rules_are_the_operators_own(cluster_objects: list[dict[str, Any]]) 
     """The chart grants exactly ``kvpool-operator rbac`` (kvpool.operator.rbac.RULES)."""
     (role,) = of_kind(cluster_objects, "ClusterRole")
     assert grants(role["rules"], None) == grants((r.as_dict() for r in RULES), None)
+
+
+def test_a_missing_rules_file_fails_the_render(helm: Helm, chart_copy: Path) -> None:
+    (chart_copy / (ROOT / RBAC_RULES_PATH).relative_to(CHART)).unlink()
+    with pytest.raises(AssertionError, match="is missing or empty"):
+        helm.template(chart=chart_copy)
 
 
 def test_no_wildcards_and_no_secrets(helm: Helm) -> None:

@@ -31,10 +31,9 @@ from pydantic import ValidationError
 
 from kvpool.connector.contract.layout import GroupKind, KVLayout, check, check_or_raise, fingerprint
 from kvpool.connector.contract.settings import CONFIG_PATH_ENV, ConnectorSettings, SettingsError
-from kvpool.operator.handlers import admission_problems
-from kvpool.operator.models import PoolSpec
 from kvpool.operator.plan import build_plan
-from kvpool.operator.validation import validate
+from kvpool.operator.spec import PoolSpec
+from kvpool.operator.validation import admission_problems, validate
 from tests.operator.harness import pool_manifest, pool_spec
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(120)]

@@ -12,10 +12,10 @@ child twice, never patches a consumer while the spec is invalid. kmock is the AP
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 from collections import Counter
 from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,29 +25,32 @@ import pytest
 import pytest_asyncio
 
 from kvpool.operator import names
-from kvpool.operator.config import OperatorConfig
+from kvpool.operator.app import OperatorOptions
 from kvpool.operator.consumers import FLAG, injected
+from kvpool.operator.names import POOLS
 from kvpool.operator.plan import build_plan
-from kvpool.operator.resources import POOLS
 from tests.operator.harness import (
-    DEPLOYMENTS_PATH,
-    NAMESPACE,
-    ApiServer,
-    Cluster,
-    Fault,
-    OperatorThread,
     as_created,
-    by_operator,
     converge,
-    declare_resources,
-    eventually,
-    free_port,
     kv_flags,
     path_of,
     pool_manifest,
     pool_spec,
     template,
     vllm_deployment,
+)
+from tests.support.kube_api import (
+    DEPLOYMENTS_PATH,
+    NAMESPACE,
+    ApiServer,
+    Cluster,
+    Fault,
+    OperatorThread,
+    declare_resources,
+    eventually,
+    operator_request,
+    quick_options,
+    running_operator,
     write_kubeconfig,
 )
 
@@ -65,18 +68,11 @@ class Slow:
     begun: asyncio.Event = field(default_factory=asyncio.Event)
 
     def matches(self, request: kmock.Request) -> bool:
-        return (
-            self.times > 0
-            and by_operator(request)
-            and request.method.upper() == self.method
-            and request.resource is not None
-            and request.resource.plural == self.plural
-            and request.subresource is None
-        )
+        return self.times > 0 and operator_request(request, self.method, self.plural)
 
 
 class SlowApiServer(ApiServer):
-    """The harness's API server, plus answers that take their time."""
+    """The emulated API server, plus answers that take their time."""
 
     def slow(self, slow: Slow) -> Slow:
         self.__dict__.setdefault("slows", []).append(slow)
@@ -102,45 +98,12 @@ async def cluster() -> AsyncIterator[Cluster]:
 _runs = itertools.count()
 
 
-@contextlib.asynccontextmanager
-async def running_operator(
+def operator_against(
     cluster: Cluster, tmp_path: Path, **overrides: Any
-) -> AsyncIterator[OperatorThread]:
+) -> AbstractAsyncContextManager[OperatorThread]:
     """The real operator against ``cluster`` until the block ends (then stopped, errors raised)."""
     kubeconfig = write_kubeconfig(tmp_path / f"kubeconfig-{next(_runs)}", cluster.url)
-    settings: dict[str, Any] = {
-        "kubeconfig": str(kubeconfig),
-        "liveness_endpoint": f"http://127.0.0.1:{free_port()}/healthz",
-        "metrics_host": "127.0.0.1",
-        "metrics_port": free_port(),
-        "resync_interval": 0.5,
-        "retry_delay": 0.3,
-        "request_timeout": 10.0,
-        "exit_timeout": None,
-        **overrides,
-    }
-    start = cluster.mark()
-    thread = OperatorThread(OperatorConfig(**settings))
-    thread.start()
-    try:
-        await eventually(
-            lambda: (
-                any(
-                    r.action == kmock.action.WATCH
-                    and r.resource is not None
-                    and r.resource.plural == POOLS.plural
-                    for r in cluster.requests(start)
-                )
-                or not thread.alive
-            ),
-            what="the operator watches pools",
-        )
-        assert thread.alive, f"the operator died: {thread.error!r}"
-        yield thread
-    finally:
-        await thread.stop()
-    assert thread.error is None, repr(thread.error)
-    assert cluster.unauthorised() == []
+    return running_operator(cluster, OperatorOptions(**quick_options(kubeconfig, **overrides)))
 
 
 def assert_same_state_as_a_clean_run(cluster: Cluster, status: dict[str, Any], spec: dict[str, Any]) -> None:
@@ -184,13 +147,13 @@ async def test_restarted_mid_reconcile_converges_without_duplicates(cluster: Clu
     # anyway: the operator that sent it is gone by then and never sees the answer.
     held = api.slow(Slow("POST", "deployments", seconds=6.0))
     await cluster.create(vllm_deployment())
-    async with running_operator(cluster, tmp_path, request_timeout=30.0):
+    async with operator_against(cluster, tmp_path, request_timeout=30.0):
         await cluster.create(pool_manifest())
         await asyncio.wait_for(held.begun.wait(), 30)
     # The first operator stopped mid-reconcile: some children exist, others not, no status yet.
     assert cluster.pool_status("pool").get("phase") != "Ready"
     await asyncio.sleep(6.5)  # the held create lands
-    async with running_operator(cluster, tmp_path):
+    async with operator_against(cluster, tmp_path):
         status = await converge(cluster, generation=1)
         assert_same_state_as_a_clean_run(cluster, status, pool_spec())
         await cluster.quiet("pool")
@@ -205,7 +168,7 @@ async def test_slow_answers_and_a_timeout_converge_without_duplicates(
     # Slower than the client's 2 s timeout: the operator gives up, the server creates it anyway.
     late = api.slow(Slow("POST", "configmaps", seconds=3.0))
     await cluster.create(vllm_deployment())
-    async with running_operator(cluster, tmp_path, request_timeout=2.0) as thread:
+    async with operator_against(cluster, tmp_path, request_timeout=2.0) as thread:
         await cluster.create(pool_manifest())
         await asyncio.wait_for(late.begun.wait(), 30)
         status = await converge(cluster, generation=1)
@@ -219,7 +182,7 @@ async def test_a_consumer_is_never_patched_while_its_layout_is_invalid(
 ) -> None:
     await cluster.create(vllm_deployment())
     await cluster.create(pool_manifest())
-    async with running_operator(cluster, tmp_path):
+    async with operator_against(cluster, tmp_path):
         await converge(cluster, generation=1)
     before = cluster.get(DEPLOYMENTS_PATH, "llm")
     children = {
@@ -233,10 +196,10 @@ async def test_a_consumer_is_never_patched_while_its_layout_is_invalid(
     bad = pool_spec(connector={"cache_prefix": "team-b"})
     bad["consumers"][0]["layout"]["groups"].append({"kind": "cross", "block_size": 16})
     cluster.api.fail(Fault("PATCH", POOLS.plural, 500, subresource="status"))
-    async with running_operator(cluster, tmp_path):
+    async with operator_against(cluster, tmp_path):
         await cluster.patch_pool("pool", {"spec": bad})
         await eventually(lambda: cluster.pool_status("pool").get("phase") == "Invalid", what="Invalid")
-    async with running_operator(cluster, tmp_path):
+    async with operator_against(cluster, tmp_path):
         await eventually(lambda: cluster.handled("pool"), what="kopf is done with the pool")
         await cluster.passes("pool", cluster.mark(), count=2)
         condition = cluster.condition("pool", "ConfigValid")

@@ -10,16 +10,15 @@ import kmock
 import pytest
 import pytest_asyncio
 
-from kvpool.operator.config import OperatorConfig, WebhookConfig
-from kvpool.operator.resources import POOLS
-from tests.operator.harness import (
+from kvpool.operator.app import OperatorOptions, WebhookOptions
+from tests.operator.harness import Operator
+from tests.support.kube_api import (
     ApiServer,
     Cluster,
-    Operator,
-    OperatorThread,
     declare_resources,
-    eventually,
     free_port,
+    quick_options,
+    running_operator,
     write_kubeconfig,
 )
 
@@ -34,7 +33,7 @@ async def cluster() -> AsyncIterator[Cluster]:
 
 @pytest.fixture
 def operator_config() -> dict[str, Any]:
-    """Overrides for the operator's config; parametrize to change (``webhook``: serve it)."""
+    """Overrides for the operator's run options; parametrize to change (``webhook``: serve it)."""
     return {}
 
 
@@ -47,45 +46,19 @@ async def operator(
 ) -> AsyncIterator[Operator]:
     """The real operator (kopf and all) running against ``cluster``, watching pools."""
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
-    kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", cluster.url)
-    liveness_port, metrics_port = free_port(), free_port()
-    settings: dict[str, Any] = {
-        "kubeconfig": str(kubeconfig),
-        "liveness_endpoint": f"http://127.0.0.1:{liveness_port}/healthz",
-        "metrics_host": "127.0.0.1",
-        "metrics_port": metrics_port,
-        "resync_interval": 0.5,
-        "retry_delay": 0.3,
-        "request_timeout": 10.0,
-        "exit_timeout": None,
-    }
+    overrides = dict(operator_config)
     webhook_url = None
-    operator_config = dict(operator_config)
-    if operator_config.pop("webhook", False):
+    if overrides.pop("webhook", False):
         port = free_port()
-        settings["webhook"] = WebhookConfig(port=port, addr="127.0.0.1", host="127.0.0.1", insecure=True)
+        overrides["webhook"] = WebhookOptions(port=port, addr="127.0.0.1", host="127.0.0.1", insecure=True)
         webhook_url = f"http://127.0.0.1:{port}"
-    settings.update(operator_config)
-    thread = OperatorThread(OperatorConfig(**settings))
-    thread.start()
-    try:
-        await eventually(
-            lambda: (
-                any(
-                    r.action == kmock.action.WATCH
-                    and r.resource is not None
-                    and r.resource.plural == POOLS.plural
-                    for r in cluster.requests()
-                )
-                or not thread.alive
-            ),
-            what="the operator watches pools",
-        )
-        assert thread.alive, f"the operator died: {thread.error!r}"
+    options = OperatorOptions(
+        **quick_options(write_kubeconfig(tmp_path / "kubeconfig", cluster.url), **overrides)
+    )
+    async with running_operator(cluster, options) as thread:
         yield Operator(
-            thread, settings["liveness_endpoint"], f"http://127.0.0.1:{metrics_port}/metrics", webhook_url
+            thread,
+            str(options.liveness_endpoint),
+            f"http://127.0.0.1:{options.metrics_port}/metrics",
+            webhook_url,
         )
-    finally:
-        await thread.stop()
-    assert thread.error is None, repr(thread.error)
-    assert cluster.unauthorised() == []

@@ -7,10 +7,10 @@ from typing import Any
 
 from kvpool.connector.contract.settings import ConnectorSettings
 from kvpool.operator import names
-from kvpool.operator.connector_config import pool_settings
-from kvpool.operator.models import PoolSpec
+from kvpool.operator.connector_settings import pool_connector_settings
+from kvpool.operator.names import DEPLOYMENTS, NETWORK_POLICIES
 from kvpool.operator.plan import build_plan
-from kvpool.operator.resources import DEPLOYMENTS, NETWORK_POLICIES
+from kvpool.operator.spec import PoolSpec
 from tests.operator.harness import pool_spec
 
 NS = "team-a"
@@ -154,9 +154,9 @@ def test_embedded_mode_has_no_store_pods_and_gives_vllm_the_segment() -> None:
     assert plan.embedded
     assert not any(c["metadata"]["name"] == "pool-store" for c in plan.children)
     assert (DEPLOYMENTS, "pool-store") in plan.absent
-    settings = pool_settings("pool", NS, spec(store={"mode": "embedded", "segmentSize": "512MB"}))
+    settings = pool_connector_settings("pool", NS, spec(store={"mode": "embedded", "segmentSize": "512MB"}))
     assert settings.global_segment_size == 512 << 20
-    assert pool_settings("pool", NS, spec()).global_segment_size == 0
+    assert pool_connector_settings("pool", NS, spec()).global_segment_size == 0
 
 
 def test_network_policy_admits_only_the_pool() -> None:

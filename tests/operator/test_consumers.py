@@ -20,7 +20,7 @@ from kvpool.operator.consumers import (
     restored,
     split_flag,
 )
-from kvpool.operator.patching import apply
+from kvpool.operator.merge_patch import apply_merge_patch
 from kvpool.operator.plan import build_plan
 from tests.operator.harness import ORIGINAL_KV_CONFIG, pool_spec, vllm_deployment
 
@@ -41,7 +41,7 @@ def flags(container: dict[str, Any]) -> list[str]:
 def test_injection_replaces_the_transfer_config_and_mounts_the_settings() -> None:
     inj = injection()
     original = vllm_deployment()
-    new = apply(original, inject_patch(original, inj))
+    new = apply_merge_patch(original, inject_patch(original, inj))
     c = vllm(new)
     assert flags(c) == [f"--kv-transfer-config={inj.kv_transfer_config}"]
     assert c["args"][:4] == ["--model", "org/model", "--port", "8000"]
@@ -93,7 +93,7 @@ def test_a_new_hash_patches_only_what_changed() -> None:
     template = patch["spec"]["template"]
     assert template["metadata"] == {"annotations": {names.ANNOTATION_CONFIG_HASH: other.config_hash}}
     assert set(template["spec"]) == {"containers"}  # volumes and the rest unchanged
-    assert flags(vllm(apply(once, patch))) == [f"--kv-transfer-config={other.kv_transfer_config}"]
+    assert flags(vllm(apply_merge_patch(once, patch))) == [f"--kv-transfer-config={other.kv_transfer_config}"]
 
 
 @pytest.mark.parametrize(
@@ -128,7 +128,7 @@ def test_restoring_gives_back_the_original() -> None:
     once = injected(original, injection())
     twice = injected(once, injection(connector={"cache_prefix": "other"}))
     assert restored(twice) == original
-    assert apply(twice, restore_patch(twice)) == original
+    assert apply_merge_patch(twice, restore_patch(twice)) == original
     assert restore_patch(original) == {}
 
 

@@ -12,14 +12,9 @@ from kvpool.operator import names
 from kvpool.operator.consumers import FLAG, injected
 from kvpool.operator.plan import build_plan
 from tests.operator.harness import (
-    DEPLOYMENTS_PATH,
-    NAMESPACE,
-    POOLS_PATH,
-    Cluster,
     Operator,
     as_created,
     converge,
-    eventually,
     full_group,
     kv_flags,
     layout,
@@ -28,6 +23,13 @@ from tests.operator.harness import (
     pool_spec,
     template,
     vllm_deployment,
+)
+from tests.support.kube_api import (
+    DEPLOYMENTS_PATH,
+    NAMESPACE,
+    POOLS_PATH,
+    Cluster,
+    eventually,
 )
 
 pytestmark = pytest.mark.asyncio

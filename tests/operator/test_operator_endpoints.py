@@ -13,18 +13,20 @@ import aiohttp
 import pytest
 
 from kvpool.operator import metric_names as names
-from kvpool.operator.handlers import VALIDATE_ID
-from kvpool.operator.resources import POOLS
+from kvpool.operator.app import VALIDATE_ID
+from kvpool.operator.names import POOLS
 from tests.operator.harness import (
-    NAMESPACE,
-    Cluster,
     Operator,
     converge,
-    eventually,
-    free_port,
     pool_manifest,
     pool_spec,
     vllm_deployment,
+)
+from tests.support.kube_api import (
+    NAMESPACE,
+    Cluster,
+    eventually,
+    free_port,
     write_kubeconfig,
 )
 

@@ -6,18 +6,20 @@ import pytest
 
 from kvpool.operator.rbac import RULES, request_permission
 from tests.operator.harness import (
-    DEPLOYMENTS_PATH,
-    NAMESPACE,
-    POOLS_PATH,
-    Cluster,
     Operator,
     as_created,
     converge,
-    eventually,
     kv_flags,
     pool_manifest,
     template,
     vllm_deployment,
+)
+from tests.support.kube_api import (
+    DEPLOYMENTS_PATH,
+    NAMESPACE,
+    POOLS_PATH,
+    Cluster,
+    eventually,
 )
 
 pytestmark = pytest.mark.asyncio

@@ -11,24 +11,26 @@ import pytest
 
 from kvpool.operator.consumers import FLAG, injected
 from kvpool.operator.metric_names import RECONCILE_ERRORS
+from kvpool.operator.names import POOLS
 from kvpool.operator.plan import build_plan
-from kvpool.operator.resources import POOLS
 from tests.operator.harness import (
-    DEPLOYMENTS_PATH,
-    NAMESPACE,
-    POOLS_PATH,
-    Cluster,
-    Fault,
     Operator,
     as_created,
     converge,
-    eventually,
     kv_flags,
     path_of,
     pool_manifest,
     pool_spec,
     template,
     vllm_deployment,
+)
+from tests.support.kube_api import (
+    DEPLOYMENTS_PATH,
+    NAMESPACE,
+    POOLS_PATH,
+    Cluster,
+    Fault,
+    eventually,
 )
 
 pytestmark = pytest.mark.asyncio

@@ -6,9 +6,10 @@ import pytest
 import yaml
 
 from kvpool.operator import metric_names, metrics
-from kvpool.operator.cli import _parser, config_from_args, main
-from kvpool.operator.quantity import format_bytes, parse_quantity
+from kvpool.operator.cli import _parser, main, options_from_args
+from kvpool.operator.generated import RBAC_RULES_PATH, generated_files
 from kvpool.operator.rbac import RULES, WEBHOOK_RULES, Permission, allowed, request_permission
+from kvpool.operator.spec import format_bytes, parse_quantity
 
 
 @pytest.mark.parametrize(
@@ -53,16 +54,20 @@ def test_rules_have_no_wildcards_and_grant_what_they_say() -> None:
     assert allowed(Permission("kvpool.mooncake.io", "mooncakekvpools", "delete")) is None
 
 
-def test_cli_prints_rbac(capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_prints_rbac_as_the_chart_ships_it(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["rbac"]) == 0
-    assert yaml.safe_load(capsys.readouterr().out) == [r.as_dict() for r in RULES]
+    printed = capsys.readouterr().out
+    assert yaml.safe_load(printed) == [r.as_dict() for r in RULES]
+    assert printed == generated_files()[RBAC_RULES_PATH]
+    assert main(["rbac", "--webhook-managed"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out) == [r.as_dict() for r in RULES + WEBHOOK_RULES]
 
 
 def test_cli_run_options() -> None:
     args = _parser().parse_args(
         ["run", "-n", "a", "-n", "b", "--metrics-port", "0", "--liveness", "", "--webhook-port", "9443"]
     )
-    config = config_from_args(args)
+    config = options_from_args(args)
     assert config.namespaces == ("a", "b")
     assert config.metrics_port is None and config.liveness_endpoint is None
     assert config.webhook is not None and config.webhook.port == 9443
@@ -90,7 +95,7 @@ def test_the_operator_imports_neither_vllm_nor_torch() -> None:
     import sys
 
     code = (
-        "import sys, kvpool.operator.runner, kvpool.operator.cli; "
+        "import sys, kvpool.operator.app, kvpool.operator.cli; "
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('vllm', 'torch')); "
         "assert not bad, bad"
     )

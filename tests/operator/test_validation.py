@@ -7,8 +7,8 @@ from typing import Any
 import pytest
 
 from kvpool.connector.contract.layout import KVLayout, check
-from kvpool.operator.handlers import admission_problems
 from kvpool.operator.plan import build_plan
+from kvpool.operator.validation import admission_problems
 from tests.operator.harness import full_group, layout, pool_manifest, pool_spec
 
 
@@ -128,7 +128,7 @@ def test_the_webhook_uses_the_same_messages() -> None:
 
 
 def test_webhook_lets_metadata_updates_and_deletions_through() -> None:
-    from kvpool.operator.handlers import spec_changed
+    from kvpool.operator.app import spec_changed
 
     pool = pool_manifest()
     assert spec_changed(None, pool)

@@ -1,4 +1,8 @@
-"""Connector settings of a pool, rendered by the contract into the ``<pool>-connector`` ConfigMap."""
+"""The connector's settings as a pool renders them (the contract's ``ConnectorSettings``),
+and the ``<pool>-connector`` ConfigMap that carries them to consumer pods.
+
+Not to be confused with the operator's own run options (``app.OperatorOptions``).
+"""
 
 from __future__ import annotations
 
@@ -6,9 +10,9 @@ import json
 from typing import Any
 
 from kvpool.connector.contract.settings import ConnectorSettings
-from kvpool.operator import names, pods
-from kvpool.operator.master import master_address
-from kvpool.operator.models import PoolSpec
+from kvpool.operator import names
+from kvpool.operator.components import POD_IP_ENV, master_address
+from kvpool.operator.spec import PoolSpec
 
 CONFIG_PATH = f"{names.CONNECTOR_MOUNT_PATH}/{names.MOONCAKE_CONFIG_FILE}"
 # vLLM hashes blocks with Python's hash() when so configured: every consumer of a
@@ -16,7 +20,7 @@ CONFIG_PATH = f"{names.CONNECTOR_MOUNT_PATH}/{names.MOONCAKE_CONFIG_FILE}"
 PYTHONHASHSEED = "0"
 
 # Where each contract field comes from in the pool spec (for error messages).
-SETTINGS_FIELDS = {
+SPEC_FIELDS = {
     "master_server_address": "spec.master",
     "protocol": "spec.store.protocol",
     "device_name": "spec.store.rdmaDevices",
@@ -25,7 +29,7 @@ SETTINGS_FIELDS = {
 }
 
 
-def pool_settings(pool: str, namespace: str, spec: PoolSpec) -> ConnectorSettings:
+def pool_connector_settings(pool: str, namespace: str, spec: PoolSpec) -> ConnectorSettings:
     """The pool's connector settings; ``SettingsError`` when the contract rejects them.
 
     Standalone pools leave ``global_segment_size`` at 0 (vLLM contributes no memory);
@@ -41,14 +45,14 @@ def pool_settings(pool: str, namespace: str, spec: PoolSpec) -> ConnectorSetting
     return ConnectorSettings.parse(data)
 
 
-def consumer_settings(settings: ConnectorSettings) -> ConnectorSettings:
+def consumer_connector_settings(settings: ConnectorSettings) -> ConnectorSettings:
     """Settings as a consumer pod uses them: it serves on its own pod IP."""
-    return ConnectorSettings.parse({**settings.extra_config(), "local_hostname": f"$({pods.POD_IP_ENV})"})
+    return ConnectorSettings.parse({**settings.extra_config(), "local_hostname": f"$({POD_IP_ENV})"})
 
 
-def settings_field(name: str) -> str:
+def spec_field_of(setting: str) -> str:
     """The spec path a contract settings field comes from."""
-    return SETTINGS_FIELDS.get(name, f"spec.connector.{name}")
+    return SPEC_FIELDS.get(setting, f"spec.connector.{setting}")
 
 
 def connector_configmap(pool: str, namespace: str, settings: ConnectorSettings) -> dict[str, Any]:
@@ -56,11 +60,7 @@ def connector_configmap(pool: str, namespace: str, settings: ConnectorSettings) 
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": {
-            "name": names.connector_configmap_name(pool),
-            "namespace": namespace,
-            "labels": names.labels(pool, "connector"),
-        },
+        "metadata": names.child_metadata(pool, namespace, names.connector_configmap_name(pool), "connector"),
         "data": {
             names.MOONCAKE_CONFIG_FILE: json.dumps(settings.mooncake_config(), indent=2, sort_keys=True)
             + "\n",

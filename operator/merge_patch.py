@@ -58,16 +58,16 @@ def overlay(last: Mapping[str, Any], desired: Mapping[str, Any]) -> dict[str, An
     return patch
 
 
-def apply(obj: Mapping[str, Any], patch: Mapping[str, Any]) -> dict[str, Any]:
-    """``obj`` with a merge patch applied (pure; for tests and dry runs)."""
+def apply_merge_patch(obj: Mapping[str, Any], patch: Mapping[str, Any]) -> dict[str, Any]:
+    """``obj`` with a merge patch applied, as the API server does (pure; for tests and emulators)."""
     result = dict(obj)
     for key, value in patch.items():
         if value is None:
             result.pop(key, None)
         elif isinstance(value, Mapping) and isinstance(result.get(key), Mapping):
-            result[key] = apply(result[key], value)
+            result[key] = apply_merge_patch(result[key], value)
         elif isinstance(value, Mapping):
-            result[key] = apply({}, value)
+            result[key] = apply_merge_patch({}, value)
         else:
             result[key] = value
     return result

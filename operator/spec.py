@@ -1,4 +1,5 @@
-"""The ``MooncakeKVPool`` resource as pydantic models; the CRD schema is generated from them.
+"""The ``MooncakeKVPool`` resource as pydantic models (the CRD schema is generated from them),
+and the Kubernetes quantities (``"8Gi"``, ``"500M"``) its fields take.
 
 The operator's own fields are camelCase, as usual in Kubernetes. The two blocks that
 belong to the connector's contract keep the contract's own field names:
@@ -8,6 +9,8 @@ and ``consumers[].layout`` (``KVLayout`` itself, vLLM's names).
 
 from __future__ import annotations
 
+import re
+from decimal import Decimal, DecimalException
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -23,7 +26,56 @@ from pydantic.alias_generators import to_camel
 
 from kvpool.connector.contract.layout import KVLayout
 from kvpool.connector.contract.settings import ConnectorSettings, parse_size
-from kvpool.operator.quantity import parse_quantity
+
+# Kubernetes quantities: decimal and binary suffixes.
+_SUFFIXES: dict[str, Decimal] = {
+    "": Decimal(1),
+    "n": Decimal("1e-9"),
+    "u": Decimal("1e-6"),
+    "m": Decimal("1e-3"),
+    "k": Decimal(10) ** 3,
+    "M": Decimal(10) ** 6,
+    "G": Decimal(10) ** 9,
+    "T": Decimal(10) ** 12,
+    "P": Decimal(10) ** 15,
+    "E": Decimal(10) ** 18,
+    "Ki": Decimal(2) ** 10,
+    "Mi": Decimal(2) ** 20,
+    "Gi": Decimal(2) ** 30,
+    "Ti": Decimal(2) ** 40,
+    "Pi": Decimal(2) ** 50,
+    "Ei": Decimal(2) ** 60,
+}
+MAX_QUANTITY = Decimal(2**63)
+_QUANTITY_RE = re.compile(r"^([+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?)([a-zA-Z]*)$")
+
+
+def parse_quantity(value: int | float | str) -> Decimal:
+    """The numeric value of a Kubernetes quantity; ``ValueError`` if it is not one."""
+    if isinstance(value, bool):
+        raise ValueError(f"{value!r} is not a quantity")
+    if isinstance(value, int | float):
+        number = Decimal(str(value))
+    else:
+        match = _QUANTITY_RE.match(value.strip())
+        if not match or match.group(2) not in _SUFFIXES:
+            raise ValueError(f"{value!r} is not a Kubernetes quantity (e.g. '8Gi', '500M')")
+        try:
+            number = Decimal(match.group(1)) * _SUFFIXES[match.group(2)]
+        except DecimalException:
+            raise ValueError(f"{value!r} is not a Kubernetes quantity") from None
+    if not number.is_finite() or abs(number) >= MAX_QUANTITY:
+        raise ValueError(f"{value!r} is beyond any resource quantity (at most 2**63-1)")
+    return number
+
+
+def format_bytes(size: int) -> str:
+    """A byte count as the shortest exact binary quantity (``"4Gi"``, ``"1536Mi"``)."""
+    for suffix in ("Ei", "Pi", "Ti", "Gi", "Mi", "Ki"):
+        unit = int(_SUFFIXES[suffix])
+        if size and size % unit == 0:
+            return f"{size // unit}{suffix}"
+    return str(size)
 
 
 class _Model(BaseModel):
@@ -43,7 +95,7 @@ Endpoint = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9.\-\[\]:]+:[0-9
 ByteSize = Annotated[int, BeforeValidator(parse_size, json_schema_input_type=int | str)]
 
 
-class Resources(_Model):
+class ComputeResources(_Model):
     """Compute resources of a container, as in a Pod."""
 
     limits: dict[str, Quantity] = Field(default_factory=dict)
@@ -81,7 +133,7 @@ class MasterSpec(_Model):
     )
     eviction_ratio: float = Field(default=0.05, gt=0, le=1, description="Share evicted at once.")
     lease_ttl_ms: int = Field(default=5000, ge=1, description="Default KV lease TTL (ms).")
-    resources: Resources = Field(default_factory=Resources)
+    resources: ComputeResources = Field(default_factory=ComputeResources)
     node_selector: dict[str, str] = Field(default_factory=dict)
     tolerations: list[Toleration] = Field(default_factory=list)
     extra_args: list[str] = Field(default_factory=list, description="More mooncake_master flags.")
@@ -105,7 +157,7 @@ class StoreSpec(_Model):
     port: Port = Field(default=50052, description="Store client service port.")
     protocol: Literal["tcp", "rdma"] = "tcp"
     rdma_devices: list[str] = Field(default_factory=list, description="RDMA devices for rdma.")
-    resources: Resources = Field(default_factory=Resources)
+    resources: ComputeResources = Field(default_factory=ComputeResources)
     node_selector: dict[str, str] = Field(default_factory=dict)
     tolerations: list[Toleration] = Field(default_factory=list)
     extra_args: list[str] = Field(default_factory=list, description="More mooncake_client flags.")

@@ -1,0 +1,208 @@
+"""The kopf app: the operator's run options, its kopf settings, its handlers, and ``run``.
+
+Handlers are thin: each hands its event to ``reconcile.Reconciler`` (or, for the
+webhook, to ``validation``). They are built per run into their own registry, so
+intervals come from the options and several operators (tests) never share handlers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Mapping
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import kopf
+from kubernetes_asyncio.client import ApiClient, Configuration
+
+from kvpool.operator import names
+from kvpool.operator.kube import USER_AGENT, ApiError, KubeClient, connection_info, load_configuration
+from kvpool.operator.metrics import OperatorMetrics, serve_metrics
+from kvpool.operator.names import POOLS
+from kvpool.operator.reconcile import Notify, Reconciler
+from kvpool.operator.validation import admission_problems
+
+POOL = (POOLS.group, POOLS.version, POOLS.plural)
+VALIDATE_ID = "validate-pool"
+RETRYABLE = (ApiError, aiohttp.ClientError, asyncio.TimeoutError)
+
+
+@dataclass(frozen=True)
+class WebhookOptions:
+    """The validating admission webhook server (kopf's ``WebhookServer``)."""
+
+    port: int = 9443
+    addr: str | None = None
+    host: str | None = None
+    certfile: str | None = None
+    pkeyfile: str | None = None
+    insecure: bool = False
+    managed: str | None = None  # name of the ValidatingWebhookConfiguration kopf keeps
+
+
+@dataclass(frozen=True)
+class OperatorOptions:
+    """How the operator runs: everything ``kvpool-operator run`` can set."""
+
+    namespaces: tuple[str, ...] = ()  # empty: all namespaces
+    kubeconfig: str | None = None  # None: in-cluster, else $KUBECONFIG or ~/.kube/config
+    liveness_endpoint: str | None = "http://0.0.0.0:8080/healthz"
+    metrics_host: str = "0.0.0.0"
+    metrics_port: int | None = 9090
+    resync_interval: float = 30.0
+    retry_delay: float = 10.0
+    request_timeout: float = 30.0
+    exit_timeout: float | None = 600.0
+    webhook: WebhookOptions | None = None
+    log_level: int = logging.INFO
+
+
+def kopf_settings(options: OperatorOptions) -> kopf.OperatorSettings:
+    """kopf's settings: own annotations and finalizer, no cluster scanning, no peering."""
+    settings = kopf.OperatorSettings()
+    settings.persistence.finalizer = names.FINALIZER
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=names.PREFIX)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=names.PREFIX, key="last-handled-configuration"
+    )
+    settings.posting.level = logging.INFO
+    settings.posting.reporting_component = names.MANAGER
+    settings.scanning.disabled = True
+    settings.peering.standalone = True
+    settings.networking.request_timeout = options.request_timeout
+    settings.watching.server_timeout = 300
+    settings.watching.reconnect_backoff = min(1.0, options.retry_delay)
+    settings.process.ultimate_exiting_timeout = options.exit_timeout
+    # On exit, let a resync pass that is under way finish rather than orphan it.
+    settings.background.instant_exit_timeout = 5.0
+    settings.queueing.error_delays = (1, 2, 5, 10)
+    if options.webhook is not None:
+        hook = options.webhook
+        settings.admission.server = kopf.WebhookServer(
+            addr=hook.addr,
+            port=hook.port,
+            host=hook.host,
+            certfile=hook.certfile,
+            pkeyfile=hook.pkeyfile,
+            insecure=hook.insecure,
+        )
+        settings.admission.managed = hook.managed
+    return settings
+
+
+def notifier(body: Mapping[str, Any]) -> Notify:
+    """Post Kubernetes Events about the pool ``body``."""
+
+    def notify(type_: str, reason: str, message: str) -> None:
+        kopf.event(dict(body), type=type_, reason=reason, message=message)
+
+    return notify
+
+
+def spec_changed(old: Mapping[str, Any] | None, new: Mapping[str, Any]) -> bool:
+    """Whether an UPDATE changes the spec of a pool that is not being deleted."""
+    if (new.get("metadata") or {}).get("deletionTimestamp"):
+        return False
+    return old is None or old.get("spec") != new.get("spec")
+
+
+def make_registry(
+    options: OperatorOptions,
+    configuration: Configuration,
+    reconciler: Reconciler,
+    metrics: OperatorMetrics,
+) -> kopf.OperatorRegistry:
+    """All handlers of one operator run."""
+    registry = kopf.OperatorRegistry()
+    retry = {"errors": kopf.ErrorsMode.TEMPORARY, "backoff": options.retry_delay}
+
+    def temporary(trigger: str, exc: BaseException) -> kopf.TemporaryError:
+        return kopf.TemporaryError(f"{trigger}: {exc}", delay=options.retry_delay)
+
+    async def run(trigger: str, body: Mapping[str, Any]) -> None:
+        try:
+            await reconciler.reconcile(body, trigger, notifier(body))
+        except RETRYABLE as exc:
+            raise temporary(trigger, exc) from exc
+
+    @kopf.on.login(registry=registry)
+    async def login(**_: Any) -> kopf.ConnectionInfo:
+        return await connection_info(configuration)
+
+    @kopf.on.resume(*POOL, registry=registry, id="resume", **retry)
+    async def resume(body: kopf.Body, **_: Any) -> None:
+        await run("resume", body)
+
+    @kopf.on.create(*POOL, registry=registry, id="create", **retry)
+    async def create(body: kopf.Body, **_: Any) -> None:
+        await run("create", body)
+
+    @kopf.on.update(*POOL, registry=registry, id="update", field="spec", **retry)
+    async def update(body: kopf.Body, **_: Any) -> None:
+        await run("update", body)
+
+    @kopf.timer(
+        *POOL,
+        registry=registry,
+        id="resync",
+        interval=options.resync_interval,
+        initial_delay=options.resync_interval,
+        **retry,
+    )
+    async def resync(body: kopf.Body, **_: Any) -> None:
+        await run("resync", body)
+
+    @kopf.on.delete(*POOL, registry=registry, id="teardown", **retry)
+    async def delete(body: kopf.Body, **_: Any) -> None:
+        try:
+            await reconciler.teardown(body, notifier(body))
+        except RETRYABLE as exc:
+            raise temporary("delete", exc) from exc
+
+    if options.webhook is not None:  # kopf refuses admission handlers without a server
+
+        @kopf.on.validate(*POOL, registry=registry, id=VALIDATE_ID, operations=["CREATE", "UPDATE"])
+        def validate(body: kopf.Body, old: Any = None, operation: str | None = None, **_: Any) -> None:
+            if operation == "UPDATE" and not spec_changed(old, body):
+                return  # metadata/status updates (e.g. a finalizer's removal) never block
+            message = admission_problems(body)
+            if message:
+                raise kopf.AdmissionError(message, code=422)
+
+    @kopf.on.probe(registry=registry, id="pools")
+    def pools(**_: Any) -> int:
+        return len(metrics.conditions)
+
+    return registry
+
+
+async def run(
+    options: OperatorOptions,
+    *,
+    stop_flag: threading.Event | asyncio.Event | None = None,
+    ready_flag: threading.Event | asyncio.Event | None = None,
+) -> None:
+    """Run until kopf exits (a signal, or ``stop_flag`` set); see ``kopf.operator``."""
+    configuration = await load_configuration(options.kubeconfig)
+    metrics = OperatorMetrics()
+    async with ApiClient(configuration) as api, AsyncExitStack() as stack:
+        api.user_agent = USER_AGENT
+        kube = KubeClient(api, on_write=metrics.count_write, timeout=options.request_timeout)
+        if options.metrics_port is not None:
+            await stack.enter_async_context(
+                serve_metrics(metrics.registry, options.metrics_host, options.metrics_port)
+            )
+        await kopf.operator(
+            registry=make_registry(options, configuration, Reconciler(kube, metrics), metrics),
+            settings=kopf_settings(options),
+            clusterwide=not options.namespaces,
+            namespaces=list(options.namespaces),
+            standalone=True,
+            liveness_endpoint=options.liveness_endpoint,
+            stop_flag=stop_flag,
+            ready_flag=ready_flag,
+        )
