@@ -26,6 +26,7 @@ SPEC_FIELDS = {
     "device_name": "spec.store.rdmaDevices",
     "global_segment_size": "spec.store.segmentSize",
     "local_hostname": "spec.consumers",
+    "bind_address": "spec.consumers",
 }
 
 
@@ -46,8 +47,15 @@ def pool_connector_settings(pool: str, namespace: str, spec: PoolSpec) -> Connec
 
 
 def consumer_connector_settings(settings: ConnectorSettings) -> ConnectorSettings:
-    """Settings as a consumer pod uses them: it serves on its own pod IP."""
-    return ConnectorSettings.parse({**settings.extra_config(), "local_hostname": f"$({POD_IP_ENV})"})
+    """Settings as a consumer pod uses them: it serves and binds on its own pod IP.
+
+    ``$(POD_IP)`` is expanded by the kubelet in the container's args (``POD_IP`` comes
+    from the downward API; ``consumers`` injects it).
+    """
+    pod_ip = f"$({POD_IP_ENV})"
+    return ConnectorSettings.parse(
+        {**settings.extra_config(), "local_hostname": pod_ip, "bind_address": pod_ip}
+    )
 
 
 def spec_field_of(setting: str) -> str:

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvpool.connector.contract.settings import ConnectorSettings
 from kvpool.operator import names
 from kvpool.operator.consumers import (
     ConsumerError,
@@ -74,7 +75,8 @@ def test_the_rendered_transfer_config_is_the_contracts() -> None:
     extra = kv["kv_connector_extra_config"]
     assert extra["cache_prefix"] == "team-a"
     assert extra["master_server_address"] == "pool-master.team-a.svc:50051"
-    assert extra["local_hostname"] == "$(POD_IP)"
+    assert extra["local_hostname"] == extra["bind_address"] == "$(POD_IP)"  # serves and binds on its pod IP
+    assert ConnectorSettings.parse(extra).tcp_bind_address == "$(POD_IP)"
     assert extra["global_segment_size"] == 0
 
 
