@@ -179,6 +179,9 @@ async def connection_info(configuration: Configuration) -> kopf.ConnectionInfo:
     )
 
 
+# Apply: the last-applied annotation and the patches it leads to.
+
+
 def with_last_applied(obj: Mapping[str, Any]) -> tuple[dict[str, Any], str]:
     """``obj`` annotated with its own canonical JSON, and that JSON."""
     desired = copy.deepcopy(dict(obj))
