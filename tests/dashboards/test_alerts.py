@@ -12,13 +12,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dashboards import alerts, external
+from dashboards import alerts, external, generate
 from dashboards.conventions import MASTER_JOB, OPERATOR_JOB
 from kvpool.connector.contract import metric_names as cm
 from kvpool.operator import metric_names as om
 
-RULES = Path(__file__).resolve().parents[2] / "dashboards" / alerts.__name__.split(".")[-1]
-RULES_FILE = RULES.with_suffix(".yaml")
+RULES_FILE = generate.ROOT / generate.CHART_FILES / generate.ALERTS_FILE
 NS = "team-a"
 MODEL = {"namespace": NS, "pool": "pool-a", "engine": "0"}
 

@@ -99,7 +99,7 @@ def test_dashboards_are_well_formed(models) -> None:
         for var in model["templating"]["list"][1:]:
             assert var["includeAll"] and var["allValue"] == ".*" and var["multi"]
         # The SDK's own model reads the committed JSON back unchanged.
-        committed = json.loads((REPO / "dashboards" / f"{uid}.json").read_text())
+        committed = json.loads((REPO / generate.CHART_FILES / "dashboards" / f"{uid}.json").read_text())
         assert json.loads(JSONEncoder(sort_keys=True).encode(Dashboard.from_json(committed))) == committed
 
 
