@@ -109,7 +109,7 @@ class Table:
 
 @dataclass
 class Target:
-    """A goal from the issue and whether this run met it (None: not measurable here)."""
+    """A stated goal and whether this run met it (None: not measurable here)."""
 
     goal: str
     measured: str
@@ -170,7 +170,7 @@ class Report:
 def summary_markdown() -> str:
     """Every target of every written result, one table (from ``results/*.json``)."""
     table = Table(
-        "Targets (from the issue) and this machine's latest results",
+        "Targets and this machine's latest results",
         ["benchmark", "goal", "measured", "verdict", "run"],
     )
     results = [json.loads(p.read_text()) for p in sorted(RESULTS_DIR.glob("*.json"))]
