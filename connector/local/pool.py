@@ -43,16 +43,21 @@ def find_binary(name: str) -> str:
     return found
 
 
+def port_open(port: int) -> bool:
+    """Whether something accepts connections on loopback ``port``."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.settimeout(0.2)
+        return sock.connect_ex((LOOPBACK, port)) == 0
+
+
 def wait_for_port(port: int, timeout: float, process: subprocess.Popen[bytes] | None = None) -> None:
     """Until something accepts connections on loopback ``port``; fails early if ``process`` exits."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process is not None and process.poll() is not None:
             raise RuntimeError(f"process exited with {process.returncode} before listening on {port}")
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.settimeout(0.2)
-            if sock.connect_ex((LOOPBACK, port)) == 0:
-                return
+        if port_open(port):
+            return
         time.sleep(0.05)
     raise TimeoutError(f"nothing listening on {LOOPBACK}:{port} after {timeout}s")
 
@@ -67,6 +72,23 @@ def stop_process(process: subprocess.Popen[bytes] | None, timeout: float = 10.0)
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait(timeout)
+
+
+def kill_process(process: subprocess.Popen[bytes] | None) -> None:
+    """SIGKILL, without a word to anyone it serves; then reap it."""
+    if process is not None and process.poll() is None:
+        process.kill()
+        process.wait()
+
+
+def start_logged(
+    command: list[str], log_path: Path, env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
+    """``command`` in a session of its own, stdout and stderr appended to ``log_path``."""
+    with log_path.open("ab") as log:
+        return subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
 
 
 @dataclass
@@ -101,10 +123,7 @@ class MooncakeMaster:
 
     def start(self, timeout: float = 30.0, *, wait_rpc: bool = True) -> MooncakeMaster:
         """Start and wait until it serves; an HA standby serves RPC only once it leads."""
-        log = (self.log_dir / "master.log").open("ab")
-        self.process = subprocess.Popen(
-            self.command(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
+        self.process = start_logged(self.command(), self.log_dir / "master.log")
         wait_for_port(self.metrics_port, timeout, self.process)
         if wait_rpc:
             wait_for_port(self.rpc_port, timeout, self.process)
@@ -112,18 +131,14 @@ class MooncakeMaster:
 
     def serving_rpc(self) -> bool:
         """Whether this master accepts RPC (an HA leader, or a single master)."""
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.settimeout(0.2)
-            return sock.connect_ex((LOOPBACK, self.rpc_port)) == 0
+        return port_open(self.rpc_port)
 
     def stop(self) -> None:
         stop_process(self.process)
 
     def kill(self) -> None:
         """SIGKILL: the master goes without a word to its clients."""
-        if self.process is not None and self.process.poll() is None:
-            self.process.kill()
-            self.process.wait()
+        kill_process(self.process)
 
     def metrics(self) -> str:
         """The master's Prometheus exposition text."""
@@ -160,11 +175,8 @@ class MooncakeStore:
         ]
 
     def start(self, master: MooncakeMaster | None = None, timeout: float = 60.0) -> MooncakeStore:
-        log = (self.log_dir / "store.log").open("ab")
         env = {**os.environ, **client_env(LOOPBACK)}
-        self.process = subprocess.Popen(
-            self.command(), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
+        self.process = start_logged(self.command(), self.log_dir / "store.log", env)
         wait_for_port(self.port, timeout, self.process)
         if master is not None:
             wait_for_capacity(master, timeout)
@@ -175,9 +187,7 @@ class MooncakeStore:
 
     def kill(self) -> None:
         """SIGKILL: the store's memory leaves the pool at once."""
-        if self.process is not None and self.process.poll() is None:
-            self.process.kill()
-            self.process.wait()
+        kill_process(self.process)
 
 
 def wait_for_capacity(master: MooncakeMaster, timeout: float, minimum: float = 1.0) -> None:

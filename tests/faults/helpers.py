@@ -23,6 +23,7 @@ from kvpool.connector.local.pool import (
     MooncakeMaster,
     MooncakeStore,
     free_port,
+    start_logged,
     stop_process,
     wait_for_capacity,
     wait_for_port,
@@ -80,27 +81,22 @@ class Etcd:
             raise FileNotFoundError("etcd not installed: run scripts/setup.sh (etcd-server)")
         client = f"http://{LOOPBACK}:{self.client_port}"
         peer = f"http://{LOOPBACK}:{self.peer_port}"
-        log = (self.workdir / "etcd.log").open("ab")
-        self.process = subprocess.Popen(
-            [
-                binary,
-                "--data-dir",
-                str(self.workdir / "data"),
-                "--listen-client-urls",
-                client,
-                "--advertise-client-urls",
-                client,
-                "--listen-peer-urls",
-                peer,
-                "--initial-advertise-peer-urls",
-                peer,
-                "--initial-cluster",
-                f"default={peer}",
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        command = [
+            binary,
+            "--data-dir",
+            str(self.workdir / "data"),
+            "--listen-client-urls",
+            client,
+            "--advertise-client-urls",
+            client,
+            "--listen-peer-urls",
+            peer,
+            "--initial-advertise-peer-urls",
+            peer,
+            "--initial-cluster",
+            f"default={peer}",
+        ]
+        self.process = start_logged(command, self.workdir / "etcd.log")
         wait_for_port(self.client_port, timeout, self.process)
         return self
 

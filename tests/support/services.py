@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpool.connector.contract.metric_names import VLLM_NAME_RELABEL
-from kvpool.connector.local.pool import LOOPBACK, free_port, stop_process, wait_for_port
+from kvpool.connector.local.pool import LOOPBACK, free_port, start_logged, stop_process, wait_for_port
 
 
 @dataclass
@@ -49,19 +49,14 @@ class PrometheusServer:
         }
         config_path = self.workdir / "prometheus.yml"
         config_path.write_text(json.dumps(config))  # JSON is valid YAML
-        log = (self.workdir / "prometheus.log").open("ab")
-        self.process = subprocess.Popen(
-            [
-                binary,
-                f"--config.file={config_path}",
-                f"--storage.tsdb.path={self.workdir / 'data'}",
-                f"--web.listen-address={LOOPBACK}:{self.port}",
-                "--log.level=warn",
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        command = [
+            binary,
+            f"--config.file={config_path}",
+            f"--storage.tsdb.path={self.workdir / 'data'}",
+            f"--web.listen-address={LOOPBACK}:{self.port}",
+            "--log.level=warn",
+        ]
+        self.process = start_logged(command, self.workdir / "prometheus.log")
         wait_for_port(self.port, timeout, self.process)
         self._wait_ready(timeout)
         return self
