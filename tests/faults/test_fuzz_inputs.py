@@ -96,6 +96,7 @@ FIELD_VALUES: dict[str, st.SearchStrategy[Any]] = {
     "protocol": st.one_of(st.sampled_from(["tcp", "rdma", "TCP", ""]), json_values),
     "device_name": st.one_of(st.sampled_from(["", "mlx5_0"]), json_values),
     "local_hostname": st.one_of(st.just("127.0.0.1"), texts),
+    "bind_address": st.one_of(st.sampled_from(["", "127.0.0.1"]), texts),
     "global_segment_size": st.one_of(size_strings, numbers, json_values),
     "local_buffer_size": st.one_of(size_strings, numbers, json_values),
     "cache_prefix": st.one_of(st.from_regex(r"[A-Za-z0-9_.-]{1,70}", fullmatch=True), texts),
