@@ -26,7 +26,7 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from kvpool.connector.local.pool import LOOPBACK
 
@@ -111,7 +111,7 @@ class EngineRun:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> Any:
+    def from_json(cls, data: dict[str, Any]) -> Self:
         fields = dict(data)
         fields["batches"] = [[RequestResult(**r) for r in batch] for batch in data["batches"]]
         return cls(**fields)

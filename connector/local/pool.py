@@ -2,8 +2,10 @@
 
 Every process it starts, it stops. Binaries come from the
 ``mooncake-transfer-engine`` wheel (next to the interpreter in its virtualenv,
-else on PATH); the store process gets the Mooncake client environment of
-:mod:`kvpool.connector.contract.mooncake_env`, bound to loopback.
+else on PATH). The master listens on loopback only; the store is started with
+the Mooncake client environment of :mod:`kvpool.connector.contract.mooncake_env`
+for a loopback address and talks to its peers over loopback, though Mooncake's
+transfer engine keeps its own listeners open on every interface.
 """
 
 from __future__ import annotations
