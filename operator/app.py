@@ -12,7 +12,7 @@ import logging
 import threading
 from collections.abc import Mapping
 from contextlib import AsyncExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -21,8 +21,10 @@ from kubernetes_asyncio.client import ApiClient, Configuration
 
 from kvpool.operator import names
 from kvpool.operator.kube import USER_AGENT, ApiError, KubeClient, connection_info, load_configuration
+from kvpool.operator.leader import SERVICE_HEALTH_URL
 from kvpool.operator.metrics import OperatorMetrics, serve_metrics
 from kvpool.operator.names import POOLS
+from kvpool.operator.policy import OperatorPolicy
 from kvpool.operator.reconcile import Notify, Reconciler
 from kvpool.operator.validation import admission_problems
 
@@ -59,6 +61,10 @@ class OperatorOptions:
     exit_timeout: float | None = 600.0
     webhook: WebhookOptions | None = None
     log_level: int = logging.INFO
+    policy: OperatorPolicy = field(default_factory=OperatorPolicy)
+    # Where an HA pool's masters are first asked whether their leader serves ({service},
+    # {namespace}, {port}: the master Service and its metrics port).
+    master_health_url: str = SERVICE_HEALTH_URL
 
 
 def kopf_settings(options: OperatorOptions) -> kopf.OperatorSettings:
@@ -166,12 +172,19 @@ def make_registry(
     if options.webhook is not None:  # kopf refuses admission handlers without a server
 
         @kopf.on.validate(*POOL, registry=registry, id=VALIDATE_ID, operations=["CREATE", "UPDATE"])
-        def validate(body: kopf.Body, old: Any = None, operation: str | None = None, **_: Any) -> None:
+        def validate(
+            body: kopf.Body,
+            warnings: list[str],
+            old: Any = None,
+            operation: str | None = None,
+            **_: Any,
+        ) -> None:
             if operation == "UPDATE" and not spec_changed(old, body):
                 return  # metadata/status updates (e.g. a finalizer's removal) never block
-            message = admission_problems(body)
+            message, cautions = admission_problems(body, options.policy)
             if message:
                 raise kopf.AdmissionError(message, code=422)
+            warnings.extend(cautions)
 
     @kopf.on.probe(registry=registry, id="pools")
     def pools(**_: Any) -> int:
@@ -197,7 +210,12 @@ async def run(
                 serve_metrics(metrics.registry, options.metrics_host, options.metrics_port)
             )
         await kopf.operator(
-            registry=make_registry(options, configuration, Reconciler(kube, metrics), metrics),
+            registry=make_registry(
+                options,
+                configuration,
+                Reconciler(kube, metrics, options.policy, options.master_health_url),
+                metrics,
+            ),
             settings=kopf_settings(options),
             clusterwide=not options.namespaces,
             namespaces=list(options.namespaces),

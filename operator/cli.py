@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kvpool.operator.crd import render_crd
+from kvpool.operator.leader import SERVICE_HEALTH_URL
 from kvpool.operator.rbac import RULES, WEBHOOK_RULES, render_rules
 
 if TYPE_CHECKING:
@@ -64,13 +65,49 @@ def _parser() -> argparse.ArgumentParser:
         "--webhook-managed",
         help="name of a ValidatingWebhookConfiguration for the operator to keep up to date",
     )
+    run.add_argument(
+        "--allowed-image-prefix",
+        action="append",
+        default=[],
+        help="a pool's image must start with one of these (repeatable; default: any image)",
+    )
+    run.add_argument("--max-master-replicas", type=int, help="most masters a pool may ask for")
+    run.add_argument("--max-store-replicas", type=int, help="most store pods a pool may ask for")
+    run.add_argument(
+        "--operator-namespace",
+        help="the operator's namespace: with --operator-pod-label, let into HA masters' health port",
+    )
+    run.add_argument(
+        "--operator-pod-label",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a label of the operator's pods (repeatable)",
+    )
+    run.add_argument(
+        "--master-health-url",
+        default=SERVICE_HEALTH_URL,
+        help="where HA masters are asked whether their leader serves "
+        "({service}, {namespace}, {port} filled in)",
+    )
     run.add_argument("-v", "--verbose", action="store_true")
     return parser
+
+
+def _labels(pairs: list[str]) -> tuple[tuple[str, str], ...]:
+    out = []
+    for pair in pairs:
+        key, eq, value = pair.partition("=")
+        if not eq or not key:
+            raise SystemExit(f"--operator-pod-label {pair!r}: expected KEY=VALUE")
+        out.append((key, value))
+    return tuple(out)
 
 
 def options_from_args(args: argparse.Namespace) -> OperatorOptions:
     """The run options a parsed ``run`` command line sets."""
     from kvpool.operator.app import OperatorOptions, WebhookOptions
+    from kvpool.operator.policy import OperatorPolicy
 
     webhook = None
     if args.webhook_port is not None:
@@ -91,6 +128,14 @@ def options_from_args(args: argparse.Namespace) -> OperatorOptions:
         retry_delay=args.retry_delay,
         webhook=webhook,
         log_level=logging.DEBUG if args.verbose else logging.INFO,
+        policy=OperatorPolicy(
+            image_prefixes=tuple(args.allowed_image_prefix),
+            max_master_replicas=args.max_master_replicas,
+            max_store_replicas=args.max_store_replicas,
+            operator_namespace=args.operator_namespace,
+            operator_pod_labels=_labels(args.operator_pod_label),
+        ),
+        master_health_url=args.master_health_url,
     )
 
 

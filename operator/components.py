@@ -1,5 +1,10 @@
 """The pool's Mooncake components: master and store Deployments (one pod builder), the master
-Service, and the NetworkPolicy around them. Pure: a spec in, manifests out.
+Service and their PodDisruptionBudgets. Pure: a spec in, manifests out.
+
+HA masters elect a leader through etcd; a standby serves no RPC until it leads, but every
+master answers ``GET /health`` on its metrics port (``role``: leader or standby). So HA
+masters are ready when healthy, roll one at a time, and whether a leader serves is asked
+of ``/health`` (``leader``).
 """
 
 from __future__ import annotations
@@ -15,6 +20,12 @@ TMP_VOLUME = "tmp"
 MASTER_HEALTH_PATH = "/health"
 # Memory a store pod needs beyond its segment (process, transfer buffers).
 STORE_MEMORY_OVERHEAD = 512 << 20
+# A master's requests and limits where the spec gives a resource neither.
+MASTER_DEFAULT_RESOURCES: dict[str, dict[str, str]] = {
+    "requests": {"cpu": "250m", "memory": "512Mi"},
+    "limits": {"memory": "2Gi"},
+}
+NODE_TOPOLOGY_KEY = "kubernetes.io/hostname"
 
 POD_SECURITY_CONTEXT: dict[str, Any] = {
     "runAsNonRoot": True,
@@ -43,20 +54,51 @@ def pod_ip_env() -> dict[str, Any]:
     return {"name": POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
 
 
-def container_resources(spec: ComputeResources) -> dict[str, Any]:
-    """A container's ``resources`` (only the parts that are set)."""
+def container_resources(
+    spec: ComputeResources, defaults: dict[str, dict[str, str]] | None = None
+) -> dict[str, Any]:
+    """A container's ``resources`` (only the parts that are set).
+
+    A resource (``cpu``, ``memory``) the spec gives neither a request nor a limit takes
+    its request and limit from ``defaults``; one the spec gives either is left as given
+    (the API server then makes a missing request equal to the limit).
+    """
+    out = {key: dict(value) for key, value in (("limits", spec.limits), ("requests", spec.requests)) if value}
+    given = set(spec.limits) | set(spec.requests)
+    for key, values in (defaults or {}).items():
+        for resource, quantity in values.items():
+            if resource not in given:
+                out.setdefault(key, {})[resource] = quantity
+    return {key: out[key] for key in ("limits", "requests") if key in out}
+
+
+def topology_spread(pool: str, component: str, *, hard: bool) -> dict[str, Any]:
+    """Spread a component's pods across nodes (at most one more on any node than on another)."""
     return {
-        key: dict(value) for key, value in (("limits", spec.limits), ("requests", spec.requests)) if value
+        "maxSkew": 1,
+        "topologyKey": NODE_TOPOLOGY_KEY,
+        "whenUnsatisfiable": "DoNotSchedule" if hard else "ScheduleAnyway",
+        "labelSelector": {"matchLabels": names.selector(pool, component)},
+        "matchLabelKeys": ["pod-template-hash"],
     }
 
 
-def scheduling(node_selector: dict[str, str], tolerations: list[Toleration]) -> dict[str, Any]:
-    """``nodeSelector`` and ``tolerations`` of a pod spec, when set."""
+def scheduling(
+    node_selector: dict[str, str],
+    tolerations: list[Toleration],
+    priority_class_name: str | None = None,
+    spread: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """``nodeSelector``, ``tolerations``, ``priorityClassName`` and spreading of a pod spec, when set."""
     out: dict[str, Any] = {}
     if node_selector:
         out["nodeSelector"] = dict(node_selector)
     if tolerations:
         out["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in tolerations]
+    if priority_class_name:
+        out["priorityClassName"] = priority_class_name
+    if spread:
+        out["topologySpreadConstraints"] = [spread]
     return out
 
 
@@ -111,10 +153,16 @@ def component_deployment(
     }
 
 
+# Mooncake's etcd client takes several endpoints separated by "," or ";" (both tried with a
+# real three-member etcd cluster whose first member is down); "," is what the connector's
+# settings document.
+ETCD_ENDPOINT_SEPARATOR = ","
+
+
 def master_address(pool: str, namespace: str, spec: PoolSpec) -> str:
     """What clients put in ``master_server_address``: the Service, or etcd when HA."""
     if spec.master.ha.enabled:
-        return "etcd://" + ";".join(spec.master.ha.etcd_endpoints)
+        return "etcd://" + ETCD_ENDPOINT_SEPARATOR.join(spec.master.ha.etcd_endpoints)
     return f"{names.master_name(pool)}.{namespace}.svc:{spec.master.rpc_port}"
 
 
@@ -132,14 +180,25 @@ def master_args(spec: PoolSpec) -> list[str]:
         args += [
             "--enable_ha=true",
             "--ha_backend_type=etcd",
-            "--etcd_endpoints=" + ";".join(master.ha.etcd_endpoints),
+            "--etcd_endpoints=" + ETCD_ENDPOINT_SEPARATOR.join(master.ha.etcd_endpoints),
             f"--rpc_address=$({POD_IP_ENV})",
         ]
     return args + list(master.extra_args)
 
 
+def master_probes(spec: PoolSpec) -> dict[str, Any]:
+    """Liveness: ``/health`` answers. Readiness: a single master serves RPC; an HA master is
+    healthy (a standby serves no RPC until it leads, yet is ready to take over)."""
+    health = {"httpGet": {"path": MASTER_HEALTH_PATH, "port": "metrics"}}
+    readiness = health if spec.master.ha.enabled else {"tcpSocket": {"port": "rpc"}}
+    return {
+        "readinessProbe": {**readiness, "periodSeconds": 5},
+        "livenessProbe": {**health, "initialDelaySeconds": 10, "periodSeconds": 10, "failureThreshold": 3},
+    }
+
+
 def master_deployment(pool: str, namespace: str, spec: PoolSpec) -> dict[str, Any]:
-    """The master Deployment: Recreate when single, rolling when HA."""
+    """The master Deployment: Recreate when single; when HA, one master at a time, spread over nodes."""
     master = spec.master
     container: dict[str, Any] = {
         "command": ["mooncake_master"],
@@ -148,21 +207,15 @@ def master_deployment(pool: str, namespace: str, spec: PoolSpec) -> dict[str, An
             {"name": "rpc", "containerPort": master.rpc_port, "protocol": "TCP"},
             {"name": "metrics", "containerPort": master.metrics_port, "protocol": "TCP"},
         ],
-        "readinessProbe": {"tcpSocket": {"port": "rpc"}, "periodSeconds": 5},
-        "livenessProbe": {
-            "httpGet": {"path": MASTER_HEALTH_PATH, "port": "metrics"},
-            "initialDelaySeconds": 10,
-            "periodSeconds": 10,
-            "failureThreshold": 3,
-        },
+        **master_probes(spec),
+        "resources": container_resources(master.resources, MASTER_DEFAULT_RESOURCES),
     }
-    if resources := container_resources(master.resources):
-        container["resources"] = resources
     strategy: dict[str, Any] = (
-        {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}}
+        {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1, "maxSurge": 0}}
         if master.ha.enabled
         else {"type": "Recreate"}
     )
+    spread = topology_spread(pool, names.MASTER, hard=True) if master.ha.enabled else None
     return component_deployment(
         pool,
         namespace,
@@ -171,7 +224,9 @@ def master_deployment(pool: str, namespace: str, spec: PoolSpec) -> dict[str, An
         container,
         replicas=master.replicas,
         strategy=strategy,
-        pod_scheduling=scheduling(master.node_selector, master.tolerations),
+        pod_scheduling=scheduling(
+            master.node_selector, master.tolerations, master.priority_class_name, spread
+        ),
     )
 
 
@@ -195,6 +250,11 @@ def master_service(pool: str, namespace: str, spec: PoolSpec) -> dict[str, Any]:
             ],
         },
     }
+
+
+# RDMA stores lock their registered memory; the restricted Pod Security Standard allows no
+# added capability but NET_BIND_SERVICE.
+STORE_RDMA_CAPABILITIES = ["IPC_LOCK"]
 
 
 def store_memory_limit(spec: PoolSpec) -> int | None:
@@ -246,6 +306,7 @@ def store_deployment(
         },
         "resources": store_container_resources(spec),
     }
+    spread = topology_spread(pool, names.STORE, hard=False) if store.replicas > 1 else None
     return component_deployment(
         pool,
         namespace,
@@ -254,45 +315,16 @@ def store_deployment(
         container,
         replicas=store.replicas,
         strategy={"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}},
-        pod_scheduling=scheduling(store.node_selector, store.tolerations),
-        add_capabilities=["IPC_LOCK"] if store.protocol == "rdma" else None,
+        pod_scheduling=scheduling(store.node_selector, store.tolerations, store.priority_class_name, spread),
+        add_capabilities=STORE_RDMA_CAPABILITIES if store.protocol == "rdma" else None,
     )
 
 
-def network_policy(pool: str, namespace: str, spec: PoolSpec) -> dict[str, Any]:
-    """Ingress to master/store pods: from pods labelled with the pool (its own, consumers).
-
-    Consumers carry the pool label on their pod template (the operator puts it there).
-    Data transfers use dynamic ports, so pool pods may use any port; namespaces in
-    ``networkPolicy.metricsFrom`` may also reach the master's metrics port.
-    """
-    rules: list[dict[str, Any]] = [{"from": [{"podSelector": {"matchLabels": {names.LABEL_POOL: pool}}}]}]
-    if spec.network_policy.metrics_from:
-        rules.append(
-            {
-                "from": [
-                    {"namespaceSelector": {"matchLabels": dict(selector)}}
-                    for selector in spec.network_policy.metrics_from
-                ],
-                "ports": [{"protocol": "TCP", "port": spec.master.metrics_port}],
-            }
-        )
+def pod_disruption_budget(pool: str, namespace: str, component: str) -> dict[str, Any]:
+    """At most one of a component's pods evicted at a time (a drain waits for the rest)."""
     return {
-        "apiVersion": "networking.k8s.io/v1",
-        "kind": "NetworkPolicy",
-        "metadata": names.child_metadata(pool, namespace, names.network_policy_name(pool), "network-policy"),
-        "spec": {
-            "podSelector": {
-                "matchLabels": {names.LABEL_POOL: pool},
-                "matchExpressions": [
-                    {
-                        "key": names.LABEL_COMPONENT,
-                        "operator": "In",
-                        "values": [names.MASTER, names.STORE],
-                    }
-                ],
-            },
-            "policyTypes": ["Ingress"],
-            "ingress": rules,
-        },
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": names.child_metadata(pool, namespace, names.component_name(pool, component), component),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": names.selector(pool, component)}},
     }

@@ -1,7 +1,18 @@
-"""Consumer Deployments: inject the pool's connector settings, and take them back out.
+"""Consumer Deployments: consent, injecting the pool's connector settings, taking them back out.
 
-Both directions are pure: they take the live Deployment and return a JSON merge patch
-(empty when nothing has to change, so an unchanged config hash writes nothing).
+A Deployment is patched only with its owner's consent: the label
+``kvpool.mooncake.io/allow-pool: <pool>``; never when it is managed by the operator (a
+pool's child, the operator itself) or carries another pool's settings.
+
+Both directions are pure: they take the live Deployment and return a JSON merge patch,
+empty when nothing has to change. What the API server adds on write
+(``fieldRef.apiVersion``, ``configMap.defaultMode``) counts as unchanged, so a settled
+consumer is never written again.
+
+The restore record (an annotation) holds only what the operator touched: the container,
+the transfer-config flags it replaced (where they were), the entries of its own
+environment variables it replaced, and the lists it created. Never the rest of the
+consumer's args or env: of those, only a digest (to tell whether they moved).
 """
 
 from __future__ import annotations
@@ -18,15 +29,35 @@ from kvpool.operator import names
 from kvpool.operator.components import POD_IP_ENV, pod_ip_env
 from kvpool.operator.connector_settings import CONFIG_PATH, PYTHONHASHSEED, consumer_connector_settings
 from kvpool.operator.merge_patch import diff, digest
+from kvpool.operator.names import POOLS
+from kvpool.operator.network import TRANSFER_PORT_ENV
 from kvpool.operator.spec import ConsumerSpec
 
 FLAG = "--kv-transfer-config"
 FLAG_SPELLINGS = (FLAG, "--kv_transfer_config")
-INJECTED_ENV = (POD_IP_ENV, CONFIG_PATH_ENV, "PYTHONHASHSEED")
+VALUE_ENV = ((CONFIG_PATH_ENV, CONFIG_PATH), ("PYTHONHASHSEED", PYTHONHASHSEED), *TRANSFER_PORT_ENV)
+INJECTED_ENV = (POD_IP_ENV, *(name for name, _ in VALUE_ENV))
+TOKEN_LISTS = ("command", "args")
+# What the API server adds to the entries the operator writes.
+DEFAULT_MODE = 420
+RECORD_VERSION = 2
+# Without a record, an empty list the operator leaves behind is taken to be its own.
+CREATED_BY_DEFAULT = ("args", "env", "volumeMounts", "volumes")
 
 
 class ConsumerError(ValueError):
     """A consumer Deployment the operator cannot patch (e.g. no such container)."""
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why a consumer Deployment is left alone: the rule and a message naming the Deployment."""
+
+    rule: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.message} [{self.rule}]"
 
 
 @dataclass(frozen=True)
@@ -48,13 +79,12 @@ def plan_injection(
 ) -> Injection:
     """The injection for ``consumer``; its hash covers everything that reaches the pods."""
     kv_config = consumer_connector_settings(settings).kv_transfer_config_json(consumer.kv_role)
-    env = ((CONFIG_PATH_ENV, CONFIG_PATH), ("PYTHONHASHSEED", PYTHONHASHSEED))
     layout_fingerprint = fingerprint(consumer.layout)
     config_hash = digest(
         {
             "kvTransferConfig": kv_config,
             "configMap": dict(configmap["data"]),
-            "env": dict(env),
+            "env": dict(VALUE_ENV),
             "mountPath": names.CONNECTOR_MOUNT_PATH,
             "layout": layout_fingerprint,
         }
@@ -65,30 +95,86 @@ def plan_injection(
         container=consumer.container,
         kv_transfer_config=kv_config,
         config_map=configmap["metadata"]["name"],
-        env=env,
+        env=VALUE_ENV,
         layout_fingerprint=layout_fingerprint,
         config_hash=config_hash,
     )
 
 
+# --- consent --------------------------------------------------------------------------
+
+
+def managed_by_operator(deployment: Mapping[str, Any]) -> bool:
+    """A pool's child or the operator itself: labelled part of this project, or owned by a pool."""
+    meta = deployment.get("metadata") or {}
+    labels = meta.get("labels") or {}
+    owners = meta.get("ownerReferences") or []
+    return (
+        labels.get(names.LABEL_PART_OF) == names.PART_OF
+        or names.LABEL_COMPONENT in labels
+        or any(ref.get("kind") == POOLS.kind and ref.get("apiVersion") == POOLS.api_version for ref in owners)
+    )
+
+
+def refusal(deployment: Mapping[str, Any], pool: str) -> Refusal | None:
+    """Why ``pool`` may not patch ``deployment``; None when its owner let it."""
+    meta = deployment.get("metadata") or {}
+    where = f"Deployment {meta.get('namespace', '')}/{meta.get('name', '')}"
+    if managed_by_operator(deployment):
+        return Refusal("operator-managed", f"{where} is managed by the operator, never a consumer")
+    other = owner_pool(deployment)
+    if other is not None and other != pool:
+        return Refusal("other-pool", f"{where} carries pool {other!r}'s connector settings")
+    allowed = (meta.get("labels") or {}).get(names.LABEL_ALLOW_POOL)
+    if allowed != pool:
+        found = "has no such label" if allowed is None else f"allows pool {allowed!r}"
+        label = f"{names.LABEL_ALLOW_POOL}={pool}"
+        return Refusal("consent", f"{where} needs the label {label} to take its settings ({found})")
+    return None
+
+
+# --- the flag --------------------------------------------------------------------------
+
+
 def split_flag(tokens: list[str]) -> tuple[list[str], str | None]:
     """``tokens`` without any ``--kv-transfer-config`` (both forms), and its last value."""
-    out: list[str] = []
-    value: str | None = None
-    skip = False
-    for index, token in enumerate(tokens):
-        if skip:
-            skip = False
-            continue
-        name, eq, inline = token.partition("=")
+    kept, removed = _take_flags(tokens)
+    value = None
+    for _, flag in removed:
+        _, eq, inline = flag[0].partition("=")
+        value = inline if eq else (flag[1] if len(flag) > 1 else value)
+    return kept, value
+
+
+def _take_flags(tokens: list[str]) -> tuple[list[str], list[tuple[int, list[str]]]]:
+    """``tokens`` without the flags, and each flag removed: (its index, its tokens)."""
+    kept: list[str] = []
+    removed: list[tuple[int, list[str]]] = []
+    index = 0
+    while index < len(tokens):
+        token = tokens[index]
+        name, eq, _ = token.partition("=")
         if name in FLAG_SPELLINGS:
-            if eq:
-                value = inline
-            elif index + 1 < len(tokens):
-                value, skip = tokens[index + 1], True
+            width = 1 if eq or index + 1 >= len(tokens) else 2
+            removed.append((index, list(tokens[index : index + width])))
+            index += width
             continue
-        out.append(token)
-    return out, value
+        kept.append(token)
+        index += 1
+    return kept, removed
+
+
+def _put_back(tokens: list[str], removed: list[list[Any]], in_place: bool) -> list[str]:
+    """``tokens`` with removed flags put back: at their indices when ``in_place`` (the other
+    tokens are as they were), else at the end."""
+    out = list(tokens)
+    for index, flag in sorted(removed, key=lambda item: item[0]):
+        position = min(int(index), len(out)) if in_place else len(out)
+        out[position:position] = [str(t) for t in flag]
+    return out
+
+
+# --- injection --------------------------------------------------------------------------
 
 
 def _container(pod: dict[str, Any], name: str | None) -> dict[str, Any]:
@@ -103,8 +189,26 @@ def _container(pod: dict[str, Any], name: str | None) -> dict[str, Any]:
     raise ConsumerError(f"the Deployment has no container {name!r}")
 
 
+def as_served(entry: Mapping[str, Any]) -> dict[str, Any]:
+    """An entry the operator writes, as the API server stores it (with its defaults)."""
+    out = copy.deepcopy(dict(entry))
+    field_ref = (out.get("valueFrom") or {}).get("fieldRef")
+    if isinstance(field_ref, dict):
+        field_ref.setdefault("apiVersion", "v1")
+    if isinstance(out.get("configMap"), dict):
+        out["configMap"].setdefault("defaultMode", DEFAULT_MODE)
+    return out
+
+
 def _upsert(items: list[dict[str, Any]], entry: dict[str, Any]) -> list[dict[str, Any]]:
-    out = [item for item in items if item.get("name") != entry["name"]]
+    """``items`` with ``entry`` in place of the item of its name (appended if none);
+    an item equal to ``entry`` as the server stores it is kept as it is."""
+    out = list(items)
+    for index, item in enumerate(out):
+        if item.get("name") == entry["name"]:
+            if item not in (entry, as_served(entry)):
+                out[index] = entry
+            return out
     return [*out, entry]
 
 
@@ -119,11 +223,36 @@ def _set_or_drop(obj: dict[str, Any], key: str, value: Any) -> None:
         obj.pop(key, None)
 
 
-def _with_resource_version(patch: dict[str, Any], live: Mapping[str, Any]) -> dict[str, Any]:
-    version = live.get("metadata", {}).get("resourceVersion")
-    if patch and version:
-        patch.setdefault("metadata", {})["resourceVersion"] = version
+def _preconditions(patch: dict[str, Any], live: Mapping[str, Any]) -> dict[str, Any]:
+    """A non-empty patch applies only to the object it was computed from (409 otherwise)."""
+    meta = live.get("metadata", {})
+    if patch:
+        for key in ("uid", "resourceVersion"):
+            if meta.get(key):
+                patch.setdefault("metadata", {})[key] = meta[key]
     return patch
+
+
+def restore_record(container: Mapping[str, Any], pod: Mapping[str, Any]) -> dict[str, Any]:
+    """What injection is about to touch in ``container``: only what restore has to give back."""
+    flags = []
+    others = {}  # a digest of the tokens around the flags: were they left as they were?
+    for key in TOKEN_LISTS:
+        kept, removed = _take_flags(list(container.get(key) or []))
+        flags += [[key, index, tokens] for index, tokens in removed]
+        others[key] = digest(kept)
+    replaced = {e["name"]: e for e in container.get("env") or [] if e.get("name") in INJECTED_ENV}
+    created = [key for key in ("args", "env", "volumeMounts") if key not in container]
+    if "volumes" not in pod:
+        created.append("volumes")
+    return {
+        "version": RECORD_VERSION,
+        "container": container.get("name"),
+        "flags": flags,
+        "others": others,
+        "env": replaced,
+        "created": created,
+    }
 
 
 def injected(deployment: Mapping[str, Any], injection: Injection) -> dict[str, Any]:
@@ -137,14 +266,7 @@ def injected(deployment: Mapping[str, Any], injection: Injection) -> dict[str, A
     annotations = meta.setdefault("annotations", {})
     if names.ANNOTATION_RESTORE not in annotations:
         annotations[names.ANNOTATION_RESTORE] = json.dumps(
-            {
-                "container": container.get("name"),
-                "command": container.get("command"),
-                "args": container.get("args"),
-                "env": container.get("env"),
-            },
-            sort_keys=True,
-            separators=(",", ":"),
+            restore_record(container, pod), sort_keys=True, separators=(",", ":")
         )
     meta.setdefault("labels", {})[names.LABEL_CONSUMER_OF] = injection.pool
 
@@ -172,50 +294,35 @@ def injected(deployment: Mapping[str, Any], injection: Injection) -> dict[str, A
 
 def inject_patch(deployment: Mapping[str, Any], injection: Injection) -> dict[str, Any]:
     """The merge patch that injects the settings; empty when they are already in place."""
-    return _with_resource_version(diff(deployment, injected(deployment, injection)), deployment)
+    return _preconditions(diff(deployment, injected(deployment, injection)), deployment)
 
 
-def _restore_tokens(
-    container: dict[str, Any], key: str, original: list[str] | None, fallback_value: str | None
-) -> bool:
-    """Restore ``command`` or ``args``; whether the original came back exactly."""
-    if key not in container and original is None:
-        return True
-    current = list(container.get(key) or [])
-    if original is not None and split_flag(list(original))[0] == split_flag(current)[0]:
-        container[key] = list(original)
-        return True
-    tokens = split_flag(current)[0]
-    if fallback_value is not None:
-        tokens.append(f"{FLAG}={fallback_value}")
-    _set_or_drop(container, key, tokens)
-    return False
-
-
-def _restore_env(container: dict[str, Any], original: list[dict[str, Any]] | None) -> None:
-    def kept(env: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        return [e for e in env if e.get("name") not in INJECTED_ENV]
-
-    current = list(container.get("env") or [])
-    if original is not None and kept(list(original)) == kept(current):
-        container["env"] = list(original)
-        return
-    ours = [e for e in original or [] if e.get("name") in INJECTED_ENV]
-    _set_or_drop(container, "env", kept(current) + ours)
+# --- restoring --------------------------------------------------------------------------
 
 
 def _restore_container(container: dict[str, Any], record: Mapping[str, Any]) -> None:
-    """Take the flag, env and mount out; exactly the original lists where nothing else moved."""
-    original_args, original_command = record.get("args"), record.get("command")
-    command_exact = _restore_tokens(container, "command", original_command, None)
-    value = split_flag(list(original_args or []))[1]
-    if value is None and not command_exact:
-        value = split_flag(list(original_command or []))[1]
-    _restore_tokens(container, "args", original_args, value)
-    _restore_env(container, record.get("env"))
-    _set_or_drop(
-        container, "volumeMounts", _remove(list(container.get("volumeMounts") or []), names.CONNECTOR_VOLUME)
-    )
+    """Take the flag, env and mount out; put back what the flag and env replaced."""
+    flags = [f for f in record.get("flags") or [] if isinstance(f, list) and len(f) == 3]
+    for key in TOKEN_LISTS:
+        if key not in container and not any(f[0] == key for f in flags):
+            continue
+        tokens = split_flag(list(container.get(key) or []))[0]
+        in_place = (record.get("others") or {}).get(key) == digest(tokens)
+        container[key] = _put_back(tokens, [[f[1], f[2]] for f in flags if f[0] == key], in_place)
+    replaced = record.get("env") or {}
+    env = []
+    for entry in container.get("env") or []:
+        name = entry.get("name")
+        if name not in INJECTED_ENV:
+            env.append(entry)
+        elif name in replaced:
+            env.append(replaced[name])
+    container["env"] = env
+    container["volumeMounts"] = _remove(list(container.get("volumeMounts") or []), names.CONNECTOR_VOLUME)
+    created = set(record.get("created", CREATED_BY_DEFAULT))
+    for key in ("args", "env", "volumeMounts"):
+        if key in created and not container.get(key):
+            container.pop(key, None)
 
 
 def restored(deployment: Mapping[str, Any]) -> dict[str, Any]:
@@ -229,6 +336,8 @@ def restored(deployment: Mapping[str, Any]) -> dict[str, Any]:
         record = json.loads(raw_record or "{}")
     except json.JSONDecodeError:
         record = {}
+    if not isinstance(record, dict) or record.get("version") != RECORD_VERSION:
+        record = {}
     template = new.setdefault("spec", {}).setdefault("template", {})
     pod = template.setdefault("spec", {})
     try:
@@ -237,7 +346,11 @@ def restored(deployment: Mapping[str, Any]) -> dict[str, Any]:
         container = None
     if container is not None:
         _restore_container(container, record)
-    _set_or_drop(pod, "volumes", _remove(list(pod.get("volumes") or []), names.CONNECTOR_VOLUME))
+    volumes = _remove(list(pod.get("volumes") or []), names.CONNECTOR_VOLUME)
+    if volumes or "volumes" not in set(record.get("created", CREATED_BY_DEFAULT)):
+        pod["volumes"] = volumes
+    else:
+        pod.pop("volumes", None)
     template_meta = template.get("metadata") or {}
     for key, field in ((names.LABEL_POOL, "labels"), (names.ANNOTATION_CONFIG_HASH, "annotations")):
         values = dict(template_meta.get(field) or {})
@@ -252,7 +365,7 @@ def restored(deployment: Mapping[str, Any]) -> dict[str, Any]:
 
 def restore_patch(deployment: Mapping[str, Any]) -> dict[str, Any]:
     """The merge patch that takes the injected settings back out; empty when none are in."""
-    return _with_resource_version(diff(deployment, restored(deployment)), deployment)
+    return _preconditions(diff(deployment, restored(deployment)), deployment)
 
 
 def owner_pool(deployment: Mapping[str, Any]) -> str | None:

@@ -13,7 +13,7 @@ import yaml
 from pydantic import BaseModel
 
 from kvpool.operator.names import POOL_SHORT_NAMES, POOL_SINGULAR, POOLS
-from kvpool.operator.spec import PoolSpec, PoolStatus
+from kvpool.operator.spec import CONFLICT, PoolSpec, PoolStatus
 
 _DROPPED = {"title", "$defs", "uniqueItems", "examples"}
 _BOUNDS = {
@@ -117,6 +117,7 @@ def build_crd() -> dict[str, Any]:
         _condition_column("MasterReady"),
         _condition_column("StoreReady"),
         _condition_column("ConsumersRolledOut"),
+        _condition_column(CONFLICT),
         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     ]
     return {

@@ -7,6 +7,11 @@ Apply brings a child to its desired state, writing only when it differs: each ch
 carries the JSON it was last applied with (an annotation). Equal JSON means no write;
 otherwise a merge patch sets the desired state and removes the fields the operator
 stopped setting (the ``kubectl apply`` way), leaving others' fields alone.
+
+Apply touches only what the pool owns: an object that exists without the pool's
+ownerReference (its UID) is never patched or deleted; it is reported instead. Every
+patch and delete carries the live object's ``uid`` and ``resourceVersion``, so one that
+changed (or was replaced) since it was read is refused (409), never overwritten.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import inspect
 import json
 import os
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import kopf
@@ -130,11 +136,22 @@ class KubeClient:
             "PATCH", resource.path(namespace, name, subresource), body=dict(patch), content_type=MERGE_PATCH
         )
 
-    async def delete(self, resource: ApiResource, namespace: str, name: str) -> bool:
-        """Delete; ``False`` when it was already gone."""
+    async def delete(
+        self,
+        resource: ApiResource,
+        namespace: str,
+        name: str,
+        preconditions: Mapping[str, str] | None = None,
+    ) -> bool:
+        """Delete (only the object ``preconditions`` describe); ``False`` when it was already gone."""
         self._wrote("delete", resource)
+        body = None
+        if preconditions:
+            body = {"apiVersion": "v1", "kind": "DeleteOptions", "preconditions": dict(preconditions)}
         try:
-            await self._call("DELETE", resource.path(namespace, name), content_type="application/json")
+            await self._call(
+                "DELETE", resource.path(namespace, name), body=body, content_type="application/json"
+            )
         except ApiError as exc:
             if exc.status == 404:
                 return False
@@ -211,29 +228,72 @@ def desired_patch(live: Mapping[str, Any], desired: Mapping[str, Any]) -> dict[s
     return overlay(previous, desired)
 
 
-async def ensure(kube: KubeClient, obj: Mapping[str, Any]) -> dict[str, Any]:
-    """Create or patch ``obj``; the live object afterwards."""
+def describe(obj: Mapping[str, Any]) -> str:
+    """``Kind namespace/name``."""
+    meta = obj.get("metadata", {})
+    return f"{obj.get('kind', 'object')} {meta.get('namespace', '')}/{meta.get('name', '')}"
+
+
+def owned_by(live: Mapping[str, Any], owner_uid: str) -> bool:
+    """Whether ``live`` carries an ownerReference to the object with ``owner_uid``."""
+    references = live.get("metadata", {}).get("ownerReferences") or []
+    return any(ref.get("uid") == owner_uid for ref in references)
+
+
+def not_owned(live: Mapping[str, Any]) -> str:
+    """The refusal for an object the pool does not own."""
+    return f"{describe(live)} exists and is not this pool's (no ownerReference to it) [ownership]"
+
+
+def preconditions(live: Mapping[str, Any]) -> dict[str, str]:
+    """The live object's identity and version: a write applies to it, or fails with 409."""
+    meta = live.get("metadata", {})
+    return {key: meta[key] for key in ("uid", "resourceVersion") if meta.get(key)}
+
+
+@dataclass(frozen=True)
+class Applied:
+    """An apply's outcome: the live object, or why the pool left it alone."""
+
+    live: dict[str, Any] | None
+    conflict: str | None = None
+
+
+async def ensure(kube: KubeClient, obj: Mapping[str, Any], owner_uid: str) -> Applied:
+    """Create ``obj``, or patch it if the owner ``owner_uid`` owns it; never touch it otherwise."""
     resource = api_resource_of(dict(obj))
     namespace, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
     live = await kube.get(resource, namespace, name)
     if live is None:
         desired, _ = with_last_applied(obj)
         try:
-            return await kube.create(resource, namespace, desired)
+            return Applied(await kube.create(resource, namespace, desired))
         except ApiError as exc:
             if not exc.conflict:
                 raise
             live = await kube.get(resource, namespace, name)
             if live is None:
                 raise
+    if not owned_by(live, owner_uid):
+        return Applied(None, not_owned(live))
     patch = desired_patch(live, obj)
     if not patch:
-        return live
-    return await kube.patch(resource, namespace, name, patch)
+        return Applied(live)
+    patch.setdefault("metadata", {}).update(preconditions(live))
+    return Applied(await kube.patch(resource, namespace, name, patch))
 
 
-async def ensure_absent(kube: KubeClient, resource: ApiResource, namespace: str, name: str) -> bool:
-    """Delete the object if it exists; whether a delete was sent and succeeded."""
-    if await kube.get(resource, namespace, name) is None:
-        return False
-    return await kube.delete(resource, namespace, name)
+async def ensure_absent(
+    kube: KubeClient, resource: ApiResource, namespace: str, name: str, owner_uid: str
+) -> Applied:
+    """Delete the object if the owner ``owner_uid`` owns it (``live``: what was deleted).
+
+    An object of that name the owner does not own is left alone (``conflict`` says so).
+    """
+    live = await kube.get(resource, namespace, name)
+    if live is None:
+        return Applied(None)
+    if not owned_by(live, owner_uid):
+        return Applied(None, not_owned(live))
+    deleted = await kube.delete(resource, namespace, name, preconditions(live))
+    return Applied(live if deleted else None)

@@ -51,10 +51,12 @@ DEPLOYMENTS = ApiResource("apps", "v1", "deployments", "Deployment")
 SERVICES = ApiResource("", "v1", "services", "Service")
 CONFIGMAPS = ApiResource("", "v1", "configmaps", "ConfigMap")
 NETWORK_POLICIES = ApiResource("networking.k8s.io", "v1", "networkpolicies", "NetworkPolicy")
+POD_DISRUPTION_BUDGETS = ApiResource("policy", "v1", "poddisruptionbudgets", "PodDisruptionBudget")
 EVENTS = ApiResource("", "v1", "events", "Event")
 
 _BY_KIND: dict[tuple[str, str], ApiResource] = {
-    (r.api_version, r.kind): r for r in (POOLS, DEPLOYMENTS, SERVICES, CONFIGMAPS, NETWORK_POLICIES, EVENTS)
+    (r.api_version, r.kind): r
+    for r in (POOLS, DEPLOYMENTS, SERVICES, CONFIGMAPS, NETWORK_POLICIES, POD_DISRUPTION_BUDGETS, EVENTS)
 }
 
 
@@ -67,6 +69,10 @@ PREFIX = GROUP
 LABEL_POOL = f"{PREFIX}/pool"
 LABEL_COMPONENT = f"{PREFIX}/component"
 LABEL_CONSUMER_OF = f"{PREFIX}/consumer-of"  # on consumer Deployments the pool patched
+# A consumer Deployment's consent: the pool it lets patch it (set by the Deployment's owner).
+LABEL_ALLOW_POOL = f"{PREFIX}/allow-pool"
+LABEL_PART_OF = "app.kubernetes.io/part-of"
+PART_OF = "mooncake-kvpool"  # on every object of this project: pool children and the operator
 ANNOTATION_CONFIG_HASH = f"{PREFIX}/config-hash"
 ANNOTATION_LAST_APPLIED = f"{PREFIX}/last-applied"
 ANNOTATION_RESTORE = f"{PREFIX}/restore"
@@ -106,6 +112,14 @@ def network_policy_name(pool: str) -> str:
     return f"{pool}-kvpool"
 
 
+def consumers_network_policy_name(pool: str) -> str:
+    return f"{pool}-consumers"
+
+
+def etcd_network_policy_name(pool: str) -> str:
+    return f"{pool}-etcd"
+
+
 def selector(pool: str, component: str) -> dict[str, str]:
     """The labels that select a pool component's pods (stable: never change them)."""
     return {LABEL_POOL: pool, LABEL_COMPONENT: component}
@@ -117,7 +131,7 @@ def labels(pool: str, component: str) -> dict[str, str]:
         "app.kubernetes.io/name": "mooncake",
         "app.kubernetes.io/instance": pool,
         "app.kubernetes.io/component": component,
-        "app.kubernetes.io/part-of": "mooncake-kvpool",
+        LABEL_PART_OF: PART_OF,
         "app.kubernetes.io/managed-by": MANAGER,
         **selector(pool, component),
     }

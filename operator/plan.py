@@ -1,4 +1,4 @@
-"""The desired state of one pool, computed from its spec alone (no API calls)."""
+"""The desired state of one pool, computed from its spec and the operator's policy (no API calls)."""
 
 from __future__ import annotations
 
@@ -12,13 +12,22 @@ from kvpool.operator.components import (
     master_address,
     master_deployment,
     master_service,
-    network_policy,
+    pod_disruption_budget,
     store_deployment,
 )
 from kvpool.operator.connector_settings import connector_configmap
 from kvpool.operator.consumers import Injection, plan_injection
-from kvpool.operator.names import CONFIGMAPS, DEPLOYMENTS, NETWORK_POLICIES, SERVICES, ApiResource
-from kvpool.operator.validation import validate
+from kvpool.operator.names import (
+    CONFIGMAPS,
+    DEPLOYMENTS,
+    NETWORK_POLICIES,
+    POD_DISRUPTION_BUDGETS,
+    SERVICES,
+    ApiResource,
+)
+from kvpool.operator.network import consumers_network_policy, etcd_network_policy, network_policy
+from kvpool.operator.policy import OperatorPolicy
+from kvpool.operator.validation import validate, warnings
 
 
 @dataclass(frozen=True)
@@ -28,8 +37,11 @@ class Plan:
     pool: str
     namespace: str
     problems: list[Problem] = field(default_factory=list)
+    warnings: list[Problem] = field(default_factory=list)
     master_address: str = ""
     embedded: bool = False
+    ha: bool = False
+    metrics_port: int = 0
     children: list[dict[str, Any]] = field(default_factory=list)
     absent: list[tuple[ApiResource, str]] = field(default_factory=list)
     consumers: list[Injection] = field(default_factory=list)
@@ -44,15 +56,21 @@ def children_names(pool: str) -> list[tuple[ApiResource, str]]:
     return [
         (DEPLOYMENTS, names.store_name(pool)),
         (DEPLOYMENTS, names.master_name(pool)),
+        (POD_DISRUPTION_BUDGETS, names.store_name(pool)),
+        (POD_DISRUPTION_BUDGETS, names.master_name(pool)),
         (SERVICES, names.master_name(pool)),
         (NETWORK_POLICIES, names.network_policy_name(pool)),
+        (NETWORK_POLICIES, names.consumers_network_policy_name(pool)),
+        (NETWORK_POLICIES, names.etcd_network_policy_name(pool)),
         (CONFIGMAPS, names.connector_configmap_name(pool)),
     ]
 
 
-def build_plan(pool: str, namespace: str, raw_spec: Mapping[str, Any] | None) -> Plan:
+def build_plan(
+    pool: str, namespace: str, raw_spec: Mapping[str, Any] | None, policy: OperatorPolicy | None = None
+) -> Plan:
     """Validate the spec and build every desired object from it."""
-    spec, settings, problems = validate(pool, namespace, raw_spec)
+    spec, settings, problems = validate(pool, namespace, raw_spec, policy)
     if problems or spec is None or settings is None:
         return Plan(pool=pool, namespace=namespace, problems=problems)
     address = master_address(pool, namespace, spec)
@@ -61,22 +79,35 @@ def build_plan(pool: str, namespace: str, raw_spec: Mapping[str, Any] | None) ->
         configmap,
         master_deployment(pool, namespace, spec),
         master_service(pool, namespace, spec),
+        pod_disruption_budget(pool, namespace, names.MASTER),
     ]
     absent: list[tuple[ApiResource, str]] = []
     embedded = spec.store.mode == "embedded"
     if embedded:
-        absent.append((DEPLOYMENTS, names.store_name(pool)))
+        absent += [(DEPLOYMENTS, names.store_name(pool)), (POD_DISRUPTION_BUDGETS, names.store_name(pool))]
     else:
         children.append(store_deployment(pool, namespace, spec, address, settings.metadata_server))
-    if spec.network_policy.enabled:
-        children.append(network_policy(pool, namespace, spec))
-    else:
-        absent.append((NETWORK_POLICIES, names.network_policy_name(pool)))
+        children.append(pod_disruption_budget(pool, namespace, names.STORE))
+    enabled = spec.network_policy.enabled
+    guard_etcd = enabled and spec.master.ha.enabled and bool(spec.master.ha.etcd_pod_selector)
+    policies = [
+        (names.network_policy_name(pool), enabled and network_policy(pool, namespace, spec, policy)),
+        (names.consumers_network_policy_name(pool), enabled and consumers_network_policy(pool, namespace)),
+        (names.etcd_network_policy_name(pool), guard_etcd and etcd_network_policy(pool, namespace, spec)),
+    ]
+    for name, obj in policies:
+        if obj:
+            children.append(obj)
+        else:
+            absent.append((NETWORK_POLICIES, name))
     return Plan(
         pool=pool,
         namespace=namespace,
+        warnings=warnings(spec),
         master_address=address,
         embedded=embedded,
+        ha=spec.master.ha.enabled,
+        metrics_port=spec.master.metrics_port,
         children=children,
         absent=absent,
         consumers=[plan_injection(pool, c, settings, configmap) for c in spec.consumers],

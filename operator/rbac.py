@@ -1,20 +1,32 @@
 """The API verbs and resources the operator uses: the one source of the chart's RBAC rules.
 
-``RULES`` lists exactly what the operator calls (its own requests and kopf's);
-``render_rules`` writes them as the chart ships them. ``WEBHOOK_RULES`` are needed
-only when kopf manages the webhook configuration. ``request_permission`` maps a
-recorded HTTP request to the permission it needs, so tests can prove every recorded
-request is covered and no rule goes unused.
+``RULES`` lists exactly what the operator calls (its own requests and kopf's), and what
+the API server's admission checks for them; ``render_rules`` writes them as the chart
+ships them. ``WEBHOOK_RULES`` are needed only when kopf manages the webhook
+configuration. ``request_permission`` maps a recorded HTTP request to the permission it
+needs and ``implied_permissions`` what its body needs besides, so tests can prove every
+recorded request is covered and no rule goes unused.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 import yaml
 
-from kvpool.operator.names import CONFIGMAPS, DEPLOYMENTS, EVENTS, NETWORK_POLICIES, POOLS, SERVICES
+from kvpool.operator.names import (
+    CONFIGMAPS,
+    DEPLOYMENTS,
+    EVENTS,
+    NETWORK_POLICIES,
+    POD_DISRUPTION_BUDGETS,
+    POOLS,
+    SERVICES,
+    api_resource_of,
+)
 
 
 @dataclass(frozen=True)
@@ -43,10 +55,16 @@ RULES: tuple[Rule, ...] = (
     # reads each pool fresh and writes its status.
     Rule(POOLS.group, (POOLS.plural,), ("get", "list", "watch", "patch")),
     Rule(POOLS.group, (f"{POOLS.plural}/status",), ("patch",)),
+    # Children carry an ownerReference with blockOwnerDeletion: the API server's
+    # OwnerReferencesPermissionEnforcement admission wants update on the pool's finalizers.
+    Rule(POOLS.group, (f"{POOLS.plural}/finalizers",), ("update",)),
     # Children (master, store) and consumers (list: release the ones no longer declared).
     Rule(DEPLOYMENTS.group, (DEPLOYMENTS.plural,), ("get", "list", "create", "patch", "delete")),
     Rule(SERVICES.group, (SERVICES.plural, CONFIGMAPS.plural), ("get", "create", "patch", "delete")),
     Rule(NETWORK_POLICIES.group, (NETWORK_POLICIES.plural,), ("get", "create", "patch", "delete")),
+    Rule(
+        POD_DISRUPTION_BUDGETS.group, (POD_DISRUPTION_BUDGETS.plural,), ("get", "create", "patch", "delete")
+    ),
     # Events posted by kopf about pools.
     Rule(EVENTS.group, (EVENTS.plural,), ("create",)),
 )
@@ -89,6 +107,23 @@ def request_permission(method: str, url: str) -> Permission | None:
         "DELETE": "delete" if name else "deletecollection",
     }.get(method.upper(), method.lower())
     return Permission(group, resource, verb)
+
+
+def implied_permissions(method: str, body: Any) -> list[Permission]:
+    """What a write's body needs beyond its verb: setting ``blockOwnerDeletion`` on an owner
+    reference needs ``update`` on the owner's ``finalizers`` (OwnerReferencesPermissionEnforcement)."""
+    if method.upper() not in ("POST", "PUT", "PATCH") or not isinstance(body, Mapping):
+        return []
+    out = []
+    for ref in (body.get("metadata") or {}).get("ownerReferences") or []:
+        if not ref.get("blockOwnerDeletion"):
+            continue
+        try:
+            owner = api_resource_of({"apiVersion": ref.get("apiVersion"), "kind": ref.get("kind")})
+        except KeyError:
+            continue
+        out.append(Permission(owner.group, f"{owner.plural}/finalizers", "update"))
+    return out
 
 
 def allowed(permission: Permission, rules: tuple[Rule, ...] = RULES) -> Rule | None:

@@ -5,6 +5,10 @@ writes the status only when it changed. Everything is idempotent: a pass over an
 unchanged, converged pool reads but never writes; an invalid spec changes nothing but
 the status. Passes over one pool are serialised (change handlers and the resync timer
 may overlap).
+
+The pool writes only what is its own: a child that exists without its ownerReference,
+or a consumer that did not opt in, is left alone and named in the ``Conflict``
+condition (and an Event when the refusal is new). Teardown deletes only owned children.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import datetime
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import kopf
@@ -23,17 +27,23 @@ from kvpool.operator.consumers import (
     Injection,
     config_hash_of,
     inject_patch,
+    managed_by_operator,
     owner_pool,
+    refusal,
     restore_patch,
 )
 from kvpool.operator.kube import ApiError, KubeClient, ensure, ensure_absent
+from kvpool.operator.leader import SERVICE_HEALTH_URL, LeaderView, check_leader, health_url
 from kvpool.operator.merge_patch import diff
 from kvpool.operator.metrics import OperatorMetrics
 from kvpool.operator.names import DEPLOYMENTS, POOLS
 from kvpool.operator.plan import Plan, build_plan, children_names
+from kvpool.operator.policy import OperatorPolicy
 from kvpool.operator.status import (
     ConsumerState,
     condition_of,
+    conflict_reason,
+    conflicts_of,
     deployment_progress,
     invalid_status,
     valid_status,
@@ -41,6 +51,8 @@ from kvpool.operator.status import (
 
 # notify(type, reason, message): post a Kubernetes Event about the pool.
 Notify = Callable[[str, str, str], None]
+# Whether an HA pool's leader serves (``leader.check_leader`` against the pool's masters).
+LeaderCheck = Callable[[Plan], Awaitable[LeaderView]]
 
 
 def utcnow() -> str:
@@ -55,7 +67,8 @@ def error_reason(exc: BaseException) -> str:
 
 
 def announce(old: Mapping[str, Any], new: Mapping[str, Any], notify: Notify) -> None:
-    """Post an Event when the spec turns invalid (or its problems change), or valid again."""
+    """Post an Event when the spec turns invalid (or its problems change), or valid again;
+    for each refusal and each warning the status did not name before."""
     before = condition_of(old, "ConfigValid") or {}
     after = condition_of(new, "ConfigValid") or {}
     if after.get("status") == "False":
@@ -63,21 +76,37 @@ def announce(old: Mapping[str, Any], new: Mapping[str, Any], notify: Notify) -> 
             notify("Warning", after.get("reason", "InvalidSpec"), after.get("message", ""))
     elif after.get("status") == "True" and before.get("status") == "False":
         notify("Normal", "ConfigValid", after.get("message", ""))
+    known = set(conflicts_of(old))
+    for conflict in conflicts_of(new):
+        if conflict not in known:
+            notify("Warning", conflict_reason(conflict), conflict)
+    for warning in new.get("warnings") or []:
+        if warning not in (old.get("warnings") or []):
+            notify("Warning", "PoolWarning", warning)
 
 
 async def roll_consumer(
     kube: KubeClient, namespace: str, injection: Injection, notify: Notify
 ) -> ConsumerState:
-    """Patch one consumer when its settings differ; report whether it is rolled out."""
+    """Patch one consumer (with its consent) when its settings differ; report whether it is
+    rolled out, or why it was refused."""
 
-    def state(rolled_out: bool, message: str) -> ConsumerState:
+    def state(rolled_out: bool, message: str, refused: str | None = None) -> ConsumerState:
         return ConsumerState(
-            injection.deployment, injection.config_hash, injection.layout_fingerprint, rolled_out, message
+            injection.deployment,
+            injection.config_hash,
+            injection.layout_fingerprint,
+            rolled_out,
+            message,
+            refused,
         )
 
     deployment = await kube.get(DEPLOYMENTS, namespace, injection.deployment)
     if deployment is None:
         return state(False, "the Deployment does not exist")
+    refused = refusal(deployment, injection.pool)
+    if refused is not None:
+        return state(False, str(refused), str(refused))
     try:
         patch = inject_patch(deployment, injection)
     except ConsumerError as exc:
@@ -103,7 +132,7 @@ async def release_consumers(
     selector = f"{names.LABEL_CONSUMER_OF}={pool}"
     for deployment in await kube.list(DEPLOYMENTS, namespace, label_selector=selector):
         name = deployment.get("metadata", {}).get("name", "")
-        if owner_pool(deployment) != pool or name in keep:
+        if owner_pool(deployment) != pool or name in keep or managed_by_operator(deployment):
             continue
         patch = restore_patch(deployment)
         if patch:
@@ -114,20 +143,40 @@ async def release_consumers(
 
 
 async def converge(
-    kube: KubeClient, pool: Mapping[str, Any], plan: Plan, notify: Notify, now: str
+    kube: KubeClient,
+    pool: Mapping[str, Any],
+    plan: Plan,
+    notify: Notify,
+    now: str,
+    leader_check: LeaderCheck | None = None,
 ) -> dict[str, Any]:
-    """Apply a valid plan to the cluster; the status it leads to."""
+    """Apply a valid plan to what the pool owns; the status it leads to."""
     meta = pool.get("metadata", {})
-    name, namespace = meta["name"], meta["namespace"]
+    name, namespace, uid = meta["name"], meta["namespace"], meta["uid"]
     live: dict[str, dict[str, Any]] = {}
+    refused: set[str] = set()
+    conflicts: list[str] = []
     for child in plan.children:
         obj = copy.deepcopy(child)
         kopf.adopt(obj, owner=dict(pool))
-        live[f"{obj['kind']}/{obj['metadata']['name']}"] = await ensure(kube, obj)
+        applied = await ensure(kube, obj, uid)
+        key = f"{obj['kind']}/{obj['metadata']['name']}"
+        if applied.conflict is not None:
+            conflicts.append(applied.conflict)
+            refused.add(key)
+        elif applied.live is not None:
+            live[key] = applied.live
     for resource, child_name in plan.absent:
-        await ensure_absent(kube, resource, namespace, child_name)
+        await ensure_absent(kube, resource, namespace, child_name, uid)
     consumers = [await roll_consumer(kube, namespace, c, notify) for c in plan.consumers]
+    conflicts += [c.refused for c in consumers if c.refused]
     await release_consumers(kube, namespace, name, {c.deployment for c in plan.consumers}, notify)
+    blocked = frozenset(
+        component
+        for component in (names.MASTER, names.STORE)
+        if f"Deployment/{names.component_name(name, component)}" in refused
+    )
+    leader = await leader_check(plan) if plan.ha and leader_check is not None else None
     return valid_status(
         master_address=plan.master_address,
         master=live.get(f"Deployment/{names.master_name(name)}"),
@@ -137,16 +186,37 @@ async def converge(
         old=pool.get("status") or {},
         generation=meta.get("generation"),
         now=now,
+        ha=plan.ha,
+        leader=leader,
+        conflicts=conflicts,
+        blocked=blocked,
+        warnings=[str(w) for w in plan.warnings],
     )
 
 
 class Reconciler:
-    """Reconciles and tears down pools for one running operator: its client, metrics, per-pool locks."""
+    """Reconciles and tears down pools for one running operator: its client, metrics, policy,
+    how it asks HA masters for their leader, per-pool locks."""
 
-    def __init__(self, kube: KubeClient, metrics: OperatorMetrics):
+    def __init__(
+        self,
+        kube: KubeClient,
+        metrics: OperatorMetrics,
+        policy: OperatorPolicy | None = None,
+        master_health_url: str = SERVICE_HEALTH_URL,
+        leader_timeout: float = 3.0,
+    ):
         self.kube = kube
         self.metrics = metrics
+        self.policy = policy or OperatorPolicy()
+        self.master_health_url = master_health_url
+        self.leader_timeout = leader_timeout
         self._locks: dict[tuple[str, str], asyncio.Lock] = {}
+
+    async def check_leader(self, plan: Plan) -> LeaderView:
+        """Ask the pool's masters whether their leader serves."""
+        url = health_url(self.master_health_url, plan.pool, plan.namespace, plan.metrics_port)
+        return await check_leader(url, plan.metrics_port, self.leader_timeout)
 
     def _lock(self, namespace: str, name: str) -> asyncio.Lock:
         return self._locks.setdefault((namespace, name), asyncio.Lock())
@@ -178,10 +248,10 @@ class Reconciler:
         pool = await self.kube.get(POOLS, namespace, name)
         if pool is None or pool.get("metadata", {}).get("deletionTimestamp"):
             return None
-        plan = build_plan(name, namespace, pool.get("spec"))
+        plan = build_plan(name, namespace, pool.get("spec"), self.policy)
         old = dict(pool.get("status") or {})
         if plan.valid:
-            status = await converge(self.kube, pool, plan, notify, utcnow())
+            status = await converge(self.kube, pool, plan, notify, utcnow(), self.check_leader)
         else:
             status = invalid_status(plan.problems, old, pool["metadata"].get("generation"), utcnow())
         if status != old:
@@ -192,12 +262,14 @@ class Reconciler:
     async def teardown(self, body: Mapping[str, Any], notify: Notify) -> None:
         """A pool is being deleted: take its settings out of every consumer, delete its children."""
         meta = body.get("metadata", {})
-        namespace, name = meta["namespace"], meta["name"]
+        namespace, name, uid = meta["namespace"], meta["name"], meta["uid"]
         async with self._lock(namespace, name):
             try:
                 await release_consumers(self.kube, namespace, name, set(), notify)
                 for resource, child_name in children_names(name):
-                    await ensure_absent(self.kube, resource, namespace, child_name)
+                    removal = await ensure_absent(self.kube, resource, namespace, child_name, uid)
+                    if removal.conflict is not None:
+                        notify("Normal", "NotOwned", f"left alone: {removal.conflict}")
             except Exception as exc:
                 self._failed("delete", exc)
                 raise

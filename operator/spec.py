@@ -112,12 +112,23 @@ class Toleration(_Model):
     toleration_seconds: int | None = None
 
 
+Labels = Annotated[dict[str, str], Field(min_length=1)]
+PriorityClassName = Annotated[
+    str, StringConstraints(pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$", max_length=253)
+]
+
+
 class HASpec(_Model):
     """Master high availability: several masters elect a leader through etcd."""
 
     enabled: bool = False
     etcd_endpoints: list[Endpoint] = Field(
         default_factory=list, description="etcd endpoints (host:port); required when enabled."
+    )
+    etcd_pod_selector: dict[str, str] = Field(
+        default_factory=dict,
+        description="Labels of the etcd pods, when they run in the pool's namespace: a NetworkPolicy "
+        "then lets only this pool's pods (and the etcd members) reach them.",
     )
 
 
@@ -133,9 +144,14 @@ class MasterSpec(_Model):
     )
     eviction_ratio: float = Field(default=0.05, gt=0, le=1, description="Share evicted at once.")
     lease_ttl_ms: int = Field(default=5000, ge=1, description="Default KV lease TTL (ms).")
-    resources: ComputeResources = Field(default_factory=ComputeResources)
+    resources: ComputeResources = Field(
+        default_factory=ComputeResources,
+        description="Requests and limits; each one not given takes the operator's default "
+        "(requests cpu 250m, memory 512Mi; limit memory 2Gi).",
+    )
     node_selector: dict[str, str] = Field(default_factory=dict)
     tolerations: list[Toleration] = Field(default_factory=list)
+    priority_class_name: PriorityClassName | None = Field(default=None, description="Of the master pods.")
     extra_args: list[str] = Field(default_factory=list, description="More mooncake_master flags.")
 
 
@@ -157,9 +173,14 @@ class StoreSpec(_Model):
     port: Port = Field(default=50052, description="Store client service port.")
     protocol: Literal["tcp", "rdma"] = "tcp"
     rdma_devices: list[str] = Field(default_factory=list, description="RDMA devices for rdma.")
-    resources: ComputeResources = Field(default_factory=ComputeResources)
+    resources: ComputeResources = Field(
+        default_factory=ComputeResources,
+        description="Requests and limits; a memory limit must hold segmentSize plus the client's "
+        "overhead (512Mi); without one, the operator sets exactly that.",
+    )
     node_selector: dict[str, str] = Field(default_factory=dict)
     tolerations: list[Toleration] = Field(default_factory=list)
+    priority_class_name: PriorityClassName | None = Field(default=None, description="Of the store pods.")
     extra_args: list[str] = Field(default_factory=list, description="More mooncake_client flags.")
 
 
@@ -200,13 +221,22 @@ class ConsumerSpec(_Model):
     layout: KVLayout = Field(description="The KV-cache layout the model produces.")
 
 
+class ScraperSelector(_Model):
+    """Pods allowed to reach the master's metrics port: both selectors must match."""
+
+    namespace_selector: Labels = Field(description="Labels of the scraper's namespace.")
+    pod_selector: Labels = Field(description="Labels of the scraper's pods.")
+
+
 class NetworkPolicySpec(_Model):
-    """Who may reach the master and store ports."""
+    """Who may reach the pool's pods: masters, stores, and the consumers' transfer ports."""
 
     enabled: bool = True
-    metrics_from: list[dict[str, str]] = Field(
+    metrics_from: list[ScraperSelector] = Field(
         default_factory=list,
-        description="Namespace label selectors also allowed to scrape the metrics ports.",
+        description="Scraper pods also allowed to reach the master's metrics port. That port serves "
+        "Mooncake's unauthenticated admin API besides /metrics (every key, segment status, "
+        "remove_all): name the scraper's pods, never a whole namespace.",
     )
 
 
@@ -223,7 +253,12 @@ class PoolSpec(_Model):
 
 
 ConditionStatus = Literal["True", "False", "Unknown"]
-CONDITION_TYPES = ("ConfigValid", "MasterReady", "StoreReady", "ConsumersRolledOut")
+# Each must be True for a Ready pool.
+READY_CONDITIONS = ("ConfigValid", "MasterReady", "StoreReady", "ConsumersRolledOut")
+# True while the pool leaves alone an object it would write: one it does not own, or a
+# consumer that did not opt in.
+CONFLICT = "Conflict"
+CONDITION_TYPES = (*READY_CONDITIONS, CONFLICT)
 
 
 class Condition(_Model):
@@ -251,7 +286,10 @@ class PoolStatus(_Model):
     """Observed state of a pool."""
 
     observed_generation: int | None = None
-    phase: Literal["Pending", "Progressing", "Ready", "Invalid"] = "Pending"
+    phase: Literal["Pending", "Progressing", "Ready", "Invalid", "Conflict"] = "Pending"
     master_address: str | None = None
     conditions: list[Condition] = Field(default_factory=list)
     consumers: list[ConsumerStatus] = Field(default_factory=list)
+    warnings: list[str] = Field(
+        default_factory=list, description="What may keep the pool from running, though the spec is valid."
+    )

@@ -7,8 +7,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpool.connector.contract.layout import Problem
-from kvpool.operator.spec import CONDITION_TYPES, Condition, ConsumerStatus, PoolStatus
+from kvpool.operator.leader import LeaderView
+from kvpool.operator.spec import CONFLICT, READY_CONDITIONS, Condition, ConsumerStatus, PoolStatus
 from kvpool.operator.validation import describe
+
+CONFLICT_SEPARATOR = "; "
 
 
 @dataclass(frozen=True)
@@ -17,6 +20,8 @@ class Progress:
 
     done: bool
     message: str
+    observed: bool = False  # the controller saw this generation
+    available: int = 0
 
 
 def deployment_progress(deployment: Mapping[str, Any] | None) -> Progress:
@@ -32,8 +37,10 @@ def deployment_progress(deployment: Mapping[str, Any] | None) -> Progress:
     updated = status.get("updatedReplicas", 0)
     available = status.get("availableReplicas", 0)
     if updated == available == desired:
-        return Progress(True, f"{available}/{desired} replicas updated and available")
-    return Progress(False, f"{updated} updated, {available} available of {desired} replicas")
+        return Progress(True, f"{available}/{desired} replicas updated and available", True, available)
+    return Progress(
+        False, f"{updated} updated, {available} available of {desired} replicas", True, available
+    )
 
 
 @dataclass(frozen=True)
@@ -45,6 +52,7 @@ class ConsumerState:
     layout_fingerprint: str | None
     rolled_out: bool
     message: str
+    refused: str | None = None  # why the pool left it alone (no consent, another pool's, ...)
 
 
 def condition(kind: str, ok: bool | None, reason: str, message: str) -> Condition:
@@ -76,7 +84,9 @@ def _phase(conditions: list[Condition]) -> str:
     by_type = {c.type: c.status for c in conditions}
     if by_type.get("ConfigValid") == "False":
         return "Invalid"
-    if all(by_type.get(kind) == "True" for kind in CONDITION_TYPES):
+    if by_type.get(CONFLICT) == "True":
+        return "Conflict"
+    if all(by_type.get(kind) == "True" for kind in READY_CONDITIONS):
         return "Ready"
     return "Progressing"
 
@@ -92,7 +102,7 @@ def invalid_status(
     reason = "InvalidLayout" if any(".layout." in p.field for p in problems) else "InvalidSpec"
     kept = {c.get("type"): c for c in old.get("conditions") or []}
     conditions = [condition("ConfigValid", False, reason, describe(problems))]
-    for kind in CONDITION_TYPES[1:]:
+    for kind in (*READY_CONDITIONS[1:], CONFLICT):
         previous = kept.get(kind)
         conditions.append(
             Condition.model_validate(previous)
@@ -109,9 +119,54 @@ def invalid_status(
                 "masterAddress": old.get("masterAddress"),
                 "conditions": [c.model_dump(by_alias=True) for c in merged],
                 "consumers": [c.model_dump(by_alias=True) for c in consumers],
+                "warnings": list(old.get("warnings") or []),
             }
         )
     )
+
+
+def conflict_reason(conflict: str) -> str:
+    """The Event reason of one refusal: an object not owned, or a consumer refused."""
+    return "NotOwned" if conflict.endswith("[ownership]") else "ConsumerRefused"
+
+
+def conflict_condition(conflicts: Sequence[str]) -> Condition:
+    """``Conflict``: True while the pool leaves alone an object it would write, naming each."""
+    if not conflicts:
+        return condition(
+            CONFLICT, False, "NoConflicts", "the pool owns every object it writes; every consumer opted in"
+        )
+    reasons = {conflict_reason(c) for c in conflicts}
+    reason = reasons.pop() if len(reasons) == 1 else "Conflicts"
+    return condition(CONFLICT, True, reason, CONFLICT_SEPARATOR.join(conflicts))
+
+
+def conflicts_of(status: Mapping[str, Any]) -> list[str]:
+    """The refusals a status's ``Conflict`` condition names."""
+    item = condition_of(status, CONFLICT) or {}
+    if item.get("status") != "True":
+        return []
+    return [c for c in str(item.get("message", "")).split(CONFLICT_SEPARATOR) if c]
+
+
+def master_condition(
+    master: Mapping[str, Any] | None, blocked: bool, ha: bool, leader: LeaderView | None
+) -> Condition:
+    """``MasterReady``: a leader serves. A single master serves once its Deployment is rolled
+    out; an HA pool needs its masters' own word that the leader serves."""
+    if blocked:
+        return condition("MasterReady", False, "Conflict", "the master Deployment is not this pool's")
+    progress = deployment_progress(master)
+    if not ha:
+        return condition(
+            "MasterReady", progress.done, "Available" if progress.done else "Progressing", progress.message
+        )
+    if not progress.observed:
+        return condition("MasterReady", False, "Progressing", progress.message)
+    if leader is None or not leader.serves:
+        message = leader.message if leader is not None else "the leader was not asked"
+        return condition("MasterReady", False, "NoLeader", f"{message}; masters: {progress.message}")
+    return condition("MasterReady", True, "LeaderServes", f"{leader.message}; masters: {progress.message}")
 
 
 def valid_status(
@@ -124,9 +179,14 @@ def valid_status(
     old: Mapping[str, Any],
     generation: int | None,
     now: str,
+    ha: bool = False,
+    leader: LeaderView | None = None,
+    conflicts: Sequence[str] = (),
+    blocked: frozenset[str] = frozenset(),
+    warnings: Sequence[str] = (),
 ) -> dict[str, Any]:
-    """Status after a successful reconcile."""
-    master_progress = deployment_progress(master)
+    """Status after a successful reconcile; ``blocked`` names the components ("master",
+    "store") whose Deployment is not the pool's."""
     conditions = [
         condition(
             "ConfigValid",
@@ -134,17 +194,15 @@ def valid_status(
             "Valid",
             "spec, connector settings and consumer layouts pass the connector's checks",
         ),
-        condition(
-            "MasterReady",
-            master_progress.done,
-            "Available" if master_progress.done else "Progressing",
-            master_progress.message,
-        ),
+        master_condition(master, "master" in blocked, ha, leader),
     ]
     if embedded:
         conditions.append(
             condition("StoreReady", True, "Embedded", "vLLM ranks contribute the pool's memory")
         )
+    elif "store" in blocked:
+        blocked_store = "the store Deployment is not this pool's"
+        conditions.append(condition("StoreReady", False, "Conflict", blocked_store))
     else:
         store_progress = deployment_progress(store)
         conditions.append(
@@ -171,6 +229,7 @@ def valid_status(
                 f"{len(consumers)} consumer(s) run the current settings",
             )
         )
+    conditions.append(conflict_condition(conflicts))
     merged = _merge(old.get("conditions") or [], conditions, now, generation)
     return _dump(
         PoolStatus.model_validate(
@@ -189,6 +248,7 @@ def valid_status(
                     }
                     for c in consumers
                 ],
+                "warnings": list(warnings),
             }
         )
     )

@@ -15,9 +15,10 @@ from kvpool.connector.contract.errors import error_message, field_path
 from kvpool.connector.contract.layout import Problem, check
 from kvpool.connector.contract.settings import ConnectorSettings, SettingsError
 from kvpool.operator import names
-from kvpool.operator.components import store_memory_limit
+from kvpool.operator.components import STORE_MEMORY_OVERHEAD, store_memory_limit
 from kvpool.operator.connector_settings import pool_connector_settings, spec_field_of
-from kvpool.operator.spec import PoolSpec
+from kvpool.operator.policy import OperatorPolicy
+from kvpool.operator.spec import ComputeResources, PoolSpec, format_bytes, parse_quantity
 
 
 def location(loc: tuple[int | str, ...], root: str = "spec") -> str:
@@ -97,15 +98,79 @@ def check_store(spec: PoolSpec) -> list[Problem]:
             )
         )
     limit = store_memory_limit(spec)
-    if limit is not None and limit < spec.store.segment_size:
+    needed = spec.store.segment_size + STORE_MEMORY_OVERHEAD
+    if limit is not None and limit < needed:
         problems.append(
             _problem(
                 "spec.store.resources.limits.memory",
                 "store-memory",
-                f"memory limit {limit} bytes cannot hold the {spec.store.segment_size}-byte segment",
+                f"memory limit {format_bytes(limit)} cannot hold the {format_bytes(spec.store.segment_size)} "
+                f"segment plus the client's {format_bytes(STORE_MEMORY_OVERHEAD)} overhead: "
+                f"set at least {format_bytes(needed)}",
             )
         )
     return problems
+
+
+def check_requests(spec: PoolSpec) -> list[Problem]:
+    """A request above its limit: the API server would refuse every pod."""
+    problems = []
+    for component, resources in (("master", spec.master.resources), ("store", spec.store.resources)):
+        problems += _requests_within_limits(f"spec.{component}.resources", resources)
+    return problems
+
+
+def _requests_within_limits(where: str, resources: ComputeResources) -> list[Problem]:
+    problems = []
+    for name, request in resources.requests.items():
+        limit = resources.limits.get(name)
+        if limit is not None and parse_quantity(request) > parse_quantity(limit):
+            problems.append(
+                _problem(
+                    f"{where}.requests.{name}",
+                    "request-over-limit",
+                    f"request {request} is above the limit {limit}",
+                )
+            )
+    return problems
+
+
+def check_policy(spec: PoolSpec, policy: OperatorPolicy) -> list[Problem]:
+    """What the operator's settings allow: image prefixes, replica caps."""
+    problems = []
+    if policy.image_prefixes and not spec.image.startswith(policy.image_prefixes):
+        allowed = ", ".join(repr(p) for p in policy.image_prefixes)
+        problems.append(
+            _problem(
+                "spec.image",
+                "image-allowlist",
+                f"image {spec.image!r} starts with none of the allowed prefixes ({allowed})",
+            )
+        )
+    for field, replicas, cap in (
+        ("spec.master.replicas", spec.master.replicas, policy.max_master_replicas),
+        ("spec.store.replicas", spec.store.replicas, policy.max_store_replicas),
+    ):
+        if cap is not None and replicas > cap:
+            problems.append(
+                _problem(field, "replica-cap", f"{replicas} replicas are above the operator's cap of {cap}")
+            )
+    return problems
+
+
+def warnings(spec: PoolSpec) -> list[Problem]:
+    """What may keep a valid pool from running: said, never refused."""
+    out = []
+    if spec.store.mode == "standalone" and spec.store.protocol == "rdma":
+        out.append(
+            _problem(
+                "spec.store.protocol",
+                "pod-security-restricted",
+                "RDMA store pods add the IPC_LOCK capability, which the restricted Pod Security "
+                "Standard forbids: their namespace must enforce baseline or privileged",
+            )
+        )
+    return out
 
 
 def check_consumers(spec: PoolSpec) -> list[Problem]:
@@ -138,7 +203,7 @@ def check_settings(
 
 
 def validate(
-    pool: str, namespace: str, raw_spec: Mapping[str, Any] | None
+    pool: str, namespace: str, raw_spec: Mapping[str, Any] | None, policy: OperatorPolicy | None = None
 ) -> tuple[PoolSpec | None, ConnectorSettings | None, list[Problem]]:
     """The typed spec and settings, and every problem; usable only when there are none."""
     problems = []
@@ -151,7 +216,8 @@ def validate(
     spec, schema_problems = parse_spec(raw_spec)
     if spec is None:
         return None, None, problems + schema_problems
-    problems += check_master(spec) + check_store(spec) + check_consumers(spec)
+    problems += check_master(spec) + check_store(spec) + check_requests(spec) + check_consumers(spec)
+    problems += check_policy(spec, policy or OperatorPolicy())
     settings, settings_problems = check_settings(pool, namespace, spec)
     return spec, settings, problems + settings_problems
 
@@ -161,9 +227,14 @@ def describe(problems: list[Problem]) -> str:
     return "; ".join(str(p) for p in problems)
 
 
-def admission_problems(body: Mapping[str, Any]) -> str | None:
-    """The webhook's verdict on a pool object: a message naming every field and rule, or None."""
+def admission_problems(
+    body: Mapping[str, Any], policy: OperatorPolicy | None = None
+) -> tuple[str | None, list[str]]:
+    """The webhook's verdict on a pool object: a message naming every field and rule (or
+    None), and the warnings to show its author."""
     meta = body.get("metadata") or {}
     name = meta.get("name") or meta.get("generateName") or "pool"
-    _, _, problems = validate(name, meta.get("namespace") or "default", body.get("spec"))
-    return describe(problems) if problems else None
+    spec, _, problems = validate(name, meta.get("namespace") or "default", body.get("spec"), policy)
+    if problems:
+        return describe(problems), []
+    return None, [str(w) for w in warnings(spec)] if spec is not None else []

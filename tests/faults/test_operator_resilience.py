@@ -36,6 +36,7 @@ from tests.operator.harness import (
     path_of,
     pool_manifest,
     pool_spec,
+    stored,
     template,
     vllm_deployment,
 )
@@ -112,7 +113,7 @@ def assert_same_state_as_a_clean_run(cluster: Cluster, status: dict[str, Any], s
     planned = {(child["kind"], child["metadata"]["name"]) for child in plan.children}
     for child in plan.children:
         live = cluster.get(path_of(child), child["metadata"]["name"])
-        assert live is not None and kmock.Object(live) >= child
+        assert live is not None and kmock.Object(live) >= stored(child)
         assert len(live["metadata"]["ownerReferences"]) == 1
     # Nothing else carries the pool's label: no stray or duplicated child.
     labelled = {
@@ -132,12 +133,13 @@ def assert_same_state_as_a_clean_run(cluster: Cluster, status: dict[str, Any], s
     )
     assert all(count <= 2 for count in posts.values()), posts  # a retry after a lost answer at most
     consumer = cluster.get(DEPLOYMENTS_PATH, "llm")
-    assert template(consumer) == template(injected(as_created(cluster, "llm"), plan.consumers[0]))
+    assert template(consumer) == template(stored(injected(as_created(cluster, "llm"), plan.consumers[0])))
     assert kv_flags(consumer) == [f"{FLAG}={plan.consumers[0].kv_transfer_config}"]
     assert status["phase"] == "Ready"
-    assert {c["type"]: c["status"] for c in status["conditions"]} == dict.fromkeys(
-        ("ConfigValid", "MasterReady", "StoreReady", "ConsumersRolledOut"), "True"
-    )
+    assert {c["type"]: c["status"] for c in status["conditions"]} == {
+        **dict.fromkeys(("ConfigValid", "MasterReady", "StoreReady", "ConsumersRolledOut"), "True"),
+        "Conflict": "False",
+    }
     assert status["consumers"][0]["configHash"] == plan.consumers[0].config_hash
 
 

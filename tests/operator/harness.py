@@ -9,6 +9,7 @@ import copy
 from dataclasses import dataclass
 from typing import Any
 
+from kvpool.operator import names
 from kvpool.operator.consumers import FLAG
 from kvpool.operator.names import POOLS, api_resource_of
 from tests.support.kube_api import (
@@ -18,6 +19,7 @@ from tests.support.kube_api import (
     OperatorThread,
     eventually,
 )
+from tests.support.server_side import builtin_defaults
 
 
 @dataclass
@@ -70,11 +72,15 @@ def pool_spec(**overrides: Any) -> dict[str, Any]:
 ORIGINAL_KV_CONFIG = '{"kv_connector":"LMCacheConnectorV1","kv_role":"kv_both"}'
 
 
-def vllm_deployment(name: str = "llm") -> dict[str, Any]:
+def vllm_deployment(name: str = "llm", allow_pool: str | None = "pool") -> dict[str, Any]:
+    """A vLLM Deployment whose owner lets pool ``allow_pool`` patch it (None: no pool)."""
+    labels = {"app": name}
+    if allow_pool is not None:
+        labels[names.LABEL_ALLOW_POOL] = allow_pool
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": {"name": name, "namespace": NAMESPACE, "labels": {"app": name}},
+        "metadata": {"name": name, "namespace": NAMESPACE, "labels": labels},
         "spec": {
             "replicas": 2,
             "selector": {"matchLabels": {"app": name}},
@@ -104,6 +110,11 @@ def vllm_deployment(name: str = "llm") -> dict[str, Any]:
             },
         },
     }
+
+
+def stored(obj: dict[str, Any]) -> dict[str, Any]:
+    """``obj`` as the API server stores it: with the server-side defaults of its kind."""
+    return builtin_defaults(obj)
 
 
 def path_of(obj: dict[str, Any]) -> str:

@@ -65,13 +65,24 @@ def test_ha_master_uses_etcd_and_rolls() -> None:
         c for c in plan.children if c["metadata"]["name"] == "pool-master" and c["kind"] == "Deployment"
     )
     assert master["spec"]["replicas"] == 3
-    assert master["spec"]["strategy"]["type"] == "RollingUpdate"
-    args = container(master)["args"]
+    # One master at a time: a standby is ready (healthy) though it serves no RPC.
+    assert master["spec"]["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxUnavailable": 1, "maxSurge": 0},
+    }
+    c = container(master)
+    assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": "metrics"}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/health", "port": "metrics"}
+    (spread,) = master["spec"]["template"]["spec"]["topologySpreadConstraints"]
+    assert spread["topologyKey"] == "kubernetes.io/hostname" and spread["maxSkew"] == 1
+    assert spread["whenUnsatisfiable"] == "DoNotSchedule"
+    assert spread["labelSelector"] == {"matchLabels": names.selector("pool", "master")}
+    args = c["args"]
     assert "--enable_ha=true" in args
     assert "--ha_backend_type=etcd" in args
-    assert "--etcd_endpoints=etcd-0:2379;etcd-1:2379" in args
+    assert "--etcd_endpoints=etcd-0:2379,etcd-1:2379" in args
     assert "--rpc_address=$(POD_IP)" in args
-    assert plan.master_address == "etcd://etcd-0:2379;etcd-1:2379"
+    assert plan.master_address == "etcd://etcd-0:2379,etcd-1:2379"
     kv = json.loads(plan.consumers[0].kv_transfer_config)
     assert kv["kv_connector_extra_config"]["master_server_address"] == plan.master_address
 
@@ -159,8 +170,14 @@ def test_embedded_mode_has_no_store_pods_and_gives_vllm_the_segment() -> None:
     assert pool_connector_settings("pool", NS, spec()).global_segment_size == 0
 
 
-def test_network_policy_admits_only_the_pool() -> None:
-    raw = pool_spec(networkPolicy={"metricsFrom": [{"kubernetes.io/metadata.name": "monitoring"}]})
+SCRAPER = {
+    "namespaceSelector": {"kubernetes.io/metadata.name": "monitoring"},
+    "podSelector": {"app.kubernetes.io/name": "prometheus"},
+}
+
+
+def test_network_policy_admits_only_the_pool_and_named_scraper_pods() -> None:
+    raw = pool_spec(networkPolicy={"metricsFrom": [SCRAPER]})
     policy = children(raw)["NetworkPolicy/pool-kvpool"]
     selector = policy["spec"]["podSelector"]
     assert selector["matchLabels"] == {names.LABEL_POOL: "pool"}
@@ -169,11 +186,16 @@ def test_network_policy_admits_only_the_pool() -> None:
     own, metrics = policy["spec"]["ingress"]
     assert own == {"from": [{"podSelector": {"matchLabels": {names.LABEL_POOL: "pool"}}}]}
     assert metrics["ports"] == [{"protocol": "TCP", "port": 9003}]
+    # One peer with both selectors: pods so labelled, in namespaces so labelled (never a whole namespace).
     assert metrics["from"] == [
-        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+        {
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+            "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}},
+        }
     ]
     disabled = build_plan("pool", NS, pool_spec(networkPolicy={"enabled": False}))
     assert (NETWORK_POLICIES, "pool-kvpool") in disabled.absent
+    assert (NETWORK_POLICIES, "pool-consumers") in disabled.absent
 
 
 def test_consumer_hash_follows_settings_and_layout_only() -> None:

@@ -139,15 +139,17 @@ def test_restoring_keeps_changes_made_in_between() -> None:
     vllm(once)["args"].insert(0, "--enforce-eager")
     vllm(once)["env"].append({"name": "EXTRA", "value": "1"})
     back = vllm(restored(once))
+    # The args moved: the consumer's own flag comes back at the end, as it was written.
     assert back["args"] == [
         "--enforce-eager",
         "--model",
         "org/model",
         "--port",
         "8000",
-        f"--kv-transfer-config={ORIGINAL_KV_CONFIG}",
+        "--kv-transfer-config",
+        ORIGINAL_KV_CONFIG,
     ]
-    assert [e["name"] for e in back["env"]] == ["HF_HOME", "EXTRA", "PYTHONHASHSEED"]
+    assert [e["name"] for e in back["env"]] == ["HF_HOME", "PYTHONHASHSEED", "EXTRA"]
     assert {"name": "PYTHONHASHSEED", "value": "42"} in back["env"]
 
 

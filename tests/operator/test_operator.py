@@ -21,6 +21,7 @@ from tests.operator.harness import (
     path_of,
     pool_manifest,
     pool_spec,
+    stored,
     template,
     vllm_deployment,
 )
@@ -41,11 +42,17 @@ async def test_a_pool_comes_up_owned_and_stays_quiet(cluster: Cluster, operator:
     status = await converge(cluster, generation=1)
 
     plan = build_plan("pool", NAMESPACE, pool_spec())
-    assert {c["kind"] for c in plan.children} == {"ConfigMap", "Deployment", "Service", "NetworkPolicy"}
+    assert {c["kind"] for c in plan.children} == {
+        "ConfigMap",
+        "Deployment",
+        "Service",
+        "NetworkPolicy",
+        "PodDisruptionBudget",
+    }
     for child in plan.children:
         live = cluster.get(path_of(child), child["metadata"]["name"])
         assert live is not None, child["metadata"]["name"]
-        assert kmock.Object(live) >= child  # everything desired, as built
+        assert kmock.Object(live) >= stored(child)  # everything desired, as built
         (owner,) = live["metadata"]["ownerReferences"]
         assert owner["uid"] == pool["metadata"]["uid"]
         assert owner["kind"] == "MooncakeKVPool" and owner["controller"] is True
@@ -55,7 +62,7 @@ async def test_a_pool_comes_up_owned_and_stays_quiet(cluster: Cluster, operator:
     # The consumer: exactly the pure injection of what was created, nothing else.
     injection = plan.consumers[0]
     consumer = cluster.get(DEPLOYMENTS_PATH, "llm")
-    expected = injected(as_created(cluster, "llm"), injection)
+    expected = stored(injected(as_created(cluster, "llm"), injection))
     assert template(consumer) == template(expected)
     assert kv_flags(consumer) == [f"{FLAG}={injection.kv_transfer_config}"]
     assert template(consumer)["metadata"]["annotations"][names.ANNOTATION_CONFIG_HASH] == (
@@ -69,6 +76,7 @@ async def test_a_pool_comes_up_owned_and_stays_quiet(cluster: Cluster, operator:
         "MasterReady": "True",
         "StoreReady": "True",
         "ConsumersRolledOut": "True",
+        "Conflict": "False",
     }
     assert status["consumers"] == [
         {
@@ -203,7 +211,8 @@ async def test_deleting_the_pool_removes_children_and_restores_consumers(
         what="chat restored",
     )
     chat = cluster.get(DEPLOYMENTS_PATH, "chat")
-    assert chat is not None and chat["metadata"]["labels"] == {"app": "chat"}
+    assert chat is not None
+    assert chat["metadata"]["labels"] == as_created(cluster, "chat")["metadata"]["labels"]
     assert "annotations" not in chat["metadata"]
 
     await cluster.delete_pool("pool")

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvpool.operator.rbac import RULES, request_permission
+from kvpool.operator import names
+from kvpool.operator.rbac import RULES, implied_permissions, request_permission
 from tests.operator.harness import (
     Operator,
     as_created,
@@ -24,6 +25,8 @@ from tests.support.kube_api import (
 
 pytestmark = pytest.mark.asyncio
 NETPOL = "networking.k8s.io/v1/networkpolicies"
+PDBS = "policy/v1/poddisruptionbudgets"
+SCRAPER = {"namespaceSelector": {"team": "monitoring"}, "podSelector": {"app": "prometheus"}}
 
 
 async def test_every_change_converges_and_uses_every_rule(cluster: Cluster, operator: Operator) -> None:
@@ -34,7 +37,7 @@ async def test_every_change_converges_and_uses_every_rule(cluster: Cluster, oper
     # A new RPC port: Service, master, ConfigMap and the consumer follow.
     await cluster.patch_pool(
         "pool",
-        {"spec": {"master": {"rpcPort": 50100}, "networkPolicy": {"metricsFrom": [{"team": "monitoring"}]}}},
+        {"spec": {"master": {"rpcPort": 50100}, "networkPolicy": {"metricsFrom": [SCRAPER]}}},
     )
     status = await converge(cluster, generation=2)
     assert status["masterAddress"] == f"pool-master.{NAMESPACE}.svc:50100"
@@ -43,6 +46,20 @@ async def test_every_change_converges_and_uses_every_rule(cluster: Cluster, oper
     assert "pool-master.team-a.svc:50100" in kv_flags(cluster.get(DEPLOYMENTS_PATH, "llm"))[0]
     policy = cluster.get(NETPOL, "pool-kvpool")
     assert policy is not None and len(policy["spec"]["ingress"]) == 2
+
+    # A child an older operator wrote differently (its last-applied record says so) is brought
+    # up to date: here the master's PodDisruptionBudget.
+    pdb_path = "/apis/policy/v1/namespaces/team-a/poddisruptionbudgets/pool-master"
+    older = {"metadata": {"annotations": {names.ANNOTATION_LAST_APPLIED: '{"spec":{"minAvailable":1}}'}}}
+    response = await cluster.api.patch(
+        pdb_path, json=older, headers={"Content-Type": "application/merge-patch+json"}
+    )
+    assert response.status == 200
+    await eventually(
+        lambda: (cluster.get(PDBS, "pool-master") or {}).get("spec", {}).get("maxUnavailable") == 1
+        and "minAvailable" not in cluster.get(PDBS, "pool-master")["spec"],
+        what="the PodDisruptionBudget re-applied",
+    )
 
     # Embedded mode, no NetworkPolicy: store pods and the policy go away.
     await cluster.patch_pool(
@@ -71,7 +88,8 @@ async def test_every_change_converges_and_uses_every_rule(cluster: Cluster, oper
     used = {
         (p.api_group, p.resource, p.verb)
         for r in cluster.requests()
-        if (p := request_permission(r.method, str(r.url))) is not None
+        for p in [request_permission(r.method, str(r.url)), *implied_permissions(r.method, r.data)]
+        if p is not None
     }
     granted = {
         (rule.api_group, resource, verb)

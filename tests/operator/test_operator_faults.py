@@ -21,6 +21,7 @@ from tests.operator.harness import (
     path_of,
     pool_manifest,
     pool_spec,
+    stored,
     template,
     vllm_deployment,
 )
@@ -74,10 +75,10 @@ async def test_faults_converge_to_the_same_state(
     plan = build_plan("pool", NAMESPACE, pool_spec())
     for child in plan.children:
         live = cluster.get(path_of(child), child["metadata"]["name"])
-        assert live is not None and kmock.Object(live) >= child
+        assert live is not None and kmock.Object(live) >= stored(child)
         assert len(live["metadata"]["ownerReferences"]) == 1
     consumer = cluster.get(DEPLOYMENTS_PATH, "llm")
-    assert template(consumer) == template(injected(as_created(cluster, "llm"), plan.consumers[0]))
+    assert template(consumer) == template(stored(injected(as_created(cluster, "llm"), plan.consumers[0])))
     assert kv_flags(consumer) == [f"{FLAG}={plan.consumers[0].kv_transfer_config}"]
     assert status["consumers"][0]["configHash"] == plan.consumers[0].config_hash
 

@@ -60,6 +60,7 @@ def test_all_ready_is_ready() -> None:
         "MasterReady": "True",
         "StoreReady": "True",
         "ConsumersRolledOut": "True",
+        "Conflict": "False",
     }
     assert status["consumers"] == [
         {"name": "llm", "configHash": "h", "layoutFingerprint": "f", "rolledOut": True, "message": "ok"}
@@ -77,7 +78,13 @@ def test_transition_times_move_only_on_change() -> None:
     first = valid([ConsumerState("llm", "h", "f", False, "")], now="t1")
     second = valid([ConsumerState("llm", "h", "f", True, "")], old=first, now="t2")
     times = {c["type"]: c["lastTransitionTime"] for c in second["conditions"]}
-    assert times == {"ConfigValid": "t1", "MasterReady": "t1", "StoreReady": "t1", "ConsumersRolledOut": "t2"}
+    assert times == {
+        "ConfigValid": "t1",
+        "MasterReady": "t1",
+        "StoreReady": "t1",
+        "ConsumersRolledOut": "t2",
+        "Conflict": "t1",
+    }
     assert valid([ConsumerState("llm", "h", "f", True, "")], old=second, now="t3") == second
 
 

@@ -1,7 +1,9 @@
 """An emulated Kubernetes API with the real operator running against it (tests and benchmarks).
 
-``ApiServer`` is kmock's stateful emulator with the little a real API server adds on its
-own (uid, resourceVersion, generation, generateName) and one-shot fault injection;
+``ApiServer`` is kmock's stateful emulator behaving like a real API server wherever the
+operator depends on it (``tests.support.server_side``: uid, resourceVersion and 409s on
+stale writes, generation, server-side defaults, CRD pruning and defaults, the status
+subresource, label selectors) and one-shot fault injection;
 ``LeanApiServer`` keeps a compact log instead of kmock's full request history, for
 hundreds of pools. The operator runs in its own thread and event loop, exactly as
 ``kvpool-operator run`` would, pointed at the emulator by a kubeconfig. Everything binds
@@ -26,9 +28,9 @@ import kmock
 
 from kvpool.operator.app import OperatorOptions, run
 from kvpool.operator.crd import build_crd
-from kvpool.operator.merge_patch import apply_merge_patch
 from kvpool.operator.names import DEPLOYMENTS, POOL_SHORT_NAMES, POOL_SINGULAR, POOLS
-from kvpool.operator.rbac import allowed, request_permission
+from kvpool.operator.rbac import allowed, implied_permissions, request_permission
+from tests.support import server_side
 
 NAMESPACE = "team-a"
 WRITE_METHODS = {"POST", "PUT", "PATCH", "DELETE"}
@@ -36,6 +38,9 @@ OPERATOR_AGENTS = ("kopf/", "kvpool-operator/")
 POOLS_PATH = f"{POOLS.group}/{POOLS.version}/{POOLS.plural}"
 DEPLOYMENTS_PATH = f"{DEPLOYMENTS.api_version}/{DEPLOYMENTS.plural}"
 _SEQUENCE = itertools.count(1000)
+WRITE_ACTIONS = {kmock.action.CREATE, kmock.action.UPDATE, kmock.action.DELETE}
+# Built-in resources whose status is a subresource (group, plural).
+STATUS_SUBRESOURCE = {("apps", "deployments"), ("", "services"), ("policy", "poddisruptionbudgets")}
 
 
 def by_operator(request: kmock.Request) -> bool:
@@ -76,13 +81,29 @@ class Fault:
 
 
 class ApiServer(kmock.KubernetesEmulator):
-    """kmock's emulator plus server-side metadata and fault injection."""
+    """kmock's emulator made to behave like a real API server where the operator depends on
+    it (``tests.support.server_side``: defaults, pruning, the status subresource, 409s on
+    stale writes, generation, label selectors), plus one-shot fault injection."""
 
     faults: list[Fault]
 
     def fail(self, fault: Fault) -> Fault:
         self.__dict__.setdefault("faults", []).append(fault)
         return fault
+
+    @property
+    def custom_resources(self) -> dict[tuple[str, str], dict[str, Any]]:
+        """(group, plural) -> the CRD version's ``schema.openAPIV3Schema`` (``declare_resources``)."""
+        return self.__dict__.setdefault("custom_resources", {})
+
+    @property
+    def with_status(self) -> set[tuple[str, str]]:
+        """(group, plural) of the resources whose status is a subresource."""
+        return self.__dict__.setdefault("with_status", set(STATUS_SUBRESOURCE))
+
+    @property
+    def _write_lock(self) -> asyncio.Lock:
+        return self.__dict__.setdefault("write_lock", asyncio.Lock())
 
     async def _handle(self, request: kmock.Request) -> Any:
         for fault in self.__dict__.get("faults", []):
@@ -91,29 +112,98 @@ class ApiServer(kmock.KubernetesEmulator):
                 raise kmock.KubernetesError(
                     status=fault.status, reason="Injected", message=f"injected {fault.status}"
                 )
-        if request.resource is not None and isinstance(request.data, dict):
-            self._stamp(request)
-        return await super()._handle(request)
+        if request.resource is None or request.action not in WRITE_ACTIONS:
+            return await super()._handle(request)
+        # Writes one at a time: a precondition checked here still holds when kmock stores it.
+        async with self._write_lock:
+            self._server_side(request)
+            return await super()._handle(request)
 
-    def _stamp(self, request: kmock.Request) -> None:
-        meta = request.data.setdefault("metadata", {})
-        if request.action == kmock.action.CREATE:
-            if not meta.get("name") and meta.get("generateName"):
-                meta["name"] = f"{meta['generateName']}{next(_SEQUENCE)}"
-            meta.setdefault("uid", f"uid-{next(_SEQUENCE)}")
+    async def _serve_list(self, request: kmock.Request) -> Any:
+        listed = await super()._serve_list(request)
+        selector = request.params.get("labelSelector")
+        if selector:
+            listed["items"] = [
+                item
+                for item in listed["items"]
+                if server_side.selects(selector, item.get("metadata", {}).get("labels"))
+            ]
+        return listed
+
+    def _kind_of(self, request: kmock.Request) -> tuple[str, str]:
+        return (request.resource.group or "", request.resource.plural or "")
+
+    def _defaults(self, key: tuple[str, str], obj: dict[str, Any]) -> dict[str, Any]:
+        schema = self.custom_resources.get(key)
+        if schema is not None:
+            return server_side.custom_resource_defaults(obj, schema)
+        return server_side.builtin_defaults(obj)
+
+    def _server_side(self, request: kmock.Request) -> None:
+        """Rewrite a write request into what a real API server would store (or refuse it)."""
+        key = self._kind_of(request)
+        stored = None
+        if request.name is not None:
+            entry = (request.resource, request.namespace, request.name)
+            if entry in self.objects and not self.objects[entry].deleted:
+                stored = self.objects[entry].raw
+        if request.action == kmock.action.CREATE and isinstance(request.data, dict):
+            self._create(request.data, key)
+        elif request.action == kmock.action.UPDATE and stored is not None and isinstance(request.data, dict):
+            after = self._update(stored, request.data, key, request.subresource)
+            request.data.clear()
+            request.data.update(server_side.changes(stored, after))
+        elif request.action == kmock.action.DELETE and stored is not None:
+            self._check_fresh(stored, request.data)
+
+    def _create(self, data: dict[str, Any], key: tuple[str, str]) -> None:
+        meta = data.setdefault("metadata", {})
+        if not meta.get("name") and meta.get("generateName"):
+            meta["name"] = f"{meta['generateName']}{next(_SEQUENCE)}"
+        if key in self.with_status:
+            data.pop("status", None)
+        created = server_side.allocate_cluster_ip(self._defaults(key, data))
+        meta = created.setdefault("metadata", {})
+        meta["uid"] = f"uid-{next(_SEQUENCE)}"
+        meta["resourceVersion"] = str(next(_SEQUENCE))
+        meta["generation"] = 1
+        meta.setdefault("creationTimestamp", "2025-01-01T00:00:00Z")
+        data.clear()
+        data.update(created)
+
+    @staticmethod
+    def _check_fresh(stored: dict[str, Any], write: Any) -> None:
+        reason = server_side.stale(stored, write)
+        if reason is not None:
+            raise kmock.KubernetesError(status=409, reason="Conflict", message=reason)
+
+    def _update(
+        self, stored: dict[str, Any], patch: dict[str, Any], key: tuple[str, str], subresource: str | None
+    ) -> dict[str, Any]:
+        self._check_fresh(stored, patch)
+        after = server_side.merge_patch(stored, patch)
+        if subresource == "status":
+            after = {k: v for k, v in stored.items() if k != "status"}
+            if patched := server_side.merge_patch(stored, patch).get("status"):
+                after["status"] = patched
+        elif key in self.with_status:
+            after.pop("status", None)
+            if "status" in stored:
+                after["status"] = stored["status"]
+        after = self._defaults(key, after)
+        meta = after.setdefault("metadata", {})
+        before = stored.get("metadata", {})
+        for immutable in ("uid", "creationTimestamp", "name", "namespace"):
+            if immutable in before:
+                meta[immutable] = before[immutable]
+        generation = before.get("generation", 1)
+        if server_side.spec_of(after) != server_side.spec_of(stored) and subresource is None:
+            generation += 1
+        meta["generation"] = generation
+        meta["resourceVersion"] = before.get("resourceVersion")
+        if after != stored:
             meta["resourceVersion"] = str(next(_SEQUENCE))
-            meta.setdefault("generation", 1)
-            meta.setdefault("creationTimestamp", "2025-01-01T00:00:00Z")
-        elif request.action == kmock.action.UPDATE and request.name:
-            key = (request.resource, request.namespace, request.name)
-            if key not in self.objects or self.objects[key].deleted:
-                return
-            current = self.objects[key].raw
-            meta["resourceVersion"] = str(next(_SEQUENCE))
-            if request.subresource is None:
-                after = apply_merge_patch(current, request.data)
-                if after.get("spec") != current.get("spec"):
-                    meta["generation"] = current.get("metadata", {}).get("generation", 1) + 1
+        return after
 
 
 @dataclass(frozen=True)
@@ -154,10 +244,13 @@ class LeanApiServer(ApiServer):
         return await super()._handle(request)
 
 
-def declare_resources(api: kmock.KubernetesEmulator) -> None:
-    """Teach the emulated API the builtin kinds and the ``MooncakeKVPool`` CRD."""
+def declare_resources(api: ApiServer) -> None:
+    """Teach the emulated API the builtin kinds and the ``MooncakeKVPool`` CRD (its schema too)."""
     api.resources.load_bundled()
     version = build_crd()["spec"]["versions"][0]
+    api.custom_resources[(POOLS.group, POOLS.plural)] = version["schema"]["openAPIV3Schema"]
+    if "status" in version["subresources"]:
+        api.with_status.add((POOLS.group, POOLS.plural))
     api.resources[POOLS_PATH] = kmock.ResourceInfo(
         kind=POOLS.kind,
         singular=POOL_SINGULAR,
@@ -325,7 +418,7 @@ class Cluster:
                 "availableReplicas": replicas,
             }
             if obj.raw.get("status") != status:
-                obj.patch({"status": status})
+                obj.patch({"status": status, "metadata": {"resourceVersion": str(next(_SEQUENCE))}})
 
     def pool_status(self, name: str) -> dict[str, Any]:
         pool = self.get(POOLS_PATH, name)
@@ -347,11 +440,13 @@ class Cluster:
         return {}
 
     def unauthorised(self) -> list[str]:
-        """Operator requests that the RBAC rules would refuse."""
+        """Operator requests that the RBAC rules (and the admission checks on them) would refuse."""
         refused = []
         for request in self.requests():
             permission = request_permission(request.method, str(request.url))
-            if permission is not None and allowed(permission) is None:
+            needed = [permission] if permission is not None else []
+            needed += implied_permissions(request.method, request.data)
+            if any(allowed(p) is None for p in needed):
                 refused.append(f"{request.method} {request.url.path}")
         return refused
 

@@ -1,0 +1,264 @@
+"""What a real Kubernetes API server does to an object on write, as pure functions.
+
+The emulated API (``tests.support.kube_api``) applies these so that the operator meets
+what it would meet on a real cluster:
+
+* built-in defaults: Deployments (strategy, revisionHistoryLimit, ...), pod templates
+  (``fieldRef.apiVersion: v1``, ``configMap.defaultMode: 420``, probe timings, ...),
+  Services (``protocol: TCP``, ``targetPort``, ``clusterIP``, ...) and NetworkPolicies
+  (``policyTypes``, ``protocol: TCP``) -- each as in Kubernetes' ``SetDefaults_*``;
+* custom resources: unknown fields pruned and the defaults of the CRD's structural schema
+  applied (never inside ``metadata``);
+* the status subresource: a write to the main resource keeps the stored status, a write
+  to ``/status`` changes nothing but the status;
+* ``metadata.resourceVersion`` and ``preconditions`` as optimistic locks (409 Conflict);
+* ``metadata.generation`` bumped when the spec changes, and only then;
+* ``labelSelector`` on lists.
+
+Each function returns a new object; none mutates its input.
+"""
+
+from __future__ import annotations
+
+import copy
+import ipaddress
+import itertools
+from collections.abc import Mapping
+from typing import Any
+
+POD_TEMPLATE_KINDS = {"Deployment", "ReplicaSet", "StatefulSet", "DaemonSet", "Job"}
+DEFAULT_MODE = 420  # 0644, the mode of files projected from ConfigMaps and Secrets
+_CLUSTER_IPS = (str(ipaddress.IPv4Address("10.96.0.10") + n) for n in itertools.count())
+
+
+def _probe(probe: dict[str, Any]) -> None:
+    for key, value in (("timeoutSeconds", 1), ("periodSeconds", 10), ("successThreshold", 1)):
+        probe.setdefault(key, value)
+    probe.setdefault("failureThreshold", 3)
+    if isinstance(probe.get("httpGet"), dict):
+        probe["httpGet"].setdefault("scheme", "HTTP")
+
+
+def _pull_policy(image: str) -> str:
+    tail = image.rsplit("/", 1)[-1]
+    if "@" in tail:
+        return "IfNotPresent"
+    tag = tail.partition(":")[2]
+    return "Always" if tag in ("", "latest") else "IfNotPresent"
+
+
+def _container(container: dict[str, Any]) -> None:
+    container.setdefault("terminationMessagePath", "/dev/termination-log")
+    container.setdefault("terminationMessagePolicy", "File")
+    container.setdefault("imagePullPolicy", _pull_policy(str(container.get("image", ""))))
+    container.setdefault("resources", {})
+    for port in container.get("ports") or []:
+        port.setdefault("protocol", "TCP")
+    for env in container.get("env") or []:
+        field_ref = (env.get("valueFrom") or {}).get("fieldRef")
+        if isinstance(field_ref, dict):
+            field_ref.setdefault("apiVersion", "v1")
+    for key in ("livenessProbe", "readinessProbe", "startupProbe"):
+        if isinstance(container.get(key), dict):
+            _probe(container[key])
+
+
+def _volume(volume: dict[str, Any]) -> None:
+    for source in ("configMap", "secret", "downwardAPI", "projected"):
+        if isinstance(volume.get(source), dict):
+            volume[source].setdefault("defaultMode", DEFAULT_MODE)
+    for item in (volume.get("downwardAPI") or {}).get("items") or []:
+        if isinstance(item.get("fieldRef"), dict):
+            item["fieldRef"].setdefault("apiVersion", "v1")
+
+
+def pod_spec_defaults(pod: dict[str, Any]) -> None:
+    """``SetDefaults_PodSpec`` and its containers, volumes and probes (in place)."""
+    pod.setdefault("restartPolicy", "Always")
+    pod.setdefault("terminationGracePeriodSeconds", 30)
+    pod.setdefault("dnsPolicy", "ClusterFirst")
+    pod.setdefault("securityContext", {})
+    pod.setdefault("schedulerName", "default-scheduler")
+    pod.setdefault("enableServiceLinks", True)
+    for key in ("containers", "initContainers"):
+        for container in pod.get(key) or []:
+            _container(container)
+    for volume in pod.get("volumes") or []:
+        _volume(volume)
+
+
+def _deployment(obj: dict[str, Any]) -> None:
+    spec = obj.setdefault("spec", {})
+    spec.setdefault("replicas", 1)
+    strategy = spec.setdefault("strategy", {})
+    strategy.setdefault("type", "RollingUpdate")
+    if strategy["type"] == "RollingUpdate":
+        rolling = strategy.setdefault("rollingUpdate", {})
+        rolling.setdefault("maxUnavailable", "25%")
+        rolling.setdefault("maxSurge", "25%")
+    spec.setdefault("revisionHistoryLimit", 10)
+    spec.setdefault("progressDeadlineSeconds", 600)
+
+
+def allocate_cluster_ip(obj: Mapping[str, Any]) -> dict[str, Any]:
+    """A new Service with its cluster IP allocated (as on create); other objects unchanged."""
+    out = copy.deepcopy(dict(obj))
+    spec = out.get("spec")
+    if out.get("kind") == "Service" and isinstance(spec, dict) and spec.get("type") != "ExternalName":
+        if "clusterIP" not in spec:
+            spec["clusterIP"] = next(_CLUSTER_IPS)
+        spec.setdefault("clusterIPs", [spec["clusterIP"]])
+        spec.setdefault("ipFamilies", ["IPv4"])
+        spec.setdefault("ipFamilyPolicy", "SingleStack")
+    return out
+
+
+def _service(obj: dict[str, Any]) -> None:
+    spec = obj.setdefault("spec", {})
+    spec.setdefault("type", "ClusterIP")
+    spec.setdefault("sessionAffinity", "None")
+    spec.setdefault("internalTrafficPolicy", "Cluster")
+    for port in spec.get("ports") or []:
+        port.setdefault("protocol", "TCP")
+        port.setdefault("targetPort", port.get("port"))
+
+
+def _network_policy(obj: dict[str, Any]) -> None:
+    spec = obj.setdefault("spec", {})
+    if "policyTypes" not in spec:
+        spec["policyTypes"] = ["Ingress"] + (["Egress"] if spec.get("egress") else [])
+    for direction in ("ingress", "egress"):
+        for rule in spec.get(direction) or []:
+            for port in rule.get("ports") or []:
+                port.setdefault("protocol", "TCP")
+
+
+_BUILTIN = {"Deployment": _deployment, "Service": _service, "NetworkPolicy": _network_policy}
+
+
+def builtin_defaults(obj: Mapping[str, Any]) -> dict[str, Any]:
+    """``obj`` with the defaults the API server gives its kind (idempotent)."""
+    out = copy.deepcopy(dict(obj))
+    kind = out.get("kind")
+    if kind in _BUILTIN:
+        _BUILTIN[kind](out)
+    if kind in POD_TEMPLATE_KINDS:
+        pod_spec_defaults(out.setdefault("spec", {}).setdefault("template", {}).setdefault("spec", {}))
+    return out
+
+
+def structural(value: Any, schema: Mapping[str, Any]) -> Any:
+    """``value`` pruned to ``schema`` (unknown fields dropped) with its defaults applied."""
+    if isinstance(value, dict) and schema.get("type") == "object":
+        if schema.get("x-kubernetes-preserve-unknown-fields"):
+            return copy.deepcopy(value)
+        properties = schema.get("properties")
+        if properties is not None:
+            out = {k: structural(v, properties[k]) for k, v in value.items() if k in properties}
+            for name, sub in properties.items():
+                if name not in out and "default" in sub:
+                    out[name] = copy.deepcopy(sub["default"])
+            return out
+        extra = schema.get("additionalProperties")
+        if isinstance(extra, dict):
+            return {k: structural(v, extra) for k, v in value.items()}
+        return copy.deepcopy(value)
+    if isinstance(value, list) and isinstance(schema.get("items"), dict):
+        return [structural(item, schema["items"]) for item in value]
+    return copy.deepcopy(value)
+
+
+def custom_resource_defaults(obj: Mapping[str, Any], schema: Mapping[str, Any]) -> dict[str, Any]:
+    """A custom resource pruned and defaulted by its CRD's ``openAPIV3Schema``.
+
+    ``apiVersion``, ``kind`` and ``metadata`` are the server's own and never pruned.
+    """
+    out = copy.deepcopy(dict(obj))
+    properties = schema.get("properties") or {}
+    for key in list(out):
+        if key in ("apiVersion", "kind", "metadata"):
+            continue
+        if key not in properties:
+            del out[key]
+        else:
+            out[key] = structural(out[key], properties[key])
+    return out
+
+
+def spec_of(obj: Mapping[str, Any]) -> Any:
+    """What ``generation`` tracks: everything but metadata and status (the spec, a ConfigMap's data)."""
+    return {k: v for k, v in obj.items() if k not in ("metadata", "status", "apiVersion", "kind")}
+
+
+def stale(current: Mapping[str, Any], write: Mapping[str, Any] | None) -> str | None:
+    """Why a write's ``metadata.resourceVersion`` (or a delete's ``preconditions``) is stale."""
+    if not isinstance(write, Mapping):
+        return None
+    meta = current.get("metadata") or {}
+    wanted = dict(write.get("preconditions") or {})
+    for key in ("uid", "resourceVersion"):
+        value = (write.get("metadata") or {}).get(key)
+        if value is not None:
+            wanted[key] = value
+    for key, value in wanted.items():
+        if value is not None and meta.get(key) != value:
+            return f"precondition failed: {key} {value!r} is not the object's {meta.get(key)!r}"
+    return None
+
+
+def _requirement(term: str) -> tuple[str, str, str | None]:
+    term = term.strip()
+    if "!=" in term:
+        key, _, value = term.partition("!=")
+        return key.strip(), "!=", value.strip()
+    if "==" in term or "=" in term:
+        key, _, value = term.replace("==", "=").partition("=")
+        return key.strip(), "=", value.strip()
+    if term.startswith("!"):
+        return term[1:].strip(), "!", None
+    return term, "exists", None
+
+
+def selects(selector: str | None, labels: Mapping[str, str] | None) -> bool:
+    """Whether an equality-based ``labelSelector`` (``a=b,c!=d,e,!f``) selects ``labels``."""
+    labels = labels or {}
+    for term in filter(None, (selector or "").split(",")):
+        key, op, value = _requirement(term)
+        if op == "=" and labels.get(key) != value:
+            return False
+        if op == "!=" and labels.get(key) == value:
+            return False
+        if op == "exists" and key not in labels:
+            return False
+        if op == "!" and key in labels:
+            return False
+    return True
+
+
+def merge_patch(obj: Mapping[str, Any], patch: Mapping[str, Any]) -> dict[str, Any]:
+    """RFC 7386, as the API server applies ``application/merge-patch+json``."""
+    out = copy.deepcopy(dict(obj))
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        elif isinstance(value, Mapping):
+            base = out.get(key)
+            out[key] = merge_patch(base if isinstance(base, Mapping) else {}, value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def changes(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
+    """The merge patch from ``old`` to ``new`` (how the emulator stores a computed object)."""
+    patch: dict[str, Any] = {key: None for key in old if key not in new}
+    for key, value in new.items():
+        before = old.get(key)
+        if isinstance(value, Mapping) and isinstance(before, Mapping):
+            sub = changes(before, value)
+            if sub:
+                patch[key] = sub
+        elif key not in old or before != value:
+            patch[key] = copy.deepcopy(value)
+    return patch
+
