@@ -32,6 +32,8 @@ pytestmark = [pytest.mark.faults, pytest.mark.timeout(120)]
 NAMESPACE = "team-a"
 ALL = frozenset({"*"})
 MONITORING = {"kubernetes.io/metadata.name": "monitoring", "team": "observability"}
+# metricsFrom names the scraper's pods: its namespace's labels and its own.
+SCRAPER = {"namespaceSelector": {"team": "observability"}, "podSelector": {"app": "prometheus"}}
 
 
 # --- a NetworkPolicy evaluator (ingress, pod peers) ---------------------------------------------
@@ -107,6 +109,11 @@ def peers(pool: str, metrics_ns: dict[str, str]) -> dict[str, dict[str, Any]]:
             "namespace_labels": metrics_ns,
             "labels": {"app": "prometheus"},
         },
+        "monitoring-neighbour": {  # another pod in the scraper's namespace
+            "namespace": "monitoring",
+            "namespace_labels": metrics_ns,
+            "labels": {"app": "grafana"},
+        },
         "stranger": {
             "namespace": "elsewhere",
             "namespace_labels": {"kubernetes.io/metadata.name": "elsewhere"},
@@ -124,7 +131,7 @@ def children(spec: dict[str, Any]) -> dict[str, dict[str, Any]]:
 SPECS = {
     "single": pool_spec(),
     "ha": pool_spec(master={"replicas": 2, "ha": {"enabled": True, "etcdEndpoints": ["etcd.team-a:2379"]}}),
-    "metrics-from": pool_spec(networkPolicy={"metricsFrom": [{"team": "observability"}]}),
+    "metrics-from": pool_spec(networkPolicy={"metricsFrom": [SCRAPER]}),
 }
 
 
@@ -151,6 +158,7 @@ def test_network_policy_covers_the_master_admin_and_rpc_ports(case: str) -> None
         frozenset({admin}) if metrics_from else frozenset()
     )
     assert rpc not in reachable_ports(policy, master_pod, who["monitoring"])
+    assert reachable_ports(policy, master_pod, who["monitoring-neighbour"]) == frozenset()
     # The store pods: only the pool's own pods, whatever port.
     assert reachable_ports(policy, store_pod, who["consumer"]) == ALL
     for outsider in ("neighbour", "stranger"):
@@ -164,7 +172,7 @@ def test_network_policy_covers_the_master_admin_and_rpc_ports(case: str) -> None
 
 def test_metrics_from_never_opens_a_store_port() -> None:
     spec = pool_spec(
-        networkPolicy={"metricsFrom": [{"team": "observability"}]}, store={"segmentSize": "1GB", "port": 9003}
+        networkPolicy={"metricsFrom": [SCRAPER]}, store={"segmentSize": "1GB", "port": 9003}
     )
     plan = build_plan("pool", NAMESPACE, spec)
     if not plan.valid:
