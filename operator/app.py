@@ -26,7 +26,7 @@ from kvpool.operator.metrics import OperatorMetrics, serve_metrics
 from kvpool.operator.names import POOLS
 from kvpool.operator.policy import OperatorPolicy
 from kvpool.operator.reconcile import Notify, Reconciler
-from kvpool.operator.validation import admission_problems
+from kvpool.operator.validation import admission_problems, admission_warnings
 
 POOL = (POOLS.group, POOLS.version, POOLS.plural)
 VALIDATE_ID = "validate-pool"
@@ -181,10 +181,10 @@ def make_registry(
         ) -> None:
             if operation == "UPDATE" and not spec_changed(old, body):
                 return  # metadata/status updates (e.g. a finalizer's removal) never block
-            message, cautions = admission_problems(body, options.policy)
+            message = admission_problems(body, options.policy)
             if message:
                 raise kopf.AdmissionError(message, code=422)
-            warnings.extend(cautions)
+            warnings.extend(admission_warnings(body, options.policy))
 
     @kopf.on.probe(registry=registry, id="pools")
     def pools(**_: Any) -> int:

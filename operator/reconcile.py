@@ -85,6 +85,17 @@ def announce(old: Mapping[str, Any], new: Mapping[str, Any], notify: Notify) -> 
             notify("Warning", "PoolWarning", warning)
 
 
+def held_back(injection: Injection) -> ConsumerState:
+    """A consumer left as it is while some child of the pool is not the pool's."""
+    return ConsumerState(
+        injection.deployment,
+        injection.config_hash,
+        injection.layout_fingerprint,
+        False,
+        "held back: not every object of the pool is its own (see the Conflict condition)",
+    )
+
+
 async def roll_consumer(
     kube: KubeClient, namespace: str, injection: Injection, notify: Notify
 ) -> ConsumerState:
@@ -168,7 +179,12 @@ async def converge(
             live[key] = applied.live
     for resource, child_name in plan.absent:
         await ensure_absent(kube, resource, namespace, child_name, uid)
-    consumers = [await roll_consumer(kube, namespace, c, notify) for c in plan.consumers]
+    if refused:
+        # A consumer pointed at a Service or ConfigMap that is not the pool's would send its
+        # KV elsewhere: no consumer is changed until every child is the pool's own.
+        consumers = [held_back(c) for c in plan.consumers]
+    else:
+        consumers = [await roll_consumer(kube, namespace, c, notify) for c in plan.consumers]
     conflicts += [c.refused for c in consumers if c.refused]
     await release_consumers(kube, namespace, name, {c.deployment for c in plan.consumers}, notify)
     blocked = frozenset(

@@ -38,9 +38,7 @@ def deployment_progress(deployment: Mapping[str, Any] | None) -> Progress:
     available = status.get("availableReplicas", 0)
     if updated == available == desired:
         return Progress(True, f"{available}/{desired} replicas updated and available", True, available)
-    return Progress(
-        False, f"{updated} updated, {available} available of {desired} replicas", True, available
-    )
+    return Progress(False, f"{updated} updated, {available} available of {desired} replicas", True, available)
 
 
 @dataclass(frozen=True)

@@ -227,14 +227,22 @@ def describe(problems: list[Problem]) -> str:
     return "; ".join(str(p) for p in problems)
 
 
-def admission_problems(
-    body: Mapping[str, Any], policy: OperatorPolicy | None = None
-) -> tuple[str | None, list[str]]:
-    """The webhook's verdict on a pool object: a message naming every field and rule (or
-    None), and the warnings to show its author."""
+def _admitted(
+    body: Mapping[str, Any], policy: OperatorPolicy | None
+) -> tuple[PoolSpec | None, list[Problem]]:
     meta = body.get("metadata") or {}
     name = meta.get("name") or meta.get("generateName") or "pool"
     spec, _, problems = validate(name, meta.get("namespace") or "default", body.get("spec"), policy)
-    if problems:
-        return describe(problems), []
-    return None, [str(w) for w in warnings(spec)] if spec is not None else []
+    return spec, problems
+
+
+def admission_problems(body: Mapping[str, Any], policy: OperatorPolicy | None = None) -> str | None:
+    """The webhook's verdict on a pool object: a message naming every field and rule, or None."""
+    _, problems = _admitted(body, policy)
+    return describe(problems) if problems else None
+
+
+def admission_warnings(body: Mapping[str, Any], policy: OperatorPolicy | None = None) -> list[str]:
+    """What the webhook tells the author of an admitted pool (``warnings``)."""
+    spec, problems = _admitted(body, policy)
+    return [str(w) for w in warnings(spec)] if spec is not None and not problems else []

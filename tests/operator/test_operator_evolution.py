@@ -56,8 +56,10 @@ async def test_every_change_converges_and_uses_every_rule(cluster: Cluster, oper
     )
     assert response.status == 200
     await eventually(
-        lambda: (cluster.get(PDBS, "pool-master") or {}).get("spec", {}).get("maxUnavailable") == 1
-        and "minAvailable" not in cluster.get(PDBS, "pool-master")["spec"],
+        lambda: (
+            (cluster.get(PDBS, "pool-master") or {}).get("spec", {}).get("maxUnavailable") == 1
+            and "minAvailable" not in cluster.get(PDBS, "pool-master")["spec"]
+        ),
         what="the PodDisruptionBudget re-applied",
     )
 

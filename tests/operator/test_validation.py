@@ -122,9 +122,9 @@ def test_an_invalid_plan_builds_nothing() -> None:
 
 def test_the_webhook_uses_the_same_messages() -> None:
     raw = with_consumer_layout(groups=[full_group(), {"kind": "cross", "block_size": 16}])
-    message, warnings = admission_problems(pool_manifest(spec=raw))
-    assert message == str(build_plan("pool", "team-a", raw).problems[0]) and warnings == []
-    assert admission_problems(pool_manifest()) == (None, [])
+    message = admission_problems(pool_manifest(spec=raw))
+    assert message == str(build_plan("pool", "team-a", raw).problems[0])
+    assert admission_problems(pool_manifest()) is None
 
 
 def test_webhook_lets_metadata_updates_and_deletions_through() -> None:

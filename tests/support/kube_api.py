@@ -28,7 +28,7 @@ import kmock
 
 from kvpool.operator.app import OperatorOptions, run
 from kvpool.operator.crd import build_crd
-from kvpool.operator.names import DEPLOYMENTS, POOL_SHORT_NAMES, POOL_SINGULAR, POOLS
+from kvpool.operator.names import DEPLOYMENTS, POOL_SHORT_NAMES, POOL_SINGULAR, POOLS, api_resource_of
 from kvpool.operator.rbac import allowed, implied_permissions, request_permission
 from tests.support import server_side
 
@@ -382,12 +382,10 @@ class Cluster:
         return list(self.api.objects[plural_path, self.namespace, name].history)
 
     async def create(self, obj: dict[str, Any]) -> dict[str, Any]:
-        """Create a Deployment or a pool (in its own namespace, else the cluster's)."""
-        api_version = obj["apiVersion"]
-        root = f"/apis/{api_version}" if "/" in api_version else f"/api/{api_version}"
-        plural = {DEPLOYMENTS.kind: DEPLOYMENTS.plural, POOLS.kind: POOLS.plural}[obj["kind"]]
+        """Create an object of a kind the operator knows (in its own namespace, else the cluster's)."""
+        resource = api_resource_of(obj)
         namespace = obj["metadata"].get("namespace", self.namespace)
-        response = await self.api.post(f"{root}/namespaces/{namespace}/{plural}", json=obj)
+        response = await self.api.post(resource.path(namespace), json=obj)
         assert response.status in (200, 201), await response.text()
         return await response.json()
 

@@ -261,4 +261,3 @@ def changes(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
         elif key not in old or before != value:
             patch[key] = copy.deepcopy(value)
     return patch
-
