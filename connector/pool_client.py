@@ -26,8 +26,11 @@ T = TypeVar("T")
 CODE_STORE_FULL = -200
 CODE_BUFFER_TOO_SMALL = -600
 CODE_OBJECT_NOT_FOUND = -704
+CODE_OBJECT_EXISTS = -705
 CODE_TRANSFER_FAILED = -800
 CODE_RPC_FAILED = -900
+CODE_RPC_TIMEOUT = -901
+RPC_FAILURES = (CODE_RPC_FAILED, CODE_RPC_TIMEOUT)
 
 # Buffers (scatter/gather entries) per multi-buffer call: Mooncake's TCP transport
 # fails calls past ~2,000 entries (-800) and may stall the client (measured in
@@ -48,6 +51,8 @@ class Outcome(StrEnum):
     STORE_FULL = "store_full"
     TRANSFER_FAILED = "transfer_failed"
     RPC_FAILED = "rpc_failed"
+    TIMEOUT = "timeout"  # past a deadline of the connector's, or Mooncake's RPC timeout
+    CORRUPT = "corrupt"  # an object that is not the block its key names (header check)
     OTHER = "other_error"
 
 
@@ -72,6 +77,8 @@ def classify(code: int, expected_size: int | None = None) -> Outcome:
         return Outcome.TRANSFER_FAILED
     if code == CODE_RPC_FAILED:
         return Outcome.RPC_FAILED
+    if code == CODE_RPC_TIMEOUT:
+        return Outcome.TIMEOUT
     return Outcome.OTHER
 
 
@@ -138,7 +145,7 @@ class PoolClient:
         # then, for a moment, fail at once instead of waiting out each call's RPC
         # timeout (seconds per batch), so requests compute at normal speed
         # meanwhile. One such batch alone (a partial failure) changes nothing.
-        if not codes or not all(code == CODE_RPC_FAILED for code in codes):
+        if not codes or not all(code in RPC_FAILURES for code in codes):
             self._failed_batches = 0
             return
         self._failed_batches += 1
@@ -230,6 +237,56 @@ class PoolClient:
             spans.append((start, len(sizes)))
         return spans
 
+    # --- put sessions: reserve, write, then publish or revoke -----------------
+    def reserve(self, keys: Sequence[str], sizes: Sequence[int]) -> list[int]:
+        """Reserve an object of ``sizes[i]`` bytes under each key; 0 when reserved.
+
+        A reserved object is invisible to lookups and loads until :meth:`publish`;
+        :meth:`revoke` drops it. An existing key answers ``CODE_OBJECT_EXISTS``.
+        """
+        return self._session_call(self._store.batch_put_session_start, list(keys), list(sizes))
+
+    def write(
+        self,
+        keys: Sequence[str],
+        ptrs: Sequence[list[int]],
+        sizes: Sequence[list[int]],
+        offsets: Sequence[list[int]],
+    ) -> list[int]:
+        """Write each reserved key's buffers at ``offsets``; per-key codes (bytes written when >= 0)."""
+        return self._session_call(
+            self._store.batch_put_from_multi_buffer_ranges,
+            list(keys),
+            [list(p) for p in ptrs],
+            [list(s) for s in sizes],
+            [list(o) for o in offsets],
+        )
+
+    def publish(self, keys: Sequence[str]) -> list[int]:
+        """Make written reservations visible; 0 per key when published."""
+        return self._session_call(self._store.batch_put_session_end, list(keys))
+
+    def revoke(self, keys: Sequence[str]) -> list[int]:
+        """Drop reservations: nothing of them is ever visible."""
+        return self._session_call(self._store.batch_put_session_revoke, list(keys))
+
+    def _session_call(self, fn: Callable[..., list[int]], keys: list[str], *args: Any) -> list[int]:
+        if not keys:
+            return []
+        if self.unreachable:
+            return [CODE_RPC_FAILED] * len(keys)
+        try:
+            codes = self._call(fn, keys, *args)
+        except StoreUnavailable:
+            codes = [CODE_RPC_FAILED] * len(keys)
+        except Exception:
+            logger.warning("Mooncake put-session call failed for %d keys", len(keys), exc_info=True)
+            codes = [CODE_RPC_FAILED] * len(keys)
+        if len(codes) != len(keys):  # a client-side rejection of the whole call
+            codes = [CODE_RPC_FAILED] * len(keys)
+        self._note_codes(codes)
+        return codes
+
     def remove(self, keys: Sequence[str]) -> list[int]:
         codes: list[int] = []
         for part in chunks(keys, self.batch_size):
@@ -256,7 +313,7 @@ def open_client(settings: ConnectorSettings, *, global_segment_size: int | None 
 
     ``global_segment_size`` overrides the memory the client contributes (0: none).
     """
-    configure_client_process(settings.tcp_bind_address)
+    configure_client_process(settings.tcp_bind_address, store_timeout_s=settings.store_timeout_s)
     return PoolClient(settings, global_segment_size=global_segment_size)
 
 

@@ -1,15 +1,22 @@
 """Store keys: one key per (layout, rank, group, block prefix hash).
 
 A key names everything that makes a block's bytes interchangeable: the cache
-prefix, the layout fingerprint, the pipeline and tensor rank that produced it,
-the KV-cache group, and a digest of vLLM's chained block hash (so it stands for
-the whole token prefix up to the end of the block). Keys hold no token ids.
+prefix, the layout fingerprint, the object format (the header every object
+starts with, :mod:`kvpool.connector.contract.object_header`), the pipeline and
+tensor rank that produced it, the KV-cache group, and a digest of vLLM's
+chained block hash (so it stands for the whole token prefix up to the end of
+the block). Keys hold no token ids.
 """
 
 from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+
+from kvpool.connector.contract.object_header import VERSION as HEADER_VERSION
+
+#: The object format in every key: objects of another format never share a key.
+OBJECT_FORMAT = f"h{HEADER_VERSION}"
 
 
 def hash_digest(block_hash: bytes) -> str:
@@ -25,7 +32,8 @@ class KeySpace:
     fingerprint: str
 
     def key(self, group: int, tp_rank: int, pp_rank: int, digest: str) -> str:
-        return f"{self.cache_prefix}/{self.fingerprint}/pp{pp_rank}-tp{tp_rank}/g{group}/{digest}"
+        rank = f"pp{pp_rank}-tp{tp_rank}"
+        return f"{self.cache_prefix}/{self.fingerprint}/{OBJECT_FORMAT}/{rank}/g{group}/{digest}"
 
     def rank_keys(self, group: int, tp_size: int, pp_size: int, digest: str) -> list[str]:
         """Keys of every rank for one block: a hit needs all of them."""

@@ -21,6 +21,12 @@ SETUP_RETRIES = "MC_STORE_CLIENT_SETUP_RETRIES"
 #: set up. Mooncake uses it with a metadata server; with ``P2PHANDSHAKE`` it publishes
 #: ``local_hostname``. Either way its listening sockets accept on every interface.
 TCP_BIND_ADDRESS = "MC_TCP_BIND_ADDRESS"
+#: Mooncake's timeout of one RPC to the master (milliseconds; Mooncake's default: 30 s).
+RPC_TIMEOUT_MS = "MC_RPC_TIMEOUT_MS"
+#: Mooncake's TCP transport: seconds without progress, or without a status frame, before a
+#: transfer's connection is dropped and the transfer fails (Mooncake's default: 30 s each).
+TCP_PROGRESS_TIMEOUT_SEC = "MC_TCP_PROGRESS_TIMEOUT_SEC"
+TCP_STATUS_TIMEOUT_SEC = "MC_TCP_STATUS_TIMEOUT_SEC"
 #: Mooncake's log level (glog severities: INFO, WARNING, ERROR).
 LOG_LEVEL = "MC_LOG_LEVEL"
 #: The address vLLM's in-tree Mooncake connector serves on.
@@ -39,13 +45,34 @@ def client_env(bind_address: str) -> dict[str, str]:
     return {SETUP_RETRIES: CLIENT_SETUP_RETRIES, TCP_BIND_ADDRESS: bind_address}
 
 
-def configure_client_process(bind_address: str, environ: MutableMapping[str, str] | None = None) -> None:
+def store_timeout_env(store_timeout_s: int) -> dict[str, str]:
+    """Mooncake's own timeouts, all set to ``store_timeout_s`` (the connector's ``store_timeout_s``).
+
+    They bound how long one call to a frozen master or store stays stuck: an RPC
+    fails after it, a TCP transfer that makes no progress for it drops its
+    connection and fails (so it writes no more bytes).
+    """
+    return {
+        RPC_TIMEOUT_MS: str(store_timeout_s * 1000),
+        TCP_PROGRESS_TIMEOUT_SEC: str(store_timeout_s),
+        TCP_STATUS_TIMEOUT_SEC: str(store_timeout_s),
+    }
+
+
+def configure_client_process(
+    bind_address: str,
+    environ: MutableMapping[str, str] | None = None,
+    *,
+    store_timeout_s: int | None = None,
+) -> None:
     """Set this process's Mooncake client variables; call it before a Mooncake client is set up.
 
-    A setup-retry count already set is kept. The bind address is always set:
-    it is the connector's ``bind_address`` setting, and Mooncake reads it once,
-    when a client is set up.
+    A setup-retry count already set is kept. The bind address (and, when given,
+    the timeouts of :func:`store_timeout_env`) are always set: they are
+    connector settings, and Mooncake reads them when a client is set up.
     """
     target = os.environ if environ is None else environ
     target.setdefault(SETUP_RETRIES, CLIENT_SETUP_RETRIES)
     target[TCP_BIND_ADDRESS] = bind_address
+    if store_timeout_s is not None:
+        target.update(store_timeout_env(store_timeout_s))

@@ -31,6 +31,7 @@ from kvpool.connector.contract.errors import error_message
 from kvpool.connector.contract.mooncake_env import CONFIG_PATH_ENV
 
 MAX_BATCH_KEYS = 1000
+MAX_TIMEOUT_S = 3600.0
 CONNECTOR_NAME = "KVPoolConnector"
 CONNECTOR_MODULE = "kvpool.connector"
 
@@ -120,6 +121,38 @@ class ConnectorSettings(BaseModel):
     batch_size: int = Field(default=256, ge=1, le=MAX_BATCH_KEYS, description="Keys per Mooncake batch call.")
     model_id: str = Field(
         default="", description="Model identity for the layout fingerprint (default: vLLM's)."
+    )
+    # Deadlines: no wait on the pool is unbounded.
+    lookup_timeout_s: float = Field(
+        default=1.0, gt=0, le=MAX_TIMEOUT_S, description="Longest a lookup waits; past it, a miss."
+    )
+    load_timeout_s: float = Field(
+        default=5.0,
+        gt=0,
+        le=MAX_TIMEOUT_S,
+        description="Longest a load waits for its next batch; past it, the load fails and the "
+        "request recomputes.",
+    )
+    save_timeout_s: float = Field(
+        default=5.0,
+        gt=0,
+        le=MAX_TIMEOUT_S,
+        description="Longest a save may take to publish; past it, it is abandoned and publishes nothing.",
+    )
+    shutdown_timeout_s: float = Field(
+        default=10.0, gt=0, le=MAX_TIMEOUT_S, description="Longest shutdown waits for saves in flight."
+    )
+    store_timeout_s: int = Field(
+        default=10,
+        ge=1,
+        le=int(MAX_TIMEOUT_S),
+        description="Mooncake's RPC and TCP no-progress timeouts: how long a call to a stuck "
+        "master or store can hold a transfer thread.",
+    )
+    staging_buffer_size: Size = Field(
+        default=64 << 20,
+        ge=1 << 20,
+        description="Registered buffer per transfer thread that blocks move through (bytes a call).",
     )
 
     @property
