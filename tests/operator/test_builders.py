@@ -215,3 +215,104 @@ def test_consumer_hash_follows_settings_and_layout_only() -> None:
 
 def test_builders_are_deterministic() -> None:
     assert build_plan("pool", NS, pool_spec()) == build_plan("pool", NS, pool_spec())
+
+
+def test_masters_get_default_requests_and_limits_unless_given() -> None:
+    c = container(children(pool_spec())["Deployment/pool-master"])
+    assert c["resources"] == {"limits": {"memory": "2Gi"}, "requests": {"cpu": "250m", "memory": "512Mi"}}
+    # A resource the spec gives (a request or a limit) is left as given; the others take the default.
+    given = pool_spec(master={"resources": {"limits": {"memory": "4Gi"}}})
+    c = container(children(given)["Deployment/pool-master"])
+    assert c["resources"] == {"limits": {"memory": "4Gi"}, "requests": {"cpu": "250m"}}
+
+
+def test_disruption_budgets_spreading_and_priority() -> None:
+    raw = pool_spec(
+        master={
+            "replicas": 3,
+            "ha": {"enabled": True, "etcdEndpoints": ["etcd:2379"]},
+            "priorityClassName": "kv-critical",
+        },
+        store={"segmentSize": "1GB", "replicas": 3, "priorityClassName": "kv-store"},
+    )
+    objs = children(raw)
+    for component in ("master", "store"):
+        pdb = objs[f"PodDisruptionBudget/pool-{component}"]
+        assert pdb["apiVersion"] == "policy/v1"
+        selector = {"matchLabels": names.selector("pool", component)}
+        assert pdb["spec"] == {"maxUnavailable": 1, "selector": selector}
+        pod = objs[f"Deployment/pool-{component}"]["spec"]["template"]["spec"]
+        assert pod["priorityClassName"] == f"kv-{'critical' if component == 'master' else 'store'}"
+        (spread,) = pod["topologySpreadConstraints"]
+        assert spread["labelSelector"] == {"matchLabels": names.selector("pool", component)}
+    store_pod = objs["Deployment/pool-store"]["spec"]["template"]["spec"]
+    assert store_pod["topologySpreadConstraints"][0]["whenUnsatisfiable"] == "ScheduleAnyway"
+    # One store and one master: nothing to spread; no priority class unless asked.
+    single = children(pool_spec(store={"segmentSize": "1GB", "replicas": 1}))
+    for component in ("master", "store"):
+        pod = single[f"Deployment/pool-{component}"]["spec"]["template"]["spec"]
+        assert "topologySpreadConstraints" not in pod and "priorityClassName" not in pod
+    embedded = build_plan("pool", NS, pool_spec(store={"mode": "embedded"}))
+    assert (names.POD_DISRUPTION_BUDGETS, "pool-store") in embedded.absent
+
+
+def test_consumers_transfer_ports_are_closed_to_all_but_the_pool() -> None:
+    from kvpool.operator.network import TRANSFER_PORT_MAX, TRANSFER_PORT_MIN
+
+    policy = children(pool_spec())["NetworkPolicy/pool-consumers"]
+    selector = policy["spec"]["podSelector"]
+    # Consumer pods: the pool label the injection puts on them, and no component label.
+    assert selector == {
+        "matchLabels": {names.LABEL_POOL: "pool"},
+        "matchExpressions": [{"key": names.LABEL_COMPONENT, "operator": "DoesNotExist"}],
+    }
+    pool_rule, others = policy["spec"]["ingress"]
+    assert pool_rule == {"from": [{"podSelector": {"matchLabels": {names.LABEL_POOL: "pool"}}}]}
+    assert "from" not in others  # anyone ...
+    tcp = [(p["port"], p["endPort"]) for p in others["ports"] if p["protocol"] == "TCP"]
+    assert tcp == [(1, TRANSFER_PORT_MIN - 1), (TRANSFER_PORT_MAX + 1, 65535)]  # ... but the transfer ports
+    assert {"protocol": "UDP", "port": 1, "endPort": 65535} in others["ports"]
+    # The consumers' transfer engine is pinned to that range.
+    env = dict(build_plan("pool", NS, pool_spec()).consumers[0].env)
+    pinned = (env["MC_MIN_RPC_PORT"], env["MC_MAX_RPC_PORT"])
+    assert pinned == (str(TRANSFER_PORT_MIN), str(TRANSFER_PORT_MAX))
+    # Embedded mode (vLLM ranks hold the pool's memory): covered the same way.
+    embedded = children(pool_spec(store={"mode": "embedded"}))
+    assert embedded["NetworkPolicy/pool-consumers"] == policy
+
+
+def test_etcd_is_restricted_to_the_pool_when_its_pods_are_named() -> None:
+    ha = {"replicas": 2, "ha": {"enabled": True, "etcdEndpoints": ["etcd-0.etcd:2379", "etcd-1.etcd:2379"]}}
+    assert "NetworkPolicy/pool-etcd" not in children(pool_spec(master=ha))
+    ha["ha"]["etcdPodSelector"] = {"app": "etcd"}
+    policy = children(pool_spec(master=ha))["NetworkPolicy/pool-etcd"]
+    assert policy["spec"]["podSelector"] == {"matchLabels": {"app": "etcd"}}
+    pool_rule, peers = policy["spec"]["ingress"]
+    assert pool_rule == {
+        "from": [{"podSelector": {"matchLabels": {names.LABEL_POOL: "pool"}}}],
+        "ports": [{"protocol": "TCP", "port": 2379}],
+    }
+    assert peers == {"from": [{"podSelector": {"matchLabels": {"app": "etcd"}}}]}
+
+
+def test_the_operator_may_ask_ha_masters_for_their_leader() -> None:
+    from kvpool.operator.policy import OperatorPolicy
+
+    ha = pool_spec(master={"replicas": 2, "ha": {"enabled": True, "etcdEndpoints": ["etcd:2379"]}})
+    policy = OperatorPolicy(operator_namespace="kvpool-system", operator_pod_labels=(("app", "op"),))
+    plan = build_plan("pool", NS, ha, policy)
+    netpol = next(c for c in plan.children if c["metadata"]["name"] == "pool-kvpool")
+    operator_rule = netpol["spec"]["ingress"][-1]
+    assert operator_rule == {
+        "from": [
+            {
+                "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kvpool-system"}},
+                "podSelector": {"matchLabels": {"app": "op"}},
+            }
+        ],
+        "ports": [{"protocol": "TCP", "port": 9003}],
+    }
+    # Not needed (and not opened) for a single master.
+    single = build_plan("pool", NS, pool_spec(), policy)
+    (single_policy,) = [c for c in single.children if c["metadata"]["name"] == "pool-kvpool"]
+    assert len(single_policy["spec"]["ingress"]) == 1

@@ -23,7 +23,7 @@ from kvpool.operator.consumers import (
 )
 from kvpool.operator.merge_patch import apply_merge_patch
 from kvpool.operator.plan import build_plan
-from tests.operator.harness import ORIGINAL_KV_CONFIG, pool_spec, vllm_deployment
+from tests.operator.harness import ORIGINAL_KV_CONFIG, pool_spec, stored, vllm_deployment
 
 
 def injection(**overrides: Any) -> Injection:
@@ -223,4 +223,30 @@ def test_inject_then_restore_is_the_identity(
     assert deployment == original  # pure
     assert len(flags(vllm(new))) == 1
     assert inject_patch(new, injection()) == {}
+    assert restored(new) == original
+
+
+def test_what_the_api_server_adds_is_no_change() -> None:
+    """Settled: the injected Deployment as the server stores it (fieldRef.apiVersion,
+    configMap.defaultMode, ...) needs no patch, so it is never written again."""
+    served = stored(injected(vllm_deployment(), injection()))
+    volume = {"name": names.CONNECTOR_VOLUME, "configMap": {"name": "pool-connector", "defaultMode": 420}}
+    assert volume in served["spec"]["template"]["spec"]["volumes"]
+    assert inject_patch(served, injection()) == {}
+    assert vllm(restored(served))["env"] == vllm(stored(vllm_deployment()))["env"]
+
+
+def test_the_restore_record_keeps_only_what_the_operator_touched() -> None:
+    deployment = vllm_deployment()
+    c = vllm(deployment)
+    c["env"].append({"name": "API_KEY", "value": "s3cr3t-in-env"})
+    c["args"] += ["--api-key", "s3cr3t-in-args"]
+    original = copy.deepcopy(deployment)
+    new = injected(deployment, injection())
+    record = new["metadata"]["annotations"][names.ANNOTATION_RESTORE]
+    for other in ("s3cr3t", "HF_HOME", "/cache", "org/model", "8000"):
+        assert other not in record, other
+    parsed = json.loads(record)
+    assert parsed["env"] == {"PYTHONHASHSEED": {"name": "PYTHONHASHSEED", "value": "42"}}
+    assert parsed["flags"] == [["args", 2, ["--kv-transfer-config", ORIGINAL_KV_CONFIG]]]
     assert restored(new) == original

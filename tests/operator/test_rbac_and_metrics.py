@@ -141,3 +141,52 @@ def test_bad_quantities_and_formatting() -> None:
         parse_quantity("8 gigs")
     assert format_bytes(5 << 29) == "2560Mi"
     assert format_bytes(1000) == "1000"
+
+
+def test_children_with_block_owner_deletion_need_the_pools_finalizers() -> None:
+    from kvpool.operator.rbac import implied_permissions
+
+    body = {
+        "metadata": {
+            "ownerReferences": [
+                {
+                    "apiVersion": "kvpool.mooncake.io/v1alpha1",
+                    "kind": "MooncakeKVPool",
+                    "name": "pool",
+                    "uid": "u",
+                    "blockOwnerDeletion": True,
+                }
+            ]
+        }
+    }
+    (needed,) = implied_permissions("POST", body)
+    assert needed == Permission("kvpool.mooncake.io", "mooncakekvpools/finalizers", "update")
+    assert allowed(needed) is not None
+    assert implied_permissions("GET", body) == []
+    assert implied_permissions("PATCH", {"metadata": {"labels": {}}}) == []
+
+
+def test_cli_policy_options() -> None:
+    args = _parser().parse_args(
+        [
+            "run",
+            "--allowed-image-prefix",
+            "registry.internal/",
+            "--max-store-replicas",
+            "8",
+            "--operator-namespace",
+            "kvpool-system",
+            "--operator-pod-label",
+            "app.kubernetes.io/name=mooncake-kvpool",
+            "--master-health-url",
+            "http://127.0.0.2:{port}/health",
+        ]
+    )
+    config = options_from_args(args)
+    assert config.policy.image_prefixes == ("registry.internal/",)
+    assert (config.policy.max_store_replicas, config.policy.max_master_replicas) == (8, None)
+    assert config.policy.operator_namespace == "kvpool-system"
+    assert config.policy.operator_pod_labels == (("app.kubernetes.io/name", "mooncake-kvpool"),)
+    assert config.master_health_url == "http://127.0.0.2:{port}/health"
+    with pytest.raises(SystemExit, match="KEY=VALUE"):
+        options_from_args(_parser().parse_args(["run", "--operator-pod-label", "novalue"]))

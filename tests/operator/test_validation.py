@@ -137,3 +137,57 @@ def test_webhook_lets_metadata_updates_and_deletions_through() -> None:
     assert spec_changed(pool, changed)
     deleting = {**changed, "metadata": {**pool["metadata"], "deletionTimestamp": "2026-01-01T00:00:00Z"}}
     assert not spec_changed(pool, deleting)
+
+
+def test_a_store_limit_must_hold_the_segment_and_the_clients_overhead() -> None:
+    raw = pool_spec(store={"segmentSize": "4GB", "resources": {"limits": {"memory": "4Gi"}}})
+    (problem,) = build_plan("pool", "ns", raw).problems
+    assert str(problem) == (
+        "spec.store.resources.limits.memory: memory limit 4Gi cannot hold the 4Gi segment plus the "
+        "client's 512Mi overhead: set at least 4608Mi [store-memory]"
+    )
+    enough = {"segmentSize": "4GB", "resources": {"limits": {"memory": "4608Mi"}}}
+    assert problems(pool_spec(store=enough)) == []
+
+
+def test_a_request_above_its_limit_is_refused() -> None:
+    raw = pool_spec(master={"resources": {"requests": {"memory": "2Gi"}, "limits": {"memory": "1Gi"}}})
+    assert ("spec.master.resources.requests.memory", "request-over-limit") in problems(raw)
+
+
+def test_the_operators_policy_caps_images_and_replicas() -> None:
+    from kvpool.operator.policy import OperatorPolicy
+
+    policy = OperatorPolicy(
+        image_prefixes=("registry.internal/",), max_master_replicas=3, max_store_replicas=4
+    )
+    raw = pool_spec(
+        image="docker.io/someone/mooncake:1",
+        master={"replicas": 5, "ha": {"enabled": True, "etcdEndpoints": ["e:2379"]}},
+        store={"segmentSize": "1GB", "replicas": 8},
+    )
+    found = {(p.field, p.rule): str(p) for p in build_plan("pool", "ns", raw, policy).problems}
+    assert set(found) == {
+        ("spec.image", "image-allowlist"),
+        ("spec.master.replicas", "replica-cap"),
+        ("spec.store.replicas", "replica-cap"),
+    }
+    assert "'registry.internal/'" in found[("spec.image", "image-allowlist")]
+    assert "8 replicas are above the operator's cap of 4" in found[("spec.store.replicas", "replica-cap")]
+    assert admission_problems(pool_manifest(spec=raw), policy) is not None
+    allowed = pool_spec(image="registry.internal/mooncake:1")
+    assert build_plan("pool", "ns", allowed, policy).valid
+    assert build_plan("pool", "ns", raw).valid  # no policy: no caps
+
+
+def test_rdma_stores_warn_about_the_restricted_pod_security_standard() -> None:
+    from kvpool.operator.validation import admission_warnings
+
+    raw = pool_spec(store={"segmentSize": "1GB", "protocol": "rdma", "rdmaDevices": ["mlx5_0"]})
+    plan = build_plan("pool", "ns", raw)
+    assert plan.valid
+    (warning,) = plan.warnings
+    assert (warning.field, warning.rule) == ("spec.store.protocol", "pod-security-restricted")
+    assert "IPC_LOCK" in warning.message and "restricted Pod Security Standard" in warning.message
+    assert admission_warnings(pool_manifest(spec=raw)) == [str(warning)]
+    assert build_plan("pool", "ns", pool_spec()).warnings == []

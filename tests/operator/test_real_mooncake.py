@@ -1,0 +1,332 @@
+"""What the operator assumes of Mooncake, checked against the real binaries on loopback.
+
+* HA: masters and stores started with exactly the args the operator renders, on a real
+  three-member etcd cluster whose first member is down (so only a parsed endpoint list
+  reaches it), elect a leader, and the store mounts its segment; a client given the
+  rendered ``master_server_address`` stores and reads a key.
+* Mooncake takes ``;`` (its own docs' separator) between etcd endpoints as well as ``,``.
+* Every master answers ``/health`` (a standby too); the leader check finds the leader
+  that serves, and the next one after the leader is killed.
+* The operator, asking those masters, sets ``MasterReady`` only once a leader serves.
+* A client's transfer engine listens only in the port range the consumers' NetworkPolicy
+  keeps to the pool.
+
+Each master binds its own 127.x address with the same ports, as pods share port numbers
+on their own IPs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvpool.connector.contract.mooncake_env import client_env
+from kvpool.connector.local.pool import find_binary, free_port, start_logged, stop_process
+from kvpool.operator.leader import check_leader
+from kvpool.operator.network import TRANSFER_PORT_ENV, TRANSFER_PORT_MAX, TRANSFER_PORT_MIN
+from kvpool.operator.plan import Plan, build_plan
+from tests.operator.harness import Operator, pool_manifest, pool_spec
+from tests.support.kube_api import NAMESPACE, Cluster, eventually
+
+pytestmark = pytest.mark.mooncake
+
+MASTER_HOSTS = ("127.0.0.2", "127.0.0.3")
+STORE_HOST = "127.0.0.4"
+SEGMENT = 64 << 20
+
+
+@dataclass
+class EtcdCluster:
+    """Debian's etcd as a three-member cluster on 127.0.0.1."""
+
+    members: int = 3
+    workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="kvpool-etcd3-")))
+    ports: list[tuple[int, int]] = field(default_factory=list)
+    processes: list[subprocess.Popen[bytes] | None] = field(default_factory=list)
+
+    @property
+    def endpoints(self) -> list[str]:
+        return [f"127.0.0.1:{client}" for client, _ in self.ports]
+
+    def start(self) -> EtcdCluster:
+        binary = shutil.which("etcd")
+        if binary is None:
+            pytest.fail("etcd not installed: run scripts/setup.sh (etcd-server)")
+        self.ports = [(free_port(), free_port()) for _ in range(self.members)]
+        peers = ",".join(f"m{i}=http://127.0.0.1:{peer}" for i, (_, peer) in enumerate(self.ports))
+        for i, (client, peer) in enumerate(self.ports):
+            command = [
+                binary,
+                f"--name=m{i}",
+                f"--data-dir={self.workdir / f'm{i}'}",
+                f"--listen-client-urls=http://127.0.0.1:{client}",
+                f"--advertise-client-urls=http://127.0.0.1:{client}",
+                f"--listen-peer-urls=http://127.0.0.1:{peer}",
+                f"--initial-advertise-peer-urls=http://127.0.0.1:{peer}",
+                f"--initial-cluster={peers}",
+                "--initial-cluster-state=new",
+            ]
+            self.processes.append(start_logged(command, self.workdir / f"m{i}.log"))
+        deadline = time.monotonic() + 60
+        while not all(self.healthy(endpoint) for endpoint in self.endpoints):
+            assert time.monotonic() < deadline, "the etcd cluster never became healthy"
+            time.sleep(0.2)
+        return self
+
+    @staticmethod
+    def healthy(endpoint: str) -> bool:
+        """etcd's own ``/health``: the member is up and the cluster has a leader."""
+        try:
+            with urllib.request.urlopen(f"http://{endpoint}/health", timeout=2) as response:
+                return bool(json.loads(response.read()).get("health") == "true")
+        except (OSError, ValueError):
+            return False
+
+    def stop_member(self, index: int) -> None:
+        stop_process(self.processes[index])
+        self.processes[index] = None
+
+    def stop(self) -> None:
+        for process in self.processes:
+            stop_process(process)
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+@pytest.fixture
+def etcd() -> Iterator[EtcdCluster]:
+    """Three etcd members; the first, listed first everywhere, stopped (two keep quorum)."""
+    cluster = EtcdCluster().start()
+    cluster.stop_member(0)
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@dataclass
+class Processes:
+    """Processes started from rendered args, stopped by PID."""
+
+    workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="kvpool-ha-")))
+    started: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    def start(self, name: str, command: list[str], env: dict[str, str] | None = None) -> None:
+        self.started[name] = start_logged(command, self.workdir / f"{name}.log", env)
+
+    def stop(self, name: str) -> None:
+        stop_process(self.started.pop(name))
+
+    def log(self, name: str) -> str:
+        return (self.workdir / f"{name}.log").read_text(errors="replace")[-3000:]
+
+    def stop_all(self) -> None:
+        for name in list(self.started):
+            self.stop(name)
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+@pytest.fixture
+def processes() -> Iterator[Processes]:
+    started = Processes()
+    try:
+        yield started
+    finally:
+        started.stop_all()
+
+
+def ha_spec(etcd_endpoints: list[str], rpc_port: int, metrics_port: int) -> dict[str, Any]:
+    return pool_spec(
+        consumers=[],
+        master={
+            "replicas": 2,
+            "rpcPort": rpc_port,
+            "metricsPort": metrics_port,
+            "ha": {"enabled": True, "etcdEndpoints": etcd_endpoints},
+        },
+        store={"segmentSize": SEGMENT, "replicas": 1},
+    )
+
+
+def ha_plan(etcd_endpoints: list[str], rpc_port: int, metrics_port: int) -> Plan:
+    plan = build_plan("pool", NAMESPACE, ha_spec(etcd_endpoints, rpc_port, metrics_port))
+    assert plan.valid, plan.problems
+    return plan
+
+
+def rendered(plan: Plan, deployment: str, pod_ip: str) -> list[str]:
+    """The Deployment's command and args as the kubelet runs them on a pod with ``pod_ip``."""
+    (child,) = [c for c in plan.children if c["kind"] == "Deployment" and c["metadata"]["name"] == deployment]
+    (container,) = child["spec"]["template"]["spec"]["containers"]
+    binary = find_binary(container["command"][0])
+    return [binary, *(arg.replace("$(POD_IP)", pod_ip) for arg in container["args"])]
+
+
+def start_masters(processes: Processes, plan: Plan) -> None:
+    for host in MASTER_HOSTS:
+        # On loopback every address shares one machine: keep the master's HTTP servers on its own.
+        loopback = [f"--metrics_host={host}", f"--http_metadata_server_host={host}", "--rpc_thread_num=2"]
+        processes.start(f"master-{host}", rendered(plan, "pool-master", host) + loopback)
+
+
+def start_store(processes: Processes, plan: Plan) -> None:
+    env = {**os.environ, **client_env(STORE_HOST)}
+    processes.start("store", rendered(plan, "pool-store", STORE_HOST), env)
+
+
+def health_url(host: str, port: int) -> str:
+    return f"http://{host}:{port}/health"
+
+
+async def serving_leader(
+    metrics_port: int, hosts: tuple[str, ...] = MASTER_HOSTS, timeout: float = 90
+) -> str:
+    """The address of the leader once one serves (asking the masters at ``hosts``)."""
+
+    async def ask() -> str | None:
+        for host in hosts:
+            view = await check_leader(health_url(host, metrics_port), metrics_port)
+            if view.serves:
+                return view.message
+        return None
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while (found := await ask()) is None:
+        assert loop.time() < deadline, "no leader serves"
+        await asyncio.sleep(0.2)
+    return found
+
+
+def capacity(host: str, metrics_port: int) -> float:
+    """Store memory mounted on the master at ``host`` (its Prometheus metrics)."""
+    try:
+        with urllib.request.urlopen(f"http://{host}:{metrics_port}/metrics", timeout=3) as response:
+            text = response.read().decode()
+    except OSError:
+        return 0.0
+    for line in text.splitlines():
+        if line.startswith("master_total_capacity_bytes "):
+            return float(line.split()[1])
+    return 0.0
+
+
+def client_round_trip(master_address: str, segment: int = 0) -> subprocess.CompletedProcess[str]:
+    """A Mooncake client given ``master_server_address`` (contributing ``segment`` bytes)
+    stores and reads back a key."""
+    setup = f"s.setup('127.0.0.5', 'P2PHANDSHAKE', {segment}, 16 << 20, 'tcp', '', {master_address!r})"
+    code = (
+        "import sys\n"
+        "from mooncake.store import MooncakeDistributedStore as S\n"
+        "s = S()\n"
+        f"assert {setup} == 0\n"
+        "assert s.put('kvpool-ha-probe', b'x' * 64) == 0\n"
+        "assert s.get('kvpool-ha-probe') == b'x' * 64\n"
+        "print('round trip ok')\n"
+    )
+    env = {**os.environ, **client_env("127.0.0.5")}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.asyncio
+@pytest.mark.parametrize("operator_config", [{"master_health_url": "http://127.0.0.2:{port}/health"}])
+async def test_an_ha_pool_runs_as_rendered_and_is_ready_once_a_leader_serves(
+    cluster: Cluster, operator: Operator, etcd: EtcdCluster, processes: Processes
+) -> None:
+    rpc_port, metrics_port = free_port(), free_port()
+    plan = ha_plan(etcd.endpoints, rpc_port, metrics_port)
+    assert plan.master_address == "etcd://" + ",".join(etcd.endpoints)
+    await cluster.create(pool_manifest(spec=ha_spec(etcd.endpoints, rpc_port, metrics_port)))
+
+    # The Deployments are rolled out, but no master runs: no leader serves.
+    def master_ready() -> dict[str, Any]:
+        cluster.settle()
+        return cluster.condition("pool", "MasterReady")
+
+    down = await eventually(lambda: master_ready().get("reason") == "NoLeader" and master_ready())
+    assert down["status"] == "False" and "cannot ask the masters' health" in down["message"]
+
+    start_masters(processes, plan)
+    leader = await serving_leader(metrics_port)
+    ready = await eventually(lambda: master_ready().get("status") == "True" and master_ready(), timeout=60)
+    assert ready["reason"] == "LeaderServes" and "serves" in ready["message"]
+    assert leader.split()[3] in ready["message"]  # the same leader address
+
+    # The store, with the rendered master_server_address (several etcd endpoints), mounts its segment.
+    start_store(processes, plan)
+    leading_host = leader.split()[3].rsplit(":", 1)[0]
+    await eventually(
+        lambda: capacity(leading_host, metrics_port) >= SEGMENT,
+        timeout=60,
+        what="the store's segment mounted",
+    )
+    result = await asyncio.to_thread(client_round_trip, plan.master_address)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:] + processes.log("store")
+
+    # The leader dies: the standby takes over, and the check finds it.
+    processes.stop(f"master-{leading_host}")
+    survivor = next(h for h in MASTER_HOSTS if h != leading_host)
+    new_leader = await serving_leader(metrics_port, hosts=(survivor,))
+    assert survivor in new_leader
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.asyncio
+async def test_mooncake_takes_semicolons_between_etcd_endpoints_too(
+    etcd: EtcdCluster, processes: Processes
+) -> None:
+    """Mooncake's own docs join etcd endpoints with ``;``; the operator renders ``,`` (the
+    test above): either reaches the live members past a dead first one."""
+    rpc_port, metrics_port = free_port(), free_port()
+    plan = ha_plan(etcd.endpoints, rpc_port, metrics_port)
+    joined = ";".join(etcd.endpoints)
+    host = MASTER_HOSTS[0]
+    args = [a.replace(",".join(etcd.endpoints), joined) for a in rendered(plan, "pool-master", host)]
+    assert f"--etcd_endpoints={joined}" in args
+    processes.start("master", [*args, f"--metrics_host={host}", f"--http_metadata_server_host={host}"])
+    await serving_leader(metrics_port, hosts=(host,))
+    result = await asyncio.to_thread(client_round_trip, f"etcd://{joined}", SEGMENT)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_a_clients_transfer_engine_listens_in_the_pinned_range() -> None:
+    """The consumers' NetworkPolicy keeps ports [TRANSFER_PORT_MIN, TRANSFER_PORT_MAX] to the pool:
+    a client with the injected environment listens there and nowhere else."""
+    from kvpool.connector.local.pool import MooncakeMaster
+
+    master = MooncakeMaster().start()
+    setup = f"s.setup('127.0.0.1', 'P2PHANDSHAKE', {SEGMENT}, 16 << 20, 'tcp', '', {master.address!r})"
+    code = (
+        "import os, subprocess, sys\n"
+        "from mooncake.store import MooncakeDistributedStore as S\n"
+        "s = S()\n"
+        f"assert {setup} == 0\n"
+        "out = subprocess.run(['ss', '-ltnH', '-p'], capture_output=True, text=True).stdout\n"
+        "mine = [l.split()[3] for l in out.splitlines() if f'pid={os.getpid()},' in l]\n"
+        "print(' '.join(p.rsplit(':', 1)[1] for p in mine))\n"
+    )
+    env = {**os.environ, **client_env("127.0.0.1"), **dict(TRANSFER_PORT_ENV)}
+    try:
+        result = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+        )
+    finally:
+        master.stop()
+        shutil.rmtree(master.log_dir, ignore_errors=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ports = [int(p) for p in result.stdout.split()]
+    assert ports, result.stdout
+    assert all(TRANSFER_PORT_MIN <= p <= TRANSFER_PORT_MAX for p in ports), ports
