@@ -14,7 +14,15 @@ import time
 
 from benchmarks.common import REPO_ROOT
 
-BENCHMARKS = ("lookup", "transfer", "bytes_moved", "ttft", "scheduler_overhead", "operator_reconcile")
+BENCHMARKS = (
+    "lookup",
+    "transfer",
+    "bytes_moved",
+    "ttft",
+    "scheduler_overhead",
+    "operator_reconcile",
+    "serving",
+)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -32,6 +32,7 @@ NEEDS = {
     "transfer": [pytest.mark.mooncake],
     "bytes_moved": [pytest.mark.mooncake],
     "ttft": [pytest.mark.mooncake, pytest.mark.engine],
+    "serving": [pytest.mark.mooncake, pytest.mark.engine],
     "scheduler_overhead": [pytest.mark.mooncake],
 }
 

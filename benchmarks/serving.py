@@ -1,0 +1,909 @@
+"""Serving: two vLLM OpenAI API servers on one pool vs local prefix caching only vs no caching.
+
+A fleet of two ``vllm.entrypoints.openai.api_server`` processes (CPU, each
+bound to its own core) serves a multi-turn, shared-prefix chat workload of the
+kind LMCache's and vLLM production-stack's multi-round QA benchmarks use:
+
+* a few long system prompts, each shared by several users;
+* every user opens with a long message of their own (a pasted document), then
+  asks short questions; each turn's prompt carries the whole conversation so
+  far: system prompt, every earlier message and the server's own answers;
+* users come and go as in those benchmarks' sessions: a new user starts every
+  ``turns`` slots and ``active`` conversations run at once. Slot ``k`` is at
+  ``k / rate`` seconds; user ``u``'s turn ``t`` takes slot ``u * turns + t * active``
+  (one request per slot, except while the first users arrive and the last
+  leave) or, if its previous answer is still streaming, the moment it ends. The client sends slot ``k`` to
+  server ``k mod 2`` (round-robin); ``active`` is odd, so every conversation
+  alternates between the servers and a replica always meets history that only
+  the other one has computed.
+
+The same workload (seeded; everything printed) runs against three fleets in
+one run: (1) no prefix caching, (2) vLLM's local prefix caching only, (3) local
+caching plus KVPoolConnector on a local Mooncake master and store. A few
+warm-up requests per server (prompts unrelated to the workload) run first and
+are not measured.
+
+Measured as users measure serving: TTFT (streaming: time to the first token
+chunk), inter-token latency, request throughput; plus, from the servers' own
+``/metrics``, prompt tokens computed vs served from the local cache vs from the
+pool, and the pool's per-group hit rate (the ``vllm:kvpool_*`` series the
+dashboards use). Decoding is greedy (temperature 0, ``ignore_eos``, fixed
+``max_tokens``); every response of (2) and (3) is compared with (1)'s for the
+same request, and any difference makes the benchmark exit non-zero.
+
+``--smoke``: the tiny model, six requests, nothing written; server start-up
+is most of its time, so it starts two pairs of servers, both at once (small KV
+caches), and runs the no-cache fleet on the local-caching pair with a
+``cache_salt`` per request (no request shares a cached block).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from benchmarks import common, pool
+from benchmarks.common import MODELS_DIR, Options, Report, Stat, Table, Target
+
+SERVED_NAME = "kvpool-serving"
+REQUEST_TIMEOUT = 600.0  # seconds; bounds every request
+STARTUP_TIMEOUT = 600.0
+BLOCK_SIZE = 32
+SMOKE_KV_CACHE_BYTES = 128 << 20  # smoke servers start two fleets at once: small caches
+PR_SET_PDEATHSIG = 1  # prctl(2)
+
+#: The serving model: a random-weight Gemma3 (sliding-window + full attention, three
+#: KV-cache groups) of about 0.08 B parameters. The TTFT benchmark's 0.35 B model
+#: prefills ~120 tokens/s on one busy core of this machine (float32; its AVX2 CPU has
+#: no bf16 units): too slow for three fleets of two servers in 20 minutes.
+SERVING_MODEL: dict[str, Any] = {
+    "vocab_size": 32768,
+    "hidden_size": 512,
+    "intermediate_size": 2048,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
+    "sliding_window": 512,
+}
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The multi-turn shared-prefix workload; every field is printed with the results."""
+
+    system_prompts: int
+    system_len: int
+    users: int
+    turns: int
+    active: int
+    first_len: int
+    question_len: int
+    answer_len: int
+    rate: float
+    warmup: int
+    seed: int
+    vocab: int
+
+    def __post_init__(self) -> None:
+        if self.active % 2 == 0 or math.gcd(self.active, self.turns) != 1:
+            raise ValueError("active must be odd and coprime with turns (one request per slot)")
+
+    @property
+    def requests(self) -> int:
+        return self.users * self.turns
+
+    def slot(self, user: int, turn: int) -> int:
+        """The arrival slot of ``user``'s turn ``turn``."""
+        return user * self.turns + turn * self.active
+
+    def describe(self) -> str:
+        return (
+            f"{self.system_prompts} system prompts x {self.system_len} tokens; {self.users} users "
+            f"(user u uses system prompt u mod {self.system_prompts}), {self.turns} turns each, "
+            f"conversations at a time: {self.active}; first message {self.first_len} tokens, then "
+            f"questions of {self.question_len}; answers {self.answer_len} tokens; {self.requests} "
+            f"requests at {self.rate:g} req/s; {self.warmup} warm-up requests per server; "
+            f"seed {self.seed}"
+        )
+
+
+FULL = Workload(
+    system_prompts=3,
+    system_len=1024,
+    users=7,
+    turns=4,
+    active=5,
+    first_len=512,
+    question_len=192,
+    answer_len=32,
+    rate=0.33,
+    warmup=2,
+    seed=2024,
+    vocab=30000,
+)
+SMOKE = Workload(
+    system_prompts=1,
+    system_len=96,
+    users=3,
+    turns=2,
+    active=1,
+    first_len=32,
+    question_len=16,
+    answer_len=4,
+    rate=4.0,
+    warmup=1,
+    seed=7,
+    vocab=500,
+)
+
+
+@dataclass(frozen=True)
+class Fleet:
+    """One configuration of the two servers."""
+
+    name: str
+    label: str
+    prefix_caching: bool
+    pool: bool
+
+
+FLEETS = (
+    Fleet("none", "no prefix caching", prefix_caching=False, pool=False),
+    Fleet("local", "local prefix caching", prefix_caching=True, pool=False),
+    Fleet("pool", "local caching + pool", prefix_caching=True, pool=True),
+)
+
+
+# --- the workload's token ids ---------------------------------------------------------
+class Conversations:
+    """Seeded token ids of every system prompt and user message; prompts from answers so far."""
+
+    def __init__(self, wl: Workload):
+        rng = random.Random(wl.seed)
+
+        def ids(n: int) -> list[int]:
+            return [rng.randrange(3, wl.vocab) for _ in range(n)]
+
+        self.wl = wl
+        self.systems = [ids(wl.system_len) for _ in range(wl.system_prompts)]
+        self.messages = [
+            [ids(wl.first_len if t == 0 else wl.question_len) for t in range(wl.turns)]
+            for _ in range(wl.users)
+        ]
+        self.warmups = [ids(wl.system_len) for _ in range(2 * wl.warmup)]
+
+    def prompt(self, user: int, turn: int, answers: dict[tuple[int, int], list[int]]) -> list[int]:
+        """System prompt, then every earlier message and answer of ``user``, then this turn's message."""
+        out = list(self.systems[user % self.wl.system_prompts])
+        for t in range(turn):
+            out += self.messages[user][t] + answers.get((user, t), [])
+        return out + self.messages[user][turn]
+
+
+# --- the servers -------------------------------------------------------------------------
+def _model(smoke: bool) -> Path:
+    from kvpool.connector.local.tiny_model import build_gemma3
+
+    if smoke:
+        return build_gemma3(MODELS_DIR / "bench-gemma3-tiny")
+    return build_gemma3(MODELS_DIR / "bench-gemma3-serving", **SERVING_MODEL)
+
+
+def _cores() -> list[int]:
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return list(range(os.cpu_count() or 1))
+
+
+def _own_session() -> None:
+    """In the child: a session of its own (its engine and worker join its group), ended with us."""
+    os.setsid()
+    if sys.platform == "linux":  # SIGTERM when the benchmark dies, even by SIGKILL: no orphans
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+@dataclass
+class ApiServer:
+    """``python -m vllm.entrypoints.openai.api_server`` on loopback, as a user runs it on CPU."""
+
+    model: Path
+    core: int
+    prefix_caching: bool
+    kv_transfer_config: dict[str, Any] | None = None
+    kv_cache_bytes: int | None = None  # None: VLLM_CPU_KVCACHE_SPACE=1 (1 GiB)
+    port: int = 0
+    log_path: Path = field(
+        default_factory=lambda: Path(tempfile.mkstemp(prefix="kvpool-serving-", suffix=".log")[1])
+    )
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        args = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(self.model),
+            "--served-model-name", SERVED_NAME,
+            "--host", "127.0.0.1",
+            "--port", str(self.port),
+            "--skip-tokenizer-init",
+            "--enforce-eager",
+            "--dtype", "float32",
+            "--block-size", str(BLOCK_SIZE),
+            "--max-model-len", "4096",
+            "--max-num-batched-tokens", "2048",
+            "--max-num-seqs", "16",
+            "--seed", "0",
+            "--disable-uvicorn-access-log",
+            "--enable-prefix-caching" if self.prefix_caching else "--no-enable-prefix-caching",
+        ]  # fmt: skip
+        if self.kv_transfer_config is not None:
+            args += ["--kv-transfer-config", json.dumps(self.kv_transfer_config)]
+        if self.kv_cache_bytes is not None:
+            args += ["--kv-cache-memory-bytes", str(self.kv_cache_bytes)]
+        return args
+
+    def env(self) -> dict[str, str]:
+        from kvpool.connector.contract.mooncake_env import client_env
+        from kvpool.connector.local.pool import LOOPBACK
+
+        env = {
+            **os.environ,
+            **client_env(LOOPBACK),
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_CPU_OMP_THREADS_BIND": str(self.core),
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "1",  # the server as users run it (the package sets 0)
+            "VLLM_LOGGING_LEVEL": "INFO",  # to its log file: the KV cache size line
+            "VLLM_HOST_IP": LOOPBACK,
+        }
+        if self.kv_cache_bytes is not None:  # the variable would override the flag
+            del env["VLLM_CPU_KVCACHE_SPACE"]
+        return env
+
+    def start(self) -> ApiServer:
+        from kvpool.connector.local.pool import free_port
+
+        self.port = self.port or free_port()
+        log = self.log_path.open("ab")
+        self.process = subprocess.Popen(
+            self.command(), stdout=log, stderr=subprocess.STDOUT, env=self.env(), preexec_fn=_own_session
+        )
+        log.close()
+        return self
+
+    def wait_ready(self, deadline: float) -> None:
+        assert self.process is not None
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as response:
+                    if response.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"server on {self.url} not ready:\n{self.log_tail()}")
+
+    def stop(self) -> None:
+        """SIGTERM to the server; SIGKILL to its process group (its engine and worker) if it lingers."""
+        process = self.process
+        if process is None:
+            return
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(30)
+        # The group is this server's own session: its engine core and worker.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait(10)
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def kv_cache_tokens(self) -> int | None:
+        match = re.search(r"KV cache size: ([\d,]+) tokens", self.log_path.read_text(errors="replace"))
+        return int(match.group(1).replace(",", "")) if match else None
+
+    def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as response:
+            return parse_metrics(response.read().decode())
+
+
+def parse_metrics(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Samples of a Prometheus text exposition, ``vllm_`` names written back as ``vllm:``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            name = "vllm:" + sample.name[5:] if sample.name.startswith("vllm_") else sample.name
+            labels = tuple(
+                sorted((k, v) for k, v in sample.labels.items() if k not in ("model_name", "engine"))
+            )
+            out[(name, labels)] = out.get((name, labels), 0.0) + sample.value
+    return out
+
+
+# --- the client ----------------------------------------------------------------------------
+@dataclass
+class Sent:
+    """One request as the client saw it (times in seconds since the phase started)."""
+
+    user: int
+    turn: int
+    server: int
+    prompt_len: int
+    scheduled: float
+    sent: float = 0.0
+    first: float | None = None
+    done: float | None = None
+    token_ids: list[int] = field(default_factory=list)
+    gaps: list[float] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first is None else self.first - self.sent
+
+
+async def _stream(
+    session: Any, url: str, prompt: list[int], max_tokens: int, rec: Sent, t0: float, salt: str | None = None
+) -> None:
+    """POST a streaming completion; note the first token chunk, every later gap and the tokens."""
+    body: dict[str, Any] = {
+        "model": SERVED_NAME,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "return_token_ids": True,
+    }
+    if salt is not None:  # a prefix no other request shares: nothing cached applies
+        body["cache_salt"] = salt
+    rec.sent = time.perf_counter() - t0
+    last: float | None = None
+    try:
+        async with session.post(f"{url}/v1/completions", json=body) as response:
+            if response.status != 200:
+                rec.error = f"HTTP {response.status}: {(await response.text())[:200]}"
+                return
+            async for raw in response.content:
+                line = raw.strip()
+                if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                    continue
+                ids = json.loads(line[6:])["choices"][0].get("token_ids") or []
+                if not ids:
+                    continue
+                now = time.perf_counter() - t0
+                if rec.first is None:
+                    rec.first = now
+                elif last is not None:
+                    rec.gaps += [(now - last) / len(ids)] * len(ids)
+                last = now
+                rec.token_ids += ids
+    except (TimeoutError, OSError, ValueError) as exc:
+        rec.error = f"{type(exc).__name__}: {exc}"[:300]
+    rec.done = time.perf_counter() - t0
+    if rec.error is None and len(rec.token_ids) != max_tokens:
+        rec.error = f"{len(rec.token_ids)} tokens, expected {max_tokens}"
+
+
+def _session() -> Any:
+    import aiohttp
+
+    return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT), read_bufsize=1 << 20)
+
+
+async def _warmup(urls: Sequence[str], convs: Conversations) -> None:
+    """``warmup`` unrelated requests per server, one at a time per server (not measured)."""
+    wl = convs.wl
+    t0 = time.perf_counter()
+    async with _session() as session:
+
+        async def per_server(i: int, url: str) -> None:
+            for j in range(wl.warmup):
+                rec = Sent(-1, j, i, 0, 0.0)
+                await _stream(session, url, convs.warmups[i * wl.warmup + j], wl.answer_len, rec, t0)
+                if rec.error:
+                    raise RuntimeError(f"warm-up request to {url} failed: {rec.error}")
+
+        await asyncio.gather(*(per_server(i, url) for i, url in enumerate(urls)))
+
+
+async def _drive(urls: Sequence[str], convs: Conversations, salted: bool = False) -> list[Sent]:
+    """The measured workload: each (user, turn) at its slot (after the user's last answer), slot mod n."""
+    wl = convs.wl
+    answers: dict[tuple[int, int], list[int]] = {}
+    answered = {(u, t): asyncio.Event() for u in range(wl.users) for t in range(wl.turns)}
+    records: list[Sent] = []
+    t0 = time.perf_counter()
+    async with _session() as session:
+
+        async def one(user: int, turn: int) -> None:
+            k = wl.slot(user, turn)
+            await asyncio.sleep(max(0.0, t0 + k / wl.rate - time.perf_counter()))
+            if turn:
+                await answered[(user, turn - 1)].wait()
+            prompt = convs.prompt(user, turn, answers)
+            rec = Sent(user, turn, k % len(urls), len(prompt), k / wl.rate)
+            records.append(rec)
+            try:
+                salt = f"u{user}t{turn}" if salted else None
+                await _stream(session, urls[k % len(urls)], prompt, wl.answer_len, rec, t0, salt)
+            finally:
+                answers[(user, turn)] = rec.token_ids
+                answered[(user, turn)].set()
+
+        await asyncio.gather(*(one(u, t) for u in range(wl.users) for t in range(wl.turns)))
+    return sorted(records, key=lambda r: (r.turn, r.user))
+
+
+# --- one fleet -------------------------------------------------------------------------------
+@dataclass
+class FleetRun:
+    """What one configuration produced."""
+
+    fleet: str
+    records: list[Sent]
+    metrics: dict[str, Any]
+    kv_cache_tokens: list[int | None]
+    started_seconds: float
+    loadavg: tuple[float, float]
+
+
+def _metric_delta(
+    before: list[dict[Any, float]], after: list[dict[Any, float]]
+) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Counter increments over the measured phase, summed over the servers."""
+    out: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+    for b, a in zip(before, after, strict=True):
+        for key, value in a.items():
+            out[key] = out.get(key, 0.0) + value - b.get(key, 0.0)
+    return out
+
+
+def _summarise_metrics(delta: dict[tuple[str, tuple[tuple[str, str], ...]], float]) -> dict[str, Any]:
+    from kvpool.connector.contract import metric_names as mn
+
+    def total(name: str, **labels: str) -> float:
+        return sum(
+            v for (n, lab), v in delta.items() if n == name and all((k, x) in lab for k, x in labels.items())
+        )
+
+    by_source = {
+        s: total("vllm:prompt_tokens_by_source_total", source=s)
+        for s in ("local_compute", "local_cache_hit", "external_kv_transfer")
+    }
+    groups: dict[str, dict[str, Any]] = {}
+    for (name, labels), value in delta.items():
+        if name == mn.GROUP_HIT_TOKENS.exported:
+            lab = dict(labels)
+            groups[lab["group"]] = {"kind": lab["group_kind"], "hit_tokens": value}
+    transfers = {
+        op: {
+            "requests": total(f"{mn.TRANSFER_SIZE_BYTES.name}_count", operation=op),
+            "bytes": total(f"{mn.TRANSFER_SIZE_BYTES.name}_sum", operation=op),
+            "group_seconds": total(f"{mn.OPERATION_SECONDS.name}_sum", operation=op),
+        }
+        for op in (mn.LOAD, mn.SAVE)
+    }
+    return {
+        "prompt_tokens": total("vllm:prompt_tokens_total"),
+        "by_source": by_source,
+        "lookups": total(mn.LOOKUPS.exported),
+        "lookup_query_tokens": total(mn.LOOKUP_QUERY_TOKENS.exported),
+        "lookup_hit_tokens": total(mn.LOOKUP_HIT_TOKENS.exported),
+        "groups": dict(sorted(groups.items(), key=lambda kv: int(kv[0]))),
+        "transfers": transfers,
+        "lookup_seconds": total(f"{mn.OPERATION_SECONDS.name}_sum", operation=mn.LOOKUP),
+        "failures": total(mn.FAILURES.exported),
+        "load_error_blocks": total(mn.LOAD_ERROR_BLOCKS.exported),
+        "preemptions": total("vllm:num_preemptions_total"),
+    }
+
+
+def _server_key(fleet: Fleet, smoke: bool) -> tuple[bool, bool]:
+    """(prefix caching, pool) of the servers ``fleet`` runs on.
+
+    The smoke runs its no-cache fleet on the local-caching servers with a
+    ``cache_salt`` per request (no request shares a cached block), so that it
+    starts two pairs of servers instead of three.
+    """
+    return (fleet.prefix_caching or smoke, fleet.pool)
+
+
+def _start_pair(
+    key: tuple[bool, bool], model: Path, transfer: dict[str, Any], smoke: bool
+) -> list[ApiServer]:
+    """Two servers (prefix caching, pool) = ``key``, each bound to its own core; started, not yet ready."""
+    cores = _cores()
+    servers = [
+        ApiServer(
+            model,
+            cores[i % len(cores)],
+            key[0],
+            transfer if key[1] else None,
+            kv_cache_bytes=SMOKE_KV_CACHE_BYTES if smoke else None,
+        )
+        for i in range(2)
+    ]
+    for server in servers:
+        server.start()
+    return servers
+
+
+def _measure_fleet(
+    fleet: Fleet, servers: list[ApiServer], started: float, convs: Conversations, salted: bool
+) -> FleetRun:
+    """Wait for the servers, warm them up, run the workload and read their /metrics."""
+    deadline = time.monotonic() + STARTUP_TIMEOUT
+    for server in servers:
+        server.wait_ready(deadline)
+    startup = time.perf_counter() - started
+    print(
+        f"[{fleet.name}] servers ready {startup:.0f} s after start; warming up", file=sys.stderr, flush=True
+    )
+    urls = [s.url for s in servers]
+    asyncio.run(_warmup(urls, convs))
+    time.sleep(1.0)  # the last step's stats reach /metrics
+    before = [s.metrics() for s in servers]
+    load_before = os.getloadavg()[0]
+    records = asyncio.run(_drive(urls, convs, salted))
+    load_after = os.getloadavg()[0]
+    time.sleep(2.0)
+    after = [s.metrics() for s in servers]
+    for server in servers:
+        if server.process is not None and server.process.poll() is not None:
+            raise RuntimeError(f"a server died during the run:\n{server.log_tail()}")
+    return FleetRun(
+        fleet.name,
+        records,
+        _summarise_metrics(_metric_delta(before, after)),
+        [s.kv_cache_tokens() for s in servers],
+        startup,
+        (load_before, load_after),
+    )
+
+
+def _run_fleets(
+    model: Path, convs: Conversations, transfer: dict[str, Any], smoke: bool
+) -> dict[str, FleetRun]:
+    """Every fleet in turn; a fleet's servers start once the one before has stopped (smoke: all at once)."""
+    keys = [_server_key(f, smoke) for f in FLEETS]
+    last_use = {k: i for i, k in enumerate(keys)}
+    pairs: dict[tuple[bool, bool], tuple[list[ApiServer], float]] = {}
+    runs: dict[str, FleetRun] = {}
+    try:
+        for i, fleet in enumerate(FLEETS):
+            for k in dict.fromkeys(keys[i:] if smoke else keys[i : i + 1]):
+                if k not in pairs and last_use[k] >= i:
+                    pairs[k] = (_start_pair(k, model, transfer, smoke), time.perf_counter())
+            servers, started = pairs[keys[i]]
+            salted = smoke and not fleet.prefix_caching
+            runs[fleet.name] = _measure_fleet(fleet, servers, started, convs, salted)
+            s = summarise(runs[fleet.name])
+            print(
+                f"[{fleet.name}] TTFT p50 {s.ttft_p50:.3f} s p99 {s.ttft_p99:.3f} s, "
+                f"{s.throughput:.3f} req/s, {s.errors} errors",
+                file=sys.stderr,
+                flush=True,
+            )
+            if last_use[keys[i]] == i:
+                for server in pairs.pop(keys[i])[0]:
+                    server.stop()
+    finally:
+        for servers, _ in pairs.values():
+            for server in servers:
+                server.stop()
+    return runs
+
+
+# --- statistics and the report --------------------------------------------------------------
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0..100), linear between closest ranks."""
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    pos = (len(ordered) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+@dataclass
+class Summary:
+    """One fleet's headline numbers."""
+
+    ttft_p50: float
+    ttft_p90: float
+    ttft_p99: float
+    itl_p50: float
+    throughput: float
+    ok: int
+    errors: int
+
+
+def summarise(run: FleetRun) -> Summary:
+    ok = [r for r in run.records if r.error is None and r.ttft is not None]
+    ttfts = [r.ttft for r in ok if r.ttft is not None]
+    gaps = [g for r in ok for g in r.gaps]
+    span = max((r.done or 0.0) for r in run.records) - min(r.scheduled for r in run.records)
+    return Summary(
+        percentile(ttfts, 50),
+        percentile(ttfts, 90),
+        percentile(ttfts, 99),
+        percentile(gaps, 50),
+        len(ok) / span if span > 0 else float("nan"),
+        len(ok),
+        len(run.records) - len(ok),
+    )
+
+
+def compare_outputs(reference: FleetRun, other: FleetRun) -> list[str]:
+    """Requests whose prompt or answer differs from the reference fleet's (or failed)."""
+    ref = {(r.user, r.turn): r for r in reference.records}
+    problems = []
+    for rec in other.records:
+        base = ref.get((rec.user, rec.turn))
+        where = f"{other.fleet}: user {rec.user} turn {rec.turn}"
+        if rec.error or base is None or base.error:
+            problems.append(f"{where}: failed ({rec.error or (base.error if base else 'missing')})")
+        elif rec.prompt_len != base.prompt_len or rec.token_ids != base.token_ids:
+            problems.append(
+                f"{where}: answer differs from no-cache ({rec.token_ids[:6]} vs {base.token_ids[:6]})"
+            )
+    return problems
+
+
+def run(opts: Options) -> Report:
+    from kvpool.connector.local.pool import LocalPool
+
+    wl = SMOKE if opts.smoke else FULL
+    model = _model(opts.smoke)
+    convs = Conversations(wl)
+    print(f"workload: {wl.describe()}", file=sys.stderr, flush=True)
+    with LocalPool(segment_size="512MB" if opts.smoke else "3GB") as lp:
+        transfer = pool.settings(lp.address, f"serving{os.getpid()}").kv_transfer_config()
+        runs = _run_fleets(model, convs, transfer, opts.smoke)
+    problems = compare_outputs(runs["none"], runs["local"]) + compare_outputs(runs["none"], runs["pool"])
+    problems += [f"none: user {r.user} turn {r.turn}: {r.error}" for r in runs["none"].records if r.error]
+    report = _report(wl, model, runs, problems)
+    _plot(report, runs, opts)
+    return report
+
+
+def _report(wl: Workload, model: Path, runs: dict[str, FleetRun], problems: list[str]) -> Report:
+    report = Report("serving", "7. Serving: a fleet of two vLLM servers sharing one pool", "")
+    sums = {name: summarise(r) for name, r in runs.items()}
+    local = sums["local"]
+
+    def vs_local(value: float, base: float) -> str:
+        return f"{value / base:.2f}x" if base > 0 else "-"
+
+    table = Table(
+        f"{model.name}, 2 OpenAI API servers (1 core each), {wl.requests} requests at {wl.rate:g} req/s; "
+        "ratios to local prefix caching",
+        [
+            "fleet", "TTFT p50 s", "p90 s", "p99 s", "ITL p50 ms", "req/s",
+            "p50 ratio", "p99 ratio", "req/s ratio",
+            "prompt tokens computed", "from local cache", "from pool", "errors", "load avg",
+        ],
+    )  # fmt: skip
+    for fleet in FLEETS:
+        s, m = sums[fleet.name], runs[fleet.name].metrics
+        src = m["by_source"]
+        table.add(
+            fleet.label,
+            f"{s.ttft_p50:.3f}",
+            f"{s.ttft_p90:.3f}",
+            f"{s.ttft_p99:.3f}",
+            f"{s.itl_p50 * 1e3:.0f}",
+            f"{s.throughput:.3f}",
+            vs_local(s.ttft_p50, local.ttft_p50),
+            vs_local(s.ttft_p99, local.ttft_p99),
+            vs_local(s.throughput, local.throughput),
+            f"{src['local_compute']:.0f}",
+            f"{src['local_cache_hit']:.0f}",
+            f"{src['external_kv_transfer']:.0f}",
+            s.errors,
+            "{:.1f}..{:.1f}".format(*runs[fleet.name].loadavg),
+        )
+    report.tables.append(table)
+
+    by_turn = Table(
+        "TTFT by turn, s: median (min..max) over users",
+        ["turn", "prompt tokens", *(f.label for f in FLEETS)],
+    )
+    for turn in range(wl.turns):
+        cells = []
+        lengths = sorted({r.prompt_len for r in runs["none"].records if r.turn == turn})
+        for fleet in FLEETS:
+            values = [r.ttft for r in runs[fleet.name].records if r.turn == turn and r.ttft is not None]
+            cells.append(Stat.of(values).fmt(digits=3) if values else "-")
+        by_turn.add(turn + 1, f"{lengths[0]}..{lengths[-1]}" if lengths else "-", *cells)
+    report.tables.append(by_turn)
+
+    pm = runs["pool"].metrics
+    groups = Table(
+        "the pool fleet's /metrics (vllm:kvpool_*, both servers, measured phase): hit rate = hit "
+        f"tokens / tokens looked up past the local hit ({pm['lookup_query_tokens']:.0f} in "
+        f"{pm['lookups']:.0f} lookups)",
+        ["group", "kind", "hit tokens", "hit rate"],
+    )
+    query = pm["lookup_query_tokens"]
+    for gid, g in pm["groups"].items():
+        groups.add(
+            gid, g["kind"], f"{g['hit_tokens']:.0f}", f"{g['hit_tokens'] / query:.1%}" if query else "-"
+        )
+    groups.add(
+        "all", "hybrid hit (reconciled)", f"{pm['lookup_hit_tokens']:.0f}",
+        f"{pm['lookup_hit_tokens'] / query:.1%}" if query else "-",
+    )  # fmt: skip
+    report.tables.append(groups)
+
+    moves = Table(
+        "the pool fleet's transfers (vllm:kvpool_transfer_size_bytes, vllm:kvpool_operation_seconds)",
+        ["operation", "requests", "MiB per request", "seconds per request, summed over groups", "MB/s"],
+    )
+    for op, t in pm["transfers"].items():
+        n, size, secs = t["requests"], t["bytes"], t["group_seconds"]
+        moves.add(
+            op,
+            f"{n:.0f}",
+            f"{size / n / 2**20:.1f}" if n else "-",
+            f"{secs / n:.3f}" if n else "-",
+            f"{size / secs / 1e6:.0f}" if secs else "-",
+        )
+    lookups = pm["lookups"]
+    moves.add(
+        "lookup", f"{lookups:.0f}", "-", f"{pm['lookup_seconds'] / lookups:.4f}" if lookups else "-", "-"
+    )
+    report.tables.append(moves)
+
+    pool_s = sums["pool"]
+    p50 = pool_s.ttft_p50 / local.ttft_p50
+    p99 = pool_s.ttft_p99 / local.ttft_p99
+    tput = pool_s.throughput / local.throughput
+    checked = sum(len(runs[f].records) for f in ("local", "pool"))
+    report.targets += [
+        Target(
+            "TTFT p50 ≤ 0.5x local prefix caching",
+            f"{p50:.2f}x ({pool_s.ttft_p50:.3f} s vs {local.ttft_p50:.3f} s)",
+            p50 <= 0.5,
+        ),
+        Target(
+            "TTFT p99 ≤ 0.7x local prefix caching",
+            f"{p99:.2f}x ({pool_s.ttft_p99:.3f} s vs {local.ttft_p99:.3f} s)",
+            p99 <= 0.7,
+        ),
+        Target(
+            "request throughput ≥ local prefix caching",
+            f"{tput:.2f}x ({pool_s.throughput:.3f} vs {local.throughput:.3f} req/s)",
+            tput >= 1.0,
+        ),
+        Target(
+            "every answer equals the no-cache fleet's",
+            f"{len(problems)} mismatches in {checked} requests checked",
+            not problems,
+        ),
+    ]
+    caches = runs["local"].kv_cache_tokens
+    report.notes += [
+        f"Workload: {wl.describe()}.",
+        "Each server: `python -m vllm.entrypoints.openai.api_server` (vLLM CPU, float32, "
+        f"--block-size {BLOCK_SIZE}, --max-num-batched-tokens 2048, --enforce-eager, "
+        "--skip-tokenizer-init, token-id prompts), bound to one core; local KV cache "
+        f"{', '.join(str(c) for c in caches)} tokens per server. Streaming completions; TTFT is "
+        "the time to the first token chunk, ITL the gap between later chunks per token; "
+        "throughput is completed requests over the time from the first slot to the last answer.",
+        "Fleets run one after another on the same machine (no prefix caching, local, pool), "
+        "one run each; the pool fleet's servers share a local Mooncake master and store.",
+    ]
+    report.notes += [f"mismatch: {p}" for p in problems[:10]]
+    report.data.update(
+        {
+            "workload": asdict(wl),
+            "model": model.name,
+            "summaries": {k: asdict(v) for k, v in sums.items()},
+            "metrics": {k: r.metrics for k, r in runs.items()},
+            "kv_cache_tokens": {k: r.kv_cache_tokens for k, r in runs.items()},
+            "startup_seconds": {k: round(r.started_seconds, 1) for k, r in runs.items()},
+            "loadavg": {k: r.loadavg for k, r in runs.items()},
+            "requests": {
+                k: [
+                    {
+                        "user": x.user,
+                        "turn": x.turn,
+                        "server": x.server,
+                        "prompt_len": x.prompt_len,
+                        "scheduled": round(x.scheduled, 3),
+                        "sent": round(x.sent, 3),
+                        "ttft": None if x.ttft is None else round(x.ttft, 4),
+                        "done": None if x.done is None else round(x.done, 3),
+                        "error": x.error,
+                    }
+                    for x in r.records
+                ]
+                for k, r in runs.items()
+            },
+            "mismatches": problems,
+        }
+    )
+    return report
+
+
+def _plot(report: Report, runs: dict[str, FleetRun], opts: Options) -> None:
+    path = common.plot_path("serving", opts)
+    plt = common.pyplot() if path else None
+    if plt is None or path is None:
+        return
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for fleet in FLEETS:
+        values = sorted(r.ttft for r in runs[fleet.name].records if r.ttft is not None)
+        left.step(
+            values, [(i + 1) / len(values) for i in range(len(values))], where="post", label=fleet.label
+        )
+    left.set_xscale("log")
+    left.set_xlabel("TTFT, s (log)")
+    left.set_ylabel("fraction of requests")
+    left.set_title("TTFT distribution")
+    left.legend()
+    sums = report.data["summaries"]
+    width = 0.27
+    for i, fleet in enumerate(FLEETS):
+        s = sums[fleet.name]
+        xs = [j + (i - 1) * width for j in range(3)]
+        right.bar(xs, [s["ttft_p50"], s["ttft_p90"], s["ttft_p99"]], width, label=fleet.label)
+    right.set_xticks(range(3), ["p50", "p90", "p99"])
+    right.set_ylabel("TTFT, s")
+    right.set_title("TTFT percentiles")
+    right.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    report.plots.append(str(path))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``common.main``, failing (exit 1) when any answer differs from the no-cache fleet's."""
+    kept: list[Report] = []
+
+    def run_and_keep(opts: Options) -> Report:
+        report = run(opts)
+        kept.append(report)
+        return report
+
+    rc = common.main("benchmarks.serving", __doc__, run_and_keep, argv)
+    problems = kept[0].data.get("mismatches", []) if kept else ["no report"]
+    if problems:
+        print(f"FAILED: {len(problems)} answers differ from the no-cache fleet's", file=sys.stderr)
+        return 1
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
