@@ -99,6 +99,7 @@ def _measure(address: str, model: Path, prefix: int, window: int, reps: int) -> 
             )
         )
         worker.before_forward()
+        worker.wait_for_saves()
         worker.stats.drain()
 
         # The scheduler plans the load; the worker runs it as vLLM would (asynchronously).

@@ -6,7 +6,8 @@ layers sharing each layer tensor as vLLM's hybrid allocator does) registered
 with a Mooncake client. The same blocks move three ways:
 
 * **connector** — ``start_loads`` (a synchronous load) / ``start_saves`` + the
-  ``before_forward`` barrier, exactly what vLLM calls;
+  ``before_forward`` barrier, exactly what vLLM calls, then ``wait_for_saves``
+  (until the objects are published);
 * **raw** — ``batch_get_into_multi_buffers`` / ``batch_put_from_multi_buffers``
   on the same registered buffers and scatter lists, one call per group (the
   connector's batching for N ≤ its ``batch_size``; one call for both groups
@@ -158,6 +159,7 @@ def _measure(rig: Rig, n: int, reps: int) -> dict[str, Any]:
         groups = [GroupTransfer(g, digests[g], list(src[g])) for g in range(2)]
         worker.start_saves(PoolConnectorMetadata(saves=[RequestSave(f"save-{n}-{rep}", groups)]))
         worker.before_forward()
+        worker.wait_for_saves()
 
     def raw_save(rep: int) -> None:
         for g in range(2):
@@ -273,6 +275,7 @@ def _probe_one_call(rig: Rig, n: int) -> list[dict[str, Any]]:
             PoolConnectorMetadata(saves=[RequestSave("probe", [GroupTransfer(0, stored[half], src[half])])])
         )
         worker.before_forward()
+        worker.wait_for_saves()
     saved = sum(r.blocks[0] for r in worker.stats.drain()[1])
     if saved != n:
         raise RuntimeError(f"storing {n} blocks in halves stored only {saved}")
@@ -297,6 +300,7 @@ def _probe_one_call(rig: Rig, n: int) -> list[dict[str, Any]]:
             PoolConnectorMetadata(saves=[RequestSave("probe", [GroupTransfer(0, fresh, src)])])
         )
         worker.before_forward()
+        worker.wait_for_saves()
     rec = record()
     out.append(
         {

@@ -65,12 +65,12 @@ def _ttft(llm: Any, prompt: list[int]) -> tuple[float, int]:
 
 
 def _wait_for_saves() -> None:
-    """The connector's own barrier: every save started so far has read its blocks."""
+    """Every save started so far has published its blocks (or was abandoned at its deadline)."""
     from kvpool.connector.local.engine import worker_connector
 
     connector = worker_connector()
     if connector is not None:
-        connector._work().before_forward()
+        connector._work().wait_for_saves()
 
 
 def _records(llm: Any) -> dict[str, list[float]]:

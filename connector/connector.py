@@ -33,7 +33,7 @@ from kvpool.connector.records import StatsCollector
 from kvpool.connector.scheduler_side import SchedulerSide
 from kvpool.connector.vllm_layout import layout_from_vllm
 from kvpool.connector.vllm_metrics import PoolConnectorStats, PoolPromMetrics, records_to_data
-from kvpool.connector.worker_side import WorkerSide
+from kvpool.connector.worker_side import Deadlines, WorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -90,6 +90,7 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
                 can_load=transfer.is_kv_consumer,
                 can_save=transfer.is_kv_producer,
                 stats=self.stats,
+                lookup_timeout_s=self.settings.lookup_timeout_s,
             )
         else:
             self._client = acquire_client(self.settings)
@@ -102,6 +103,8 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
                 group_layers=[list(g.layer_names) for g in kv_cache_config.kv_cache_groups],
                 num_blocks=kv_cache_config.num_blocks,
                 stats=self.stats,
+                deadlines=Deadlines.of(self.settings),
+                staging_bytes=self.settings.staging_buffer_size,
             )
         logger.info(
             "KVPoolConnector %s: master=%s layout=%s groups=%s",
@@ -223,9 +226,16 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         return self._work().take_load_errors()
 
     def shutdown(self) -> None:
+        drained = True
         if self._worker is not None:
-            self._worker.shutdown()
+            drained = self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.close()
         tracing.flush()
         client, self._client = getattr(self, "_client", None), None
-        if client is not None:
+        if client is not None and drained:
             release_client(client)
+        elif client is not None:
+            # A transfer given up at the deadline may still be inside Mooncake, writing
+            # its staging buffer: the client and that buffer stay until the process ends.
+            logger.warning("KVPoolConnector shutdown: a transfer is still stuck; the pool client stays open")

@@ -293,6 +293,16 @@ class PoolClient:
             codes.extend(self._call(self._store.batch_remove, list(part), True))
         return codes
 
+    def size_of(self, key: str) -> int:
+        """The stored size of ``key``'s object; negative when absent or unknown."""
+        try:
+            return int(self._call(lambda k: [self._store.get_size(k)], key)[0])
+        except StoreUnavailable:
+            raise
+        except Exception:
+            logger.warning("get_size failed", exc_info=True)
+            return -1
+
     def put_bytes(self, key: str, value: bytes) -> int:
         return int(self._store.put(key, value))
 

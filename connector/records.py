@@ -27,6 +27,7 @@ class LookupRecord:
     group_hit_tokens: tuple[int, ...]
     seconds: float
     keys: int
+    failures: Mapping[str, int] = field(default_factory=dict)  # by reason (e.g. timeout: a miss)
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,7 @@ class TransferRecord:
     group_attempted: tuple[bool, ...] = ()  # whether the group had blocks to move
     load_error_blocks: int = 0  # blocks handed back to vLLM to recompute
     recomputed: bool = False  # the whole request was sent back to recompute
+    reason: str = ""  # operation "remove": why the objects (``blocks`` per group) were removed
 
 
 @dataclass

@@ -19,6 +19,8 @@ from vllm.v1.core.kv_cache_coordinator import replay_boundaries
 
 from kvpool.connector import tracing
 from kvpool.connector.contract.keys import KeySpace, hash_digest
+from kvpool.connector.contract.settings import ConnectorSettings
+from kvpool.connector.deadlines import BoundedCall
 from kvpool.connector.hybrid_hit import HybridHit, HybridHitCoordinator
 from kvpool.connector.logs import get_logger
 from kvpool.connector.metadata import (
@@ -27,10 +29,12 @@ from kvpool.connector.metadata import (
     RequestLoad,
     RequestSave,
 )
-from kvpool.connector.pool_client import PoolClient
+from kvpool.connector.pool_client import Outcome, PoolClient
 from kvpool.connector.records import LookupRecord, StatsCollector
 
 logger = get_logger(__name__)
+
+LOOKUP_TIMEOUT_S: float = ConnectorSettings.model_fields["lookup_timeout_s"].default
 
 
 @dataclass
@@ -65,6 +69,7 @@ class SchedulerSide:
         can_load: bool,
         can_save: bool,
         stats: StatsCollector,
+        lookup_timeout_s: float = LOOKUP_TIMEOUT_S,
     ):
         self.client = client
         self.keyspace = keyspace
@@ -74,6 +79,8 @@ class SchedulerSide:
         self.can_load = can_load
         self.can_save = can_save
         self.stats = stats
+        self.lookup_timeout_s = lookup_timeout_s
+        self._lookups = BoundedCall("kvpool-lookup")
         self.coordinator: HybridHitCoordinator | None = None
         self._plans: dict[str, _Plan] = {}
         self._pending_loads: list[RequestLoad] = []
@@ -141,7 +148,7 @@ class SchedulerSide:
                 for key in self.keyspace.rank_keys(group_id, self.tp_size, self.pp_size, digest):
                     keys.append(key)
                     owners.append((group_id, block_hash))
-        present_flags = self.client.exists(keys) if keys else []
+        present_flags, failure = self._exists(keys)
         missing: set[tuple[int, bytes]] = {o for o, ok in zip(owners, present_flags) if not ok}
         present = {
             group_id: {h for h in hashes if (group_id, h) not in missing}
@@ -160,9 +167,33 @@ class SchedulerSide:
             group_hit_tokens=tuple(max(0, t - num_computed_tokens) for t in hit.group_hit_tokens),
             seconds=time.perf_counter() - started,
             keys=len(keys),
+            failures={failure: 1} if failure else {},
         )
         plan = _Plan(hit, num_computed_tokens, digests) if num_external > 0 else None
         return record, plan
+
+    def _exists(self, keys: list[str]) -> tuple[list[bool], str | None]:
+        """Presence of ``keys``, within ``lookup_timeout_s``: past it every key is absent.
+
+        The call runs on a thread of its own; while one stuck call has not returned,
+        lookups are misses at once (reason ``timeout``).
+        """
+        if not keys:
+            return [], None
+        flags, refused = self._lookups.run(self.lookup_timeout_s, self.client.exists, keys)
+        if refused is None:
+            return flags, None
+        if refused == BoundedCall.TIMED_OUT:
+            logger.warning(
+                "KVPoolConnector lookup of %d keys passed its %.2f s deadline: a miss; lookups "
+                "miss until it returns",
+                len(keys),
+                self.lookup_timeout_s,
+            )
+        return [False] * len(keys), Outcome.TIMEOUT.value
+
+    def close(self) -> None:
+        self._lookups.close()
 
     def _is_async(self) -> bool:
         # vLLM reports block-level load failures only for single-group layouts;

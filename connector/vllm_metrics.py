@@ -65,8 +65,15 @@ def records_to_data(lookups: Iterable[LookupRecord], transfers: Iterable[Transfe
             if r.hit_tokens:
                 out.inc(m.HIT_BLOCKS, r.needed_blocks[g], group=g, group_kind=kind)
         out.observe(m.OPERATION_SECONDS, r.seconds, operation=m.LOOKUP, group_kind=m.ALL_GROUPS_KIND)
+        for reason, count in r.failures.items():
+            all_groups = {"group": m.ALL_GROUPS_KIND, "group_kind": m.ALL_GROUPS_KIND}
+            out.inc(m.FAILURES, count, operation=m.LOOKUP, reason=reason, **all_groups)
     for t in transfers:
         op = t.operation
+        if op == m.REMOVE:
+            for g, kind in enumerate(t.group_kinds):
+                out.inc(m.REMOVED_OBJECTS, t.blocks[g], group=g, group_kind=kind, reason=t.reason)
+            continue
         for g, kind in enumerate(t.group_kinds):
             labels = {"group": g, "group_kind": kind, "operation": op}
             out.inc(m.TRANSFER_BLOCKS, t.blocks[g], **labels)

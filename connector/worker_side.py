@@ -1,11 +1,21 @@
 """Worker half of the connector: move blocks between vLLM's cache and the pool.
 
 Loads and saves run on a small thread pool, off the forward pass, in bounded
-batches, zero-copy from and into the registered KV-cache memory. Each key's
-return code is classified; a failed load is reported so vLLM recomputes it
-(block ids for single-group layouts, the request for hybrid ones). Saves of a
-step run while the scheduler prepares the next one; the next forward starts
-only once they have read their blocks (those blocks may then be reused).
+batches. Every object is ``header | payload`` and moves through the transfer
+thread's registered staging buffer (:mod:`kvpool.connector.staging`): a save
+copies its blocks there, then reserves, writes and publishes its objects; a
+load reads objects there, checks each header, and only then copies the payload
+into the blocks. Each key's return code is classified; a failed load is
+reported so vLLM recomputes it (block ids for single-group layouts, the request
+for hybrid ones), and an object whose header is wrong is removed from the pool.
+
+Every wait has a deadline (:mod:`kvpool.connector.deadlines`): a load without
+progress for ``load_timeout_s`` fails, a save for ``save_timeout_s`` is
+abandoned and publishes nothing more, and the next forward waits for earlier
+saves only until they have copied their blocks (or are abandoned). A call the
+connector gave up on may stay stuck in Mooncake until Mooncake's own timeouts
+end it, but it touches nothing but its thread's staging buffer; meanwhile new
+transfers fail at once.
 """
 
 from __future__ import annotations
@@ -13,23 +23,55 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from collections.abc import Mapping
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from kvpool.connector import tracing
 from kvpool.connector.block_regions import LayerBlocks, describe_layer, storage_span
 from kvpool.connector.contract.keys import KeySpace
+from kvpool.connector.contract.metric_names import REMOVE, SKIP_COMPUTED_ON_FAILED_LOAD
+from kvpool.connector.contract.object_header import ObjectIdentity, mismatch, pack_header
+from kvpool.connector.contract.settings import ConnectorSettings
+from kvpool.connector.deadlines import Job, JobBoard
+from kvpool.connector.device_order import Marker, wait_for
 from kvpool.connector.logs import get_logger
 from kvpool.connector.metadata import GroupTransfer, PoolConnectorMetadata, RequestLoad, RequestSave
-from kvpool.connector.pool_client import Outcome, PoolClient, classify
+from kvpool.connector.pool_client import (
+    CODE_BUFFER_TOO_SMALL,
+    CODE_OBJECT_EXISTS,
+    CODE_TRANSFER_FAILED,
+    Outcome,
+    PoolClient,
+    classify,
+)
 from kvpool.connector.records import StatsCollector, TransferRecord
+from kvpool.connector.save_integrity import SaveIntegrity
+from kvpool.connector.staging import GroupCopier, StagingSlot
 
 logger = get_logger(__name__)
 
 TRANSFER_THREADS = 4
-SHUTDOWN_TIMEOUT_S = 30.0
+# Keys of one failed read whose size is asked for (an object of the wrong size fails the
+# read like a transfer error does): a stored object of another size is not the block.
+SIZE_PROBES_PER_CALL = 16
+
+_DEFAULTS = ConnectorSettings.model_fields
+
+
+@dataclass(frozen=True)
+class Deadlines:
+    """The worker's deadlines, in seconds (the ``*_timeout_s`` connector settings)."""
+
+    load_s: float = _DEFAULTS["load_timeout_s"].default
+    save_s: float = _DEFAULTS["save_timeout_s"].default
+    shutdown_s: float = _DEFAULTS["shutdown_timeout_s"].default
+
+    @classmethod
+    def of(cls, settings: ConnectorSettings) -> Deadlines:
+        return cls(settings.load_timeout_s, settings.save_timeout_s, settings.shutdown_timeout_s)
 
 
 @dataclass
@@ -42,6 +84,11 @@ class GroupResult:
     failures: Counter[str] = field(default_factory=Counter)
     seconds: float = 0.0
     attempted: bool = False
+    corrupt_keys: list[str] = field(default_factory=list)
+
+    def fail(self, block_ids: Sequence[int], outcome: Outcome | str) -> None:
+        self.failures[str(outcome)] += len(block_ids)
+        self.failed_block_ids.extend(block_ids)
 
 
 class WorkerSide:
@@ -57,6 +104,9 @@ class WorkerSide:
         group_layers: list[list[str]],
         num_blocks: int,
         stats: StatsCollector,
+        deadlines: Deadlines | None = None,
+        staging_bytes: int = _DEFAULTS["staging_buffer_size"].default,
+        integrity: SaveIntegrity | None = None,
     ):
         self.client = client
         self.keyspace = keyspace
@@ -65,25 +115,46 @@ class WorkerSide:
         self.group_layers = group_layers
         self.num_blocks = num_blocks
         self.stats = stats
+        self.deadlines = deadlines or Deadlines()
+        self.staging_bytes = staging_bytes
         self.groups: list[list[LayerBlocks]] = [[] for _ in group_layers]
+        self.copiers: list[GroupCopier | None] = [None for _ in group_layers]
+        self._device: Any = None
         self._pool = ThreadPoolExecutor(TRANSFER_THREADS, thread_name_prefix="kvpool-xfer")
         self._lock = threading.Lock()
+        # Futures of saves and asynchronous loads not yet returned (their records follow).
         self._saves_in_flight: list[Future[None]] = []
         self._async_loads: dict[str, Future[bool]] = {}
+        # Saves the next forward waits for, until they have copied their blocks.
+        self._unreleased_saves: list[Job] = []
+        self._async_jobs: dict[str, tuple[RequestLoad, Job]] = {}
+        self._jobs = JobBoard()
+        self._job_of: dict[int, Job] = {}  # id(RequestLoad | RequestSave) -> its job
         self._load_errors: set[int] = set()
+        self._local = threading.local()
+        self._slots: list[StagingSlot] = []
         self._closed = False
+        # No save of KV computed from a failed load; device work ordered before transfers.
+        self.integrity = integrity or SaveIntegrity()
 
     # --- registration --------------------------------------------------------
     def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
         """Address every layer's blocks per group; register each memory span once."""
         spans: set[tuple[int, int]] = set()
         for group_id, layer_names in enumerate(self.group_layers):
+            tensors = []
             for name in layer_names:
                 tensor = kv_caches.get(name)
                 if tensor is None:  # a layer of another pipeline stage
                     continue
                 self.groups[group_id].append(describe_layer(tensor, self.num_blocks))
+                tensors.append(tensor)
                 spans.add(storage_span(tensor))
+                self._device = tensor.device
+            if tensors:
+                self.copiers[group_id] = GroupCopier(
+                    self.groups[group_id], tensors, use_memmove=tensors[0].device.type == "cpu"
+                )
         for ptr, size in sorted(spans):
             self.client.register(ptr, size)
         logger.info(
@@ -96,6 +167,7 @@ class WorkerSide:
         return sum(layer.block_bytes for layer in self.groups[group_id])
 
     def _scatter_list(self, group_id: int, block_id: int) -> tuple[list[int], list[int]]:
+        """Every memory run of one block, in object order (the staging copies use the same order)."""
         ptrs: list[int] = []
         sizes: list[int] = []
         for layer in self.groups[group_id]:
@@ -104,50 +176,156 @@ class WorkerSide:
                 sizes.append(size)
         return ptrs, sizes
 
+    def _slot(self) -> StagingSlot:
+        """This transfer thread's staging buffer, registered on first use."""
+        slot: StagingSlot | None = getattr(self._local, "slot", None)
+        if slot is None:
+            largest = max((c.object_bytes for c in self.copiers if c is not None), default=0)
+            slot = StagingSlot(max(self.staging_bytes, largest), self._device)
+            self.client.register(slot.ptr, slot.nbytes)
+            with self._lock:
+                self._slots.append(slot)
+            self._local.slot = slot
+        return slot
+
     # --- per step -------------------------------------------------------------
     def before_forward(self) -> None:
-        """Barrier: saves of earlier steps must finish reading before blocks are reused."""
+        """Barrier: saves of earlier steps must have copied their blocks before blocks are reused.
+
+        Bounded: a save that has not copied them ``save_timeout_s`` after its last
+        progress is abandoned (it copies nothing afterwards and publishes nothing).
+        Saves that copied their blocks but are overdue in the pool are abandoned too.
+        """
         with self._lock:
-            pending, self._saves_in_flight = self._saves_in_flight, []
-        if pending:
-            wait(pending)
+            pending, self._unreleased_saves = self._unreleased_saves, []
+            self._saves_in_flight = [f for f in self._saves_in_flight if not f.done()]
+        for job in pending:
+            if not job.wait(until_released=True):
+                job.abandon()
+        self._jobs.abandon_overdue([j for j in self._jobs.live() if j.kind == "save"])
+
+    def wait_for_saves(self) -> None:
+        """Until every save in flight has published (or passed its deadline and been abandoned).
+
+        The forward never waits for this (see ``before_forward``); shutdown,
+        tests and benchmarks do.
+        """
+        for job in self._jobs.live():
+            if job.kind == "save" and not job.wait():
+                job.abandon()
 
     def start_loads(self, meta: PoolConnectorMetadata) -> None:
-        """Run synchronous loads now; start asynchronous ones in the background."""
-        sync_jobs = []
+        """Run synchronous loads now (each bounded by its deadline); start asynchronous ones."""
+        self.integrity.before_loads(meta)
+        sync_jobs: list[tuple[RequestLoad, Job]] = []
+        stalled = self._jobs.stalled
         for load in meta.loads:
+            job = Job("load", self.deadlines.load_s)
+            if stalled:
+                # A call the connector gave up on is still stuck: do not queue behind it.
+                job.abandon()
+                self._load_abandoned(load, job)
+                if load.is_async:
+                    with self._lock:
+                        self._async_jobs[load.req_id] = (load, job)
+                continue
+            future = self._submit(job, load, self._load_request)
             if load.is_async:
-                future = self._pool.submit(self._load_request, load)
                 with self._lock:
                     self._async_loads[load.req_id] = future
+                    self._async_jobs[load.req_id] = (load, job)
             else:
-                sync_jobs.append(self._pool.submit(self._load_request, load))
-        for job in sync_jobs:
-            job.result()
+                sync_jobs.append((load, job))
+        for load, job in sync_jobs:
+            if not job.wait() and job.abandon():
+                self._load_abandoned(load, job)
+        self._agree_on_failed_loads(meta)
 
     def start_saves(self, meta: PoolConnectorMetadata) -> None:
-        """Start this step's saves; they complete off the forward path."""
-        for save in meta.saves:
-            future = self._pool.submit(self._save_request, save)
+        """Start this step's saves; they copy their blocks, then complete off the forward path."""
+        stalled = self._jobs.stalled
+        saves = self._saves_not_computed_from_failed_loads(meta)
+        save_after_forward = partial(self._save_after_forward, forward_done=self.integrity.forward_done())
+        for save in saves:
+            job = Job("save", self.deadlines.save_s)
+            if stalled:
+                job.abandon()
+                self._record("save", save.groups, [_timed_out(g) for g in save.groups], time.perf_counter())
+                continue
+            future = self._submit(job, save, save_after_forward)
             with self._lock:
                 self._saves_in_flight.append(future)
+                self._unreleased_saves.append(job)
+        if self.integrity.drain_saves:
+            self.before_forward()
+
+    # --- integrity (see kvpool.connector.save_integrity) ---------------------------------
+    def _agree_on_failed_loads(self, meta: PoolConnectorMetadata) -> None:
+        """After the synchronous loads: every rank reports (and taints) what failed on any."""
+        with self._lock:
+            failed_here = set(self._load_errors)
+        failed = self.integrity.after_sync_loads(meta, failed_here.__contains__)
+        if failed:
+            with self._lock:
+                self._load_errors.update(failed)
+
+    def _saves_not_computed_from_failed_loads(self, meta: PoolConnectorMetadata) -> list[RequestSave]:
+        kept, dropped = self.integrity.screen(meta)
+        for save in dropped:
+            self._record_skipped(save, SKIP_COMPUTED_ON_FAILED_LOAD)
+        return kept
+
+    def _save_after_forward(self, save: RequestSave, forward_done: Marker | None) -> None:
+        """A save that reads its blocks only once the forward that computed them is done."""
+        wait_for(forward_done)
+        self._save_request(save)
+
+    def _record_skipped(self, save: RequestSave, reason: str) -> None:
+        groups = save.groups
+        self.stats.record_transfer(
+            TransferRecord(
+                operation="save",
+                group_kinds=self.stats.group_kinds,
+                blocks=tuple(0 for _ in groups),
+                masked=tuple(t.masked for t in groups),
+                bytes=tuple(0 for _ in groups),
+                failures={},
+                seconds=0.0,
+                group_failures=tuple({} for _ in groups),
+                group_seconds=tuple(0.0 for _ in groups),
+                group_attempted=tuple(False for _ in groups),
+                skipped=tuple(len(t) for t in groups),
+                skip_reason=reason,
+            )
+        )
 
     def transfer_results(self) -> tuple[set[str], set[str]]:
         """(finished receiving, failed receiving) since the last call.
 
-        A request finished (aborted) while its load ran is freed by vLLM on its
-        finished receiving; there is nothing to report as sent: saves keep no
-        blocks past the next forward (see ``before_forward``).
+        An asynchronous load without progress for ``load_timeout_s`` is given up
+        here: reported finished and failed, so its request recomputes; the call
+        still stuck writes only its staging buffer. A request finished (aborted)
+        while its load ran is freed by vLLM on its finished receiving; there is
+        nothing to report as sent: saves keep no blocks past the next forward
+        (see ``before_forward``).
         """
         finished_recving: set[str] = set()
         failed_recving: set[str] = set()
         with self._lock:
-            for req_id, future in list(self._async_loads.items()):
-                if future.done():
-                    del self._async_loads[req_id]
-                    finished_recving.add(req_id)
-                    if not future.result():
-                        failed_recving.add(req_id)
+            jobs = list(self._async_jobs.items())
+        for req_id, (load, job) in jobs:
+            if not job.done and not job.abandoned:
+                if not job.overdue() or not job.abandon():
+                    continue
+                self._load_abandoned(load, job)
+            with self._lock:
+                self._async_jobs.pop(req_id, None)
+                self._async_loads.pop(req_id, None)
+            finished_recving.add(req_id)
+            # A single-group load's failures are block ids (take_load_errors); a hybrid
+            # request is sent back whole.
+            if (job.done and not job.result) or (job.abandoned and len(self.groups) > 1):
+                failed_recving.add(req_id)
         return finished_recving, failed_recving
 
     def take_load_errors(self) -> set[int]:
@@ -155,43 +333,299 @@ class WorkerSide:
             errors, self._load_errors = self._load_errors, set()
         return errors
 
-    # --- transfers ----------------------------------------------------------------
-    def _transfer_group(self, op: str, transfer: GroupTransfer) -> GroupResult:
-        result = GroupResult()
-        if not transfer.block_ids or not self.groups[transfer.group_id]:
-            return result
+    def _submit(self, job: Job, request: RequestLoad | RequestSave, fn: Any) -> Future[Any]:
+        self._jobs.add(job)
+        with self._lock:
+            self._job_of[id(request)] = job
+
+        def run() -> Any:
+            try:
+                return fn(request)
+            finally:
+                job.returned()
+                self._jobs.remove(job)
+                with self._lock:
+                    self._job_of.pop(id(request), None)
+
+        return self._pool.submit(run)
+
+    def _job(self, request: RequestLoad | RequestSave, timeout_s: float) -> Job:
+        """The job of ``request`` (a fresh one when it was not submitted by this class)."""
+        with self._lock:
+            job = self._job_of.get(id(request))
+        kind = "load" if isinstance(request, RequestLoad) else "save"
+        return job if job is not None else Job(kind, timeout_s)
+
+    # --- loads -------------------------------------------------------------------
+    def _load_request(self, load: RequestLoad) -> bool:
+        """Load one request's blocks; False when the request must recompute instead."""
+        job = self._job(load, self.deadlines.load_s)
+        if job.abandoned:
+            return False
         started = time.perf_counter()
+        with tracing.span(
+            "kvpool.load", load.trace_context, request_id=load.req_id, hit_tokens=load.hit_tokens
+        ) as span:
+            results = [self._traced_group("load", g, job) for g in load.groups]
+            tracing.mark_failed(span, sum((r.failures for r in results), Counter()))
+        failed = [b for r in results for b in r.failed_block_ids]
+        # vLLM takes block-level load errors for single-group layouts only; a
+        # hybrid request (always loaded asynchronously) is sent back whole.
+        recovered_by_request = bool(failed) and len(self.groups) > 1
+        ok = not recovered_by_request
+        if job.begin_touch():  # not given up: this outcome, not a timeout, is reported
+            try:
+                if failed and not recovered_by_request:
+                    with self._lock:
+                        self._load_errors.update(failed)
+                self._record(
+                    "load",
+                    load.groups,
+                    results,
+                    started,
+                    0 if recovered_by_request else len(failed),
+                    recovered_by_request,
+                )
+            finally:
+                job.finish(ok)
+        self._remove_corrupt(results)
+        return ok
+
+    def _load_abandoned(self, load: RequestLoad, job: Job) -> None:
+        """Report a load given up at its deadline: what it did not copy is recomputed."""
+        by_request = len(self.groups) > 1
+        results = [_timed_out(g, skip=job.copied) for g in load.groups]
+        failed = [b for r in results for b in r.failed_block_ids]
+        if failed and not by_request:
+            with self._lock:
+                self._load_errors.update(failed)
+        logger.warning(
+            "KVPoolConnector load of %d block(s) made no progress for %.1f s: given up, recomputed",
+            len(failed),
+            job.timeout_s,
+        )
+        self._record(
+            "load", load.groups, results, time.perf_counter(), 0 if by_request else len(failed), by_request
+        )
+
+    def _load_group(self, transfer: GroupTransfer, job: Job) -> GroupResult:
+        """One group's blocks, batch by batch through this thread's staging buffer."""
+        result = GroupResult()
+        copier = self.copiers[transfer.group_id]
+        if not transfer.block_ids or copier is None:
+            return result
         result.attempted = True
-        try:
-            codes = self._move(op, transfer)
-        except Exception:  # never let a transfer bug reach the forward pass
-            logger.exception("KVPoolConnector %s failed for group %d", op, transfer.group_id)
-            codes = [None] * len(transfer.block_ids)
-        expected = self.group_block_bytes(transfer.group_id)
-        for block_id, code in zip(transfer.block_ids, codes):
-            outcome = Outcome.OTHER if code is None else classify(code, expected if op == "load" else None)
-            if outcome is Outcome.OK or (op == "save" and code is not None and _already_stored(code)):
-                result.blocks += 1
-                result.bytes += expected
-            else:
-                result.failures[outcome.value] += 1
-                result.failed_block_ids.append(block_id)
-        result.seconds = time.perf_counter() - started
+        copier.check(transfer.block_ids)
+        slot = self._slot()
+        size = copier.object_bytes
+        per_call = max(1, min(self.client.batch_size, slot.nbytes // size))
+        keys = self._keys(transfer)
+        for start in range(0, len(keys), per_call):
+            part = slice(start, start + per_call)
+            part_keys, part_blocks = keys[part], transfer.block_ids[part]
+            if not job.may_publish():
+                result.fail(transfer.block_ids[start:], Outcome.TIMEOUT)
+                break
+            codes = self.client.get_into(
+                part_keys, [[slot.ptr + i * size] for i in range(len(part_keys))], [[size]] * len(part_keys)
+            )
+            headers = slot.read_headers(len(part_keys), size)
+            good: list[tuple[int, int]] = []
+            unexplained: list[int] = []
+            for i, (block, code) in enumerate(zip(part_blocks, codes)):
+                outcome = self._check_loaded(transfer, start + i, code, headers[i], copier)
+                if outcome is Outcome.OK:
+                    good.append((i, block))
+                elif code == CODE_TRANSFER_FAILED:
+                    unexplained.append(i)
+                else:
+                    result.fail([block], outcome)
+                    if outcome is Outcome.CORRUPT:
+                        result.corrupt_keys.append(part_keys[i])
+            wrong_size = self._wrong_sizes(
+                [part_keys[i] for i in unexplained], size, len(unexplained) < len(codes)
+            )
+            for i in unexplained:
+                if part_keys[i] in wrong_size:
+                    result.fail([part_blocks[i]], Outcome.CORRUPT)
+                    result.corrupt_keys.append(part_keys[i])
+                else:
+                    result.fail([part_blocks[i]], Outcome.TRANSFER_FAILED)
+            if not job.begin_touch():
+                # Given up meanwhile: nothing of this batch reaches the blocks.
+                result.fail([b for _, b in good] + transfer.block_ids[start + per_call :], Outcome.TIMEOUT)
+                break
+            try:
+                copier.to_blocks(slot, good)
+                job.copied.update((transfer.group_id, b) for _, b in good)
+            finally:
+                job.end_touch()
+            result.blocks += len(good)
+            result.bytes += len(good) * copier.payload_bytes
         return result
 
-    def _move(self, op: str, transfer: GroupTransfer) -> list[int]:
-        """One bounded-batch Mooncake call per group: per-key codes."""
-        keys = [self.keyspace.key(transfer.group_id, self.tp_rank, self.pp_rank, d) for d in transfer.digests]
-        ptrs, sizes = [], []
-        for block_id in transfer.block_ids:
-            p, s = self._scatter_list(transfer.group_id, block_id)
-            ptrs.append(p)
-            sizes.append(s)
-        if op == "load":
-            return self.client.get_into(keys, ptrs, sizes)
-        return self.client.put_from(keys, ptrs, sizes)
+    def _check_loaded(
+        self, transfer: GroupTransfer, index: int, code: int, header: bytes, copier: GroupCopier
+    ) -> Outcome:
+        """A read's outcome: its code, and for a whole object its header."""
+        if code == copier.object_bytes:
+            expected = self._identity(transfer, index, copier)
+            return Outcome.OK if mismatch(header, expected) is None else Outcome.CORRUPT
+        if code >= 0 or code == CODE_BUFFER_TOO_SMALL:
+            return Outcome.CORRUPT  # an object of another size is not this block
+        return classify(code)
 
-    def _traced_group(self, op: str, transfer: GroupTransfer) -> GroupResult:
+    def _wrong_sizes(self, keys: Sequence[str], size: int, store_answered: bool) -> set[str]:
+        """Keys among failed reads whose object has another size than ``size``.
+
+        Mooncake fails the read of an object smaller than the buffer like a broken
+        transfer. When the same call read other keys (the store answers), the size
+        of at most ``SIZE_PROBES_PER_CALL`` such keys is asked.
+        """
+        if not keys or not store_answered:
+            return set()
+        out = set()
+        for key in keys[:SIZE_PROBES_PER_CALL]:
+            stored = self.client.size_of(key)
+            if stored > 0 and stored != size:
+                out.add(key)
+        return out
+
+    def _remove_corrupt(self, results: Sequence[GroupResult]) -> None:
+        """Remove objects that are not the block their key names: no one loads them again."""
+        if not any(r.corrupt_keys for r in results):
+            return
+        started = time.perf_counter()
+        removed = []
+        for r in results:
+            codes = self.client.remove(r.corrupt_keys) if r.corrupt_keys else []
+            removed.append(sum(1 for code in codes if code == 0))
+        logger.warning("KVPoolConnector removed %d object(s) that failed their header check", sum(removed))
+        kinds = self.stats.group_kinds or tuple("" for _ in results)
+        zeros = tuple(0 for _ in results)
+        self.stats.record_transfer(
+            TransferRecord(
+                operation=REMOVE,  # counted by metric_names.REMOVED_OBJECTS
+                group_kinds=kinds,
+                blocks=tuple(removed),
+                masked=zeros,
+                bytes=zeros,
+                failures={},
+                seconds=time.perf_counter() - started,
+                group_failures=tuple({} for _ in results),
+                group_seconds=tuple(0.0 for _ in results),
+                group_attempted=tuple(False for _ in results),
+                reason=Outcome.CORRUPT.value,
+            )
+        )
+
+    # --- saves -------------------------------------------------------------------------
+    def _save_request(self, save: RequestSave) -> None:
+        job = self._job(save, self.deadlines.save_s)
+        started = time.perf_counter()
+        groups = [g for g in save.groups if g.block_ids and self.copiers[g.group_id] is not None]
+        last = groups[-1] if groups else None
+        with tracing.span("kvpool.save", save.trace_context, request_id=save.req_id) as span:
+            results = [self._traced_group("save", g, job, g is last) for g in save.groups]
+            tracing.mark_failed(span, sum((r.failures for r in results), Counter()))
+        self._record("save", save.groups, results, started, 0, False)
+        job.finish(True)
+
+    def _save_group(self, transfer: GroupTransfer, job: Job, last: bool) -> GroupResult:
+        """Copy the blocks into staging, then reserve, write and publish their objects."""
+        result = GroupResult()
+        copier = self.copiers[transfer.group_id]
+        if not transfer.block_ids or copier is None:
+            return result
+        result.attempted = True
+        copier.check(transfer.block_ids)
+        slot = self._slot()
+        size = copier.object_bytes
+        per_call = max(1, min(self.client.batch_size, slot.nbytes // size))
+        keys = self._keys(transfer)
+        replacing = getattr(transfer, "replacing", 0)
+        for start in range(0, len(keys), per_call):
+            part_keys = keys[start : start + per_call]
+            part_blocks = transfer.block_ids[start : start + per_call]
+            if not job.begin_touch():
+                result.fail(transfer.block_ids[start:], Outcome.TIMEOUT)
+                break
+            try:
+                copier.from_blocks(slot, part_blocks)
+            finally:
+                job.end_touch(last=last and start + per_call >= len(keys))
+            headers = [self._identity(transfer, start + i, copier) for i in range(len(part_keys))]
+            slot.write_headers([pack_header(h) for h in headers], size)
+            if start < replacing:
+                self.client.remove(part_keys[: replacing - start])
+            self._put_staged(result, job, slot, part_keys, part_blocks, copier)
+        return result
+
+    def _put_staged(
+        self,
+        result: GroupResult,
+        job: Job,
+        slot: StagingSlot,
+        keys: Sequence[str],
+        blocks: Sequence[int],
+        copier: GroupCopier,
+    ) -> None:
+        """Reserve, write and publish staged objects ``0..len(keys)-1``; revoke them once abandoned."""
+        size = copier.object_bytes
+        codes = self.client.reserve(keys, [size] * len(keys))
+        reserved = []
+        for i, code in enumerate(codes):
+            if code == 0:
+                reserved.append(i)
+            elif code == CODE_OBJECT_EXISTS:
+                # Mooncake keeps the first value of a key; the same block is stored.
+                result.blocks += 1
+                result.bytes += copier.payload_bytes
+            else:
+                result.fail([blocks[i]], classify(code))
+        if not reserved:
+            return
+        written_codes = self.client.write(
+            [keys[i] for i in reserved],
+            [[slot.ptr + i * size] for i in reserved],
+            [[size]] * len(reserved),
+            [[0]] * len(reserved),
+        )
+        written = [i for i, code in zip(reserved, written_codes) if code == size]
+        unwritten = [i for i, code in zip(reserved, written_codes) if code != size]
+        for i, code in zip(reserved, written_codes):
+            if code != size:
+                result.fail([blocks[i]], classify(code) if code < 0 else Outcome.TRANSFER_FAILED)
+        if written and not job.may_publish():
+            # Given up at its deadline: what it wrote is never made visible.
+            result.fail([blocks[i] for i in written], Outcome.TIMEOUT)
+            unwritten, written = unwritten + written, []
+        if unwritten:
+            self.client.revoke([keys[i] for i in unwritten])
+        if written:
+            for i, code in zip(written, self.client.publish([keys[i] for i in written])):
+                if code == 0:
+                    result.blocks += 1
+                    result.bytes += copier.payload_bytes
+                else:
+                    result.fail([blocks[i]], classify(code))
+        job.progress()
+
+    # --- shared ------------------------------------------------------------------------
+    def _keys(self, transfer: GroupTransfer) -> list[str]:
+        return [self.keyspace.key(transfer.group_id, self.tp_rank, self.pp_rank, d) for d in transfer.digests]
+
+    def _identity(self, transfer: GroupTransfer, index: int, copier: GroupCopier) -> ObjectIdentity:
+        return ObjectIdentity(
+            fingerprint=self.keyspace.fingerprint,
+            digest=transfer.digests[index],
+            group=transfer.group_id,
+            tp_rank=self.tp_rank,
+            pp_rank=self.pp_rank,
+            payload_bytes=copier.payload_bytes,
+        )
+
+    def _traced_group(self, op: str, transfer: GroupTransfer, job: Job, last: bool = False) -> GroupResult:
         """One group's transfer as a child span of the request's."""
         with tracing.span(
             f"kvpool.{op}.group",
@@ -199,42 +633,20 @@ class WorkerSide:
             group_kind=self.stats.group_kinds[transfer.group_id] if self.stats.group_kinds else None,
             masked_blocks=transfer.masked,
         ) as span:
-            result = self._transfer_group(op, transfer)
+            started = time.perf_counter()
+            try:
+                if op == "load":
+                    result = self._load_group(transfer, job)
+                else:
+                    result = self._save_group(transfer, job, last)
+            except Exception:  # never let a transfer bug reach the forward pass
+                logger.exception("KVPoolConnector %s failed for group %d", op, transfer.group_id)
+                result = GroupResult(attempted=True)
+                result.fail(transfer.block_ids, Outcome.OTHER)
+            result.seconds = time.perf_counter() - started
             tracing.set_attributes(span, blocks=result.blocks, bytes=result.bytes)
             tracing.mark_failed(span, result.failures)
         return result
-
-    def _load_request(self, load: RequestLoad) -> bool:
-        """Load one request's blocks; False when the request must recompute instead."""
-        started = time.perf_counter()
-        with tracing.span(
-            "kvpool.load", load.trace_context, request_id=load.req_id, hit_tokens=load.hit_tokens
-        ) as span:
-            results = [self._traced_group("load", g) for g in load.groups]
-            tracing.mark_failed(span, sum((r.failures for r in results), Counter()))
-        failed = [b for r in results for b in r.failed_block_ids]
-        # vLLM takes block-level load errors for single-group layouts only; a
-        # hybrid request (always loaded asynchronously) is sent back whole.
-        recovered_by_request = bool(failed) and len(self.groups) > 1
-        if failed and not recovered_by_request:
-            with self._lock:
-                self._load_errors.update(failed)
-        self._record(
-            "load",
-            load.groups,
-            results,
-            started,
-            0 if recovered_by_request else len(failed),
-            recovered_by_request,
-        )
-        return not recovered_by_request
-
-    def _save_request(self, save: RequestSave) -> None:
-        started = time.perf_counter()
-        with tracing.span("kvpool.save", save.trace_context, request_id=save.req_id) as span:
-            results = [self._traced_group("save", g) for g in save.groups]
-            tracing.mark_failed(span, sum((r.failures for r in results), Counter()))
-        self._record("save", save.groups, results, started, 0, False)
 
     def _record(
         self,
@@ -242,8 +654,8 @@ class WorkerSide:
         transfers: list[GroupTransfer],
         results: list[GroupResult],
         started: float,
-        load_errors: int,
-        recomputed: bool,
+        load_errors: int = 0,
+        recomputed: bool = False,
     ) -> None:
         failures: Counter[str] = Counter()
         for r in results:
@@ -266,18 +678,38 @@ class WorkerSide:
         )
 
     # --- teardown -------------------------------------------------------------------
-    def shutdown(self) -> None:
+    def shutdown(self) -> bool:
+        """Drain saves for up to ``shutdown_timeout_s``, then abandon whatever is left.
+
+        True when no call is left in flight (the client may be closed); False when
+        one is still stuck in Mooncake (its staging buffer and the client stay).
+        """
         if self._closed:
-            return
+            return not self._jobs.stalled
         self._closed = True
-        with self._lock:
-            pending = list(self._saves_in_flight) + list(self._async_loads.values())
-        if pending:
-            wait(pending, timeout=SHUTDOWN_TIMEOUT_S)
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        deadline = time.monotonic() + self.deadlines.shutdown_s
+        for job in self._jobs.live():
+            if job.kind == "save":
+                job.wait(deadline=deadline)
+        abandoned = [job for job in self._jobs.live() if job.abandon()]
+        if abandoned:
+            logger.warning(
+                "KVPoolConnector shutdown: %d transfer(s) still running after %.1f s abandoned; "
+                "they publish nothing",
+                len(abandoned),
+                self.deadlines.shutdown_s,
+            )
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        for job in self._jobs.live():
+            job.wait(deadline=time.monotonic() + 0.05)
+        return not self._jobs.live()
 
 
-def _already_stored(code: int) -> bool:
-    # Mooncake keeps the first value of a key; a second put of the same block
-    # (same bytes by construction of the key) is not a failure.
-    return code == -705
+def _timed_out(transfer: GroupTransfer, skip: set[tuple[int, int]] | None = None) -> GroupResult:
+    """A group whose transfer was given up at its deadline (``skip``: (group, block) already loaded)."""
+    result = GroupResult(attempted=bool(transfer.block_ids))
+    missed = [b for b in transfer.block_ids if not skip or (transfer.group_id, b) not in skip]
+    if missed:
+        result.fail(missed, Outcome.TIMEOUT)
+    result.blocks = len(transfer.block_ids) - len(missed)
+    return result

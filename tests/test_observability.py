@@ -176,6 +176,7 @@ def test_worker_spans_join_the_request_trace(spans, pool_client, cache_prefix) -
         save = RequestSave("req-s", [GroupTransfer(0, ["x"], [1]), GroupTransfer(1, ["y"], [2])], TRACEPARENT)
         worker.start_saves(PoolConnectorMetadata(saves=[save]))
         worker.before_forward()
+        worker.wait_for_saves()
         load = RequestLoad(
             "req-l",
             [GroupTransfer(0, ["x"], [3], masked=4), GroupTransfer(1, ["y", "gone"], [4, 5])],

@@ -88,6 +88,7 @@ def test_save_then_load_moves_exact_bytes(worker) -> None:
     )
     w.start_saves(PoolConnectorMetadata(saves=[save]))
     w.before_forward()  # the barrier: saves have read their blocks
+    w.wait_for_saves()  # ... and published them
 
     load = RequestLoad(
         "r2",
@@ -149,6 +150,7 @@ def test_single_group_reports_failed_block_ids(pool_client, cache_prefix) -> Non
         w.register_kv_caches(caches)
         w.start_saves(PoolConnectorMetadata(saves=[RequestSave("s", [GroupTransfer(0, ["x"], [1])])]))
         w.before_forward()
+        w.wait_for_saves()
         load = RequestLoad("r", [GroupTransfer(0, ["x", "missing"], [4, 5])], hit_tokens=64, is_async=False)
         w.start_loads(PoolConnectorMetadata(loads=[load]))
         assert w.take_load_errors() == {5}

@@ -73,8 +73,14 @@ TRANSFER_BLOCKS = _counter("transfer_blocks", "Blocks moved, per group.", (*GROU
 TRANSFER_BYTES = _counter("transfer_bytes", "Bytes moved, per group.", (*GROUP_LABELS, "operation"))
 FAILURES = _counter(
     "failures",
-    "Keys whose transfer failed, by kind (missing, store_full, transfer_failed, rpc_failed, other_error).",
+    "Keys whose transfer failed, by kind (missing, store_full, transfer_failed, rpc_failed, timeout, "
+    "corrupt, other_error); a lookup past its deadline counts as a timeout of group all.",
     (*GROUP_LABELS, "operation", "reason"),
+)
+REMOVED_OBJECTS = _counter(
+    "removed_objects",
+    "Pool objects the connector removed, by reason (corrupt: a loaded object that failed its header check).",
+    (*GROUP_LABELS, "reason"),
 )
 LOAD_ERROR_BLOCKS = _counter(
     "load_error_blocks", "Blocks whose load failed and that vLLM recomputes instead."
@@ -108,6 +114,7 @@ ALL: tuple[MetricSpec, ...] = (
     TRANSFER_BLOCKS,
     TRANSFER_BYTES,
     FAILURES,
+    REMOVED_OBJECTS,
     LOAD_ERROR_BLOCKS,
     RECOMPUTED_REQUESTS,
     OPERATION_SECONDS,
@@ -116,7 +123,7 @@ ALL: tuple[MetricSpec, ...] = (
 BY_NAME = {spec.name: spec for spec in ALL}
 
 # Operations and failure reasons, as label values.
-LOOKUP, LOAD, SAVE = "lookup", "load", "save"
+LOOKUP, LOAD, SAVE, REMOVE = "lookup", "load", "save", "remove"
 ALL_GROUPS_KIND = "all"
 
 # prometheus_client >= 0.22 writes ``vllm:x`` samples as ``vllm_x`` when a scraper
