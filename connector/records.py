@@ -47,6 +47,8 @@ class TransferRecord:
     load_error_blocks: int = 0  # blocks handed back to vLLM to recompute
     recomputed: bool = False  # the whole request was sent back to recompute
     reason: str = ""  # operation "remove": why the objects (``blocks`` per group) were removed
+    skipped: tuple[int, ...] = ()  # per group: blocks kept out of the pool (a save only)
+    skip_reason: str = ""  # why (``metric_names.SKIP_*``)
 
 
 @dataclass

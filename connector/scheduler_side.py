@@ -28,6 +28,7 @@ from kvpool.connector.metadata import (
     PoolConnectorMetadata,
     RequestLoad,
     RequestSave,
+    SaveLineage,
 )
 from kvpool.connector.pool_client import Outcome, PoolClient
 from kvpool.connector.records import LookupRecord, StatsCollector
@@ -53,6 +54,11 @@ class _Tracked:
     request: Any
     saved_upto: list[int]  # per group: block index below which nothing is left to save
     trace_context: dict[str, str] = field(default_factory=dict)
+    # The step of its previous save plan (or of its admission).
+    since_step: int = 0
+    # Per group: blocks below this index that are saved again after a failed load
+    # replace whatever the pool holds under their keys.
+    replace_upto: list[int] = field(default_factory=list)
 
 
 class SchedulerSide:
@@ -91,6 +97,8 @@ class SchedulerSide:
         # those recompute and never take the pool's word for them again.
         self._loaded_blocks: dict[str, set[int]] = {}
         self._load_failed: set[str] = set()
+        # Steps counted by the metadata built, so workers can tell when a block was wrong.
+        self._step = 0
 
     def bind(self, vllm_coordinator: Any) -> None:
         """Mirror vLLM's live coordinator (called once the cache manager exists)."""
@@ -217,10 +225,13 @@ class SchedulerSide:
             tracked = self._tracked.get(req_id)
             if tracked is None:
                 self._tracked[req_id] = _Tracked(
-                    request=request, saved_upto=start, trace_context=self.stats.trace_context(request)
+                    request=request,
+                    saved_upto=start,
+                    trace_context=self.stats.trace_context(request),
+                    since_step=self._step,
                 )
             elif req_id in self._load_failed:
-                tracked.saved_upto = [min(a, b) for a, b in zip(tracked.saved_upto, start)]
+                _rewind(tracked, start)
         if num_external == 0 or plan is None:
             return
         assert self.coordinator is not None
@@ -257,9 +268,10 @@ class SchedulerSide:
     def build_connector_meta(
         self, scheduler_output: Any, block_ids_of: Callable[[str], Sequence[list[int]]]
     ) -> PoolConnectorMetadata:
-        meta = PoolConnectorMetadata(loads=self._pending_loads)
+        meta = PoolConnectorMetadata(loads=self._pending_loads, step=self._step)
         self._pending_loads = []
         if self.can_save and self.coordinator is not None:
+            meta.new_blocks = _new_blocks(self.coordinator, scheduler_output)
             for req_id, num_new in scheduler_output.num_scheduled_tokens.items():
                 tracked = self._tracked.get(req_id)
                 if tracked is None or num_new <= 0:
@@ -267,6 +279,7 @@ class SchedulerSide:
                 save = self._plan_save(tracked, req_id, num_new, block_ids_of)
                 if save is not None:
                     meta.saves.append(save)
+        self._step += 1
         return meta
 
     def _plan_save(
@@ -293,7 +306,7 @@ class SchedulerSide:
             view = coord.group_block_hashes(gid, block_hashes)
             end = min(computed_after // group.block_size, len(view), len(block_ids[gid]))
             start = tracked.saved_upto[gid]
-            transfer = GroupTransfer(group_id=gid)
+            transfer = GroupTransfer(group_id=gid, lineage=_lineage(tracked, group, block_ids[gid], num_new))
             if end > start:
                 mask = group.manager_cls.reachable_block_mask(
                     start,
@@ -317,15 +330,24 @@ class SchedulerSide:
                         continue
                     transfer.digests.append(hash_digest(bytes(view[index])))
                     transfer.block_ids.append(block_id)
+                    if tracked.replace_upto and index < tracked.replace_upto[gid]:
+                        transfer.replacing += 1
                 tracked.saved_upto[gid] = end
             groups.append(transfer)
         if not any(len(g) for g in groups) and not any(g.masked for g in groups):
             return None
-        return RequestSave(req_id=req_id, groups=groups, trace_context=tracked.trace_context)
+        since, tracked.since_step = tracked.since_step, self._step
+        return RequestSave(
+            req_id=req_id, groups=groups, trace_context=tracked.trace_context, since_step=since
+        )
 
     # --- completion ---------------------------------------------------------------
     def on_worker_output(
-        self, finished_recving: set[str], failed_recving: set[str], invalid_blocks: set[int]
+        self,
+        finished_recving: set[str],
+        failed_recving: set[str],
+        invalid_blocks: set[int],
+        block_ids_of: Callable[[str], Sequence[list[int]]] | None = None,
     ) -> None:
         """Note completed loads, and which requests a failed load sends back to recompute."""
         self._loading.difference_update(finished_recving)
@@ -334,8 +356,34 @@ class SchedulerSide:
             for req_id, blocks in self._loaded_blocks.items():
                 if blocks & invalid_blocks:
                     self._load_failed.add(req_id)
+            if block_ids_of is not None:
+                self._rewind_over_failed_blocks(invalid_blocks, block_ids_of)
         for req_id in finished_recving:
             self._loaded_blocks.pop(req_id, None)
+
+    def _rewind_over_failed_blocks(
+        self, invalid_blocks: set[int], block_ids_of: Callable[[str], Sequence[list[int]]]
+    ) -> None:
+        """Save again what vLLM recomputes in place of blocks whose load failed.
+
+        vLLM has already moved each affected request back (``num_computed_tokens``) to
+        before its first failed block; its blocks from there on are recomputed and must be
+        saved then, replacing anything the pool holds for them. Workers dropped what was
+        computed from the failed blocks. Block ids name blocks across requests only in a
+        single-group layout, the only one vLLM reports failed blocks for.
+        """
+        coord = self.coordinator
+        if coord is None or len(coord.groups) != 1:
+            return
+        (group,) = coord.groups
+        for req_id, tracked in self._tracked.items():
+            try:
+                (ids,) = block_ids_of(req_id)
+            except (KeyError, ValueError):
+                continue
+            if invalid_blocks.isdisjoint(ids):
+                continue
+            _rewind(tracked, [tracked.request.num_computed_tokens // group.block_size])
 
     def request_finished(self, req_id: str) -> bool:
         """Forget ``req_id``; True when an async load may still write its blocks.
@@ -352,3 +400,43 @@ class SchedulerSide:
             self._loading.discard(req_id)
             return True
         return False
+
+
+def _rewind(tracked: _Tracked, upto: Sequence[int]) -> None:
+    """Save ``tracked`` again from block ``upto[g]`` of each group; the blocks re-saved below
+    the old mark replace whatever the pool holds under their keys."""
+    if not tracked.replace_upto:
+        tracked.replace_upto = [0] * len(tracked.saved_upto)
+    for gid, mark in enumerate(upto):
+        if mark < tracked.saved_upto[gid]:
+            tracked.replace_upto[gid] = max(tracked.replace_upto[gid], tracked.saved_upto[gid])
+            tracked.saved_upto[gid] = mark
+
+
+def _lineage(tracked: _Tracked, group: Any, block_ids: Sequence[int], num_new: int) -> SaveLineage:
+    """What one group's save plan read and wrote (see ``SaveLineage``)."""
+    request = tracked.request
+    computed_after = min(request.num_computed_tokens + num_new, request.num_tokens)
+    return SaveLineage(
+        prefix=list(block_ids[: cdiv(computed_after, group.block_size)]),
+        computed_from=cdiv(request.num_computed_tokens, group.block_size),
+        unsaved_from=tracked.saved_upto[group.group_id],
+    )
+
+
+def _new_blocks(coord: HybridHitCoordinator, scheduler_output: Any) -> list[list[int]]:
+    """Per group, the blocks vLLM allocated this step that hold no computed tokens yet."""
+    out: list[list[int]] = [[] for _ in coord.groups]
+    for req in getattr(scheduler_output, "scheduled_new_reqs", ()):
+        for group in coord.groups:
+            first_new = cdiv(req.num_computed_tokens, group.block_size)
+            out[group.group_id].extend(b for b in req.block_ids[group.group_id][first_new:] if b > 0)
+    cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
+    if cached is not None:
+        for req_id, new_ids in zip(cached.req_ids, cached.new_block_ids):
+            # A resumed request's list is all its blocks, cached ones included.
+            if new_ids is None or req_id in cached.resumed_req_ids:
+                continue
+            for group in coord.groups:
+                out[group.group_id].extend(b for b in new_ids[group.group_id] if b > 0)
+    return out

@@ -219,6 +219,17 @@ def build() -> Board:
         ],
     )
     board.timeseries(
+        "Blocks kept out of the pool",
+        "Blocks a save did not store because their KV may be wrong, by reason "
+        "(computed_on_failed_load: computed from blocks whose load failed, on any rank).",
+        [
+            Target(
+                sum_rate(m.SKIPPED_BLOCKS.exported, SEL, ["reason", "group_kind"]),
+                "{{reason}} ({{group_kind}})",
+            )
+        ],
+    )
+    board.timeseries(
         "Handed back to vLLM for recompute",
         "Blocks whose load failed and that vLLM recomputes (single-group layouts), and requests a "
         "failed load sent back to recompute (hybrid layouts). Never wrong KV, never a stuck request.",

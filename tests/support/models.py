@@ -1,4 +1,4 @@
-"""Random-weight models beyond the demo's tiny Gemma3: a larger Gemma3 and gpt-oss.
+"""Random-weight models beyond the demo's tiny Gemma3: an all-full-attention Gemma3, a larger Gemma3, gpt-oss.
 
 Built with :func:`kvpool.connector.local.tiny_model.build_random_model`, so they
 are idempotent and deterministic in the same way.
@@ -10,7 +10,27 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from kvpool.connector.local.tiny_model import SPECIAL_TOKENS, build_random_model
+from kvpool.connector.local.tiny_model import SPECIAL_TOKENS, build_gemma3, build_random_model
+
+#: Layers of :func:`build_gemma3_full`: all full attention, so one KV-cache group.
+GEMMA3_FULL_LAYERS = 6
+
+
+def build_gemma3_full(path: str | os.PathLike[str], *, seed: int = 0) -> Path:
+    """The tiny Gemma3 with full attention in every layer: one KV-cache group, so pool loads
+    run synchronously before the forward and a failed block comes back to vLLM by block id.
+
+    Weights N(0, 0.1) and untied embeddings, like every tiny model here: one wrong KV block
+    among ten changes the greedy tokens and their log-probabilities (a weakly initialised
+    model, std 0.02 and tied embeddings, hides such damage).
+    """
+    return build_gemma3(
+        path,
+        seed=seed,
+        num_hidden_layers=GEMMA3_FULL_LAYERS,
+        layer_types=["full_attention"] * GEMMA3_FULL_LAYERS,
+    )
+
 
 #: Gemma3 overrides for about 0.3 B parameters (benchmarks): ``build_gemma3(path, **GEMMA3_LARGE)``.
 GEMMA3_LARGE: dict[str, Any] = {
