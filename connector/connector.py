@@ -29,7 +29,9 @@ from kvpool.connector.contract.settings import ConnectorSettings
 from kvpool.connector.logs import get_logger
 from kvpool.connector.metadata import PoolConnectorMetadata
 from kvpool.connector.pool_client import acquire_client, release_client
+from kvpool.connector.rank_agreement import rank_agreement
 from kvpool.connector.records import StatsCollector
+from kvpool.connector.save_integrity import SaveIntegrity
 from kvpool.connector.scheduler_side import SchedulerSide
 from kvpool.connector.vllm_layout import layout_from_vllm
 from kvpool.connector.vllm_metrics import PoolConnectorStats, PoolPromMetrics, records_to_data
@@ -44,6 +46,18 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = get_logger(__name__)
+
+
+def _zeroes_before_preemptions(vllm_config: VllmConfig) -> bool:
+    """Whether this engine's model runner zeroes and copies blocks before ``handle_preemptions``.
+
+    The V2 model runner updates its blocks first, so there a step's saves must have read
+    their blocks before the step ends; the V1 runner calls ``handle_preemptions`` first.
+    """
+    try:
+        return bool(vllm_config.use_v2_model_runner)
+    except Exception:  # an unknown runner: be safe
+        return True
 
 
 def _ranks() -> tuple[int, int]:
@@ -105,6 +119,10 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
                 stats=self.stats,
                 deadlines=Deadlines.of(self.settings),
                 staging_bytes=self.settings.staging_buffer_size,
+                integrity=SaveIntegrity(
+                    agree_failures=rank_agreement(),
+                    drain_saves=_zeroes_before_preemptions(vllm_config),
+                ),
             )
         logger.info(
             "KVPoolConnector %s: master=%s layout=%s groups=%s",
@@ -148,10 +166,12 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         return self._sched().build_connector_meta(scheduler_output, manager.get_block_ids)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        manager = self._kv_cache_manager
         self._sched().on_worker_output(
             set(connector_output.finished_recving or ()),
             set(getattr(connector_output, "failed_recving", None) or ()),
             set(connector_output.invalid_block_ids or ()),
+            None if manager is None else manager.get_block_ids,
         )
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -190,6 +210,11 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         self._work().register_kv_caches(kv_caches)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        # vLLM's first call of a step, before it zeroes new blocks and copies blocks
+        # (both may write blocks earlier saves still read): the save barrier.
+        self._work().before_forward()
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
