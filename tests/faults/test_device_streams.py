@@ -1,0 +1,109 @@
+"""Transfer threads touch KV blocks only after the device work queued before them is done.
+
+On an accelerator the forward (and vLLM's zeroing and copying of blocks) runs after the
+call that queued it returned; a save that reads blocks at once reads stale KV, a load
+that writes at once is overwritten by the zeroing queued before it. The connector records
+an event on the forward's stream (``device_order.forward_marker``) and every transfer
+thread waits on it before it touches a block. There is no accelerator here, so the device
+is played by a marker whose ``synchronize`` is the moment the queued work lands in memory:
+a save that read before it would store the stale bytes, a load that wrote before it would
+be wiped. Real Mooncake pool, real ``WorkerSide``, CPU tensors laid out as vLLM's.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from kvpool.connector.contract.keys import KeySpace
+from kvpool.connector.device_order import forward_marker
+from kvpool.connector.metadata import GroupTransfer, PoolConnectorMetadata, RequestLoad, RequestSave
+from kvpool.connector.records import StatsCollector
+from kvpool.connector.save_integrity import SaveIntegrity
+from kvpool.connector.worker_side import WorkerSide
+
+pytestmark = [pytest.mark.faults, pytest.mark.mooncake]
+
+NUM_BLOCKS = 8
+SHAPE = (2, NUM_BLOCKS, 32, 2, 16)  # K/V, blocks, tokens, heads, head size
+
+
+class QueuedWork:
+    """A marker after device work that has not landed yet: ``synchronize`` lands it."""
+
+    def __init__(self, land: Callable[[], None]):
+        self._land = land
+        self._lock = threading.Lock()
+        self.landed = False
+        self.threads: list[str] = []
+
+    def synchronize(self) -> None:
+        with self._lock:
+            self.threads.append(threading.current_thread().name)
+            if not self.landed:
+                self._land()
+                self.landed = True
+
+
+@pytest.fixture
+def rig(pool_client: Any, cache_prefix: str) -> Iterator[tuple[WorkerSide, torch.Tensor, list[Any]]]:
+    markers: list[Any] = []
+    worker = WorkerSide(
+        client=pool_client,
+        keyspace=KeySpace(cache_prefix, "fp"),
+        tp_rank=0,
+        pp_rank=0,
+        group_layers=[["l0"]],
+        num_blocks=NUM_BLOCKS,
+        stats=StatsCollector(group_kinds=("full",)),
+        integrity=SaveIntegrity(record_marker=lambda: markers.pop(0) if markers else None),
+    )
+    cache = torch.zeros(SHAPE)
+    worker.register_kv_caches({"l0": cache})
+    try:
+        yield worker, cache, markers
+    finally:
+        worker.shutdown()
+
+
+def test_a_save_reads_its_blocks_only_after_the_forward_is_done(rig) -> None:
+    worker, cache, markers = rig
+    computed = torch.randn(cache[:, 1].shape)  # what the forward writes into block 1
+    forward = QueuedWork(lambda: cache[:, 1].copy_(computed))
+    markers.append(forward)
+    worker.start_saves(PoolConnectorMetadata(saves=[RequestSave("r", [GroupTransfer(0, ["b1"], [1])])]))
+    worker.wait_for_saves()
+    assert forward.landed and all(name.startswith("kvpool-xfer") for name in forward.threads)
+
+    worker.start_loads(
+        PoolConnectorMetadata(loads=[RequestLoad("l", [GroupTransfer(0, ["b1"], [5])], 32, is_async=False)])
+    )
+    assert worker.take_load_errors() == set()
+    assert torch.equal(cache[:, 5], computed), "the stored block is the forward's, not the stale one"
+
+
+def test_a_load_writes_its_blocks_only_after_the_queued_zeroing(rig) -> None:
+    worker, cache, markers = rig
+    cache[:, 2].normal_()
+    worker.start_saves(PoolConnectorMetadata(saves=[RequestSave("r", [GroupTransfer(0, ["b2"], [2])])]))
+    worker.wait_for_saves()
+    stored = cache[:, 2].clone()
+
+    # vLLM queued the zeroing of the newly allocated block 6 before this step's loads.
+    cache[:, 6].fill_(7.0)
+    zeroing = QueuedWork(lambda: cache[:, 6].zero_())
+    markers.append(zeroing)
+    worker.start_loads(
+        PoolConnectorMetadata(loads=[RequestLoad("l", [GroupTransfer(0, ["b2"], [6])], 32, is_async=False)])
+    )
+    assert zeroing.landed
+    assert worker.take_load_errors() == set()
+    assert torch.equal(cache[:, 6], stored), "the load landed after the zeroing, not under it"
+
+
+def test_nothing_is_queued_on_the_cpu() -> None:
+    assert forward_marker() is None

@@ -1,0 +1,129 @@
+"""No step writes a block while a save of an earlier step may still read it.
+
+vLLM's model runner starts a step with ``_update_states``, which zeroes newly allocated
+blocks (any model with Mamba layers or mixed-precision KV) and applies
+``kv_cache_block_copies``, before it binds the connector's metadata. A save of the
+previous step still reading a block those writes hit would store corrupted bytes; the
+save barrier must therefore sit in ``handle_preemptions``, the step's first call, not in
+``bind_connector_metadata``.
+
+A real in-process engine (vLLM's V1 CPU model runner) with the connector. Each step's
+saves wait on a marker of "the forward is still running" (the connector's device-order
+hook) that only ``_update_states`` or a timeout releases: a save that has not read its
+blocks when ``_update_states`` runs is caught there. With the barrier in place it waits
+out the marker, so no step ever starts with such a save; with the barrier moved back to
+``bind_connector_metadata`` (the negative control) the very next step does.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvpool.connector.local.engine import EngineOptions, create_llm, generate, shutdown_llm, worker_connector
+from tests.support.engine import transfer_config
+from tests.support.models import build_gemma3_full
+from tests.support.prompts import P1, P2
+
+pytestmark = [pytest.mark.faults, pytest.mark.engine, pytest.mark.mooncake, pytest.mark.timeout(300)]
+
+HOLD_S = 1.0  # how long a save waits for "the forward" unless a step starts first
+
+
+class StillComputing:
+    """A marker after work still running on the device: a transfer thread waits on it."""
+
+    def __init__(self, watch: Watch):
+        self.watch = watch
+        self.released = threading.Event()
+
+    def synchronize(self) -> None:
+        if not threading.current_thread().name.startswith("kvpool-xfer"):
+            return  # the loads' wait, on the step's own thread
+        with self.watch.lock:
+            self.watch.waiting += 1
+        try:
+            self.released.wait(HOLD_S)
+        finally:
+            with self.watch.lock:
+                self.watch.waiting -= 1
+                self.watch.saves += 1
+
+
+class Watch:
+    """Counts saves that have not read their blocks when a step starts writing blocks."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.waiting = 0
+        self.saves = 0
+        self.steps = 0
+        self.caught: list[int] = []
+        self.markers: list[StillComputing] = []
+
+    def marker(self) -> StillComputing:
+        marker = StillComputing(self)
+        self.markers.append(marker)
+        return marker
+
+    def step_starts(self) -> None:
+        with self.lock:
+            self.steps += 1
+            if self.waiting:
+                self.caught.append(self.steps)
+        for marker in self.markers:
+            marker.released.set()
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_gemma3_full(tmp_path_factory.mktemp("gemma3-full"))
+
+
+@pytest.fixture
+def watch(monkeypatch: pytest.MonkeyPatch) -> Iterator[Watch]:
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    watch = Watch()
+    update_states = GPUModelRunner._update_states
+
+    def watched(self: Any, scheduler_output: Any) -> Any:
+        watch.step_starts()  # zeroing and block copies happen inside, first thing
+        return update_states(self, scheduler_output)
+
+    monkeypatch.setattr(GPUModelRunner, "_update_states", watched)
+    yield watch
+    for marker in watch.markers:
+        marker.released.set()
+
+
+def _serve(model: Path, settings: Any, watch: Watch) -> None:
+    llm = create_llm(EngineOptions(model=str(model), kv_transfer_config=transfer_config(settings)))
+    try:
+        worker = worker_connector()._worker
+        assert not worker.integrity.drain_saves, "the V1 runner: saves overlap the next step"
+        worker.integrity.record_marker = watch.marker
+        generate(llm, [P1], 4)  # a 10-block prefill, then decode steps
+        generate(llm, [P2], 4)
+    finally:
+        shutdown_llm(llm)
+
+
+def test_no_step_writes_blocks_before_earlier_saves_read_them(model, pool_settings, watch) -> None:
+    _serve(model, pool_settings, watch)
+    assert watch.saves >= 2, "saves ran, each waiting for its forward"
+    assert watch.caught == [], f"steps {watch.caught} wrote blocks while a save had not read them"
+
+
+def test_negative_control_a_barrier_at_bind_comes_too_late(model, pool_settings, watch, monkeypatch) -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    from kvpool.connector.connector import KVPoolConnector
+
+    monkeypatch.setattr(KVPoolConnector, "handle_preemptions", KVConnectorBase_V1.handle_preemptions)
+    _serve(model, pool_settings, watch)
+    assert watch.caught, "without the barrier in handle_preemptions, a step starts under a save"
