@@ -39,6 +39,7 @@ class Request:
     test: str
     method: str
     url: str
+    implied: tuple[tuple[str, str, str], ...] = ()  # (group, resource, verb) its body needs too
 
 
 @dataclass(frozen=True)
@@ -91,7 +92,10 @@ def recordings(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, R
             output = (folder / f"{mode}.log").read_text()
             assert code == 0, f"the operator scenarios failed ({mode}):\n{output[-6000:]}"
             lines = [json.loads(line) for line in record.read_text().splitlines()]
-            requests = tuple(Request(r["test"], r["method"], r["url"]) for r in lines)
+            requests = tuple(
+                Request(r["test"], r["method"], r["url"], tuple(tuple(p) for p in r.get("implied", [])))
+                for r in lines
+            )
             results[mode] = Recording(namespaces, requests, tuple(sorted({r.test for r in requests})))
         yield results
     finally:

@@ -3,7 +3,8 @@
 Loaded with ``-p tests.chart.recorder`` into a separate pytest run over ``tests/operator``
 (see ``conftest.recorded_requests``). It keeps only the tests that run against the
 emulated API server (``cluster`` fixture), and writes every request the operator made in
-each of them, as JSON lines, to the file named by ``KVPOOL_RBAC_RECORD``.
+each of them (with the permissions its body needs besides its verb), as JSON lines, to the
+file named by ``KVPOOL_RBAC_RECORD``.
 
 With ``KVPOOL_RBAC_NAMESPACES`` (comma separated) the operator watches only those
 namespaces, as the chart runs it in namespaced mode; scenarios that start the operator
@@ -17,6 +18,8 @@ import os
 from pathlib import Path
 
 import pytest
+
+from kvpool.operator.rbac import implied_permissions
 
 RECORD_ENV = "KVPOOL_RBAC_RECORD"
 NAMESPACES_ENV = "KVPOOL_RBAC_NAMESPACES"
@@ -56,7 +59,15 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):  #
     if cluster is None:
         return
     lines = [
-        json.dumps({"test": item.nodeid, "method": r.method.upper(), "url": str(r.url)})
+        json.dumps(
+            {
+                "test": item.nodeid,
+                "method": r.method.upper(),
+                "url": str(r.url),
+                # What the API server's admission checks besides the verb (e.g. blockOwnerDeletion).
+                "implied": [[p.api_group, p.resource, p.verb] for p in implied_permissions(r.method, r.data)],
+            }
+        )
         for r in cluster.requests()  # type: ignore[attr-defined]
     ]
     with Path(os.environ[RECORD_ENV]).open("a") as out:

@@ -9,11 +9,13 @@ from urllib.parse import urlsplit
 
 import pytest
 
+from kvpool.operator import names
 from kvpool.operator.app import VALIDATE_ID, OperatorOptions
 from kvpool.operator.cli import _parser, options_from_args
+from kvpool.operator.consumers import refusal
 from kvpool.operator.metrics import METRICS_PATH
 from kvpool.operator.names import POOLS
-from tests.chart.helm import EXAMPLES, NAMESPACE, Helm, of_kind, one
+from tests.chart.helm import CHART, EXAMPLES, NAMESPACE, Helm, of_kind, one
 
 
 def operator_container(objects: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -178,3 +180,72 @@ def test_no_webhook_by_default(helm: Helm) -> None:
     objects = helm.template()
     assert operator_options(operator_container(objects)[1]).webhook is None
     assert of_kind(objects, "ValidatingWebhookConfiguration") == []
+
+
+def test_the_operator_knows_its_own_pods_and_is_never_a_consumer(helm: Helm) -> None:
+    objects = helm.template()
+    deployment = one(objects, "Deployment")
+    _, container = operator_container(objects)
+    policy = operator_options(container).policy
+    assert policy.operator_namespace == NAMESPACE
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    # The labels it passes select its own pods (HA masters' NetworkPolicy lets those in) ...
+    assert dict(policy.operator_pod_labels).items() <= pod_labels.items()
+    assert dict(policy.operator_pod_labels) == deployment["spec"]["selector"]["matchLabels"]
+    # ... and its own Deployment is refused as a consumer, whatever labels someone adds.
+    deployment["metadata"]["labels"][names.LABEL_ALLOW_POOL] = "pool"
+    found = refusal({**deployment, "metadata": {**deployment["metadata"], "namespace": NAMESPACE}}, "pool")
+    assert found is not None and found.rule == "operator-managed"
+
+
+def test_the_policy_values_reach_the_operator(helm: Helm) -> None:
+    default = operator_options(operator_container(helm.template())[1]).policy
+    assert default.image_prefixes == ()
+    assert default.max_master_replicas is None and default.max_store_replicas is None
+    objects = helm.template(
+        sets=[
+            "operator.policy.allowedImagePrefixes={registry.internal/mooncake/,mirror.internal/}",
+            "operator.policy.maxMasterReplicas=3",
+            "operator.policy.maxStoreReplicas=8",
+        ]
+    )
+    policy = operator_options(operator_container(objects)[1]).policy
+    assert policy.image_prefixes == ("registry.internal/mooncake/", "mirror.internal/")
+    assert (policy.max_master_replicas, policy.max_store_replicas) == (3, 8)
+
+
+def test_the_operators_network_policy(helm: Helm) -> None:
+    assert of_kind(helm.template(), "NetworkPolicy") == []
+    webhook = EXAMPLES / "webhook-cert-manager-values.yaml"
+    objects = helm.template(EXAMPLES / "monitoring-values.yaml", webhook)
+    policy = one(objects, "NetworkPolicy")
+    pod, container = operator_container(objects)
+    labels = one(objects, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= labels.items()
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    rules = policy["spec"]["ingress"]
+    named = {p["name"] for p in container["ports"]}
+    opened = {(port["port"], bool(rule.get("from"))) for rule in rules for port in rule["ports"]}
+    # Probes and the API server (webhook) from anywhere; metrics only from the scraper pods.
+    assert opened == {("health", False), ("webhook", False), ("metrics", True)}
+    assert {port for port, _ in opened} <= named
+    (scrapers,) = [rule["from"] for rule in rules if rule.get("from")]
+    for peer in scrapers:
+        assert peer["namespaceSelector"]["matchLabels"] and peer["podSelector"]["matchLabels"]
+    without_webhook = one(helm.template(EXAMPLES / "monitoring-values.yaml"), "NetworkPolicy")
+    assert "webhook" not in str(without_webhook["spec"]["ingress"])
+    assert pod["containers"] == [container]
+
+
+def test_metrics_from_needs_both_selectors(helm: Helm) -> None:
+    result = helm.run(
+        "template",
+        "kvpool",
+        str(CHART),
+        "--set",
+        "networkPolicy.enabled=true",
+        "--set",
+        "networkPolicy.metricsFrom[0].namespaceSelector.team=monitoring",
+        check=False,
+    )
+    assert result.returncode != 0 and "podSelector" in result.stderr

@@ -94,10 +94,11 @@ def check(recording: Recording, granted: set[Grant]) -> None:
         if permission is None:
             assert request.method == "GET" and DISCOVERY.match(urlsplit(request.url).path), request
             continue
-        granting = [g for g in granted if allows(g, permission, namespace)]
-        if not granting:
-            refused.append(f"{request.method} {urlsplit(request.url).path} ({request.test})")
-        used.update(granting)
+        for wanted in [permission, *(Permission(*p) for p in request.implied)]:
+            granting = [g for g in granted if allows(g, wanted, namespace)]
+            if not granting:
+                refused.append(f"{request.method} {urlsplit(request.url).path} {wanted} ({request.test})")
+            used.update(granting)
     assert not refused, "requests the chart's RBAC refuses:\n" + "\n".join(sorted(set(refused)))
     assert granted - used == set(), f"granted but never used: {sorted(granted - used, key=str)}"
 
