@@ -3,8 +3,9 @@
 The real operator (kopf, its handlers, its Kubernetes client; ``kvpool.operator.app.run``)
 runs in a thread against the tests' emulated cluster (``tests.support.kube_api``): kmock,
 a stateful Kubernetes API emulator over HTTP on 127.0.0.1 (no kube-apiserver can be had
-here), plus the little an API server adds itself (uid, resourceVersion, generation) and
-a stand-in Deployment controller that marks Deployments rolled out. Measured:
+here), behaving like an API server where the operator depends on it (server-side
+defaults, CRD pruning, the status subresource, 409s, generation) and a stand-in
+Deployment controller that marks Deployments rolled out. Measured:
 
 * **time to children** — from the pool's ``POST`` returning to every child the
   pure ``build_plan`` wants existing on the API server;
@@ -140,7 +141,7 @@ async def _measure(cluster: Any, api: Any, reps: int, pools: int, resync: float)
     started = loop.time()
     names = [f"pool-{i:03d}" for i in range(pools)]
     for i, name in enumerate(names):
-        await cluster.create(vllm_deployment(f"llm-{i:03d}"))
+        await cluster.create(vllm_deployment(f"llm-{i:03d}", allow_pool=name))
         await cluster.create(_pool_manifest(name, f"llm-{i:03d}"))
 
     def all_ready() -> bool:
