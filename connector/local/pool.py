@@ -211,6 +211,8 @@ class LocalPool:
 
     segment_size: str = "256MB"
     master_args: tuple[str, ...] = ()
+    rpc_port: int = 0  # 0: a free port
+    metrics_port: int = 0  # 0: a free port
     master: MooncakeMaster | None = None
     store: MooncakeStore | None = None
 
@@ -221,7 +223,11 @@ class LocalPool:
         self.stop()
 
     def start(self) -> LocalPool:
-        self.master = MooncakeMaster(extra_args=self.master_args).start()
+        self.master = MooncakeMaster(
+            rpc_port=self.rpc_port or free_port(),
+            metrics_port=self.metrics_port or free_port(),
+            extra_args=self.master_args,
+        ).start()
         try:
             self.store = MooncakeStore(self.master.address, self.segment_size).start(self.master)
         except BaseException:
@@ -234,6 +240,15 @@ class LocalPool:
             self.store.stop()
         if self.master is not None:
             self.master.stop()
+
+    def exited(self) -> list[str]:
+        """The parts of the pool whose process has exited (empty while both run)."""
+        parts = (("master", self.master), ("store", self.store))
+        return [
+            f"{name} (exit status {part.process.returncode}, log in {part.log_dir})"
+            for name, part in parts
+            if part is not None and part.process is not None and part.process.poll() is not None
+        ]
 
     @property
     def address(self) -> str:
