@@ -442,9 +442,7 @@ class WorkerSide:
                     result.fail([block], outcome)
                     if outcome is Outcome.CORRUPT:
                         result.corrupt_keys.append(part_keys[i])
-            wrong_size = self._wrong_sizes(
-                [part_keys[i] for i in unexplained], size, len(unexplained) < len(codes)
-            )
+            wrong_size = self._wrong_sizes([part_keys[i] for i in unexplained], size)
             for i in unexplained:
                 if part_keys[i] in wrong_size:
                     result.fail([part_blocks[i]], Outcome.CORRUPT)
@@ -475,15 +473,12 @@ class WorkerSide:
             return Outcome.CORRUPT  # an object of another size is not this block
         return classify(code)
 
-    def _wrong_sizes(self, keys: Sequence[str], size: int, store_answered: bool) -> set[str]:
+    def _wrong_sizes(self, keys: Sequence[str], size: int) -> set[str]:
         """Keys among failed reads whose object has another size than ``size``.
 
         Mooncake fails the read of an object smaller than the buffer like a broken
-        transfer. When the same call read other keys (the store answers), the size
-        of at most ``SIZE_PROBES_PER_CALL`` such keys is asked.
+        transfer; the size of at most ``SIZE_PROBES_PER_CALL`` such keys is asked.
         """
-        if not keys or not store_answered:
-            return set()
         out = set()
         for key in keys[:SIZE_PROBES_PER_CALL]:
             stored = self.client.size_of(key)
