@@ -3,7 +3,7 @@
 * The master's HTTP port (``metricsPort``) is an admin port: a real ``mooncake_master``
   serves every key and the store's buffer addresses on it. The NetworkPolicy the operator
   builds must let only the pool's own pods reach it (and the RPC port), plus the
-  ``metricsFrom`` namespaces on that one port; checked by evaluating the policy for
+  ``metricsFrom`` scraper pods on that one port; checked by evaluating the policy for
   concrete peers with Kubernetes' NetworkPolicy semantics.
 * The master and store pods run as non-root, without privilege escalation, with a
   read-only root filesystem, all capabilities dropped and no service-account token.
