@@ -1,0 +1,117 @@
+"""The end-to-end cluster of the session: the emulated API, the real operator and the test node.
+
+Every scenario shares one cluster (one operator watching every namespace, one node) and
+uses pools and Deployments of its own names; ``reference`` runs the tiny model once
+without any pool, for the outputs every pooled answer must equal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from kvpool.operator.app import OperatorOptions
+from tests.e2e import harness
+from tests.e2e.harness import ApiThread, Completion, Kube, wait_for
+from tests.support.kube_api import Cluster, OperatorThread, quick_options, write_kubeconfig
+from tests.support.node import Node, PodInfo
+from tests.support.node.sandbox import unavailable
+from tests.support.prompts import MAX_TOKENS, P1, P2
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+MODEL_DIR = REPO_ROOT / ".models" / "e2e-gemma3-tiny"
+VLLM_START_S = 900.0  # a vLLM server's start-up on two busy cores, with room to spare
+# Prompts every scenario may send: two sharing a 288-token prefix, and two more sharing another.
+PROMPTS: dict[str, list[int]] = {
+    "p1": P1,
+    "p2": P2,
+    "q1": [7, *P1[1:]],
+    "q2": [7, *P2[1:]],
+}
+
+
+@dataclass
+class E2E:
+    """What a scenario works with: the API, a client of it, the node and the model."""
+
+    api: ApiThread
+    kube: Kube
+    node: Node
+    operator: OperatorThread
+
+    def pods(self, deployment: str, *, kind: str = "Deployment") -> list[PodInfo]:
+        return self.node.pods(harness.NAMESPACE, (kind, deployment))
+
+    def ready_pod(
+        self, deployment: str, timeout: float = VLLM_START_S, revision: str | None = None
+    ) -> PodInfo:
+        """The one ready, not terminating pod of ``deployment`` (of ``revision``, if given)."""
+
+        def one() -> PodInfo | None:
+            pods = [p for p in self.pods(deployment) if not p.terminating]
+            if len(pods) == 1 and pods[0].ready and revision in (None, pods[0].revision):
+                return pods[0]
+            return None
+
+        return wait_for(one, timeout, f"one ready pod of {deployment}")
+
+    def remove(self, *paths: str) -> None:
+        for item in paths:
+            self.kube.delete(item)
+
+
+@pytest.fixture(scope="session")
+def e2e(tmp_path_factory: pytest.TempPathFactory) -> Iterator[E2E]:
+    """The cluster for the session; everything it started is stopped (by PID) at the end."""
+    why = unavailable()
+    if why is not None:
+        pytest.skip(f"the test node cannot run pods here: {why}")
+    for binary in ("mooncake_master", "mooncake_client"):
+        if shutil.which(binary, path=str(Path(sys.executable).parent)) is None:
+            pytest.skip(f"{binary} is not installed next to the interpreter")
+    root = tmp_path_factory.mktemp("e2e")
+    saved_host = os.environ.pop("KUBERNETES_SERVICE_HOST", None)
+    api = ApiThread().start()
+    node = Node(api.url, root / "node").start()
+    options = OperatorOptions(**quick_options(write_kubeconfig(root / "kubeconfig", api.url)))
+    operator = OperatorThread(options)
+    try:
+        with node.resolving():
+            operator.start()
+            yield E2E(api, Kube(api.url), node, operator)
+    finally:
+        asyncio.run(operator.stop())
+        try:
+            node.stop()
+        finally:
+            api.stop()
+            if saved_host is not None:
+                os.environ["KUBERNETES_SERVICE_HOST"] = saved_host
+    assert operator.error is None, repr(operator.error)
+    assert api.api is not None and Cluster(api.api).unauthorised() == []
+
+
+@pytest.fixture(scope="session")
+def model() -> Path:
+    """The tiny hybrid Gemma3 (random weights, built once and kept in ``.models``)."""
+    from kvpool.connector.local.tiny_model import build_gemma3
+
+    return build_gemma3(MODEL_DIR)
+
+
+@pytest.fixture(scope="session")
+def reference(e2e: E2E, model: Path) -> dict[str, Completion]:
+    """Every prompt's greedy completion from the same vLLM server without any pool."""
+    e2e.kube.create(harness.vllm_deployment("reference", model, allow_pool=None))
+    try:
+        pod = e2e.ready_pod("reference")
+        return {key: harness.complete(pod.ip, prompt, MAX_TOKENS) for key, prompt in PROMPTS.items()}
+    finally:
+        e2e.kube.delete(harness.path("apps/v1", "Deployment", "reference"))

@@ -1,0 +1,405 @@
+"""The end-to-end cluster: the emulated API, the real operator and the test node, each on a
+thread of its own, so a test is plain synchronous code that talks to them over HTTP.
+
+Also what the scenarios share: the API paths of the kinds they write, waiting, completions
+and metrics from a vLLM server, and the manifests (a pool, a vLLM Deployment, an etcd
+StatefulSet).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import kmock
+
+from kvpool.operator import names
+from kvpool.operator.names import POOLS
+from tests.support.kube_api import ApiServer, declare_resources
+
+NAMESPACE = "team-a"
+T = TypeVar("T")
+# (apiVersion, kind) -> (API path prefix, plural)
+PATHS = {
+    ("apps/v1", "Deployment"): ("/apis/apps/v1", "deployments"),
+    ("apps/v1", "StatefulSet"): ("/apis/apps/v1", "statefulsets"),
+    ("v1", "Service"): ("/api/v1", "services"),
+    ("v1", "ConfigMap"): ("/api/v1", "configmaps"),
+    (POOLS.api_version, POOLS.kind): (f"/apis/{POOLS.group}/{POOLS.version}", POOLS.plural),
+}
+
+
+def path(api_version: str, kind: str, name: str | None = None, namespace: str = NAMESPACE) -> str:
+    prefix, plural = PATHS[(api_version, kind)]
+    out = f"{prefix}/namespaces/{namespace}/{plural}"
+    return f"{out}/{name}" if name else out
+
+
+def wait_for(check: Callable[[], T], timeout: float, what: str, interval: float = 0.5) -> T:
+    """Poll ``check`` until it returns something truthy; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    last: object = None
+    while True:
+        try:
+            result = check()
+            if result:
+                return result
+            last = result
+        except (AssertionError, KeyError, IndexError, OSError, ValueError) as exc:
+            last = exc
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not reached in {timeout:g}s: {what} (last: {last!r})")
+        time.sleep(interval)
+
+
+class ApiThread:
+    """kmock's emulated API (``tests.support.kube_api.ApiServer``) on 127.0.0.1, on its own thread."""
+
+    def __init__(self) -> None:
+        self.api: ApiServer | None = None
+        self.url = ""
+        self._ready = threading.Event()
+        self._stop: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), name="kmock", daemon=True)
+
+    async def _main(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        async with ApiServer() as api, kmock.Server(api, host="127.0.0.1"):
+            declare_resources(api)
+            self.api = api
+            self.url = str(api.url).rstrip("/")
+            self._ready.set()
+            await self._stop.wait()
+
+    def start(self) -> ApiThread:
+        self._thread.start()
+        if not self._ready.wait(30):
+            raise RuntimeError("the emulated API did not start")
+        return self
+
+    def stop(self) -> None:
+        if self._loop is not None and self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(30)
+
+
+class Kube:
+    """A plain JSON client of the emulated API (what ``kubectl`` would send)."""
+
+    def __init__(self, url: str):
+        self.url = url
+
+    def _request(
+        self, method: str, url_path: str, body: Any = None, content: str = "application/json"
+    ) -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(
+            self.url + url_path, data=data, method=method, headers={"Content-Type": content}
+        )
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return json.loads(response.read() or b"null")
+
+    def get(self, url_path: str) -> dict[str, Any] | None:
+        try:
+            return self._request("GET", url_path)
+        except urllib.error.HTTPError as exc:
+            if exc.code == 404:
+                return None
+            raise
+
+    def create(self, obj: Mapping[str, Any]) -> dict[str, Any]:
+        meta = obj["metadata"]
+        return self._request(
+            "POST", path(obj["apiVersion"], obj["kind"], namespace=meta.get("namespace", NAMESPACE)), obj
+        )
+
+    def patch(self, url_path: str, patch: Mapping[str, Any]) -> dict[str, Any]:
+        return self._request("PATCH", url_path, patch, "application/merge-patch+json")
+
+    def delete(self, url_path: str) -> None:
+        try:
+            self._request("DELETE", url_path)
+        except urllib.error.HTTPError as exc:
+            if exc.code != 404:
+                raise
+
+    def pool(self, name: str) -> dict[str, Any] | None:
+        return self.get(path(POOLS.api_version, POOLS.kind, name))
+
+    def deployment(self, name: str) -> dict[str, Any] | None:
+        return self.get(path("apps/v1", "Deployment", name))
+
+    def condition(self, pool: str, kind: str) -> dict[str, Any]:
+        for item in ((self.pool(pool) or {}).get("status") or {}).get("conditions") or []:
+            if item["type"] == kind:
+                return item
+        return {}
+
+
+# --- vLLM ----------------------------------------------------------------------------------
+SERVED_NAME = "llm"
+VLLM_PORT = 8000
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One greedy completion: the tokens, and how many prompt tokens vLLM did not compute."""
+
+    token_ids: tuple[int, ...]
+    cached_tokens: int
+
+
+def _post(url: str, body: Mapping[str, Any] | None = None, timeout: float = 120.0) -> Any:
+    request = urllib.request.Request(
+        url, data=json.dumps(body or {}).encode(), method="POST", headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        raw = response.read()
+    return json.loads(raw) if raw.strip() else None
+
+
+def complete(address: str, prompt: list[int], max_tokens: int) -> Completion:
+    """A greedy completion of token ids from the vLLM server at ``address``."""
+    body = {
+        "model": SERVED_NAME,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    answer = _post(f"http://{address}:{VLLM_PORT}/v1/completions", body)
+    details = (answer.get("usage") or {}).get("prompt_tokens_details") or {}
+    return Completion(tuple(answer["choices"][0]["token_ids"]), int(details.get("cached_tokens") or 0))
+
+
+def reset_prefix_cache(address: str) -> None:
+    """Empty the server's own prefix cache (vLLM's development endpoint)."""
+    _post(f"http://{address}:{VLLM_PORT}/reset_prefix_cache")
+
+
+def metrics(address: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """The server's ``/metrics`` samples: (name, labels without model_name/engine) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://{address}:{VLLM_PORT}/metrics", timeout=30) as response:
+        text = response.read().decode()
+    out: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = tuple(
+                sorted((k, v) for k, v in sample.labels.items() if k not in ("model_name", "engine"))
+            )
+            out[(sample.name, labels)] = out.get((sample.name, labels), 0.0) + sample.value
+    return out
+
+
+def metric_total(
+    samples: Mapping[tuple[str, tuple[tuple[str, str], ...]], float], name: str, **labels: str
+) -> float:
+    """The sum of ``name``'s samples whose labels include ``labels``."""
+    return sum(
+        value
+        for (sample, sample_labels), value in samples.items()
+        if sample == name and set(labels.items()) <= set(sample_labels)
+    )
+
+
+# --- manifests -----------------------------------------------------------------------------
+def vllm_args(model: Path) -> list[str]:
+    """How the scenarios' vLLM CPU servers run the tiny model (greedy-comparable, eager, small)."""
+    return [
+        "--model", str(model),
+        "--served-model-name", SERVED_NAME,
+        "--port", str(VLLM_PORT),
+        "--skip-tokenizer-init",
+        "--enforce-eager",
+        "--dtype", "float32",
+        "--block-size", "32",
+        "--max-model-len", "1024",
+        "--max-num-seqs", "4",
+        "--max-num-batched-tokens", "1024",
+        "--seed", "0",
+        "--distributed-executor-backend", "uni",
+        "--enable-prompt-tokens-details",
+        "--disable-uvicorn-access-log",
+    ]  # fmt: skip
+
+
+def vllm_deployment(name: str, model: Path, allow_pool: str | None, replicas: int = 1) -> dict[str, Any]:
+    """A vLLM CPU server Deployment, as a user writes it; ``allow_pool``: the pool it lets patch it."""
+    labels = {"app": name}
+    if allow_pool is not None:
+        labels[names.LABEL_ALLOW_POOL] = allow_pool
+    health = {"httpGet": {"path": "/health", "port": "http"}}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": name, "namespace": NAMESPACE, "labels": labels},
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": {"app": name}},
+            "template": {
+                "metadata": {"labels": {"app": name}},
+                "spec": {
+                    "terminationGracePeriodSeconds": 15,
+                    "containers": [
+                        {
+                            "name": "vllm",
+                            "image": "vllm/vllm-openai-cpu:v0.32.0",
+                            "command": ["python", "-m", "vllm.entrypoints.openai.api_server"],
+                            "args": vllm_args(model),
+                            "env": [
+                                {"name": "VLLM_CPU_KVCACHE_SPACE", "value": "1"},
+                                {
+                                    "name": "VLLM_HOST_IP",
+                                    "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}},
+                                },
+                                {"name": "VLLM_SERVER_DEV_MODE", "value": "1"},
+                                {"name": "VLLM_NO_USAGE_STATS", "value": "1"},
+                                {"name": "DO_NOT_TRACK", "value": "1"},
+                                {"name": "HF_HUB_OFFLINE", "value": "1"},
+                            ],
+                            "ports": [{"name": "http", "containerPort": VLLM_PORT}],
+                            "startupProbe": {**health, "periodSeconds": 1, "failureThreshold": 900},
+                            "readinessProbe": {**health, "periodSeconds": 2},
+                            "livenessProbe": {**health, "periodSeconds": 10, "failureThreshold": 3},
+                        }
+                    ],
+                },
+            },
+        },
+    }
+
+
+def tiny_gemma3_layout(model: Path) -> dict[str, Any]:
+    """The KV layout vLLM builds for the tiny Gemma3 at block size 32, in float32: two
+    sliding-window groups and one full-attention group of two layers each."""
+    page = 2 * 32 * 2 * 64 * 4  # K and V x block x KV heads x head size x float32
+    sliding = {"kind": "sliding_window", "block_size": 32, "sliding_window": 64, "num_layers": 2}
+    return {
+        "model": str(model),
+        "dtype": "float32",
+        "groups": [
+            {**sliding, "page_size_bytes": page},
+            {**sliding, "page_size_bytes": page},
+            {"kind": "full", "block_size": 32, "num_layers": 2, "page_size_bytes": page},
+        ],
+        "hash_block_size": 32,
+        "cache_block_size": 32,
+    }
+
+
+def pool_manifest(name: str, spec: Mapping[str, Any]) -> dict[str, Any]:
+    return {
+        "apiVersion": POOLS.api_version,
+        "kind": POOLS.kind,
+        "metadata": {"name": name, "namespace": NAMESPACE},
+        "spec": dict(spec),
+    }
+
+
+def pool_spec(consumer: str, model: Path, **overrides: Any) -> dict[str, Any]:
+    """A pool of one master and two 64 MiB stores, with ``consumer`` using it."""
+    spec: dict[str, Any] = {
+        "image": "registry.example/mooncake:0.3.7",
+        "master": {"leaseTtlMs": 2000},
+        "store": {"replicas": 2, "segmentSize": "64MB"},
+        "connector": {"cache_prefix": f"e2e-{consumer}"},
+        "consumers": [{"name": consumer, "container": "vllm", "layout": tiny_gemma3_layout(model)}],
+    }
+    spec.update(overrides)
+    return spec
+
+
+ETCD_CLIENT_PORT = 2379
+ETCD_PEER_PORT = 2380
+
+
+def etcd_manifests(name: str = "etcd", members: int = 3) -> list[dict[str, Any]]:
+    """A headless Service and an etcd StatefulSet of ``members`` (Debian's ``etcd``), each member
+    named ``<name>-<i>.<name>`` in cluster DNS and listening on its own pod address."""
+    peers = ",".join(
+        f"{name}-{i}=http://{name}-{i}.{name}.{NAMESPACE}.svc.cluster.local:{ETCD_PEER_PORT}"
+        for i in range(members)
+    )
+    fqdn = f"$(POD_NAME).{name}.{NAMESPACE}.svc.cluster.local"
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": name, "namespace": NAMESPACE, "labels": {"app": name}},
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": {"app": name},
+            "ports": [
+                {"name": "client", "port": ETCD_CLIENT_PORT},
+                {"name": "peer", "port": ETCD_PEER_PORT},
+            ],
+        },
+    }
+    statefulset = {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": {"name": name, "namespace": NAMESPACE, "labels": {"app": name}},
+        "spec": {
+            "serviceName": name,
+            "replicas": members,
+            "podManagementPolicy": "Parallel",
+            "selector": {"matchLabels": {"app": name}},
+            "template": {
+                "metadata": {"labels": {"app": name}},
+                "spec": {
+                    "terminationGracePeriodSeconds": 5,
+                    "containers": [
+                        {
+                            "name": "etcd",
+                            "image": "registry.k8s.io/etcd:3.4.23-0",
+                            "command": ["etcd"],
+                            "args": [
+                                "--name=$(POD_NAME)",
+                                "--data-dir=/var/lib/etcd/data",
+                                f"--listen-client-urls=http://$(POD_IP):{ETCD_CLIENT_PORT}",
+                                f"--advertise-client-urls=http://{fqdn}:{ETCD_CLIENT_PORT}",
+                                f"--listen-peer-urls=http://$(POD_IP):{ETCD_PEER_PORT}",
+                                f"--initial-advertise-peer-urls=http://{fqdn}:{ETCD_PEER_PORT}",
+                                f"--initial-cluster={peers}",
+                                "--initial-cluster-state=new",
+                                f"--initial-cluster-token={name}-e2e",
+                                "--listen-metrics-urls=http://$(POD_IP):2381",
+                            ],
+                            "env": [
+                                {
+                                    "name": "POD_NAME",
+                                    "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}},
+                                },
+                                {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+                            ],
+                            "ports": [
+                                {"name": "client", "containerPort": ETCD_CLIENT_PORT},
+                                {"name": "peer", "containerPort": ETCD_PEER_PORT},
+                                {"name": "metrics", "containerPort": 2381},
+                            ],
+                            "readinessProbe": {
+                                "httpGet": {"path": "/health", "port": "metrics"},
+                                "periodSeconds": 1,
+                            },
+                            "volumeMounts": [{"name": "data", "mountPath": "/var/lib/etcd"}],
+                        }
+                    ],
+                    "volumes": [{"name": "data", "emptyDir": {}}],
+                },
+            },
+        },
+    }
+    return [service, statefulset]
