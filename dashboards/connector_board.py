@@ -210,7 +210,8 @@ def build() -> Board:
     board.timeseries(
         "Failed keys by kind",
         "missing: gone between lookup and load; store_full: no space to save; transfer_failed and "
-        "rpc_failed: the transfer engine or the master failed.",
+        "rpc_failed: the transfer engine or the master failed; timeout: past the connector's deadline "
+        "(a frozen master or store; a lookup then misses); corrupt: an object that is not its block.",
         [
             Target(
                 sum_rate(m.FAILURES.exported, SEL, ["operation", "reason", "group_kind"]),
@@ -225,6 +226,17 @@ def build() -> Board:
         [
             Target(
                 sum_rate(m.SKIPPED_BLOCKS.exported, SEL, ["reason", "group_kind"]),
+                "{{reason}} ({{group_kind}})",
+            )
+        ],
+    )
+    board.timeseries(
+        "Objects removed from the pool",
+        "Objects the connector removed, by reason (corrupt: a loaded object whose header named "
+        "another layout, block, group or rank, or whose size was wrong).",
+        [
+            Target(
+                sum_rate(m.REMOVED_OBJECTS.exported, SEL, ["reason", "group_kind"]),
                 "{{reason}} ({{group_kind}})",
             )
         ],
