@@ -8,6 +8,8 @@ from kvpool.connector.contract.layout import Problem
 from kvpool.operator.status import (
     ConsumerState,
     condition_of,
+    conflict_reason,
+    conflicts_of,
     deployment_progress,
     invalid_status,
     valid_status,
@@ -31,6 +33,18 @@ def test_progress_needs_the_new_generation_observed_and_all_replicas() -> None:
     assert not deployment_progress(deployment(available=1)).done
     assert not deployment_progress(None).done
     assert "not yet observed" in deployment_progress(deployment(observed=1)).message
+
+
+def test_progress_waits_for_old_pods_of_a_surge_rollout() -> None:
+    """A RollingUpdate with surge: the new pod counts as updated while an old one is still
+    available; the rollout is done only once the old pod is gone (status.replicas counts it)."""
+    surging = deployment(replicas=1, updated=1, available=1)
+    surging["status"]["replicas"] = 2
+    progress = deployment_progress(surging)
+    assert not progress.done
+    assert "1 old replica" in progress.message
+    surging["status"]["replicas"] = 1
+    assert deployment_progress(surging).done
 
 
 def valid(
@@ -105,3 +119,60 @@ def test_an_invalid_spec_keeps_the_other_conditions() -> None:
     assert status["consumers"] == ready["consumers"]
     fresh = invalid_status([problem], {}, 1, "t1")
     assert condition_of(fresh, "MasterReady")["status"] == "Unknown"
+
+
+def test_ha_master_ready_means_a_leader_serves() -> None:
+    from kvpool.operator.leader import LeaderView
+
+    def ready(leader: LeaderView | None, master: dict[str, Any] | None = None) -> dict[str, Any]:
+        status = valid_status(
+            master_address="etcd://e:2379",
+            master=master or deployment(replicas=3, updated=3, available=3),
+            store=deployment(),
+            embedded=False,
+            consumers=[],
+            old={},
+            generation=1,
+            now="t",
+            ha=True,
+            leader=leader,
+        )
+        return dict(condition_of(status, "MasterReady") or {})
+
+    serving = ready(LeaderView(True, "the leader at 10.0.0.7:50051 serves"))
+    assert (serving["status"], serving["reason"]) == ("True", "LeaderServes")
+    assert "10.0.0.7:50051" in serving["message"] and "3/3 replicas" in serving["message"]
+    # Every master rolled out and ready, yet no leader serves: not ready.
+    warming = ready(LeaderView(False, "the leader at 10.0.0.7:50051 does not serve yet (leader_warmup)"))
+    assert (warming["status"], warming["reason"]) == ("False", "NoLeader")
+    assert "leader_warmup" in warming["message"]
+    # A leader serves while one master of three rolls: ready (masters roll one at a time).
+    one_rolling = deployment(replicas=3, updated=1, available=2)
+    rolling = ready(LeaderView(True, "the leader at x serves"), one_rolling)
+    assert rolling["status"] == "True" and "1 updated, 2 available of 3" in rolling["message"]
+    assert ready(LeaderView(True, "x"), deployment(observed=1))["reason"] == "Progressing"
+
+
+def test_conflicts_name_each_object_and_block_ready() -> None:
+    refusals = [
+        "Deployment ns/web-master exists and is not this pool's (no ownerReference to it) [ownership]",
+        "Deployment ns/llm needs the label kvpool.mooncake.io/allow-pool=web to take its settings [consent]",
+    ]
+    status = valid_status(
+        master_address="m:1",
+        master=None,
+        store=deployment(),
+        embedded=False,
+        consumers=[],
+        old={},
+        generation=1,
+        now="t",
+        conflicts=refusals,
+        blocked=frozenset({"master"}),
+    )
+    assert status["phase"] == "Conflict"
+    conflict = condition_of(status, "Conflict")
+    assert (conflict["status"], conflict["reason"]) == ("True", "Conflicts")
+    assert conflicts_of(status) == refusals
+    assert condition_of(status, "MasterReady")["reason"] == "Conflict"
+    assert [conflict_reason(r) for r in refusals] == ["NotOwned", "ConsumerRefused"]
