@@ -782,6 +782,9 @@ def _report(wl: Workload, model: Path, runs: dict[str, FleetRun], problems: list
     moves.add(
         "lookup", f"{lookups:.0f}", "-", f"{pm['lookup_seconds'] / lookups:.4f}" if lookups else "-", "-"
     )
+    moves.add(
+        "failed keys / blocks recomputed", f"{pm['failures']:.0f} / {pm['load_error_blocks']:.0f}", "", "", ""
+    )
     report.tables.append(moves)
 
     pool_s = sums["pool"]
@@ -821,7 +824,8 @@ def _report(wl: Workload, model: Path, runs: dict[str, FleetRun], problems: list
         "the time to the first token chunk, ITL the gap between later chunks per token; "
         "throughput is completed requests over the time from the first slot to the last answer.",
         "Fleets run one after another on the same machine (no prefix caching, local, pool), "
-        "one run each; the pool fleet's servers share a local Mooncake master and store.",
+        "one run each; the pool fleet's servers share a local Mooncake master and store. "
+        f"Tree: {_tree_state()}.",
     ]
     report.notes += [f"mismatch: {p}" for p in problems[:10]]
     report.data.update(
@@ -854,6 +858,21 @@ def _report(wl: Workload, model: Path, runs: dict[str, FleetRun], problems: list
         }
     )
     return report
+
+
+def _tree_state() -> str:
+    """The commit measured, and whether the connector had uncommitted changes (a shared tree)."""
+    from benchmarks.common import REPO_ROOT
+
+    def git(*args: str) -> str:
+        done = subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, check=False)
+        return done.stdout.strip()
+
+    dirty = git("status", "--porcelain", "--", "connector")
+    changed = len(dirty.splitlines())
+    return f"HEAD {git('rev-parse', '--short', 'HEAD') or '?'}" + (
+        f", {changed} uncommitted change(s) under connector/" if changed else ", connector/ as committed"
+    )
 
 
 def _plot(report: Report, runs: dict[str, FleetRun], opts: Options) -> None:
