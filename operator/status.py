@@ -25,7 +25,9 @@ class Progress:
 
 
 def deployment_progress(deployment: Mapping[str, Any] | None) -> Progress:
-    """Done only when the controller saw this generation and updated = available = desired."""
+    """Done only when the controller saw this generation, updated = available = desired, and
+    no pod of an older template is left (``status.replicas`` counts every revision's pods:
+    with surge, an old pod stays available beside the new ones until they are)."""
     if deployment is None:
         return Progress(False, "the Deployment does not exist")
     generation = deployment.get("metadata", {}).get("generation")
@@ -36,6 +38,12 @@ def deployment_progress(deployment: Mapping[str, Any] | None) -> Progress:
         return Progress(False, f"generation {generation} not yet observed (at {observed})")
     updated = status.get("updatedReplicas", 0)
     available = status.get("availableReplicas", 0)
+    # The API leaves out a zero count: no replicas at all, which means none updated either.
+    old = status.get("replicas", updated) - updated
+    if old > 0:
+        return Progress(
+            False, f"{old} old replica(s) still running beside {updated} updated", True, available
+        )
     if updated == available == desired:
         return Progress(True, f"{available}/{desired} replicas updated and available", True, available)
     return Progress(False, f"{updated} updated, {available} available of {desired} replicas", True, available)
