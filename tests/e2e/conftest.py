@@ -8,19 +8,22 @@ without any pool, for the outputs every pooled answer must equal.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
+import subprocess
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from kvpool.operator.app import OperatorOptions
 from tests.e2e import harness
 from tests.e2e.harness import ApiThread, Completion, Kube, wait_for
-from tests.support.kube_api import Cluster, OperatorThread, quick_options, write_kubeconfig
+from tests.support.kube_api import OperatorThread, quick_options, write_kubeconfig
 from tests.support.node import Node, PodInfo
 from tests.support.node.sandbox import unavailable
 from tests.support.prompts import MAX_TOKENS, P1, P2
@@ -28,6 +31,7 @@ from tests.support.prompts import MAX_TOKENS, P1, P2
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MODEL_DIR = REPO_ROOT / ".models" / "e2e-gemma3-tiny"
 VLLM_START_S = 900.0  # a vLLM server's start-up on two busy cores, with room to spare
+RESYNC_S = 1.0  # the operator's level checks: quick, yet no load on two cores over a long session
 # Prompts every scenario may send: two sharing a 288-token prefix, and two more sharing another.
 PROMPTS: dict[str, list[int]] = {
     "p1": P1,
@@ -80,7 +84,8 @@ def e2e(tmp_path_factory: pytest.TempPathFactory) -> Iterator[E2E]:
     saved_host = os.environ.pop("KUBERNETES_SERVICE_HOST", None)
     api = ApiThread().start()
     node = Node(api.url, root / "node").start()
-    options = OperatorOptions(**quick_options(write_kubeconfig(root / "kubeconfig", api.url)))
+    kubeconfig = write_kubeconfig(root / "kubeconfig", api.url)
+    options = OperatorOptions(**quick_options(kubeconfig, resync_interval=RESYNC_S))
     operator = OperatorThread(options)
     try:
         with node.resolving():
@@ -95,7 +100,7 @@ def e2e(tmp_path_factory: pytest.TempPathFactory) -> Iterator[E2E]:
             if saved_host is not None:
                 os.environ["KUBERNETES_SERVICE_HOST"] = saved_host
     assert operator.error is None, repr(operator.error)
-    assert api.api is not None and Cluster(api.api).unauthorised() == []
+    assert api.api is not None and api.api.unauthorised() == []
 
 
 @pytest.fixture(scope="session")
@@ -104,6 +109,21 @@ def model() -> Path:
     from kvpool.connector.local.tiny_model import build_gemma3
 
     return build_gemma3(MODEL_DIR)
+
+
+@pytest.fixture(scope="session")
+def layout(model: Path) -> dict[str, Any]:
+    """The consumers' ``layout:`` block, as ``kvpool-layout`` prints it for the servers' flags."""
+    command = [
+        sys.executable, "-m", "kvpool.connector.local.layout_command",
+        "--model", str(model), "--block-size", "32", "--dtype", "float32", "--format", "json",
+    ]  # fmt: skip
+    env = {**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    # vLLM may still log to standard output: the layout is the JSON object from the line "{".
+    lines = done.stdout.splitlines()
+    return json.loads("\n".join(lines[lines.index("{") :]))
 
 
 @pytest.fixture(scope="session")

@@ -9,6 +9,7 @@ StatefulSet).
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import threading
 import time
@@ -23,7 +24,8 @@ import kmock
 
 from kvpool.operator import names
 from kvpool.operator.names import POOLS
-from tests.support.kube_api import ApiServer, declare_resources
+from kvpool.operator.rbac import allowed, implied_permissions, request_permission
+from tests.support.kube_api import WRITE_METHODS, ApiServer, by_operator, declare_resources
 
 NAMESPACE = "team-a"
 T = TypeVar("T")
@@ -60,11 +62,40 @@ def wait_for(check: Callable[[], T], timeout: float, what: str, interval: float 
         time.sleep(interval)
 
 
+class SessionApiServer(ApiServer):
+    """The emulated API for a whole session: kmock's request history (matched against every
+    new request, so ever slower) cut to the current request, and what the RBAC check needs of
+    the operator's requests kept instead."""
+
+    @property
+    def operator_requests(self) -> list[tuple[str, str, Any]]:
+        """(method, URL, body) of each request the operator sent."""
+        return self.__dict__.setdefault("operator_requests", [])
+
+    async def _handle(self, request: kmock.Request) -> Any:
+        if by_operator(request):
+            body = request.data if request.method.upper() in WRITE_METHODS else None
+            self.operator_requests.append((request.method.upper(), str(request.url), copy.deepcopy(body)))
+        del self._requests[:-1]
+        return await super()._handle(request)
+
+    def unauthorised(self) -> list[str]:
+        """The operator's requests that its RBAC rules (and the admission checks on them) would refuse."""
+        refused = []
+        for method, url, body in self.operator_requests:
+            permission = request_permission(method, url)
+            needed = [permission] if permission is not None else []
+            needed += implied_permissions(method, body)
+            if any(allowed(p) is None for p in needed):
+                refused.append(f"{method} {url}")
+        return refused
+
+
 class ApiThread:
-    """kmock's emulated API (``tests.support.kube_api.ApiServer``) on 127.0.0.1, on its own thread."""
+    """The emulated API (``SessionApiServer``) on 127.0.0.1, on its own thread."""
 
     def __init__(self) -> None:
-        self.api: ApiServer | None = None
+        self.api: SessionApiServer | None = None
         self.url = ""
         self._ready = threading.Event()
         self._stop: asyncio.Event | None = None
@@ -74,7 +105,7 @@ class ApiThread:
     async def _main(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
-        async with ApiServer() as api, kmock.Server(api, host="127.0.0.1"):
+        async with SessionApiServer() as api, kmock.Server(api, host="127.0.0.1"):
             declare_resources(api)
             self.api = api
             self.url = str(api.url).rstrip("/")
@@ -282,24 +313,6 @@ def vllm_deployment(name: str, model: Path, allow_pool: str | None, replicas: in
     }
 
 
-def tiny_gemma3_layout(model: Path) -> dict[str, Any]:
-    """The KV layout vLLM builds for the tiny Gemma3 at block size 32, in float32: two
-    sliding-window groups and one full-attention group of two layers each."""
-    page = 2 * 32 * 2 * 64 * 4  # K and V x block x KV heads x head size x float32
-    sliding = {"kind": "sliding_window", "block_size": 32, "sliding_window": 64, "num_layers": 2}
-    return {
-        "model": str(model),
-        "dtype": "float32",
-        "groups": [
-            {**sliding, "page_size_bytes": page},
-            {**sliding, "page_size_bytes": page},
-            {"kind": "full", "block_size": 32, "num_layers": 2, "page_size_bytes": page},
-        ],
-        "hash_block_size": 32,
-        "cache_block_size": 32,
-    }
-
-
 def pool_manifest(name: str, spec: Mapping[str, Any]) -> dict[str, Any]:
     return {
         "apiVersion": POOLS.api_version,
@@ -309,14 +322,14 @@ def pool_manifest(name: str, spec: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def pool_spec(consumer: str, model: Path, **overrides: Any) -> dict[str, Any]:
-    """A pool of one master and two 64 MiB stores, with ``consumer`` using it."""
+def pool_spec(consumer: str, layout: Mapping[str, Any], **overrides: Any) -> dict[str, Any]:
+    """A pool of one master and two 64 MiB stores, with ``consumer`` (of ``layout``) using it."""
     spec: dict[str, Any] = {
         "image": "registry.example/mooncake:0.3.7",
         "master": {"leaseTtlMs": 2000},
         "store": {"replicas": 2, "segmentSize": "64MB"},
         "connector": {"cache_prefix": f"e2e-{consumer}"},
-        "consumers": [{"name": consumer, "container": "vllm", "layout": tiny_gemma3_layout(model)}],
+        "consumers": [{"name": consumer, "container": "vllm", "layout": dict(layout)}],
     }
     spec.update(overrides)
     return spec

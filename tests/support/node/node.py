@@ -3,8 +3,8 @@
 It watches Deployments, StatefulSets, Services and ConfigMaps (all namespaces) through the
 API, as a kubelet and the controllers would, and on its own thread and event loop:
 
-* keeps each workload's pods (``workloads``) and runs each pod (``kubelet``) on an address of
-  its own (127.0.0.2, 127.0.0.3, ...), in a sandbox of its own (``sandbox``);
+* keeps each workload's pods (``workloads``) and runs each pod (``kubelet``) on a loopback
+  address of its own (127.B.0.2, 127.B.0.3, ...), in a sandbox of its own (``sandbox``);
 * writes each Deployment's and StatefulSet's status back through the API's status
   subresource, as their controllers do;
 * serves Services (``services``): a loopback address and relay per ClusterIP Service, cluster
@@ -36,9 +36,11 @@ from tests.support.node import kubelet, services, workloads
 from tests.support.node.podspec import Mount, PodIdentity, container_mounts, rewrite, volume_dirs
 
 NODE_NAME = "kvpool-test-node"
-# Pods take 127.0.x.y (y from 2; 127.0.0.1 stays the machine's own); 127.0.1.0/24 is for Services.
-POD_ADDRESSES = ipaddress.IPv4Network("127.0.0.0/16")
-SERVICE_BLOCK = services.SERVICE_ADDRESSES.network_address.packed[2]
+# A node takes the loopback block 127.<block>.0.0/16, <block> drawn from these (127.0.0.1
+# stays the machine's own; two nodes running at once rarely meet): pods get 127.<block>.x.y
+# (x up to 254, y from 2), Services 127.<block>.255.y.
+NODE_BLOCKS = range(16, 251)
+SERVICE_SUBNET = 255
 USER_AGENT = "kvpool-test-node/1"
 # (API path prefix, plural) of everything the node watches.
 WATCHED = {
@@ -121,6 +123,7 @@ class Node:
         *,
         entrypoints: Mapping[str, list[str]] | None = None,
         tick: float = 0.2,
+        block: int | None = None,
     ):
         self.api_url = api_url.rstrip("/")
         self.root = Path(root)
@@ -134,12 +137,15 @@ class Node:
         self._relays: dict[str, services.Relay] = {}
         self._service_addresses: dict[str, str] = {}
         self._records = services.Records()
+        self.block = random.choice(NODE_BLOCKS) if block is None else block
+        self.pod_network = ipaddress.IPv4Network(f"127.{self.block}.0.0/16")
+        self.service_network = ipaddress.IPv4Network(f"127.{self.block}.{SERVICE_SUBNET}.0/24")
         self._pod_addresses = (
             str(a)
-            for a in POD_ADDRESSES.hosts()
-            if a.packed[2] != SERVICE_BLOCK and a.packed[3] not in (0, 1, 255)
+            for a in self.pod_network.hosts()
+            if a not in self.service_network and a.packed[3] not in (0, 1, 255)
         )
-        self._vips = (str(a) for a in services.SERVICE_ADDRESSES.hosts())
+        self._vips = (str(a) for a in self.service_network.hosts())
         self._uids = itertools.count(1)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._main, name=NODE_NAME, daemon=True)

@@ -1,9 +1,9 @@
 """Services on the test node: cluster DNS as hosts files, and kube-proxy as a TCP relay.
 
-* A ClusterIP Service gets a loopback address of its own (127.0.1.x, stable while the
-  Service exists; the API's ``clusterIP`` is not routable here) and, on each of its ports,
-  a relay to the ``targetPort`` of one of its ready pods, taken in turn. With no ready pod,
-  a connection is accepted and closed at once.
+* A ClusterIP Service gets a loopback address of its own (stable while the Service exists;
+  the API's ``clusterIP`` is not routable here) and, on each of its ports, a relay to the
+  ``targetPort`` of one of its ready pods, taken in turn. With no ready pod, a connection is
+  accepted and closed at once.
 * A headless Service (``clusterIP: None``) names its ready pods' addresses (all its pods'
   with ``publishNotReadyAddresses``), and each such pod with ``subdomain`` set to the Service
   is named ``<hostname>.<service>``, as for StatefulSets.
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import itertools
 import socket
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -26,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 CLUSTER_DOMAIN = "cluster.local"
-SERVICE_ADDRESSES = ipaddress.IPv4Network("127.0.1.0/24")
 HOSTS_HEADER = "127.0.0.1 localhost\n::1 localhost ip6-localhost ip6-loopback\n"
 
 

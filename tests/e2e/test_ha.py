@@ -1,0 +1,176 @@
+"""HA end to end: two masters on a real three-member etcd cluster, the leader's process SIGKILLed.
+
+etcd runs as a StatefulSet on the test node (Debian's ``etcd``, members named through a
+headless Service), the pool's masters as the operator writes them. After the kill the
+standby leads, ``MasterReady`` drops and comes back from the masters' own ``/health``,
+and the consumer keeps serving: no output differs from the reference, and hits resume.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvpool.operator import names
+from kvpool.operator.names import POOLS
+from tests.e2e import harness
+from tests.e2e.conftest import E2E, PROMPTS
+from tests.e2e.harness import Completion, complete, path, wait_for
+from tests.support.node import PodInfo
+from tests.support.prompts import MAX_TOKENS, PREFIX_HIT
+
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.timeout(3600),
+    pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd is not installed (Debian's etcd-server)"),
+]
+
+POOL = "ha"
+CONSUMER = "llm-ha"
+ETCD = "etcd"
+MASTER = names.master_name(POOL)
+CONSUMER_PATH = path("apps/v1", "Deployment", CONSUMER)
+POOL_PATH = path(POOLS.api_version, POOLS.kind, POOL)
+FAILOVER_S = 180.0
+
+
+def health(pod: PodInfo) -> dict:
+    with urllib.request.urlopen(f"http://{pod.ip}:9003/health", timeout=5) as response:
+        return json.loads(response.read())
+
+
+def leader(e2e: E2E) -> PodInfo | None:
+    """The master pod whose own ``/health`` says it leads and serves."""
+    for pod in e2e.pods(MASTER):
+        try:
+            answer = health(pod)
+        except OSError:
+            continue
+        if answer.get("role") == "leader" and answer.get("service_ready"):
+            return pod
+    return None
+
+
+def master_ready(e2e: E2E) -> dict:
+    return e2e.kube.condition(POOL, "MasterReady")
+
+
+def keys(pod: PodInfo, prefix: str) -> list[str]:
+    with urllib.request.urlopen(f"http://{pod.ip}:9003/get_all_keys", timeout=10) as response:
+        return [k for k in response.read().decode().split() if k.startswith(prefix)]
+
+
+@pytest.fixture(scope="module")
+def ha_pool(e2e: E2E, model: Path, layout: dict, reference: dict[str, Completion]) -> Iterator[PodInfo]:
+    """etcd, an HA pool on it and its consumer's ready pod; all deleted at the end."""
+    for obj in harness.etcd_manifests(ETCD):
+        e2e.kube.create(obj)
+    e2e.kube.create(harness.vllm_deployment(CONSUMER, model, allow_pool=POOL, replicas=0))
+    members = [
+        f"{ETCD}-{i}.{ETCD}.{harness.NAMESPACE}.svc.cluster.local:{harness.ETCD_CLIENT_PORT}"
+        for i in range(3)
+    ]
+    spec = harness.pool_spec(
+        CONSUMER,
+        layout,
+        master={"replicas": 2, "leaseTtlMs": 2000, "ha": {"enabled": True, "etcdEndpoints": members}},
+        store={"replicas": 1, "segmentSize": "64MB"},
+    )
+    try:
+        wait_for(
+            lambda: len([p for p in e2e.pods(ETCD, kind="StatefulSet") if p.ready]) == 3,
+            120,
+            "etcd members ready",
+        )
+        e2e.kube.create(harness.pool_manifest(POOL, spec))
+        wait_for(lambda: master_ready(e2e).get("status") == "True", 180, "a leader serving")
+        wait_for(
+            lambda: e2e.kube.condition(POOL, "StoreReady").get("status") == "True", 120, "the store ready"
+        )
+        wait_for(
+            lambda: (
+                names.ANNOTATION_CONFIG_HASH
+                in (e2e.kube.deployment(CONSUMER)["spec"]["template"]["metadata"].get("annotations") or {})
+            ),
+            60,
+            "the consumer patched",
+        )
+        e2e.kube.patch(CONSUMER_PATH, {"spec": {"replicas": 1}})
+        pod = e2e.ready_pod(CONSUMER)
+        wait_for(lambda: e2e.kube.pool(POOL)["status"].get("phase") == "Ready", 60, "the pool Ready")
+        yield pod
+    finally:
+        e2e.remove(POOL_PATH)
+        wait_for(lambda: e2e.kube.pool(POOL) is None, 60, "the HA pool gone")
+        e2e.remove(
+            CONSUMER_PATH,
+            path("apps/v1", "StatefulSet", ETCD),
+            path("v1", "Service", ETCD),
+        )
+        wait_for(lambda: not e2e.pods(CONSUMER) and not e2e.pods(ETCD, kind="StatefulSet"), 120, "pods gone")
+
+
+def test_leader_killed_standby_leads_and_the_consumer_keeps_serving(
+    e2e: E2E, ha_pool: PodInfo, reference: dict[str, Completion]
+) -> None:
+    consumer = ha_pool
+    address = e2e.kube.pool(POOL)["status"]["masterAddress"]
+    assert address.startswith("etcd://") and f"{ETCD}-0.{ETCD}" in address
+    masters = e2e.pods(MASTER)
+    assert len(masters) == 2 and all(f"--rpc_address={p.ip}" in p.container().argv for p in masters)
+    first = leader(e2e)
+    assert first is not None
+    assert f"the leader at {first.ip}:" in master_ready(e2e)["message"]
+
+    # Served from the pool before the failover.
+    assert complete(consumer.ip, PROMPTS["p1"], MAX_TOKENS) == reference["p1"]
+    wait_for(lambda: keys(first, f"e2e-{CONSUMER}/"), 60, "p1's blocks in the pool")
+    time.sleep(1.0)  # let the rest of p1's saves land
+    harness.reset_prefix_cache(consumer.ip)
+    hit = complete(consumer.ip, PROMPTS["p2"], MAX_TOKENS)
+    assert hit.token_ids == reference["p2"].token_ids and hit.cached_tokens == PREFIX_HIT
+
+    # SIGKILL the leader's process: no word to anyone.
+    pid = first.container().pid
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    answers: list[Completion] = []
+    seen_down = False
+    deadline = time.monotonic() + FAILOVER_S
+    # Requests go on through the failover (each from an empty local cache, so each asks the
+    # pool); none may differ from the reference.
+    while True:
+        condition = master_ready(e2e)
+        seen_down = seen_down or condition.get("status") == "False"
+        now_leader = leader(e2e)
+        if seen_down and condition.get("status") == "True" and now_leader is not None:
+            break
+        assert time.monotonic() < deadline, f"no failover seen: {condition}"
+        harness.reset_prefix_cache(consumer.ip)
+        for key in ("p1", "p2"):
+            answer = complete(consumer.ip, PROMPTS[key], MAX_TOKENS)
+            assert answer.token_ids == reference[key].token_ids, f"{key} differs during the failover"
+            answers.append(answer)
+    assert now_leader.name != first.name
+    assert f"the leader at {now_leader.ip}:" in master_ready(e2e)["message"]
+    assert answers, "no request ran during the failover"
+
+    # Hits resume on the new leader: a new prefix is saved there, then served from it.
+    def resumed() -> bool:
+        assert complete(consumer.ip, PROMPTS["q1"], MAX_TOKENS).token_ids == reference["q1"].token_ids
+        harness.reset_prefix_cache(consumer.ip)
+        answer = complete(consumer.ip, PROMPTS["q2"], MAX_TOKENS)
+        assert answer.token_ids == reference["q2"].token_ids
+        harness.reset_prefix_cache(consumer.ip)
+        return answer.cached_tokens >= PREFIX_HIT
+
+    wait_for(resumed, FAILOVER_S, "hits after the failover", interval=1.0)
+    assert keys(now_leader, f"e2e-{CONSUMER}/")
