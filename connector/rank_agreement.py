@@ -13,10 +13,26 @@ only when the engine has more than one rank.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 #: Maps this rank's per-block failure flags to the flags of every rank (their union).
 AgreeFailures = Callable[[list[int]], list[int]]
+
+
+def union_over(cpu_groups: Sequence[Any]) -> AgreeFailures:
+    """Flags or-ed over every rank of each ``torch.distributed`` group, in turn."""
+
+    def agree(flags: list[int]) -> list[int]:
+        import torch
+        import torch.distributed as dist
+
+        tensor = torch.tensor(flags, dtype=torch.int32)
+        for group in cpu_groups:
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+        return [int(v) for v in tensor.tolist()]
+
+    return agree
 
 
 def rank_agreement() -> AgreeFailures | None:
@@ -24,19 +40,7 @@ def rank_agreement() -> AgreeFailures | None:
     try:
         from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 
-        groups = [g for g in (get_tp_group(), get_pp_group()) if g.world_size > 1]
+        groups = [g.cpu_group for g in (get_tp_group(), get_pp_group()) if g.world_size > 1]
     except (AssertionError, AttributeError, ImportError):
         return None
-    if not groups:
-        return None
-
-    def agree(flags: list[int]) -> list[int]:
-        import torch
-        import torch.distributed as dist
-
-        tensor = torch.tensor(flags, dtype=torch.int32)
-        for group in groups:
-            dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group.cpu_group)
-        return [int(v) for v in tensor.tolist()]
-
-    return agree
+    return union_over(groups) if groups else None
