@@ -22,6 +22,7 @@ BENCHMARKS = (
     "scheduler_overhead",
     "operator_reconcile",
     "serving",
+    "frozen_pool",
 )
 
 

@@ -14,6 +14,12 @@ with a Mooncake client. The same blocks move three ways:
   stalls for 60 s above ~2048 scatter entries on Mooncake's TCP transport);
 * **memcpy** — ``memmove`` of the same regions from/to a staging buffer in this process.
 
+The connector moves each block as one object (its 64-byte header, then the block)
+through a registered staging buffer per transfer thread; raw moves the bare block
+with one scatter entry per K and V run. The header's own cost per block (packing
+and writing it for a save, reading and checking it for a load, its bytes) is
+measured apart and set against the connector's run-to-run spread.
+
 Saves write fresh keys every repetition (a second put of a key is a no-op), removed afterwards.
 """
 
@@ -123,12 +129,18 @@ def _measure(rig: Rig, n: int, reps: int) -> dict[str, Any]:
     src_lists = [rig.scatter(g, src[g]) for g in range(2)]
     dst_lists = [rig.scatter(g, dst[g]) for g in range(2)]
 
-    # The blocks every load reads, stored once.
+    # The blocks every load reads, stored once: by the connector (each object starts with
+    # its header) and raw (the bare blocks) for the raw loads.
     load_digests = [[f"load-{n}-{g}-{i}" for i in range(n)] for g in range(2)]
     load_keys = [rig.keys(g, load_digests[g]) for g in range(2)]
+    seed = [GroupTransfer(g, list(load_digests[g]), list(src[g])) for g in range(2)]
+    worker.start_saves(PoolConnectorMetadata(saves=[RequestSave(f"seed-{n}", seed)]))
+    worker.before_forward()
+    worker.wait_for_saves()
+    raw_keys = [[f"rawload/{n}/{g}/{i}" for i in range(n)] for g in range(2)]
     for g in range(2):
-        codes = store.batch_put_from_multi_buffers(load_keys[g], *src_lists[g])
-        if any(c != 0 for c in codes):
+        codes = store.batch_put_from_multi_buffers(raw_keys[g], *src_lists[g])
+        if any(c != 0 for c in codes) or not all(rig.client.exists(load_keys[g])):
             raise RuntimeError(f"storing the load set failed: {sorted(set(codes))}")
 
     def connector_load(rep: int) -> None:
@@ -143,7 +155,7 @@ def _measure(rig: Rig, n: int, reps: int) -> dict[str, Any]:
 
     def raw_load(rep: int) -> None:
         for g in range(2):
-            got = store.batch_get_into_multi_buffers(load_keys[g], *dst_lists[g])
+            got = store.batch_get_into_multi_buffers(raw_keys[g], *dst_lists[g])
             if any(c != block_bytes for c in got):
                 raise RuntimeError(f"raw load failed: {sorted(set(got))}")
 
@@ -203,8 +215,35 @@ def _measure(rig: Rig, n: int, reps: int) -> dict[str, Any]:
     for op, nbytes in moved.items():
         if nbytes != total:
             raise RuntimeError(f"connector {op} moved {nbytes} bytes, expected {total}")
-    rig.client.remove(load_keys[0] + load_keys[1])
-    return {"blocks_per_group": n, "bytes": total, "seconds": seconds}
+    rig.client.remove(load_keys[0] + load_keys[1] + raw_keys[0] + raw_keys[1])
+    return {"blocks_per_group": n, "bytes": total, "seconds": seconds, "header": _header_cost(rig, n, reps)}
+
+
+def _header_cost(rig: Rig, n: int, reps: int) -> dict[str, Any]:
+    """Seconds the object header adds per block: packing and writing it (save), reading and
+    checking it (load), on this thread's staging buffer; and the bytes it adds."""
+    from kvpool.connector.contract.object_header import HEADER_BYTES, ObjectIdentity, mismatch, pack_header
+
+    worker = rig.worker
+    copier = worker.copiers[0]
+    slot = worker._slot()
+    if copier is None or slot is None:
+        raise RuntimeError("the worker has no staging buffer")
+    size = copier.object_bytes
+    count = min(n, slot.nbytes // size)
+    fingerprint, payload = worker.keyspace.fingerprint, copier.payload_bytes
+    ids = [ObjectIdentity(fingerprint, f"h-{i}", 0, 0, 0, payload) for i in range(count)]
+    save, load = [], []
+    for _ in range(reps):
+        with stopwatch() as t:
+            slot.write_headers([pack_header(i) for i in ids], size)
+        save.append(t[0] / count)
+        with stopwatch() as t:
+            bad = [mismatch(h, i) for h, i in zip(slot.read_headers(count, size), ids, strict=True)]
+        load.append(t[0] / count)
+        if any(bad):
+            raise RuntimeError(f"a header did not read back: {next(b for b in bad if b)}")
+    return {"save_s": save, "load_s": load, "bytes": HEADER_BYTES, "object_bytes": size}
 
 
 def run(opts: Options) -> Report:
@@ -316,6 +355,47 @@ def _probe_one_call(rig: Rig, n: int) -> list[dict[str, Any]]:
     return out
 
 
+def _header_share(row: dict[str, Any], op: str) -> tuple[float, float]:
+    """(the header's median seconds per block / the connector's, the connector's spread (max-min)/median)."""
+    connector = Stat.of(row["seconds"][op]["connector"])
+    per_block = connector.median / (2 * row["blocks_per_group"])
+    header = Stat.of(row["header"][f"{op}_s"]).median
+    extra = row["header"]["bytes"] / row["header"]["object_bytes"]  # more bytes on the wire
+    return header / per_block + extra, (connector.high - connector.low) / connector.median
+
+
+def _header_table(rows: list[dict[str, Any]], reps: int) -> Table:
+    table = Table(
+        f"the object header: its cost per block, median (min..max) of {reps}, against the connector's time "
+        "per block and its run-to-run spread",
+        [
+            "blocks/group",
+            "header bytes / object",
+            "save: pack + write µs",
+            "load: read + check µs",
+            "save share",
+            "load share",
+            "save spread",
+            "load spread",
+        ],
+    )
+    for r in rows:
+        h = r["header"]
+        save_share, save_spread = _header_share(r, "save")
+        load_share, load_spread = _header_share(r, "load")
+        table.add(
+            r["blocks_per_group"],
+            f"{h['bytes']} / {h['object_bytes']}",
+            Stat.of(h["save_s"]).fmt(1e6),
+            Stat.of(h["load_s"]).fmt(1e6),
+            f"{100 * save_share:.2f}%",
+            f"{100 * load_share:.2f}%",
+            f"{100 * save_spread:.0f}%",
+            f"{100 * load_spread:.0f}%",
+        )
+    return table
+
+
 def _gbps(nbytes: int, seconds: list[float]) -> Stat:
     return Stat.of([nbytes / s / 1e9 for s in seconds])
 
@@ -353,6 +433,19 @@ def _report(rows: list[dict[str, Any]], reps: int, opts: Options) -> Report:
             )
     report.tables.append(table)
     last = rows[-1]
+    report.tables.append(_header_table(rows, reps))
+    for row in rows:
+        for op in ("load", "save"):
+            row[f"{op}_header_share"] = _header_share(row, op)
+    for op in ("load", "save"):
+        share, spread = last[f"{op}_header_share"]
+        report.targets.append(
+            Target(
+                f"{op}: the object header within noise ({last['blocks_per_group']} blocks/group)",
+                f"header {100 * share:.2f}% of a block's time, run-to-run spread {100 * spread:.0f}%",
+                share <= spread,
+            )
+        )
     for op in ("load", "save"):
         report.targets.append(
             Target(

@@ -251,16 +251,13 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         return self._work().take_load_errors()
 
     def shutdown(self) -> None:
-        drained = True
-        if self._worker is not None:
-            drained = self._worker.shutdown()
+        if self._worker is not None and not self._worker.shutdown():
+            # A transfer given up at its deadline is still inside Mooncake (writing only its
+            # staging buffer, which stays): the client closes once that call returns.
+            logger.warning("KVPoolConnector shutdown: a transfer is still stuck in the pool")
         if self._scheduler is not None:
             self._scheduler.close()
         tracing.flush()
         client, self._client = getattr(self, "_client", None), None
-        if client is not None and drained:
+        if client is not None:
             release_client(client)
-        elif client is not None:
-            # A transfer given up at the deadline may still be inside Mooncake, writing
-            # its staging buffer: the client and that buffer stay until the process ends.
-            logger.warning("KVPoolConnector shutdown: a transfer is still stuck; the pool client stays open")

@@ -128,12 +128,27 @@ class PoolClient:
         self._registered: set[tuple[int, int]] = set()
         self._unreachable_until = 0.0
         self._failed_batches = 0
+        # Calls inside Mooncake now; a close requested meanwhile waits for the last of them.
+        self._state = threading.Lock()
+        self._in_flight = 0
+        self._close_pending = False
 
     # --- guards -----------------------------------------------------------
     def _call(self, fn: Callable[..., list[int]], *args: Any) -> list[int]:
-        if not self._open:
-            raise StoreUnavailable("Mooncake client is closed")
-        return list(fn(*args))
+        with self._state:
+            if not self._open:
+                raise StoreUnavailable("Mooncake client is closed")
+            self._in_flight += 1
+        try:
+            return list(fn(*args))
+        finally:
+            with self._state:
+                self._in_flight -= 1
+                last = self._close_pending and self._in_flight == 0
+                if last:
+                    self._close_pending = False
+            if last:
+                self._close_now()
 
     @property
     def unreachable(self) -> bool:
@@ -307,15 +322,29 @@ class PoolClient:
         return int(self._store.put(key, value))
 
     def close(self) -> None:
-        if self._open:
+        """Refuse new calls; close now, or when the last call still inside Mooncake returns.
+
+        A call the connector gave up on (a frozen store) may still be in flight at
+        shutdown: closing under it would free what it uses.
+        """
+        with self._state:
+            if not self._open:
+                return
             self._open = False
-            for ptr, _size in self._registered:
-                try:
-                    self._store.unregister_buffer(ptr)
-                except Exception:  # closing anyway
-                    logger.debug("unregister_buffer failed", exc_info=True)
-            self._registered.clear()
-            self._store.close()
+            if self._in_flight:
+                self._close_pending = True
+                logger.warning("Mooncake client: %d call(s) in flight; it closes after them", self._in_flight)
+                return
+        self._close_now()
+
+    def _close_now(self) -> None:
+        for ptr, _size in self._registered:
+            try:
+                self._store.unregister_buffer(ptr)
+            except Exception:  # closing anyway
+                logger.debug("unregister_buffer failed", exc_info=True)
+        self._registered.clear()
+        self._store.close()
 
 
 def open_client(settings: ConnectorSettings, *, global_segment_size: int | None = None) -> PoolClient:

@@ -54,6 +54,10 @@ from kvpool.connector.staging import GroupCopier, StagingSlot
 logger = get_logger(__name__)
 
 TRANSFER_THREADS = 4
+# Staging buffers whose call was given up on rest this long (ten times Mooncake's longest
+# wait for a transfer, 60 s) before reuse; at most this many rest at once.
+RETIRE_GRACE_S = 600.0
+RETIRED_MAX = 4
 # Keys of one failed read whose size is asked for (an object of the wrong size fails the
 # read like a transfer error does): a stored object of another size is not the block.
 SIZE_PROBES_PER_CALL = 16
@@ -133,6 +137,7 @@ class WorkerSide:
         self._load_errors: set[int] = set()
         self._local = threading.local()
         self._slots: list[StagingSlot] = []
+        self._retired: list[tuple[float, StagingSlot]] = []  # (when, buffer) given up on
         self._closed = False
         # No save of KV computed from a failed load; device work ordered before transfers.
         self.integrity = integrity or SaveIntegrity()
@@ -176,17 +181,44 @@ class WorkerSide:
                 sizes.append(size)
         return ptrs, sizes
 
-    def _slot(self) -> StagingSlot:
-        """This transfer thread's staging buffer, registered on first use."""
+    def _slot(self) -> StagingSlot | None:
+        """This transfer thread's staging buffer, registered on first use; None while none may be used.
+
+        A buffer whose call was given up on is retired (see ``_retire_slot``): the
+        thread takes a retired one whose grace has passed, or a new one while fewer
+        than ``RETIRED_MAX`` are retired.
+        """
         slot: StagingSlot | None = getattr(self._local, "slot", None)
+        if slot is not None:
+            return slot
+        with self._lock:
+            now = time.monotonic()
+            ready = [entry for entry in self._retired if now - entry[0] >= RETIRE_GRACE_S]
+            if ready:
+                self._retired.remove(ready[0])
+                slot = ready[0][1]
+            elif len(self._retired) >= RETIRED_MAX:
+                return None
         if slot is None:
             largest = max((c.object_bytes for c in self.copiers if c is not None), default=0)
             slot = StagingSlot(max(self.staging_bytes, largest), self._device)
             self.client.register(slot.ptr, slot.nbytes)
             with self._lock:
                 self._slots.append(slot)
-            self._local.slot = slot
+        self._local.slot = slot
         return slot
+
+    def _retire_slot(self) -> None:
+        """Retire this thread's buffer after a call given up on returned.
+
+        Mooncake may end a call at its own hard limit (60 s) while its transport
+        still moves bytes; only ``RETIRE_GRACE_S`` later is the buffer used again.
+        """
+        slot: StagingSlot | None = getattr(self._local, "slot", None)
+        if slot is not None:
+            self._local.slot = None
+            with self._lock:
+                self._retired.append((time.monotonic(), slot))
 
     # --- per step -------------------------------------------------------------
     def before_forward(self) -> None:
@@ -342,6 +374,8 @@ class WorkerSide:
             try:
                 return fn(request)
             finally:
+                if job.abandoned:
+                    self._retire_slot()
                 job.returned()
                 self._jobs.remove(job)
                 with self._lock:
@@ -373,6 +407,8 @@ class WorkerSide:
         # hybrid request (always loaded asynchronously) is sent back whole.
         recovered_by_request = bool(failed) and len(self.groups) > 1
         ok = not recovered_by_request
+        # Before the failure is reported: the recompute's saves then find the key free.
+        self._remove_corrupt(results)
         if job.begin_touch():  # not given up: this outcome, not a timeout, is reported
             try:
                 if failed and not recovered_by_request:
@@ -388,7 +424,6 @@ class WorkerSide:
                 )
             finally:
                 job.finish(ok)
-        self._remove_corrupt(results)
         return ok
 
     def _load_abandoned(self, load: RequestLoad, job: Job) -> None:
@@ -417,6 +452,9 @@ class WorkerSide:
         result.attempted = True
         copier.check(transfer.block_ids)
         slot = self._slot()
+        if slot is None:  # every spare buffer retired: no call until one is free again
+            result.fail(transfer.block_ids, Outcome.TIMEOUT)
+            return result
         size = copier.object_bytes
         per_call = max(1, min(self.client.batch_size, slot.nbytes // size))
         keys = self._keys(transfer)
@@ -535,6 +573,9 @@ class WorkerSide:
         result.attempted = True
         copier.check(transfer.block_ids)
         slot = self._slot()
+        if slot is None:  # every spare buffer retired: no call until one is free again
+            result.fail(transfer.block_ids, Outcome.TIMEOUT)
+            return result
         size = copier.object_bytes
         per_call = max(1, min(self.client.batch_size, slot.nbytes // size))
         keys = self._keys(transfer)
@@ -676,8 +717,8 @@ class WorkerSide:
     def shutdown(self) -> bool:
         """Drain saves for up to ``shutdown_timeout_s``, then abandon whatever is left.
 
-        True when no call is left in flight (the client may be closed); False when
-        one is still stuck in Mooncake (its staging buffer and the client stay).
+        True when no call is left in flight; False when one is still stuck in
+        Mooncake (its staging buffer stays; the client closes after it returns).
         """
         if self._closed:
             return not self._jobs.stalled

@@ -34,6 +34,7 @@ NEEDS = {
     "ttft": [pytest.mark.mooncake, pytest.mark.engine],
     "serving": [pytest.mark.mooncake, pytest.mark.engine],
     "scheduler_overhead": [pytest.mark.mooncake],
+    "frozen_pool": [pytest.mark.mooncake],
 }
 
 

@@ -170,9 +170,28 @@ def test_a_sync_load_past_its_deadline_fails_and_its_late_call_never_writes_a_bl
     until(lambda: stall.in_flight == 0 and not worker._jobs.stalled, "the stalled call returns")
     # ... which was the staging buffer, never the block.
     assert same(block(worker, 5), before)
+    # That buffer rests (Mooncake may end a call while its transport still writes).
+    (retired,) = worker._retired
     monkeypatch.undo()
     load(worker, ["b"], [6], req="after")
     assert worker.take_load_errors() == set() and same(block(worker, 6), block(worker, 2))
+    assert retired in worker._retired, "still resting"
+
+
+def test_a_buffer_given_up_on_rests_before_reuse(worker: WorkerSide, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvpool.connector import worker_side
+
+    first = worker._slot()
+    seen = [first]
+    for _ in range(worker_side.RETIRED_MAX - 1):
+        worker._retire_slot()
+        fresh = worker._slot()
+        assert fresh is not None and all(fresh is not s for s in seen), "a resting buffer was reused"
+        seen.append(fresh)
+    worker._retire_slot()
+    assert worker._slot() is None, "every spare buffer rests: no transfer until one may be used"
+    monkeypatch.setattr(worker_side, "RETIRE_GRACE_S", 0.0)
+    assert worker._slot() is first, "after its rest the oldest buffer is used again"
 
 
 def test_an_async_load_past_its_deadline_is_reported_failed(
@@ -254,7 +273,7 @@ def test_shutdown_with_a_save_in_flight_returns_and_leaves_nothing_half_written(
     stall = Stall("batch_put_from_multi_buffer_ranges", {key}).install(monkeypatch)
     w.start_saves(PoolConnectorMetadata(saves=[RequestSave("s", [GroupTransfer(0, ["x"], [1])])]))
     until(lambda: stall.in_flight == 1, "the save is writing")
-    assert w.shutdown() is False, "a call is still stuck: the client must stay open"
+    assert w.shutdown() is False, "a call is still stuck in the pool"
     assert pool_client.exists([key]) == [False]
     stall.release()
     until(lambda: stall.in_flight == 0 and not w._jobs.live(), "the stalled write returns")

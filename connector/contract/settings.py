@@ -32,6 +32,9 @@ from kvpool.connector.contract.mooncake_env import CONFIG_PATH_ENV
 
 MAX_BATCH_KEYS = 1000
 MAX_TIMEOUT_S = 3600.0
+# Load and save deadlines stay below Mooncake's own 60 s limit on one transfer: the
+# connector, not Mooncake, gives up on a stuck call (see worker_side's staging buffers).
+MAX_TRANSFER_TIMEOUT_S = 30.0
 CONNECTOR_NAME = "KVPoolConnector"
 CONNECTOR_MODULE = "kvpool.connector"
 
@@ -129,14 +132,14 @@ class ConnectorSettings(BaseModel):
     load_timeout_s: float = Field(
         default=5.0,
         gt=0,
-        le=MAX_TIMEOUT_S,
+        le=MAX_TRANSFER_TIMEOUT_S,
         description="Longest a load waits for its next batch; past it, the load fails and the "
         "request recomputes.",
     )
     save_timeout_s: float = Field(
         default=5.0,
         gt=0,
-        le=MAX_TIMEOUT_S,
+        le=MAX_TRANSFER_TIMEOUT_S,
         description="Longest a save may take to publish; past it, it is abandoned and publishes nothing.",
     )
     shutdown_timeout_s: float = Field(
