@@ -24,7 +24,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvpool.connector import tracing
 from kvpool.connector.contract.keys import KeySpace
-from kvpool.connector.contract.layout import check_or_raise, fingerprint
+from kvpool.connector.contract.layout import check_or_raise
 from kvpool.connector.contract.settings import ConnectorSettings
 from kvpool.connector.logs import get_logger
 from kvpool.connector.metadata import PoolConnectorMetadata
@@ -33,7 +33,7 @@ from kvpool.connector.rank_agreement import rank_agreement
 from kvpool.connector.records import StatsCollector
 from kvpool.connector.save_integrity import SaveIntegrity
 from kvpool.connector.scheduler_side import SchedulerSide
-from kvpool.connector.vllm_layout import layout_from_vllm
+from kvpool.connector.vllm_layout import key_fingerprint_from_vllm, layout_from_vllm
 from kvpool.connector.vllm_metrics import PoolConnectorStats, PoolPromMetrics, records_to_data
 from kvpool.connector.worker_side import Deadlines, WorkerSide
 
@@ -88,7 +88,9 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
                 transfer.kv_load_failure_policy,
             )
         tracing.configure_from_env()
-        self.keyspace = KeySpace(self.settings.cache_prefix, fingerprint(self.layout))
+        self.keyspace = KeySpace(
+            self.settings.cache_prefix, key_fingerprint_from_vllm(vllm_config, kv_cache_config, self.layout)
+        )
         self.stats = StatsCollector(group_kinds=tuple(g.kind.value for g in self.layout.groups))
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 from typing import Any
 
-from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+from vllm.v1.core.kv_cache_utils import DEFAULT_NONE_HASH_SEED, resolve_kv_cache_block_sizes
 from vllm.v1.kv_cache_interface import (
     AttentionSpec,
     ChunkedLocalAttentionSpec,
@@ -17,7 +20,16 @@ from vllm.v1.kv_cache_interface import (
     UniformTypeKVCacheSpecs,
 )
 
+from kvpool.connector.contract.identity import KVIdentity, fingerprint_inputs, key_fingerprint, seed_digest
 from kvpool.connector.contract.layout import GroupKind, KVGroup, KVLayout
+from kvpool.connector.logs import get_logger
+
+logger = get_logger(__name__)
+
+#: vLLM's block-hash algorithms whose seed is random per process unless PYTHONHASHSEED is set.
+_PER_PROCESS_SEED_ALGORITHMS = frozenset({"xxhash", "xxhash_cbor"})
+#: Cache dtype names vLLM treats as the same format.
+_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}
 
 
 class UnsupportedSpec(ValueError):
@@ -42,12 +54,24 @@ def group_kind(spec: KVCacheSpec) -> GroupKind:
     raise UnsupportedSpec(f"KV-cache spec {type(spec).__name__} is not supported by KVPoolConnector")
 
 
+def scheduler_view(spec: KVCacheSpec) -> KVCacheSpec:
+    """The spec as vLLM hands it to the scheduler: a uniform-type group as its first layer's spec.
+
+    Workers keep ``UniformTypeKVCacheSpecs`` (whose page size sums every layer);
+    ``generate_scheduler_kv_cache_config`` gives the scheduler the first layer's
+    spec. Describing both by that spec makes every process build the same layout.
+    """
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        return next(iter(spec.kv_cache_specs.values()))
+    return spec
+
+
 def layout_from_vllm(vllm_config: Any, kv_cache_config: KVCacheConfig, model_id: str = "") -> KVLayout:
     """The layout vLLM will run, in the contract's terms."""
     groups: list[KVGroup] = []
     dtypes: set[str] = set()
     for group in kv_cache_config.kv_cache_groups:
-        spec = group.kv_cache_spec
+        spec = scheduler_view(group.kv_cache_spec)
         kind = group_kind(spec)
         if isinstance(spec, AttentionSpec):
             dtypes.add(str(spec.dtype).removeprefix("torch."))
@@ -83,3 +107,81 @@ def layout_from_vllm(vllm_config: Any, kv_cache_config: KVCacheConfig, model_id:
         pcp_size=getattr(parallel, "prefill_context_parallel_size", 1),
         dcp_size=getattr(parallel, "decode_context_parallel_size", 1),
     )
+
+
+def identity_from_vllm(vllm_config: Any, kv_cache_config: KVCacheConfig) -> KVIdentity:
+    """The non-shape inputs of the key fingerprint, as vLLM will run them.
+
+    Reads only what the scheduler and every worker see alike (configuration and
+    environment), so all processes of one deployment agree on it.
+    """
+    cache = vllm_config.cache_config
+    model = vllm_config.model_config
+    algorithm = str(getattr(cache, "prefix_caching_hash_algo", "sha256"))
+    return KVIdentity(
+        cache_dtype=_CACHE_DTYPE_ALIASES.get(str(cache.cache_dtype), str(cache.cache_dtype)),
+        kv_quantization=_kv_quantization(cache, kv_cache_config),
+        model_revision=str(getattr(model, "revision", None) or ""),
+        weight_quantization=str(getattr(model, "quantization", None) or ""),
+        hf_overrides=_overrides_digest(getattr(model, "hf_overrides", None)),
+        kv_cache_layout=str(
+            getattr(kv_cache_config, "kv_cache_layout", None) or getattr(cache, "kv_cache_layout", None) or ""
+        ),
+        block_hash_algorithm=algorithm,
+        pp_layer_partition=os.environ.get("VLLM_PP_LAYER_PARTITION", ""),
+        block_hash_seed=_hash_seed(algorithm),
+    )
+
+
+def _kv_quantization(cache: Any, kv_cache_config: Any) -> str:
+    """Quantization beyond the cache dtype: the specs' quantization modes, skipped layers, Mamba dtypes."""
+    parts = []
+    modes = {
+        str(getattr(mode, "name", mode))
+        for group in getattr(kv_cache_config, "kv_cache_groups", ())
+        if (mode := getattr(scheduler_view(group.kv_cache_spec), "kv_quant_mode", None)) is not None
+    }
+    modes.discard("NONE")
+    if modes:
+        parts.append("mode=" + "|".join(sorted(modes)))
+    skipped = list(getattr(cache, "kv_cache_dtype_skip_layers", None) or [])
+    if skipped:
+        parts.append("skip=" + "|".join(sorted(str(s) for s in skipped)))
+    for name in ("mamba_cache_dtype", "mamba_ssm_cache_dtype"):
+        value = str(getattr(cache, name, "auto") or "auto")
+        if value != "auto":
+            parts.append(f"{name}={value}")
+    return ";".join(parts) or "none"
+
+
+def _overrides_digest(overrides: Any) -> str:
+    """A digest of hf_overrides (a dict, or a callable named by its qualified name)."""
+    if not overrides:
+        return ""
+    if callable(overrides):
+        text = f"{getattr(overrides, '__module__', '')}.{getattr(overrides, '__qualname__', repr(overrides))}"
+    else:
+        text = json.dumps(overrides, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def _hash_seed(algorithm: str) -> str:
+    """The block-hash seed, as vLLM resolves it, as a digest ("per-process" when random)."""
+    seed = os.environ.get("PYTHONHASHSEED")
+    if seed is not None:
+        return seed_digest(seed)
+    if algorithm in _PER_PROCESS_SEED_ALGORITHMS:
+        return "per-process"
+    return seed_digest(DEFAULT_NONE_HASH_SEED)
+
+
+def key_fingerprint_from_vllm(vllm_config: Any, kv_cache_config: KVCacheConfig, layout: KVLayout) -> str:
+    """The fingerprint of this deployment's store keys; logs every input it digests."""
+    identity = identity_from_vllm(vllm_config, kv_cache_config)
+    inputs = fingerprint_inputs(layout, identity)
+    logger.info(
+        "KVPoolConnector key fingerprint %s from %s",
+        inputs["fingerprint"],
+        " ".join(f"{name}={value}" for name, value in inputs.items() if name != "fingerprint"),
+    )
+    return key_fingerprint(layout, identity)
