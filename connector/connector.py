@@ -26,9 +26,12 @@ from kvpool.connector import tracing
 from kvpool.connector.contract.keys import KeySpace
 from kvpool.connector.contract.layout import check_or_raise
 from kvpool.connector.contract.settings import ConnectorSettings
+from kvpool.connector.layout_verdict import OutOfPool, add_counters, verify_declared_layout
 from kvpool.connector.logs import get_logger
 from kvpool.connector.metadata import PoolConnectorMetadata
 from kvpool.connector.pool_client import acquire_client, release_client
+from kvpool.connector.pool_events import PoolEvents
+from kvpool.connector.pool_reset import LayoutReset
 from kvpool.connector.rank_agreement import rank_agreement
 from kvpool.connector.records import StatsCollector
 from kvpool.connector.save_integrity import SaveIntegrity
@@ -81,6 +84,11 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         self.settings = ConnectorSettings.from_sources(transfer.kv_connector_extra_config)
         self.layout = layout_from_vllm(vllm_config, kv_cache_config, self.settings.model_id)
         check_or_raise(self.layout)
+        # A declared layout other than the one vLLM built keeps this engine out of the pool.
+        self.layout_verdict = verify_declared_layout(
+            self.settings, self.layout, scheduler=role == KVConnectorRole.SCHEDULER
+        )
+        in_pool = self.layout_verdict.in_pool
         if getattr(transfer, "kv_load_failure_policy", "recompute") != "recompute":
             logger.warning(
                 "kv_load_failure_policy=%r: a block the pool fails to deliver will fail its "
@@ -94,25 +102,31 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         self.stats = StatsCollector(group_kinds=tuple(g.kind.value for g in self.layout.groups))
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        self._events = PoolEvents(False)
+        self._reset: LayoutReset | None = None
         if role == KVConnectorRole.SCHEDULER:
             # The scheduler only looks keys up: it contributes no memory.
-            self._client = acquire_client(self.settings, global_segment_size=0)
+            self._client = acquire_client(self.settings, global_segment_size=0) if in_pool else OutOfPool()
             self._scheduler = SchedulerSide(
                 client=self._client,
                 keyspace=self.keyspace,
                 tp_size=self.layout.tp_size,
                 pp_size=self.layout.pp_size,
                 load_async=self.settings.load_async,
-                can_load=transfer.is_kv_consumer,
-                can_save=transfer.is_kv_producer,
+                can_load=transfer.is_kv_consumer and in_pool,
+                can_save=transfer.is_kv_producer and in_pool,
                 stats=self.stats,
                 lookup_timeout_s=self.settings.lookup_timeout_s,
             )
+            world = self.layout.tp_size * self.layout.pp_size
+            self._events = PoolEvents.for_scheduler(vllm_config, kv_cache_config, world)
+            self._reset = LayoutReset(self._client, self.keyspace) if in_pool else None
         else:
-            self._client = acquire_client(self.settings)
+            self._client = acquire_client(self.settings) if in_pool else OutOfPool()
             tp_rank, pp_rank = _ranks()
+            self._events = PoolEvents.for_worker(vllm_config, pp_rank * self.layout.tp_size + tp_rank)
             self._worker = WorkerSide(
-                client=self._client,
+                client=self._events.observe(self._client),
                 keyspace=self.keyspace,
                 tp_rank=tp_rank,
                 pp_rank=pp_rank,
@@ -161,11 +175,14 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         self._sched().update_state_after_alloc(request, blocks.get_block_ids(), num_external_tokens)
+        self._events.track(request)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         manager = self._kv_cache_manager
         assert manager is not None, "KVPoolConnector needs bind_kv_cache_manager"
-        return self._sched().build_connector_meta(scheduler_output, manager.get_block_ids)
+        meta = self._sched().build_connector_meta(scheduler_output, manager.get_block_ids)
+        self._events.on_saves_planned(meta, manager.get_block_ids, self._sched().coordinator)
+        return meta
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         manager = self._kv_cache_manager
@@ -175,21 +192,36 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
             set(connector_output.invalid_block_ids or ()),
             None if manager is None else manager.get_block_ids,
         )
+        self._events.on_reports(getattr(connector_output, "kv_cache_events", None))
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._events.forget(request.request_id)
         return self._sched().request_finished(request.request_id), None
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
+        self._events.forget(request.request_id)
         return self._sched().request_finished(request.request_id), None
+
+    def take_events(self) -> list[Any]:
+        # This engine's pool stores and removals, as vLLM KV-cache events (see pool_events).
+        return self._events.take_events()
+
+    def reset_cache(self) -> bool | None:
+        # vLLM's reset with reset_connector: this layout's keys leave the pool (see pool_reset).
+        cleared = True if self._reset is None else self._reset.reset()
+        if cleared:
+            self._events.on_reset()
+        return cleared
 
     # ==== stats (both sides) ================================================
     def get_kv_connector_stats(self) -> PoolConnectorStats | None:
         lookups, transfers = self.stats.drain()
-        if not lookups and not transfers:
+        layout_counters = self.layout_verdict.take_counters()
+        if not lookups and not transfers and not layout_counters:
             return None
-        return PoolConnectorStats(data=records_to_data(lookups, transfers))
+        return PoolConnectorStats(data=add_counters(records_to_data(lookups, transfers), layout_counters))
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> PoolConnectorStats:
@@ -252,6 +284,9 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._work().take_load_errors()
 
+    def get_kv_connector_kv_cache_events(self) -> Any:
+        return self._events.worker_reports()
+
     def shutdown(self) -> None:
         if self._worker is not None and not self._worker.shutdown():
             # A transfer given up at its deadline is still inside Mooncake (writing only its
@@ -259,6 +294,8 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
             logger.warning("KVPoolConnector shutdown: a transfer is still stuck in the pool")
         if self._scheduler is not None:
             self._scheduler.close()
+        if self._reset is not None:
+            self._reset.close()
         tracing.flush()
         client, self._client = getattr(self, "_client", None), None
         if client is not None:

@@ -308,6 +308,12 @@ class PoolClient:
             codes.extend(self._call(self._store.batch_remove, list(part), True))
         return codes
 
+    def remove_matching(self, pattern: str) -> int:
+        """Remove every object whose key matches ``pattern`` (a regular expression) and that no
+        read holds (Mooncake keeps an object a lookup or read leased); the count removed, or a
+        negative Mooncake code."""
+        return int(self._call(lambda p: [self._store.remove_by_regex(p)], pattern)[0])
+
     def size_of(self, key: str) -> int:
         """The stored size of ``key``'s object; negative when absent or unknown."""
         try:

@@ -88,6 +88,17 @@ def connector_alerts() -> list[Alert]:
             f"(threshold {LOAD_ERROR_SHARE:.0%}). vLLM recomputes those blocks, so output stays "
             "correct but the pool saves nothing. See 'Failed keys by kind' on the Connector dashboard.",
         ),
+        Alert(
+            "KVPoolLayoutMismatch",
+            f"sum{by([*PER_MODEL, 'engine'])} ({m.LAYOUT_MISMATCHES.exported}) > 0",
+            "1m",
+            "warning",
+            "An engine of {{ $labels.model_name }} stays out of the KV pool: its declared layout is wrong",
+            "Engine {{ $labels.engine }} of {{ $labels.model_name }} in {{ $labels.namespace }}/"
+            "{{ $labels.pool }} built a KV layout that differs from the one its MooncakeKVPool declares "
+            "in {{ $value }} field(s), so it serves without the pool. Its log names each field; "
+            "kvpool-layout prints the right layout block for the consumer.",
+        ),
     ]
 
 

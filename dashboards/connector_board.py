@@ -15,7 +15,7 @@ from dashboards.conventions import (
     VAR_POOL,
     selector,
 )
-from dashboards.promql import quantile, ratio, sum_rate
+from dashboards.promql import by, quantile, ratio, sum_rate
 from kvpool.connector.contract import metric_names as m
 
 UID = "kvpool-connector"
@@ -248,6 +248,18 @@ def build() -> Board:
         [
             Target(sum_rate(m.LOAD_ERROR_BLOCKS.exported, SEL, by_model), "{{model_name}} blocks"),
             Target(sum_rate(m.RECOMPUTED_REQUESTS.exported, SEL, by_model), "{{model_name}} requests"),
+        ],
+    )
+    board.timeseries(
+        "Engines out of the pool: declared layout differs",
+        "Fields in which the KV layout declared for an engine differs from the one vLLM built (one "
+        "series per engine and field). Such an engine never uses the pool; fix the consumer's layout "
+        "in the MooncakeKVPool (kvpool-layout prints it).",
+        [
+            Target(
+                f"sum{by([MODEL, ENGINE, 'field'])} ({m.LAYOUT_MISMATCHES.exported}{SEL})",
+                "{{model_name}} engine {{engine}}: {{field}}",
+            )
         ],
     )
     return board

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from kvpool.connector.contract.layout import KVLayout, fingerprint
 from kvpool.connector.contract.settings import ConnectorSettings
 from kvpool.operator import names
 from kvpool.operator.components import POD_IP_ENV, master_address
@@ -46,15 +47,25 @@ def pool_connector_settings(pool: str, namespace: str, spec: PoolSpec) -> Connec
     return ConnectorSettings.parse(data)
 
 
-def consumer_connector_settings(settings: ConnectorSettings) -> ConnectorSettings:
+def consumer_connector_settings(
+    settings: ConnectorSettings, layout: KVLayout | None = None
+) -> ConnectorSettings:
     """Settings as a consumer pod uses them: it serves and binds on its own pod IP.
 
     ``$(POD_IP)`` is expanded by the kubelet in the container's args (``POD_IP`` comes
-    from the downward API; ``consumers`` injects it).
+    from the downward API; ``consumers`` injects it). With the consumer's declared
+    ``layout``, they carry it and its fingerprint: the connector compares them with the
+    layout vLLM builds and stays out of the pool on any difference.
     """
     pod_ip = f"$({POD_IP_ENV})"
+    declared: dict[str, object] = {}
+    if layout is not None:
+        declared = {
+            "declared_layout": layout.model_dump(mode="json", exclude_defaults=True),
+            "declared_layout_fingerprint": fingerprint(layout),
+        }
     return ConnectorSettings.parse(
-        {**settings.extra_config(), "local_hostname": pod_ip, "bind_address": pod_ip}
+        {**settings.extra_config(), "local_hostname": pod_ip, "bind_address": pod_ip, **declared}
     )
 
 

@@ -78,7 +78,8 @@ def plan_injection(
     pool: str, consumer: ConsumerSpec, settings: ConnectorSettings, configmap: Mapping[str, Any]
 ) -> Injection:
     """The injection for ``consumer``; its hash covers everything that reaches the pods."""
-    kv_config = consumer_connector_settings(settings).kv_transfer_config_json(consumer.kv_role)
+    consumer_settings = consumer_connector_settings(settings, consumer.layout)
+    kv_config = consumer_settings.kv_transfer_config_json(consumer.kv_role)
     layout_fingerprint = fingerprint(consumer.layout)
     config_hash = digest(
         {

@@ -218,7 +218,10 @@ class ConsumerSpec(_Model):
         default=None, description="The vLLM container; default: the Deployment's first."
     )
     kv_role: Literal["kv_both", "kv_producer", "kv_consumer"] = "kv_both"
-    layout: KVLayout = Field(description="The KV-cache layout the model produces.")
+    layout: KVLayout = Field(
+        description="The KV-cache layout the model produces (kvpool-layout prints it); the connector "
+        "stays out of the pool when vLLM builds another."
+    )
 
 
 class ScraperSelector(_Model):

@@ -94,6 +94,12 @@ LOAD_ERROR_BLOCKS = _counter(
 RECOMPUTED_REQUESTS = _counter(
     "recomputed_requests", "Requests a failed load sent back to recompute from their local state."
 )
+LAYOUT_MISMATCHES = _counter(
+    "layout_mismatches",
+    "Fields in which the KV layout declared for this engine differs from the one vLLM built, each "
+    "counted once at start-up; an engine with any stays out of the pool.",
+    ("field",),
+)
 OPERATION_SECONDS = MetricSpec(
     f"{PREFIX}operation_seconds",
     Kind.HISTOGRAM,
@@ -124,6 +130,7 @@ ALL: tuple[MetricSpec, ...] = (
     REMOVED_OBJECTS,
     LOAD_ERROR_BLOCKS,
     RECOMPUTED_REQUESTS,
+    LAYOUT_MISMATCHES,
     OPERATION_SECONDS,
     TRANSFER_SIZE_BYTES,
 )

@@ -28,6 +28,8 @@ from pydantic import (
 )
 
 from kvpool.connector.contract.errors import error_message
+from kvpool.connector.contract.intree_config import IntreeConfigError, explain, from_config_file
+from kvpool.connector.contract.layout import KVLayout, fingerprint
 from kvpool.connector.contract.mooncake_env import CONFIG_PATH_ENV
 
 MAX_BATCH_KEYS = 1000
@@ -157,6 +159,16 @@ class ConnectorSettings(BaseModel):
         ge=1 << 20,
         description="Registered buffer per transfer thread that blocks move through (bytes a call).",
     )
+    # The layout the pool's spec declares for this consumer (the operator renders both):
+    # any difference from the layout vLLM builds keeps the connector out of the pool.
+    declared_layout: KVLayout | None = Field(
+        default=None, description="The KV layout declared for this consumer (none: not checked)."
+    )
+    declared_layout_fingerprint: str = Field(
+        default="",
+        pattern=r"^([0-9a-f]{16})?$",
+        description="Fingerprint of the declared KV layout (empty: not checked).",
+    )
 
     @property
     def tcp_bind_address(self) -> str:
@@ -169,6 +181,12 @@ class ConnectorSettings(BaseModel):
             raise ValueError("device_name: protocol 'rdma' needs an RDMA device name")
         if self.global_segment_size and self.global_segment_size < (1 << 20):
             raise ValueError("global_segment_size: a segment under 1 MiB cannot hold a block")
+        declared, declared_print = self.declared_layout, self.declared_layout_fingerprint
+        if declared is not None and declared_print and fingerprint(declared) != declared_print:
+            raise ValueError(
+                f"declared_layout_fingerprint: {declared_print} is not the fingerprint of "
+                f"declared_layout ({fingerprint(declared)})"
+            )
         return self
 
     @classmethod
@@ -188,7 +206,10 @@ class ConnectorSettings(BaseModel):
         merged: dict[str, Any] = {}
         path = environ.get(CONFIG_PATH_ENV)
         if path:
-            merged.update(load_config_file(Path(path)))
+            try:
+                merged.update(from_config_file(load_config_file(Path(path)), f"{CONFIG_PATH_ENV}={path}"))
+            except IntreeConfigError as exc:
+                raise SettingsError(exc.problems) from None
         merged.update(extra_config or {})
         if not merged:
             raise SettingsError(
@@ -197,7 +218,10 @@ class ConnectorSettings(BaseModel):
                     "at least master_server_address is needed"
                 }
             )
-        return cls.parse(merged)
+        try:
+            return cls.parse(merged)
+        except SettingsError as exc:
+            raise SettingsError(explain(exc.problems)) from None
 
     def mooncake_config(self) -> dict[str, Any]:
         """The Mooncake config file (``MOONCAKE_CONFIG_PATH``) for these settings."""
@@ -212,8 +236,9 @@ class ConnectorSettings(BaseModel):
         }
 
     def extra_config(self) -> dict[str, Any]:
-        """All settings as ``kv_connector_extra_config`` (sizes in bytes)."""
-        return self.model_dump(mode="json")
+        """All settings as ``kv_connector_extra_config`` (sizes in bytes); a layout check only when set."""
+        unset = {n for n in ("declared_layout", "declared_layout_fingerprint") if not getattr(self, n)}
+        return self.model_dump(mode="json", exclude=unset)
 
     def kv_transfer_config(self, kv_role: str = "kv_both") -> dict[str, Any]:
         """The ``--kv-transfer-config`` object vLLM takes to load this connector."""

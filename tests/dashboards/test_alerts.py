@@ -98,6 +98,14 @@ def cases() -> list[Case]:
             },
         ),
         Case(
+            "KVPoolLayoutMismatch",
+            {
+                series(cm.LAYOUT_MISMATCHES.exported, **hybrid, field="groups[1].sliding_window"): "1x10",
+                series(cm.LAYOUT_MISMATCHES.exported, **hybrid, field="dtype"): "1x10",
+            },
+            {"0m": [], "5m": [Firing({**MODEL, "model_name": "m"}, "2")]},
+        ),
+        Case(
             "KVPoolMasterDown",
             {
                 series(external.UP, **master, pool="a", instance="a-master"): "1x4 0x10",
