@@ -1,0 +1,604 @@
+"""Frozen processes and foreign objects under real engines: never wrong KV, never a hung request.
+
+One master and one store process on loopback, frozen (SIGSTOP) and thawed (SIGCONT) at
+chosen moments, and objects replaced through Mooncake's own ``upsert``; real in-process
+vLLM engines (float32 KV) with deadlines of a second (``store_timeout_s`` of 20 s, so
+Mooncake itself never ends a frozen call before the test thaws it). The matrix: both load
+paths (the all-full-attention Gemma3 has one KV-cache group and loads synchronously before
+the forward; the hybrid Gemma3 loads asynchronously) and ``kv_role`` ``kv_both`` and
+``kv_consumer`` (whose pool a ``kv_both`` engine fills first). Every output, tokens and
+log-probabilities, equals the reference computed without any pool.
+
+* a store frozen mid-load: the load passes its deadline and the request recomputes; the
+  store is thawed after the recompute, while the request still decodes, and the frozen
+  call, now returning, reads objects of random bytes: it must write no block;
+* a master frozen at lookup: the lookup passes its deadline and misses;
+* objects that are not their block (another block's object, truncated, another layout,
+  random bytes): recomputed, removed, counted ``corrupt``; the negative control loads
+  another prompt's blocks with the header check off, and the answer changes;
+* (``kv_both``) a store frozen mid-save: the save passes its deadline and publishes nothing;
+* (``kv_both``) the engine shut down with a save stuck in the pool: shutdown returns, and
+  nothing half-written is ever present;
+* ``timeout``, ``corrupt`` and the removals on ``/metrics``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvpool.connector.contract.keys import hash_digest
+from kvpool.connector.contract.object_header import HEADER_BYTES, ObjectIdentity, pack_header
+from kvpool.connector.contract.settings import ConnectorSettings
+from kvpool.connector.local.pool import LOOPBACK, LocalPool, free_port
+from kvpool.connector.pool_client import PoolClient, open_client
+from tests.faults.helpers import PREFIX_BLOCKS, PREFIX_TOKENS, prompt
+from tests.support.engine import transfer_config
+from tests.support.prompts import block_hashes
+
+pytestmark = [pytest.mark.faults, pytest.mark.engine, pytest.mark.mooncake, pytest.mark.timeout(900)]
+
+MAX_TOKENS = 8
+LOGPROB_TOLERANCE = 1e-3
+DEADLINE_S = 1.0
+SERVE_DEADLINE_S = 120.0
+GOOD_BLOCKS = 4  # blocks 0..3 of a prefix: never tampered with
+TAMPERED = range(GOOD_BLOCKS, PREFIX_BLOCKS)
+# Prefixes (``helpers.prompt``) per scenario, apart for the two roles of one model.
+FROZEN_LOAD, FROZEN_LOOKUP, FOREIGN, FROZEN_SAVE, SHUTDOWN, UNCHECKED, DONOR = range(7)
+ROLE_BASE = {"kv_both": 200, "kv_consumer": 300}
+CONFIGS = [("sync", "kv_both"), ("sync", "kv_consumer"), ("async", "kv_both"), ("async", "kv_consumer")]
+
+
+def prefix_of(role: str, scenario: int) -> int:
+    return ROLE_BASE[role] + scenario
+
+
+def keys_needed() -> list[tuple[int, int]]:
+    """Every request whose output a test checks."""
+    both = [(prefix_of("kv_both", s), j) for s in range(SHUTDOWN) for j in range(3)]
+    both.append((prefix_of("kv_both", UNCHECKED), 1))
+    consumer = [
+        (prefix_of("kv_consumer", s), j) for s in (FROZEN_LOAD, FROZEN_LOOKUP, FOREIGN) for j in (1, 2)
+    ]
+    return both + consumer
+
+
+# --- the pool and its processes ------------------------------------------------------------
+
+
+@contextmanager
+def frozen(process: Any) -> Iterator[Callable[[], None]]:
+    """SIGSTOP ``process``; yields ``thaw`` (SIGCONT), which runs at the latest on exit."""
+    thawed = False
+
+    def thaw() -> None:
+        nonlocal thawed
+        if not thawed:
+            os.kill(process.pid, signal.SIGCONT)
+            thawed = True
+
+    os.kill(process.pid, signal.SIGSTOP)
+    try:
+        yield thaw
+    finally:
+        thaw()
+
+
+@pytest.fixture(scope="module")
+def pool() -> Iterator[LocalPool]:
+    with LocalPool(segment_size="256MB") as local:
+        yield local
+
+
+def settings_for(pool: LocalPool, model: str) -> ConnectorSettings:
+    return ConnectorSettings.parse(
+        {
+            "master_server_address": pool.address,
+            "cache_prefix": f"integrity-{model}",
+            "lookup_timeout_s": DEADLINE_S / 2,
+            "load_timeout_s": DEADLINE_S,
+            "save_timeout_s": DEADLINE_S,
+            "shutdown_timeout_s": 2 * DEADLINE_S,
+            "store_timeout_s": 20,
+        }
+    )
+
+
+# --- engines ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Served:
+    key: tuple[int, int]
+    tokens: list[int]
+    logprobs: list[float]
+    cached: int
+
+
+@dataclass
+class PoolEngine:
+    """A real in-process engine (or none, for references) stepped by the test."""
+
+    model: Path
+    config: dict[str, Any] | None
+    llm: Any = None
+    closed: bool = False
+    _ids: int = 0
+
+    def start(self) -> PoolEngine:
+        from kvpool.connector.local.engine import EngineOptions, create_llm
+
+        self.llm = create_llm(
+            EngineOptions(
+                model=str(self.model),
+                kv_transfer_config=self.config,
+                max_num_seqs=2,
+                dtype="float32",
+                disable_log_stats=self.config is None,
+            )
+        )
+        return self
+
+    def serve(self, key: tuple[int, int], on_step: Callable[[int], None] | None = None) -> Served:
+        """Serve one request with an empty local cache; ``on_step(tokens so far)`` after each step."""
+        from kvpool.connector.local.engine import sampling_params
+
+        engine = self.llm.llm_engine
+        deadline = time.monotonic() + SERVE_DEADLINE_S
+        while not engine.reset_prefix_cache():
+            assert time.monotonic() < deadline, "the local prefix cache never became free"
+            engine.step()
+        self._ids += 1
+        request_id = f"integrity-{self._ids}"
+        engine.add_request(
+            request_id, {"prompt_token_ids": prompt(*key)}, sampling_params(MAX_TOKENS, logprobs=True)
+        )
+        tokens = 0
+        while True:
+            outputs = engine.step()
+            for out in outputs:
+                if out.request_id != request_id:
+                    continue
+                tokens = len(out.outputs[0].token_ids)
+                if out.finished:
+                    completion = out.outputs[0]
+                    logprobs = [float(next(iter(d.values())).logprob) for d in completion.logprobs or []]
+                    return Served(key, list(completion.token_ids), logprobs, int(out.num_cached_tokens or 0))
+            if on_step is not None:
+                on_step(tokens)
+            assert time.monotonic() < deadline, f"request {key} hung"
+            if not outputs:
+                time.sleep(0.005)
+
+    @property
+    def worker(self) -> Any:
+        from kvpool.connector.local.engine import worker_connector
+
+        return worker_connector()
+
+    def transfers(self, operation: str | None = None) -> list[Any]:
+        transfers = list(self.worker.recording.transfers)
+        return [t for t in transfers if operation is None or t.operation == operation]
+
+    def lookups(self) -> list[Any]:
+        from kvpool.connector.local.engine import scheduler_connector
+
+        return list(scheduler_connector(self.llm).recording.lookups)
+
+    def keyspace(self) -> Any:
+        from kvpool.connector.local.engine import scheduler_connector
+
+        return scheduler_connector(self.llm).keyspace
+
+    def wait_unstuck(self) -> None:
+        """Until no call the connector gave up on is still in flight."""
+        side = self.worker._worker
+        deadline = time.monotonic() + SERVE_DEADLINE_S
+        while side._jobs.stalled:
+            assert time.monotonic() < deadline, "a stuck call never returned"
+            time.sleep(0.01)
+        side.wait_for_saves()
+
+    def close(self) -> None:
+        from kvpool.connector.local.engine import shutdown_llm
+
+        if not self.closed:
+            self.closed = True
+            shutdown_llm(self.llm)
+
+
+def check(served: list[Served], references: dict[tuple[int, int], Served]) -> None:
+    for got in served:
+        want = references[got.key]
+        assert got.tokens == want.tokens, f"{got.key}: tokens {got.tokens} != {want.tokens}"
+        worst = max(abs(a - b) for a, b in zip(got.logprobs, want.logprobs, strict=True))
+        assert worst < LOGPROB_TOLERANCE, f"{got.key}: log-probabilities differ by up to {worst:.3g}"
+
+
+@dataclass
+class Model:
+    path: Path
+    groups: int
+    references: dict[tuple[int, int], Served] = field(default_factory=dict)
+
+
+def _model(path: Path, groups: int) -> Model:
+    engine = PoolEngine(path, None).start()
+    try:
+        return Model(path, groups, {key: engine.serve(key) for key in keys_needed()})
+    finally:
+        engine.close()
+
+
+class Models:
+    """The two tiny Gemma3 models and their references, each built on first use."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self._built: dict[str, Model] = {}
+
+    def __getitem__(self, load_path: str) -> Model:
+        if load_path not in self._built:
+            from kvpool.connector.local.tiny_model import build_gemma3
+            from tests.support.models import build_gemma3_full
+
+            if load_path == "sync":
+                self._built[load_path] = _model(build_gemma3_full(self.root / "full"), 1)
+            else:
+                self._built[load_path] = _model(build_gemma3(self.root / "hybrid"), 3)
+        return self._built[load_path]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> Models:
+    return Models(tmp_path_factory.mktemp("integrity-models"))
+
+
+@dataclass
+class Setup:
+    load_path: str
+    role: str
+    model: Model
+    engine: PoolEngine
+    settings: ConnectorSettings
+    pool: LocalPool
+
+    def prefix(self, scenario: int) -> int:
+        return prefix_of(self.role, scenario)
+
+    def stalled(self) -> bool:
+        """Whether the connector gave up on a call that is still in the pool."""
+        return bool(self.engine.worker._worker._jobs.stalled)
+
+    def client(self) -> PoolClient:
+        return open_client(self.settings, global_segment_size=0)
+
+    def full_group(self) -> int:
+        """The full-attention group (it loads every block of a hit; window groups only the last)."""
+        from kvpool.connector.local.engine import scheduler_connector
+
+        groups = scheduler_connector(self.engine.llm).layout.groups
+        return next(i for i, g in enumerate(groups) if g.kind.value == "full")
+
+    def keys(self, prefix: int, blocks: range) -> list[str]:
+        """Keys of the full-attention group's blocks ``blocks`` of ``prefix``."""
+        group = self.full_group()
+        hashes = block_hashes(prompt(prefix, 0))
+        return [self.engine.keyspace().key(group, 0, 0, hash_digest(hashes[i])) for i in blocks]
+
+
+@pytest.fixture(scope="module", params=CONFIGS, ids=[f"{p}-{r}" for p, r in CONFIGS])
+def setup(request: pytest.FixtureRequest, models: Models, pool: LocalPool) -> Iterator[Setup]:
+    load_path, role = request.param
+    model = models[load_path]
+    settings = settings_for(pool, load_path)
+    if role == "kv_consumer":
+        # A consumer stores nothing: a kv_both engine fills the pool with its prefixes first.
+        producer = PoolEngine(model.path, transfer_config(settings)).start()
+        try:
+            for scenario in (FROZEN_LOAD, FROZEN_LOOKUP, FOREIGN):
+                producer.serve((prefix_of(role, scenario), 0))
+            producer.wait_unstuck()
+        finally:
+            producer.close()
+    engine = PoolEngine(model.path, transfer_config(settings, role)).start()
+    try:
+        yield Setup(load_path, role, model, engine, settings, pool)
+    finally:
+        engine.close()
+
+
+def seed(setup: Setup, scenario: int) -> Served:
+    """Store the scenario's prefix (a kv_both engine serves it; a consumer's pool has it)."""
+    key = (setup.prefix(scenario), 0)
+    if setup.role == "kv_both":
+        served = setup.engine.serve(key)
+        check([served], setup.model.references)
+        setup.engine.wait_unstuck()
+    return key
+
+
+# --- the scenarios ------------------------------------------------------------------------------
+
+
+def test_a_store_frozen_mid_load_is_recomputed_and_its_late_read_writes_no_block(
+    setup: Setup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mooncake.store import MooncakeDistributedStore
+
+    prefix = setup.prefix(FROZEN_LOAD)
+    seed(setup, FROZEN_LOAD)
+    # Blocks 4..8 become random bytes of the right size: what the frozen read returns late.
+    client = setup.client()
+    try:
+        for key in setup.keys(prefix, TAMPERED):
+            stored = client._store.get(key)
+            assert len(stored) > HEADER_BYTES, "the prefix is stored"
+            assert client._store.upsert(key, os.urandom(len(stored))) == 0
+    finally:
+        client.close()
+    store = setup.pool.store
+    assert store is not None and store.process is not None
+    original = MooncakeDistributedStore.batch_get_into_multi_buffers
+    prefix_keys = set(setup.keys(prefix, range(PREFIX_BLOCKS)))
+    state: dict[str, Any] = {}
+
+    def freeze_then_read(self: Any, keys: list[str], *args: Any) -> list[int]:
+        if "thaw" not in state and prefix_keys & set(keys):
+            state["frozen"] = frozen(store.process)
+            state["thaw"] = state["frozen"].__enter__()
+        return original(self, keys, *args)
+
+    def thaw_once_recomputed(tokens: int) -> None:
+        # Given up (stalled) and recomputed (a token): a late write would now be KV it uses.
+        if "thaw" in state and setup.stalled() and tokens >= 1 and "thawed" not in state:
+            state["thaw"]()
+            state["thawed"] = True
+            setup.engine.wait_unstuck()  # the frozen read returns, scribbling what it read
+
+    monkeypatch.setattr(MooncakeDistributedStore, "batch_get_into_multi_buffers", freeze_then_read)
+    mark = len(setup.engine.transfers())
+    try:
+        faulted = setup.engine.serve((prefix, 1), on_step=thaw_once_recomputed)
+    finally:
+        monkeypatch.undo()
+        if "frozen" in state:
+            state["frozen"].__exit__(None, None, None)
+    assert state.get("thawed"), "the store was frozen mid-load and thawed after the recompute"
+    check([faulted], setup.model.references)
+    loads = [t for t in setup.engine.transfers()[mark:] if t.operation == "load"]
+    assert loads[0].failures.get("timeout"), "the frozen load passed its deadline"
+    setup.engine.wait_unstuck()
+    after = setup.engine.serve((prefix, 2))
+    check([after], setup.model.references)
+    assert after.cached >= GOOD_BLOCKS * 32, "the good prefix still comes from the pool"
+
+
+def test_a_master_frozen_at_lookup_makes_it_a_miss(setup: Setup) -> None:
+    prefix = setup.prefix(FROZEN_LOOKUP)
+    seed(setup, FROZEN_LOOKUP)
+    master = setup.pool.master
+    assert master is not None and master.process is not None
+    marks = len(setup.engine.lookups())
+    with frozen(master.process):
+        missed = setup.engine.serve((prefix, 1))
+    setup.engine.wait_unstuck()
+    check([missed], setup.model.references)
+    assert missed.cached == 0
+    lookups = setup.engine.lookups()[marks:]
+    assert lookups[0].failures == {"timeout": 1} and lookups[0].hit_tokens == 0
+    hit = setup.engine.serve((prefix, 2))
+    check([hit], setup.model.references)
+    assert hit.cached >= PREFIX_TOKENS, "lookups answer again once the master does"
+
+
+def test_objects_that_are_not_their_block_are_recomputed_and_removed(setup: Setup) -> None:
+    prefix = setup.prefix(FOREIGN)
+    seed(setup, FOREIGN)
+    keys = setup.keys(prefix, range(PREFIX_BLOCKS))
+    digests = [key.rsplit("/", 1)[-1] for key in keys]
+    client = setup.client()
+    try:
+        store = client._store
+        objects = [store.get(key) for key in keys]
+        payload = len(objects[0]) - HEADER_BYTES
+        group = setup.full_group()
+        other_layout = pack_header(ObjectIdentity("another-layout", digests[5], group, 0, 0, payload))
+        replaced = {
+            1: objects[2],  # another block's object under this key
+            3: objects[3][: len(objects[3]) // 2],  # truncated
+            5: other_layout + objects[5][HEADER_BYTES:],  # another layout, same size
+            7: os.urandom(len(objects[7])),  # random bytes, same size
+        }
+        for block, data in replaced.items():
+            assert store.upsert(keys[block], data) == 0
+        mark = len(setup.engine.transfers())
+        faulted = setup.engine.serve((prefix, 1))
+        check([faulted], setup.model.references)
+        setup.engine.wait_unstuck()
+        records = setup.engine.transfers()[mark:]
+        load = next(t for t in records if t.operation == "load")
+        assert load.failures.get("corrupt") == len(replaced), load.failures
+        removed = [t for t in records if t.operation == "remove"]
+        assert sum(sum(t.blocks) for t in removed) == len(replaced)
+        present = client.exists([keys[b] for b in replaced])
+        if setup.role == "kv_consumer":
+            assert present == [False] * len(replaced), "removed, and a consumer stores nothing"
+    finally:
+        client.close()
+    again = setup.engine.serve((prefix, 2))
+    check([again], setup.model.references)
+    if setup.role == "kv_both":
+        assert again.cached >= PREFIX_TOKENS, "the recompute stored the right blocks again"
+
+
+def test_negative_control_without_the_header_check_another_blocks_object_is_kv(
+    setup: Setup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Blocks 4..8 of a prefix replaced by another prompt's (right layout, right size): with
+    the header check off they load as KV and the answer changes, so the check is what keeps
+    them out, and the loaded KV is really used."""
+    if (setup.load_path, setup.role) != ("sync", "kv_both"):
+        pytest.skip("one configuration suffices")
+    from kvpool.connector import worker_side
+
+    prefix, donor = setup.prefix(UNCHECKED), setup.prefix(DONOR)
+    seed(setup, UNCHECKED)
+    setup.engine.serve((donor, 0))
+    setup.engine.wait_unstuck()
+    client = setup.client()
+    try:
+        for mine, theirs in zip(setup.keys(prefix, TAMPERED), setup.keys(donor, TAMPERED), strict=True):
+            assert client._store.upsert(mine, client._store.get(theirs)) == 0
+    finally:
+        client.close()
+    monkeypatch.setattr(worker_side, "mismatch", lambda data, expected: None)
+    served = setup.engine.serve((prefix, 1))
+    monkeypatch.undo()
+    assert served.cached == PREFIX_TOKENS, "the swapped blocks were loaded"
+    with pytest.raises(AssertionError):
+        check([served], setup.model.references)
+
+
+def test_a_store_frozen_mid_save_publishes_nothing(setup: Setup, monkeypatch: pytest.MonkeyPatch) -> None:
+    if setup.role != "kv_both":
+        pytest.skip("a consumer saves nothing")
+    from mooncake.store import MooncakeDistributedStore
+
+    prefix = setup.prefix(FROZEN_SAVE)
+    store = setup.pool.store
+    assert store is not None and store.process is not None
+    original = MooncakeDistributedStore.batch_put_from_multi_buffer_ranges
+    state: dict[str, Any] = {}
+
+    def freeze_then_write(self: Any, keys: list[str], *args: Any) -> list[int]:
+        if "frozen" not in state:
+            state["frozen"] = frozen(store.process)
+            state["thaw"] = state["frozen"].__enter__()
+            state["keys"] = list(keys)
+        return original(self, keys, *args)
+
+    def thaw_after_deadline(tokens: int) -> None:
+        if "thaw" not in state or "thawed" in state:
+            return
+        if not setup.stalled():
+            # Let the save pass its deadline before the request ends: the next step's
+            # barrier gives up on it.
+            time.sleep(DEADLINE_S / 4)
+            return
+        state["thawed"] = True
+        state["thaw"]()
+
+    monkeypatch.setattr(MooncakeDistributedStore, "batch_put_from_multi_buffer_ranges", freeze_then_write)
+    mark = len(setup.engine.transfers())
+    try:
+        served = setup.engine.serve((prefix, 0), on_step=thaw_after_deadline)
+    finally:
+        monkeypatch.undo()
+        if "frozen" in state:
+            state["frozen"].__exit__(None, None, None)
+    check([served], setup.model.references)
+    setup.engine.wait_unstuck()
+    assert "keys" in state, "a save was writing when the store froze"
+    client = setup.client()
+    try:
+        assert client.exists(state["keys"]) == [False] * len(state["keys"]), "the abandoned save published"
+    finally:
+        client.close()
+    assert state.get("thawed"), "the save was given up while the store was frozen"
+    saves = [t for t in setup.engine.transfers()[mark:] if t.operation == "save"]
+    assert any(t.failures.get("timeout") for t in saves)
+    # Saves go on: the prefix is stored again and hits.
+    setup.engine.serve((prefix, 1))
+    setup.engine.wait_unstuck()
+    hit = setup.engine.serve((prefix, 2))
+    check([hit], setup.model.references)
+    assert hit.cached >= PREFIX_TOKENS
+
+
+def test_failures_and_removals_are_on_metrics(setup: Setup) -> None:
+    """vLLM's /metrics (its Prometheus registry, served over HTTP here) shows the faults above."""
+    import prometheus_client
+
+    server, thread = prometheus_client.start_http_server(free_port(), addr=LOOPBACK)
+    try:
+        url = f"http://{LOOPBACK}:{server.server_address[1]}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as response:
+            text = response.read().decode()
+    finally:
+        server.shutdown()
+        thread.join(5)
+    lines = [line for line in text.splitlines() if not line.startswith("#")]
+
+    def total(name: str, **labels: str) -> float:
+        picked = [
+            float(line.rsplit(" ", 1)[1])
+            for line in lines
+            if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items())
+        ]
+        return sum(picked)
+
+    assert total("vllm:kvpool_failures_total", reason="timeout", operation="load") > 0
+    assert total("vllm:kvpool_failures_total", reason="timeout", operation="lookup") > 0
+    assert total("vllm:kvpool_failures_total", reason="corrupt", operation="load") > 0
+    assert total("vllm:kvpool_removed_objects_total", reason="corrupt") > 0
+
+
+def test_shutdown_with_a_save_in_the_pool_returns_and_leaves_nothing_half_written(
+    setup: Setup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if setup.role != "kv_both":
+        pytest.skip("a consumer saves nothing")
+    from mooncake.store import MooncakeDistributedStore
+
+    prefix = setup.prefix(SHUTDOWN)
+    store = setup.pool.store
+    assert store is not None and store.process is not None
+    original = MooncakeDistributedStore.batch_put_from_multi_buffer_ranges
+    state: dict[str, Any] = {}
+
+    def freeze_then_write(self: Any, keys: list[str], *args: Any) -> list[int]:
+        if "frozen" not in state:
+            state["keys"] = list(keys)
+            state["frozen"] = frozen(store.process)
+            state["thaw"] = state["frozen"].__enter__()
+        return original(self, keys, *args)
+
+    monkeypatch.setattr(MooncakeDistributedStore, "batch_put_from_multi_buffer_ranges", freeze_then_write)
+    engine = setup.engine.llm.llm_engine
+    side = setup.engine.worker._worker
+    from kvpool.connector.local.engine import sampling_params
+
+    try:
+        assert engine.reset_prefix_cache()
+        engine.add_request("shutdown", {"prompt_token_ids": prompt(prefix, 0)}, sampling_params(MAX_TOKENS))
+        deadline = time.monotonic() + SERVE_DEADLINE_S
+        while "frozen" not in state:  # until a save writes into the frozen store
+            assert time.monotonic() < deadline, "no save reached the store"
+            engine.step()
+        setup.engine.close()  # vLLM's shutdown, the connector's with it: it must return
+    finally:
+        monkeypatch.undo()
+        if "frozen" in state:
+            state["frozen"].__exit__(None, None, None)
+    # The write returns once the store thaws, finds its save abandoned, and revokes it.
+    deadline = time.monotonic() + SERVE_DEADLINE_S
+    while side._jobs.live():
+        assert time.monotonic() < deadline, "the stuck write never returned"
+        time.sleep(0.05)
+    client = setup.client()
+    try:
+        keys = state["keys"]
+        assert client.exists(keys) == [False] * len(keys), "a save abandoned at shutdown was published"
+    finally:
+        client.close()
