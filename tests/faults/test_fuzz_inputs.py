@@ -103,6 +103,23 @@ FIELD_VALUES: dict[str, st.SearchStrategy[Any]] = {
     "load_async": st.one_of(st.booleans(), json_values),
     "batch_size": st.one_of(st.integers(-5, 2000), json_values),
     "model_id": st.one_of(texts, json_values),
+    "lookup_timeout_s": st.one_of(numbers, json_values),
+    "load_timeout_s": st.one_of(numbers, json_values),
+    "save_timeout_s": st.one_of(numbers, json_values),
+    "shutdown_timeout_s": st.one_of(numbers, json_values),
+    "store_timeout_s": st.one_of(st.integers(-5, 5000), numbers, json_values),
+    "staging_buffer_size": st.one_of(size_strings, numbers, json_values),
+}
+#: Settings whose accepted value is a number, even when given as a string.
+NUMERIC = {
+    "global_segment_size",
+    "local_buffer_size",
+    "staging_buffer_size",
+    "lookup_timeout_s",
+    "load_timeout_s",
+    "save_timeout_s",
+    "shutdown_timeout_s",
+    "store_timeout_s",
 }
 unknown_keys = st.text(alphabet=string.ascii_letters + "_.", min_size=1, max_size=12).filter(
     lambda k: k not in SETTINGS_FIELDS
@@ -148,7 +165,7 @@ def test_settings_are_accepted_or_rejected_naming_the_field(data: dict[str, Any]
             return
     # Accepted: usable as given, and it round-trips through every rendering.
     for name, value in data.items():
-        if name not in ("global_segment_size", "local_buffer_size") and isinstance(value, str):
+        if name not in NUMERIC and isinstance(value, str):
             assert getattr(accepted, name) == value
     assert ConnectorSettings.parse(accepted.extra_config()) == accepted
     assert (
@@ -157,6 +174,8 @@ def test_settings_are_accepted_or_rejected_naming_the_field(data: dict[str, Any]
     config = accepted.mooncake_config()
     assert 0 <= config["global_segment_size"] <= UINT64_MAX and 0 <= config["local_buffer_size"] <= UINT64_MAX
     assert 1 <= accepted.batch_size <= 1000
+    assert 0 < accepted.load_timeout_s <= 30 and 0 < accepted.save_timeout_s <= 30
+    assert accepted.staging_buffer_size >= 1 << 20 and accepted.store_timeout_s >= 1
 
 
 # --- MOONCAKE_CONFIG_PATH files ----------------------------------------------------------------
