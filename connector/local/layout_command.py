@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -102,6 +103,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     wanted = engine_args(args, parser)
+    # Standard output carries the layout block alone: vLLM logs to standard error.
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     try:
         from kvpool.connector.local.layout_probe import ProbeError, probe_layout
     except ImportError as exc:

@@ -1,0 +1,116 @@
+"""Layouts that check themselves, end to end on real vLLM engines and a real pool.
+
+``kvpool-layout`` prints the tiny hybrid Gemma3's layout; a ``MooncakeKVPool``
+declares it for its consumer; the operator renders that consumer's connector
+settings (the declared layout and its fingerprint); engines started with them:
+
+* declared = built: engine A stores P1, engine B (a fresh process) takes the shared
+  prefix of P2 from the pool;
+* declared ≠ built (the window and the dtype wrong): engine C logs one error naming
+  both fields, counts them in ``vllm:kvpool_layout_mismatches``, and stays out of the
+  pool: no lookup, no transfer, nothing cached. Its output is therefore P2 computed
+  without the pool, and B's output, computed with it, equals it.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvpool.connector.contract.layout import KVLayout, fingerprint
+from kvpool.connector.contract.settings import ConnectorSettings
+from kvpool.connector.local.engine import EngineOptions
+from kvpool.connector.local.tiny_model import build_gemma3
+from kvpool.operator.plan import build_plan
+from tests.operator.harness import pool_spec
+from tests.support.engine import run_engine_subprocess, transfer_config
+from tests.support.prompts import BLOCK, MAX_TOKENS, P1, P2, PREFIX_HIT
+
+pytestmark = [pytest.mark.engine, pytest.mark.mooncake]
+
+DTYPE = "float32"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_gemma3(tmp_path_factory.mktemp("layout-gemma3"))
+
+
+@pytest.fixture(scope="module")
+def printed_layout(model_dir: Path) -> KVLayout:
+    """What ``kvpool-layout`` prints for the model and the engines' flags."""
+    result = subprocess.run(
+        [sys.executable, "-m", "kvpool.connector.local.layout_command", "--model", str(model_dir),
+         "--block-size", str(BLOCK), "--dtype", DTYPE, "--format", "json"],
+        capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "# fingerprint" in result.stderr
+    return KVLayout.model_validate(json.loads(result.stdout))
+
+
+def rendered_settings(layout: KVLayout, pool_settings: ConnectorSettings) -> ConnectorSettings:
+    """The consumer's settings as the operator renders them, pointed at the local pool."""
+    spec = pool_spec(
+        consumers=[{"name": "llm", "layout": layout.model_dump(mode="json", exclude_defaults=True)}]
+    )
+    (injection,) = build_plan("pool", "team-a", spec).consumers
+    extra = json.loads(injection.kv_transfer_config)["kv_connector_extra_config"]
+    assert extra["declared_layout_fingerprint"] == fingerprint(layout) == injection.layout_fingerprint
+    # A pod's address and the pool's Service name, as this machine reaches the local pool.
+    extra.update(
+        local_hostname="127.0.0.1",
+        bind_address="127.0.0.1",
+        master_server_address=pool_settings.master_server_address,
+        cache_prefix=pool_settings.cache_prefix,
+    )
+    return ConnectorSettings.parse(extra)
+
+
+def options(model_dir: Path, settings: ConnectorSettings, **extra: Any) -> EngineOptions:
+    return EngineOptions(
+        model=str(model_dir), kv_transfer_config=transfer_config(settings), dtype=DTYPE, **extra
+    )
+
+
+def test_declared_layout_is_used_or_refused(model_dir, printed_layout, pool_settings, tmp_path) -> None:
+    right = rendered_settings(printed_layout, pool_settings)
+
+    # Declared = built: the pool is used.
+    run_engine_subprocess(options(model_dir, right), [[P1]], MAX_TOKENS)
+    b = run_engine_subprocess(options(model_dir, right), [[P2]], MAX_TOKENS)
+    assert b.results[0].num_cached_tokens == PREFIX_HIT  # a fresh process: all from the pool
+    assert any(t["operation"] == "load" and sum(t["blocks"]) for t in b.transfers)
+
+    # Declared ≠ built: refused, with the message and the metric.
+    wrong_group = printed_layout.groups[0].model_copy(update={"sliding_window": 2 * BLOCK * 4})
+    wrong_layout = printed_layout.model_copy(
+        update={"dtype": "bfloat16", "groups": [wrong_group, *printed_layout.groups[1:]]}
+    )
+    wrong = rendered_settings(wrong_layout, pool_settings)
+    log = tmp_path / "engine-c.log"
+    c = run_engine_subprocess(
+        options(model_dir, wrong, disable_log_stats=False), [[P2]], MAX_TOKENS, log_path=log
+    )
+    assert c.results[0].num_cached_tokens == 0
+    assert c.lookups == [] and c.transfers == []
+    text = log.read_text(errors="replace")
+    assert "the declared KV layout is not the one vLLM built" in text
+    assert "staying out of the pool" in text
+    assert "dtype: declared 'bfloat16', vLLM built 'float32'" in text
+    built_window = printed_layout.groups[0].sliding_window
+    assert f"groups[0].sliding_window: declared {2 * BLOCK * 4}, vLLM built {built_window}" in text
+    assert c.metrics is not None
+    mismatches = {k: v for k, v in c.metrics.items() if "layout_mismatches" in k and "{" in k}
+    assert mismatches == {
+        "vllm:kvpool_layout_mismatches{field=dtype}": 1.0,
+        "vllm:kvpool_layout_mismatches{field=groups[0].sliding_window}": 1.0,
+    }, c.metrics
+
+    # C computed P2 without the pool; B, with it, gave the same tokens.
+    assert b.token_ids == c.token_ids
