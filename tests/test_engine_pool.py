@@ -71,15 +71,21 @@ def test_engine_b_takes_the_prefix_from_the_pool(gemma_dir, gemma_reference, poo
 
 
 def test_corrupted_pool_changes_the_output(gemma_dir, gemma_reference, pool_settings, pool_client) -> None:
-    """Negative control: noise in the stored blocks must show in B's output."""
+    """Negative control: noise in the stored blocks must show in B's output.
+
+    Each object keeps its header (so it passes the check a load makes) and gets noise
+    for its K/V bytes.
+    """
+    from kvpool.connector.contract.object_header import HEADER_BYTES
+
     config = transfer_config(pool_settings)
     _, (keyspace, num_groups, _) = run_in_process(gemma_dir, config, [P1])
     keys = pool_keys(keyspace, PREFIX, num_groups)
-    sizes = {key: pool_client._store.get_size(key) for key in keys}
-    assert all(size > 0 for size in sizes.values()), "engine A stored every prefix block"
+    stored = {key: pool_client._store.get(key) for key in keys}
+    assert all(len(data) > HEADER_BYTES for data in stored.values()), "engine A stored every prefix block"
     pool_client.remove(keys)
-    for key, size in sizes.items():
-        assert pool_client.put_bytes(key, os.urandom(size)) == 0
+    for key, data in stored.items():
+        assert pool_client.put_bytes(key, data[:HEADER_BYTES] + os.urandom(len(data) - HEADER_BYTES)) == 0
 
     b = run_engine_subprocess(
         EngineOptions(model=str(gemma_dir), kv_transfer_config=config), [[P2]], MAX_TOKENS
