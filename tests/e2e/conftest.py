@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,15 +73,18 @@ class E2E:
 
 
 @pytest.fixture(scope="session")
-def e2e(tmp_path_factory: pytest.TempPathFactory) -> Iterator[E2E]:
-    """The cluster for the session; everything it started is stopped (by PID) at the end."""
+def e2e(request: pytest.FixtureRequest) -> Iterator[E2E]:
+    """The cluster for the session; everything it started is stopped (by PID) at the end.
+
+    Pods' directories (their logs) are removed at the end, or kept when a test failed.
+    """
     why = unavailable()
     if why is not None:
         pytest.skip(f"the test node cannot run pods here: {why}")
     for binary in ("mooncake_master", "mooncake_client"):
         if shutil.which(binary, path=str(Path(sys.executable).parent)) is None:
             pytest.skip(f"{binary} is not installed next to the interpreter")
-    root = tmp_path_factory.mktemp("e2e")
+    root = Path(tempfile.mkdtemp(prefix="kvpool-e2e-"))
     saved_host = os.environ.pop("KUBERNETES_SERVICE_HOST", None)
     api = ApiThread().start()
     node = Node(api.url, root / "node").start()
@@ -99,6 +103,10 @@ def e2e(tmp_path_factory: pytest.TempPathFactory) -> Iterator[E2E]:
             api.stop()
             if saved_host is not None:
                 os.environ["KUBERNETES_SERVICE_HOST"] = saved_host
+    if request.session.testsfailed:
+        print(f"\nthe test node's pods (logs, mounted files) are kept in {root}")
+    else:
+        shutil.rmtree(root, ignore_errors=True)
     assert operator.error is None, repr(operator.error)
     assert api.api is not None and api.api.unauthorised() == []
 

@@ -62,6 +62,25 @@ def wait_for(check: Callable[[], T], timeout: float, what: str, interval: float 
         time.sleep(interval)
 
 
+def settled(look: Callable[[], list[str]], what: str, timeout: float = 60.0) -> list[str]:
+    """What ``look`` returns once it is not empty and two looks a second apart agree (e.g. the
+    pool's keys once a request's saves have all landed)."""
+
+    def steady() -> list[str] | None:
+        first = look()
+        time.sleep(1.0)
+        second = look()
+        return second if second and first == second else None
+
+    return wait_for(steady, timeout, what)
+
+
+def pool_keys(master_ip: str, prefix: str) -> list[str]:
+    """Keys under ``prefix`` in the pool, from the master's admin API (its metrics port)."""
+    with urllib.request.urlopen(f"http://{master_ip}:9003/get_all_keys", timeout=10) as response:
+        return [k for k in response.read().decode().split() if k.startswith(prefix)]
+
+
 class SessionApiServer(ApiServer):
     """The emulated API for a whole session: kmock's request history (matched against every
     new request, so ever slower) cut to the current request, and what the RBAC check needs of

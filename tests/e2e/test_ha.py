@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import signal
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -40,6 +41,7 @@ MASTER = names.master_name(POOL)
 CONSUMER_PATH = path("apps/v1", "Deployment", CONSUMER)
 POOL_PATH = path(POOLS.api_version, POOLS.kind, POOL)
 FAILOVER_S = 180.0
+PREFIX = f"e2e-{CONSUMER}/"  # the consumer's keys (its pool's cache_prefix)
 
 
 def health(pod: PodInfo) -> dict:
@@ -63,9 +65,35 @@ def master_ready(e2e: E2E) -> dict:
     return e2e.kube.condition(POOL, "MasterReady")
 
 
-def keys(pod: PodInfo, prefix: str) -> list[str]:
-    with urllib.request.urlopen(f"http://{pod.ip}:9003/get_all_keys", timeout=10) as response:
-        return [k for k in response.read().decode().split() if k.startswith(prefix)]
+class ConditionWatcher:
+    """Notes each change of the pool's MasterReady, looking five times a second."""
+
+    def __init__(self, e2e: E2E):
+        self.e2e = e2e
+        self.seen: list[tuple[str, str]] = []  # (status, message), each change once
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> ConditionWatcher:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            condition = master_ready(self.e2e)
+            current = (condition.get("status", ""), condition.get("message", ""))
+            if not self.seen or self.seen[-1][0] != current[0]:
+                self.seen.append(current)
+            self._stop.wait(0.2)
+
+    def recovered(self) -> bool:
+        """MasterReady went False, then True again."""
+        statuses = [status for status, _ in self.seen]
+        return "False" in statuses and statuses[-1] == "True" and statuses.index("False") < len(statuses) - 1
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
 
 
 @pytest.fixture(scope="module")
@@ -108,13 +136,10 @@ def ha_pool(e2e: E2E, model: Path, layout: dict, reference: dict[str, Completion
         wait_for(lambda: e2e.kube.pool(POOL)["status"].get("phase") == "Ready", 60, "the pool Ready")
         yield pod
     finally:
-        e2e.remove(POOL_PATH)
+        # The consumer first: the pool's teardown would otherwise restore it and roll it again.
+        e2e.remove(CONSUMER_PATH, POOL_PATH)
         wait_for(lambda: e2e.kube.pool(POOL) is None, 60, "the HA pool gone")
-        e2e.remove(
-            CONSUMER_PATH,
-            path("apps/v1", "StatefulSet", ETCD),
-            path("v1", "Service", ETCD),
-        )
+        e2e.remove(path("apps/v1", "StatefulSet", ETCD), path("v1", "Service", ETCD))
         wait_for(lambda: not e2e.pods(CONSUMER) and not e2e.pods(ETCD, kind="StatefulSet"), 120, "pods gone")
 
 
@@ -132,33 +157,30 @@ def test_leader_killed_standby_leads_and_the_consumer_keeps_serving(
 
     # Served from the pool before the failover.
     assert complete(consumer.ip, PROMPTS["p1"], MAX_TOKENS) == reference["p1"]
-    wait_for(lambda: keys(first, f"e2e-{CONSUMER}/"), 60, "p1's blocks in the pool")
-    time.sleep(1.0)  # let the rest of p1's saves land
+    harness.settled(lambda: harness.pool_keys(first.ip, PREFIX), "p1's blocks in the pool")
     harness.reset_prefix_cache(consumer.ip)
     hit = complete(consumer.ip, PROMPTS["p2"], MAX_TOKENS)
     assert hit.token_ids == reference["p2"].token_ids and hit.cached_tokens == PREFIX_HIT
 
-    # SIGKILL the leader's process: no word to anyone.
+    # SIGKILL the leader's process: no word to anyone. A watcher notes every MasterReady it
+    # sees, while requests go on through the failover (each from an empty local cache, so each
+    # asks the pool); none may differ from the reference.
     pid = first.container().pid
     assert pid is not None
+    watcher = ConditionWatcher(e2e).start()
     os.kill(pid, signal.SIGKILL)
     answers: list[Completion] = []
-    seen_down = False
     deadline = time.monotonic() + FAILOVER_S
-    # Requests go on through the failover (each from an empty local cache, so each asks the
-    # pool); none may differ from the reference.
-    while True:
-        condition = master_ready(e2e)
-        seen_down = seen_down or condition.get("status") == "False"
-        now_leader = leader(e2e)
-        if seen_down and condition.get("status") == "True" and now_leader is not None:
-            break
-        assert time.monotonic() < deadline, f"no failover seen: {condition}"
-        harness.reset_prefix_cache(consumer.ip)
-        for key in ("p1", "p2"):
-            answer = complete(consumer.ip, PROMPTS[key], MAX_TOKENS)
-            assert answer.token_ids == reference[key].token_ids, f"{key} differs during the failover"
-            answers.append(answer)
+    try:
+        while not (watcher.recovered() and (now_leader := leader(e2e)) is not None):
+            assert time.monotonic() < deadline, f"no failover seen: {watcher.seen}"
+            harness.reset_prefix_cache(consumer.ip)
+            for key in ("p1", "p2"):
+                answer = complete(consumer.ip, PROMPTS[key], MAX_TOKENS)
+                assert answer.token_ids == reference[key].token_ids, f"{key} differs during the failover"
+                answers.append(answer)
+    finally:
+        watcher.stop()
     assert now_leader.name != first.name
     assert f"the leader at {now_leader.ip}:" in master_ready(e2e)["message"]
     assert answers, "no request ran during the failover"
@@ -173,4 +195,4 @@ def test_leader_killed_standby_leads_and_the_consumer_keeps_serving(
         return answer.cached_tokens >= PREFIX_HIT
 
     wait_for(resumed, FAILOVER_S, "hits after the failover", interval=1.0)
-    assert keys(now_leader, f"e2e-{CONSUMER}/")
+    assert harness.pool_keys(now_leader.ip, PREFIX)

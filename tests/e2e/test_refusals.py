@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -68,9 +67,8 @@ def test_a_spec_the_connector_cannot_serve_starts_nothing(e2e: E2E, layout: dict
         )
         assert all(p.ready for p in e2e.pods(names.master_name(pool)) + e2e.pods(names.store_name(pool)))
     finally:
-        e2e.remove(pool_path)
+        e2e.remove(path("apps/v1", "Deployment", consumer), pool_path)
         wait_for(lambda: e2e.kube.pool(pool) is None, 60, "the pool gone")
-        e2e.remove(path("apps/v1", "Deployment", consumer))
 
 
 def test_a_consumer_that_declares_another_layout_stays_out_of_the_pool(
@@ -109,10 +107,8 @@ def test_a_consumer_that_declares_another_layout_stays_out_of_the_pool(
         log = pod.container().log()
         assert "groups[0].sliding_window" in log
         (master,) = [p for p in e2e.pods(names.master_name(pool)) if p.ready]
-        with urllib.request.urlopen(f"http://{master.ip}:9003/get_all_keys", timeout=10) as response:
-            assert [k for k in response.read().decode().split() if k.startswith(f"e2e-{consumer}/")] == []
+        assert harness.pool_keys(master.ip, f"e2e-{consumer}/") == []
     finally:
-        e2e.remove(pool_path)
+        e2e.remove(deployment_path, pool_path)
         wait_for(lambda: e2e.kube.pool(pool) is None, 60, "the pool gone")
-        e2e.remove(deployment_path)
         wait_for(lambda: not e2e.pods(consumer), 120, "the consumer's pods gone")
