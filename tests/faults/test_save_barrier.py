@@ -127,3 +127,44 @@ def test_negative_control_a_barrier_at_bind_comes_too_late(model, pool_settings,
     monkeypatch.setattr(KVPoolConnector, "handle_preemptions", KVConnectorBase_V1.handle_preemptions)
     _serve(model, pool_settings, watch)
     assert watch.caught, "without the barrier in handle_preemptions, a step starts under a save"
+
+
+def test_under_a_runner_that_writes_blocks_first_saves_read_theirs_within_the_step(
+    pool_client: Any, cache_prefix: str
+) -> None:
+    """vLLM's V2 model runner zeroes and copies blocks before ``handle_preemptions`` (it needs
+    Triton, so it cannot run here): there ``start_saves`` returns only once this step's saves
+    have read their blocks. A real ``WorkerSide`` and pool; the forward still "on the device"
+    until the save thread synchronizes."""
+    import torch
+
+    from kvpool.connector.contract.keys import KeySpace
+    from kvpool.connector.metadata import GroupTransfer, PoolConnectorMetadata, RequestSave
+    from kvpool.connector.records import StatsCollector
+    from kvpool.connector.save_integrity import SaveIntegrity
+    from kvpool.connector.worker_side import WorkerSide
+
+    landed = threading.Event()
+
+    class Forward:
+        def synchronize(self) -> None:
+            landed.wait(0.2)  # the device still computing, a moment
+            landed.set()
+
+    worker = WorkerSide(
+        client=pool_client,
+        keyspace=KeySpace(cache_prefix, "fp"),
+        tp_rank=0,
+        pp_rank=0,
+        group_layers=[["l0"]],
+        num_blocks=4,
+        stats=StatsCollector(group_kinds=("full",)),
+        integrity=SaveIntegrity(record_marker=Forward, drain_saves=True),
+    )
+    try:
+        worker.register_kv_caches({"l0": torch.zeros((2, 4, 32, 2, 16))})
+        worker.start_saves(PoolConnectorMetadata(saves=[RequestSave("r", [GroupTransfer(0, ["b"], [1])])]))
+        assert landed.is_set(), "the step ended before its save had read its blocks"
+        assert not worker._unreleased_saves
+    finally:
+        worker.shutdown()
