@@ -456,7 +456,8 @@ class WorkerSide:
             result.fail(transfer.block_ids, Outcome.TIMEOUT)
             return result
         size = copier.object_bytes
-        per_call = max(1, min(self.client.batch_size, slot.nbytes // size))
+        # As many objects as the buffer holds; the client cuts its calls at batch_size keys.
+        per_call = max(1, slot.nbytes // size)
         keys = self._keys(transfer)
         for start in range(0, len(keys), per_call):
             part = slice(start, start + per_call)
