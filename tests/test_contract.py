@@ -152,6 +152,10 @@ def test_a_client_process_gets_the_mooncake_environment() -> None:
     mooncake_env.configure_client_process("127.0.0.1", fresh)
     assert fresh == mooncake_env.client_env("127.0.0.1")
     assert fresh == {"MC_STORE_CLIENT_SETUP_RETRIES": "3", "MC_TCP_BIND_ADDRESS": "127.0.0.1"}
+    timed: dict[str, str] = {}
+    mooncake_env.configure_client_process("127.0.0.1", timed, store_timeout_s=7)
+    assert timed["MC_RPC_TIMEOUT_MS"] == "7000"
+    assert timed["MC_TCP_PROGRESS_TIMEOUT_SEC"] == timed["MC_TCP_STATUS_TIMEOUT_SEC"] == "7"
 
 
 def test_extra_config_overrides_config_file(tmp_path) -> None:
