@@ -280,7 +280,6 @@ def vllm_args(model: Path) -> list[str]:
         "--max-num-seqs", "4",
         "--max-num-batched-tokens", "1024",
         "--seed", "0",
-        "--distributed-executor-backend", "uni",
         "--enable-prompt-tokens-details",
         "--disable-uvicorn-access-log",
     ]  # fmt: skip
