@@ -114,3 +114,18 @@ def test_declared_layout_is_used_or_refused(model_dir, printed_layout, pool_sett
 
     # C computed P2 without the pool; B, with it, gave the same tokens.
     assert b.token_ids == c.token_ids
+
+
+def test_tensor_parallel_ranks_build_their_share(model_dir, printed_layout) -> None:
+    """``-tp 2`` runs two ranks (gloo on loopback): each holds half the KV heads, so half a page."""
+    result = subprocess.run(
+        [sys.executable, "-m", "kvpool.connector.local.layout_command", "--model", str(model_dir),
+         "--block-size", str(BLOCK), "--dtype", DTYPE, "--format", "json", "-tp", "2"],
+        capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    tp2 = KVLayout.model_validate(json.loads(result.stdout))
+    assert tp2.tp_size == 2
+    halved = [g.model_copy(update={"page_size_bytes": g.page_size_bytes // 2}) for g in printed_layout.groups]
+    assert tp2.groups == halved
+    assert tp2.model_copy(update={"tp_size": 1, "groups": printed_layout.groups}) == printed_layout
