@@ -1,8 +1,11 @@
-"""A pool and engines on one machine: the ``kvpool-demo`` command and what it is made of.
+"""A pool and engines on one machine: the product commands and what they are made of.
 
-``pool`` (a Mooncake master and store on loopback), ``tiny_model`` (a tiny
-random-weight hybrid Gemma3), ``engine`` (a greedy vLLM CPU engine on
-token-id prompts, in this process or a fresh one), ``recording`` (the
-connector plus a record of what it observed) and ``demo``. Nothing here is
-imported by the connector itself.
+``pool`` (a Mooncake master and store on loopback) and ``pool_command``
+(``kvpool-local-pool``: that pool for vLLM servers, with the ``--kv-transfer-config``
+to pass them); ``layout_probe`` and ``layout_command`` (``kvpool-layout``: the KV
+layout vLLM builds for a model, computed with vLLM's own classes, no weights);
+``tiny_model`` (a tiny random-weight hybrid Gemma3), ``engine`` (a greedy vLLM CPU
+engine on token-id prompts, in this process or a fresh one), ``recording`` (the
+connector plus a record of what it observed) and ``demo`` (``kvpool-demo``).
+Nothing here is imported by the connector itself.
 """
