@@ -25,6 +25,7 @@ import random
 import string
 import sys
 import threading
+import traceback
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -154,7 +155,8 @@ class Node:
         self._synced = threading.Event()
         self._error: BaseException | None = None
         self._session: aiohttp.ClientSession | None = None
-        self.errors: list[str] = []  # what went wrong in the loop (status writes, relays)
+        self.errors: list[str] = []  # what went wrong talking to others (watches, status writes, relays)
+        self.failures: list[str] = []  # the node's own steps that raised (stop() reports them)
 
     # --- the thread ------------------------------------------------------------------------
     def start(self, timeout: float = 30.0) -> Node:
@@ -182,6 +184,8 @@ class Node:
             raise NodeError(f"processes left running: {left}")
         if self._error is not None:
             raise NodeError(f"the node failed: {self._error!r}") from self._error
+        if self.failures:
+            raise NodeError(f"{len(self.failures)} steps of the node failed; the first:\n{self.failures[0]}")
 
     def __enter__(self) -> Node:
         return self.start()
@@ -210,7 +214,10 @@ class Node:
                 await asyncio.gather(*(event.wait() for event in listed.values()))
                 self._synced.set()
                 while not self._stopping.is_set():
-                    await self._step()
+                    try:
+                        await self._step()
+                    except Exception:  # a bug in the node: noted, reported by stop(), never a hang
+                        self.failures.append(traceback.format_exc())
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(self._changed.wait(), self.tick)
                     self._changed.clear()
