@@ -226,6 +226,25 @@ def test_an_async_load_past_its_deadline_is_reported_failed(
         w.shutdown()
 
 
+def test_a_single_group_async_load_past_its_deadline_hands_back_its_blocks(
+    worker: WorkerSide, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``load_async`` on a single-group layout: finished, not failed; vLLM gets the block ids."""
+    save(worker, ["a"], [1])
+    stall = Stall("batch_get_into_multi_buffers", {worker.keyspace.key(0, 0, 0, "a")}, scribble=True)
+    stall.install(monkeypatch)
+    zero(worker, 8)
+    before = block(worker, 8)
+    load(worker, ["a"], [8], req="single", is_async=True)
+    reported: list[tuple[set[str], set[str]]] = []
+    until(lambda: reported.append(worker.transfer_results()) or "single" in reported[-1][0], "reported")
+    assert "single" not in reported[-1][1]
+    assert worker.take_load_errors() == {8}
+    stall.release()
+    until(lambda: not worker._jobs.stalled, "the stalled call returns")
+    assert same(block(worker, 8), before)
+
+
 # --- saves past their deadline ---------------------------------------------------------------
 
 

@@ -1,0 +1,80 @@
+"""Staging copies: the CPU path (memmove) and the device path (indexed torch copies, run here on
+CPU tensors) move the same bytes between blocks and staged objects, and never outside the cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvpool.connector.block_regions import describe_layer
+from kvpool.connector.contract.object_header import HEADER_BYTES
+from kvpool.connector.staging import GroupCopier, StagingSlot
+
+NUM_BLOCKS = 12
+SHAPE = (2, NUM_BLOCKS, 32, 2, 16)  # K/V, blocks, tokens, heads, head size
+
+
+def caches() -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(7)
+    return [torch.randn(SHAPE, generator=gen) for _ in range(3)]
+
+
+def copier(tensors: list[torch.Tensor], *, use_memmove: bool) -> GroupCopier:
+    return GroupCopier([describe_layer(t, NUM_BLOCKS) for t in tensors], tensors, use_memmove=use_memmove)
+
+
+@pytest.fixture
+def device_slot(monkeypatch: pytest.MonkeyPatch) -> StagingSlot:
+    """A CPU buffer that takes the accelerator's code paths (nothing queued to wait for)."""
+    slot = StagingSlot(1 << 20, torch.device("cpu"))
+    slot.on_cpu = False
+    monkeypatch.setattr(StagingSlot, "synchronize", lambda self: None)
+    return slot
+
+
+def test_both_paths_stage_the_same_bytes(device_slot: StagingSlot) -> None:
+    tensors = caches()
+    host_slot = StagingSlot(1 << 20, torch.device("cpu"))
+    blocks = [3, 1, 7]
+    copier(tensors, use_memmove=True).from_blocks(host_slot, blocks)
+    device = copier(tensors, use_memmove=False)
+    device.from_blocks(device_slot, blocks)
+    size = device.object_bytes
+    assert size == HEADER_BYTES + 3 * 2 * 32 * 2 * 16 * 4
+    for i, block in enumerate(blocks):
+        payload = host_slot.tensor[i * size + HEADER_BYTES : (i + 1) * size]
+        assert torch.equal(payload, device_slot.tensor[i * size + HEADER_BYTES : (i + 1) * size])
+        # Layer by layer, K then V: the object's payload is the block's runs in order.
+        runs = [t[kv, block].contiguous().view(torch.uint8).flatten() for t in tensors for kv in range(2)]
+        assert torch.equal(payload, torch.cat(runs))
+
+
+@pytest.mark.parametrize("use_memmove", [True, False])
+def test_staged_objects_fill_exactly_their_blocks(use_memmove: bool, device_slot: StagingSlot) -> None:
+    tensors = caches()
+    slot = StagingSlot(1 << 20, torch.device("cpu")) if use_memmove else device_slot
+    group = copier(tensors, use_memmove=use_memmove)
+    group.from_blocks(slot, [1, 2])
+    before = [t.clone() for t in tensors]
+    group.to_blocks(slot, [(0, 9), (1, 10)])
+    for t, old in zip(tensors, before, strict=True):
+        assert torch.equal(t[:, 9], old[:, 1]) and torch.equal(t[:, 10], old[:, 2])
+        untouched = [b for b in range(NUM_BLOCKS) if b not in (9, 10)]
+        assert torch.equal(t[:, untouched], old[:, untouched])
+
+
+def test_headers_round_trip_on_both_paths(device_slot: StagingSlot) -> None:
+    headers = [bytes([i]) * HEADER_BYTES for i in range(3)]
+    for slot in (StagingSlot(1 << 20, torch.device("cpu")), device_slot):
+        slot.write_headers(headers, 4096)
+        assert slot.read_headers(3, 4096) == headers
+
+
+def test_a_block_outside_the_cache_is_refused_before_any_copy() -> None:
+    tensors = caches()
+    group = copier(tensors, use_memmove=True)
+    slot = StagingSlot(1 << 20, torch.device("cpu"))
+    with pytest.raises(IndexError):
+        group.from_blocks(slot, [NUM_BLOCKS])
+    with pytest.raises(IndexError):
+        group.to_blocks(slot, [(0, -1)])
