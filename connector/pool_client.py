@@ -196,7 +196,7 @@ class PoolClient:
         """Register a memory region once for zero-copy transfers."""
         if (ptr, size) in self._registered:
             return
-        code = self._store.register_buffer(ptr, size)
+        code = self._call(lambda p, n: [self._store.register_buffer(p, n)], ptr, size)[0]
         if code != 0:
             raise StoreUnavailable(f"register_buffer failed with code {code}")
         self._registered.add((ptr, size))
