@@ -135,11 +135,18 @@ def layout(model: Path) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="session")
-def reference(e2e: E2E, model: Path) -> dict[str, Completion]:
-    """Every prompt's greedy completion from the same vLLM server without any pool."""
+def reference_server(e2e: E2E, model: Path) -> Iterator[None]:
+    """The reference: the same vLLM server without any pool. Scenarios ask for it before they
+    start their own servers, so that the two start-ups overlap."""
     e2e.kube.create(harness.vllm_deployment("reference", model, allow_pool=None))
-    try:
-        pod = e2e.ready_pod("reference")
-        return {key: harness.complete(pod.ip, prompt, MAX_TOKENS) for key, prompt in PROMPTS.items()}
-    finally:
-        e2e.kube.delete(harness.path("apps/v1", "Deployment", "reference"))
+    yield
+    e2e.kube.delete(harness.path("apps/v1", "Deployment", "reference"))
+
+
+@pytest.fixture(scope="session")
+def reference(e2e: E2E, reference_server: None) -> dict[str, Completion]:
+    """Every prompt's greedy completion from the reference server (then stopped)."""
+    pod = e2e.ready_pod("reference")
+    outputs = {key: harness.complete(pod.ip, prompt, MAX_TOKENS) for key, prompt in PROMPTS.items()}
+    e2e.kube.delete(harness.path("apps/v1", "Deployment", "reference"))
+    return outputs

@@ -98,7 +98,7 @@ class ConditionWatcher:
 
 
 @pytest.fixture(scope="module")
-def ha_pool(e2e: E2E, model: Path, layout: dict, reference: dict[str, Completion]) -> Iterator[PodInfo]:
+def ha_pool(e2e: E2E, model: Path, layout: dict, reference_server: None) -> Iterator[PodInfo]:
     """etcd, an HA pool on it and its consumer's ready pod; all deleted at the end."""
     for obj in harness.etcd_manifests(ETCD):
         e2e.kube.create(obj)

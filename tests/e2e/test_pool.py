@@ -60,7 +60,7 @@ def kv_config(container_argv: tuple[str, ...]) -> dict | None:
 
 
 @pytest.fixture(scope="module")
-def consumer(e2e: E2E, model: Path, reference: dict[str, Completion]) -> Iterator[None]:
+def consumer(e2e: E2E, model: Path, reference_server: None) -> Iterator[None]:
     """The consumer Deployment (opted in to ``pool``), created scaled to zero so that its first
     pod already runs with the pool's settings; deleted with its pool at the end."""
     e2e.kube.create(harness.vllm_deployment(CONSUMER, model, allow_pool=POOL, replicas=0))
