@@ -14,8 +14,9 @@ the pool moves whole blocks).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from vllm.utils.math_utils import cdiv
@@ -55,8 +56,16 @@ class HybridHit:
     hit_tokens: int
     # Per group: indices of the blocks (at the group's block size) the hit needs.
     needed_blocks: tuple[tuple[int, ...], ...]
-    # Per group: the hit that group alone could serve (before the hybrid intersection).
-    group_hit_tokens: tuple[int, ...]
+    # Computes group_hit_tokens, a statistic: only when it is read.
+    group_hits: Callable[[], tuple[int, ...]] = field(repr=False, compare=False)
+
+    @cached_property
+    def group_hit_tokens(self) -> tuple[int, ...]:
+        """Per group: the hit that group alone could serve (before the hybrid intersection)."""
+        return self.group_hits()
+
+
+_NONE: Mapping[bytes, int] = {}
 
 
 class PresenceBlockPool:
@@ -66,7 +75,7 @@ class PresenceBlockPool:
     block index; a cached "block" is a marker whose ``block_id`` is that index.
     """
 
-    def __init__(self, hash_block_size: int, present: dict[int, dict[bytes, int]]):
+    def __init__(self, hash_block_size: int, present: Mapping[int, Mapping[bytes, int]]):
         self.hash_block_size = hash_block_size
         self.null_block = KVCacheBlock(block_id=-1, is_null=True)
         self._present = present
@@ -77,7 +86,7 @@ class PresenceBlockPool:
         key = bytes(block_hash)
         blocks: list[KVCacheBlock] = []
         for group_id in kv_cache_group_ids:
-            index = self._present.get(group_id, {}).get(key)
+            index = self._present.get(group_id, _NONE).get(key)
             if index is None:
                 return None
             blocks.append(KVCacheBlock(block_id=index))
@@ -169,7 +178,17 @@ class HybridHitCoordinator:
         for group_id, hashes in present.items():
             view = self.group_block_hashes(group_id, block_hashes)
             index[group_id] = {h: i for i in range(len(view)) if (h := bytes(view[i])) in hashes}
-        pool = PresenceBlockPool(self.hash_block_size, index)
+        return self.find_hit_indexed(block_hashes, index, max_hit_tokens)
+
+    def find_hit_indexed(
+        self,
+        block_hashes: Sequence[Any],
+        present: Mapping[int, Mapping[bytes, int]],
+        max_hit_tokens: int,
+    ) -> HybridHit:
+        """:meth:`find_hit`, given per group each present block's hash (at the group's block
+        size, as :meth:`lookup_blocks` names it) mapped to the block's index."""
+        pool = PresenceBlockPool(self.hash_block_size, present)
         num_groups = len(self.groups)
         blocks_by_group: list[list[KVCacheBlock] | None] = [None] * num_groups
         length_by_group = [0] * num_groups
@@ -220,7 +239,7 @@ class HybridHitCoordinator:
             needed_blocks=tuple(
                 self._needed(self.groups[g], blocks_by_group[g], hit_length) for g in range(num_groups)
             ),
-            group_hit_tokens=self._alone(block_hashes, pool, max_hit_tokens),
+            group_hits=lambda: self._alone(block_hashes, pool, max_hit_tokens),
         )
 
     def _alone(

@@ -7,9 +7,9 @@ tracing layers consume them.
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, overload
 
 TRACE_HEADERS = ("traceparent", "tracestate")
 
@@ -24,10 +24,54 @@ class LookupRecord:
     looked_up_blocks: tuple[int, ...]
     present_blocks: tuple[int, ...]
     needed_blocks: tuple[int, ...]
-    group_hit_tokens: tuple[int, ...]
+    group_hit_tokens: Sequence[int]  # a statistic: may be a Deferred, computed when read
     seconds: float
     keys: int
     failures: Mapping[str, int] = field(default_factory=dict)  # by reason (e.g. timeout: a miss)
+
+
+class Deferred(Sequence[int]):
+    """Per-group counts computed on their first read, so only exported statistics cost time."""
+
+    __slots__ = ("_compute", "_values")
+
+    def __init__(self, compute: Callable[[], Sequence[int]]):
+        self._compute: Callable[[], Sequence[int]] | None = compute
+        self._values: tuple[int, ...] | None = None
+
+    def _get(self) -> tuple[int, ...]:
+        if self._values is None:
+            assert self._compute is not None
+            self._values, self._compute = tuple(self._compute()), None
+        return self._values
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+    @overload
+    def __getitem__(self, index: slice) -> tuple[int, ...]: ...
+    def __getitem__(self, index: int | slice) -> int | tuple[int, ...]:
+        return self._get()[index]
+
+    def __len__(self) -> int:
+        return len(self._get())
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._get())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Sequence):
+            return self._get() == tuple(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self._get())
+
+    def __repr__(self) -> str:
+        return repr(self._get())
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Copied or pickled, it is the plain counts.
+        return tuple, (self._get(),)
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from kvpool.connector.metadata import (
     SaveLineage,
 )
 from kvpool.connector.pool_client import Outcome, PoolClient
-from kvpool.connector.records import LookupRecord, StatsCollector
+from kvpool.connector.records import Deferred, LookupRecord, StatsCollector
 
 logger = get_logger(__name__)
 
@@ -44,7 +44,7 @@ class _Plan:
 
     hit: HybridHit
     local_tokens: int
-    digests: dict[int, dict[int, str]]  # group -> block index -> digest
+    digests: dict[int, list[str]]  # group -> digest of each looked-up block, by index
 
 
 @dataclass
@@ -99,6 +99,7 @@ class SchedulerSide:
         self._load_failed: set[str] = set()
         # Steps counted by the metadata built, so workers can tell when a block was wrong.
         self._step = 0
+        self._key_prefixes: dict[int, tuple[str, ...]] = {}
 
     def bind(self, vllm_coordinator: Any) -> None:
         """Mirror vLLM's live coordinator (called once the cache manager exists)."""
@@ -116,16 +117,17 @@ class SchedulerSide:
             groups=self.stats.group_kinds,
         ) as span:
             record, plan = self._lookup(coord, request, num_computed_tokens)
-            tracing.set_attributes(
-                span,
-                query_tokens=record.query_tokens,
-                hit_tokens=record.hit_tokens,
-                keys=record.keys,
-                looked_up_blocks=record.looked_up_blocks,
-                present_blocks=record.present_blocks,
-                hit_blocks=record.needed_blocks,
-                group_hit_tokens=record.group_hit_tokens,
-            )
+            if span.is_recording():
+                tracing.set_attributes(
+                    span,
+                    query_tokens=record.query_tokens,
+                    hit_tokens=record.hit_tokens,
+                    keys=record.keys,
+                    looked_up_blocks=record.looked_up_blocks,
+                    present_blocks=record.present_blocks,
+                    hit_blocks=record.needed_blocks,
+                    group_hit_tokens=tuple(record.group_hit_tokens),
+                )
         self.stats.record_lookup(record, request)
         self._local_tokens[request.request_id] = num_computed_tokens
         if plan is None:
@@ -142,27 +144,30 @@ class SchedulerSide:
         max_hit = request.num_tokens - 1
         block_hashes = request.block_hashes
         wanted = coord.lookup_blocks(block_hashes, max_hit)
-        digests: dict[int, dict[int, str]] = {}
+        # Keys in order: per group, per rank, per block; flags are read back by position.
+        digests: dict[int, list[str]] = {}
         keys: list[str] = []
-        owners: list[tuple[int, bytes]] = []
-        known: dict[bytes, str] = {}  # groups of one block size share their hashes
+        same_view: dict[tuple[int, int], list[str]] = {}  # groups of one block size share hashes
         for group_id, hashes in wanted.items():
-            digests[group_id] = {}
-            for index, block_hash in enumerate(hashes):
-                digest = known.get(block_hash)
-                if digest is None:
-                    digest = known[block_hash] = hash_digest(block_hash)
-                digests[group_id][index] = digest
-                for key in self.keyspace.rank_keys(group_id, self.tp_size, self.pp_size, digest):
-                    keys.append(key)
-                    owners.append((group_id, block_hash))
-        present_flags, failure = self._exists(keys)
-        missing: set[tuple[int, bytes]] = {o for o, ok in zip(owners, present_flags) if not ok}
-        present = {
-            group_id: {h for h in hashes if (group_id, h) not in missing}
-            for group_id, hashes in wanted.items()
-        }
-        hit = coord.find_hit(block_hashes, present, max_hit)
+            view = (coord.groups[group_id].block_size, len(hashes))
+            group_digests = same_view.get(view)
+            if group_digests is None:
+                group_digests = same_view[view] = [hash_digest(h) for h in hashes]
+            digests[group_id] = group_digests
+            for prefix in self._rank_prefixes(group_id):
+                keys += [prefix + digest for digest in group_digests]
+        flags, failure = self._exists(keys)
+        present: dict[int, dict[bytes, int]] = {}  # per group: a present block's hash -> index
+        at = 0
+        for group_id, hashes in wanted.items():
+            count = len(hashes)
+            held = flags[at : at + count]
+            for _ in range(1, len(self._rank_prefixes(group_id))):  # a hit needs every rank's key
+                at += count
+                held = [a and b for a, b in zip(held, flags[at : at + count])]
+            at += count
+            present[group_id] = {hashes[i]: i for i, ok in enumerate(held) if ok}
+        hit = coord.find_hit_indexed(block_hashes, present, max_hit)
         num_external = max(0, hit.hit_tokens - num_computed_tokens)
         groups = range(len(coord.groups))
         record = LookupRecord(
@@ -172,13 +177,23 @@ class SchedulerSide:
             looked_up_blocks=tuple(len(wanted.get(g, ())) for g in groups),
             present_blocks=tuple(len(present.get(g, ())) for g in groups),
             needed_blocks=tuple(len(b) for b in hit.needed_blocks),
-            group_hit_tokens=tuple(max(0, t - num_computed_tokens) for t in hit.group_hit_tokens),
+            group_hit_tokens=Deferred(
+                lambda: tuple(max(0, t - num_computed_tokens) for t in hit.group_hit_tokens)
+            ),
             seconds=time.perf_counter() - started,
             keys=len(keys),
             failures={failure: 1} if failure else {},
         )
         plan = _Plan(hit, num_computed_tokens, digests) if num_external > 0 else None
         return record, plan
+
+    def _rank_prefixes(self, group_id: int) -> tuple[str, ...]:
+        """Every rank's key prefix in ``group_id``, computed once."""
+        prefixes = self._key_prefixes.get(group_id)
+        if prefixes is None:
+            prefixes = self.keyspace.rank_prefixes(group_id, self.tp_size, self.pp_size)
+            self._key_prefixes[group_id] = prefixes
+        return prefixes
 
     def _exists(self, keys: list[str]) -> tuple[list[bool], str | None]:
         """Presence of ``keys``, within ``lookup_timeout_s``: past it every key is absent.

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 from opentelemetry import trace
@@ -70,16 +70,37 @@ def tracer() -> trace.Tracer:
     return trace.get_tracer(TRACER_NAME)
 
 
+#: What :func:`span` returns while no tracer provider is installed: no span, no work.
+_OFF: AbstractContextManager[Span] = nullcontext(trace.INVALID_SPAN)
+
+
+def enabled() -> bool:
+    """Whether a tracer provider is installed (the host's or :func:`configure_from_env`'s)."""
+    return not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)
+
+
+def span(
+    name: str, parent_headers: Mapping[str, str] | None = None, **attributes: Any
+) -> AbstractContextManager[Span]:
+    """A span under the request's trace (when it carries ``traceparent``); a shared no-op
+    context, costing one check, while tracing is off."""
+    if not enabled():
+        return _OFF
+    return _span(name, parent_headers, attributes)
+
+
 @contextmanager
-def span(name: str, parent_headers: Mapping[str, str] | None = None, **attributes: Any) -> Iterator[Span]:
-    """A span under the request's trace (when it carries ``traceparent``)."""
+def _span(
+    name: str, parent_headers: Mapping[str, str] | None, attributes: Mapping[str, Any]
+) -> Iterator[Span]:
     context = _propagator.extract(dict(parent_headers)) if parent_headers else None
     with tracer().start_as_current_span(name, context=context, attributes=_clean(attributes)) as current:
         yield current
 
 
 def set_attributes(current: Span, **attributes: Any) -> None:
-    current.set_attributes(_clean(attributes))
+    if current.is_recording():
+        current.set_attributes(_clean(attributes))
 
 
 def mark_failed(current: Span, failures: Mapping[str, int]) -> None:

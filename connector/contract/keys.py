@@ -37,4 +37,8 @@ class KeySpace:
 
     def rank_keys(self, group: int, tp_size: int, pp_size: int, digest: str) -> list[str]:
         """Keys of every rank for one block: a hit needs all of them."""
-        return [self.key(group, tp, pp, digest) for pp in range(pp_size) for tp in range(tp_size)]
+        return [prefix + digest for prefix in self.rank_prefixes(group, tp_size, pp_size)]
+
+    def rank_prefixes(self, group: int, tp_size: int, pp_size: int) -> tuple[str, ...]:
+        """Every rank's key prefix in ``group``: a block's key is a prefix plus its digest."""
+        return tuple(self.key(group, tp, pp, "") for pp in range(pp_size) for tp in range(tp_size))
