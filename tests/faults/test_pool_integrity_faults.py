@@ -487,9 +487,12 @@ def test_a_store_frozen_mid_save_publishes_nothing(setup: Setup, monkeypatch: py
     assert store is not None and store.process is not None
     original = MooncakeDistributedStore.batch_put_from_multi_buffer_ranges
     state: dict[str, Any] = {}
+    keyspace, hashes = setup.engine.keyspace(), block_hashes(prompt(prefix, 0))
+    mine = {keyspace.key(g, 0, 0, hash_digest(h)) for g in range(setup.model.groups) for h in hashes}
+    setup.engine.wait_unstuck()  # earlier tests' saves are done: the first write below is this prefix's
 
     def freeze_then_write(self: Any, keys: list[str], *args: Any) -> list[int]:
-        if "frozen" not in state:
+        if "frozen" not in state and mine.issuperset(keys):
             state["frozen"] = frozen(store.process)
             state["thaw"] = state["frozen"].__enter__()
             state["keys"] = list(keys)
@@ -517,13 +520,14 @@ def test_a_store_frozen_mid_save_publishes_nothing(setup: Setup, monkeypatch: py
     check([served], setup.model.references)
     setup.engine.wait_unstuck()
     assert "keys" in state, "a save was writing when the store froze"
+    saves = [t for t in setup.engine.transfers()[mark:] if t.operation == "save"]
+    assert state.get("thawed"), f"the save was not given up while the store was frozen: {saves}"
     client = setup.client()
     try:
-        assert client.exists(state["keys"]) == [False] * len(state["keys"]), "the abandoned save published"
+        present = client.exists(state["keys"])
     finally:
         client.close()
-    assert state.get("thawed"), "the save was given up while the store was frozen"
-    saves = [t for t in setup.engine.transfers()[mark:] if t.operation == "save"]
+    assert present == [False] * len(state["keys"]), f"the abandoned save published: {saves}"
     assert any(t.failures.get("timeout") for t in saves)
     # Saves go on: the prefix is stored again and hits.
     setup.engine.serve((prefix, 1))
