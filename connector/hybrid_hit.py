@@ -67,6 +67,13 @@ class HybridHit:
 
 _NONE: Mapping[bytes, int] = {}
 
+#: Rounds of questions before a lookup asks about every block left.
+MAX_ASK_ROUNDS = 3
+
+#: Per group, the indices of blocks to ask about -> per group, whether the pool holds
+#: each (None: the pool could not tell).
+Ask = Callable[[Mapping[int, Sequence[int]]], Mapping[int, Sequence[bool]] | None]
+
 
 class PresenceBlockPool:
     """Duck-typed ``BlockPool``: ``get_cached_block`` answers from a presence set.
@@ -88,6 +95,48 @@ class PresenceBlockPool:
         for group_id in kv_cache_group_ids:
             index = self._present.get(group_id, _NONE).get(key)
             if index is None:
+                return None
+            blocks.append(KVCacheBlock(block_id=index))
+        return blocks
+
+
+class AskingBlockPool:
+    """Duck-typed ``BlockPool`` over what the pool was asked so far (group -> index -> held).
+
+    A block of the lookup not asked about yet is taken as present when
+    ``assume_present`` (and noted in ``read_unknown``), else as absent.
+    """
+
+    def __init__(
+        self,
+        hash_block_size: int,
+        index_of: Mapping[int, Mapping[bytes, int]],
+        known: Mapping[int, Mapping[int, bool]],
+        *,
+        assume_present: bool,
+    ):
+        self.hash_block_size = hash_block_size
+        self.null_block = KVCacheBlock(block_id=-1, is_null=True)
+        self._index_of = index_of
+        self._known = known
+        self._assume_present = assume_present
+        self.read_unknown: dict[int, dict[int, None]] = {}  # group -> indices, in order read
+
+    def get_cached_block(
+        self, block_hash: Any, kv_cache_group_ids: Sequence[int]
+    ) -> list[KVCacheBlock] | None:
+        key = bytes(block_hash)
+        blocks: list[KVCacheBlock] = []
+        for group_id in kv_cache_group_ids:
+            index = self._index_of.get(group_id, _NONE).get(key)
+            if index is None:
+                return None  # past what the lookup may use
+            held = self._known[group_id].get(index)
+            if held is None:
+                if not self._assume_present:
+                    return None
+                self.read_unknown.setdefault(group_id, {})[index] = None
+            elif not held:
                 return None
             blocks.append(KVCacheBlock(block_id=index))
         return blocks
@@ -189,6 +238,73 @@ class HybridHitCoordinator:
         """:meth:`find_hit`, given per group each present block's hash (at the group's block
         size, as :meth:`lookup_blocks` names it) mapped to the block's index."""
         pool = PresenceBlockPool(self.hash_block_size, present)
+        return self._reconcile(block_hashes, pool, max_hit_tokens, pool)
+
+    def find_hit_asking(
+        self,
+        block_hashes: Sequence[Any],
+        wanted: Mapping[int, Sequence[bytes]],
+        max_hit_tokens: int,
+        ask: Ask,
+        max_rounds: int = MAX_ASK_ROUNDS,
+    ) -> tuple[HybridHit, dict[int, dict[int, bool]]]:
+        """:meth:`find_hit`, asking the pool only about the blocks the fixed point reads.
+
+        ``wanted`` is :meth:`lookup_blocks`' answer; ``ask`` takes, per group, the
+        indices of blocks to ask about and returns, per group, whether the pool holds
+        each, or None when it cannot tell (then the lookup is a miss). Each round runs
+        the fixed point taking every block not yet asked about as present, asks about
+        the ones it read, and is done when they all were; after ``max_rounds`` rounds
+        it asks about every block left. The hit is the one :meth:`find_hit` finds over
+        the pool's whole presence: the fixed point's result depends only on what it
+        read, and everything it read was answered by the pool. Returns the hit and,
+        per group, what was asked (index -> held); the per-group hits take a block
+        never asked about as absent.
+        """
+        known: dict[int, dict[int, bool]] = {g: {} for g in wanted}
+        index_of: dict[int, dict[bytes, int]] = {}
+        by_list: dict[int, dict[bytes, int]] = {}  # groups of one block size share their hashes
+        for group_id, hashes in wanted.items():
+            shared = by_list.get(id(hashes))
+            if shared is None:
+                shared = by_list[id(hashes)] = {h: i for i, h in enumerate(hashes)}
+            index_of[group_id] = shared
+        rounds = 0
+        while True:
+            pool = AskingBlockPool(self.hash_block_size, index_of, known, assume_present=True)
+            hit = self._reconcile(
+                block_hashes,
+                pool,
+                max_hit_tokens,
+                AskingBlockPool(self.hash_block_size, index_of, known, assume_present=False),
+            )
+            if not pool.read_unknown:
+                return hit, known
+            rounds += 1
+            questions = {g: list(indices) for g, indices in pool.read_unknown.items()}
+            if rounds >= max_rounds:
+                questions = {
+                    g: [i for i in range(len(hashes)) if i not in known[g]] for g, hashes in wanted.items()
+                }
+            answers = ask(questions)
+            if answers is None:
+                miss = HybridHit(0, tuple(() for _ in self.groups), lambda: tuple(0 for _ in self.groups))
+                return miss, known
+            for group_id, indices in questions.items():
+                held = known[group_id]
+                for index, ok in zip(indices, answers[group_id], strict=True):
+                    held[index] = ok
+            if all(known[g][i] for g, indices in pool.read_unknown.items() for i in indices):
+                return hit, known  # what it took as present, the pool holds: the hit stands
+
+    def _reconcile(
+        self,
+        block_hashes: Sequence[Any],
+        pool: Any,
+        max_hit_tokens: int,
+        alone_pool: Any,
+    ) -> HybridHit:
+        """vLLM's fixed point over ``pool``; per-group hits (when read) over ``alone_pool``."""
         num_groups = len(self.groups)
         blocks_by_group: list[list[KVCacheBlock] | None] = [None] * num_groups
         length_by_group = [0] * num_groups
@@ -239,12 +355,10 @@ class HybridHitCoordinator:
             needed_blocks=tuple(
                 self._needed(self.groups[g], blocks_by_group[g], hit_length) for g in range(num_groups)
             ),
-            group_hits=lambda: self._alone(block_hashes, pool, max_hit_tokens),
+            group_hits=lambda: self._alone(block_hashes, alone_pool, max_hit_tokens),
         )
 
-    def _alone(
-        self, block_hashes: Sequence[Any], pool: PresenceBlockPool, max_hit_tokens: int
-    ) -> tuple[int, ...]:
+    def _alone(self, block_hashes: Sequence[Any], pool: Any, max_hit_tokens: int) -> tuple[int, ...]:
         """Each group's own hit, as vLLM's ``find_longest_cache_hit_per_group`` sees it."""
         alone = [0] * len(self.groups)
         for sg in self.spec_groups:

@@ -132,3 +132,83 @@ def test_group_that_lost_its_window_cuts_the_hit() -> None:
     # Full attention alone could have served 11 blocks; the hybrid hit threw 5 away.
     assert hit.group_hit_tokens == (11 * 32, 6 * 32)
     assert hit.needed_blocks[1] == (4, 5)
+
+
+def _oracle(wanted: dict[int, list[bytes]], present: dict[int, set[bytes]], asked: list[int]):
+    """An ``ask`` answering from ``present``; notes how many blocks each call asked about."""
+
+    def ask(questions):
+        for group_id, indices in questions.items():
+            assert all(0 <= i < len(wanted[group_id]) for i in indices)
+        asked.append(sum(len(indices) for indices in questions.values()))
+        return {g: [wanted[g][i] in present.get(g, set()) for i in idx] for g, idx in questions.items()}
+
+    return ask
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(groups=layouts(), data=st.data(), max_rounds=st.integers(1, 4))
+def test_asking_only_what_the_fixed_point_reads_finds_vllms_hit(
+    groups: list[GroupDesc], data: st.DataObject, max_rounds: int
+) -> None:
+    coordinator = make_coordinator(groups)
+    ours = HybridHitCoordinator.from_vllm_coordinator(coordinator)
+    scheduler_block, hash_block = block_sizes(groups)
+    num_tokens = data.draw(st.integers(1, 24 * scheduler_block), label="num_tokens")
+    block_hashes = [os.urandom(32) for _ in range(num_tokens // hash_block)]
+    present = _presence(data.draw, coordinator, ours, block_hashes)
+    fill_block_pool(coordinator, present)
+
+    max_hit = num_tokens - 1
+    real_blocks, real_hit, _ = coordinator.find_longest_cache_hit(block_hashes, max_hit)
+    wanted = ours.lookup_blocks(block_hashes, max_hit)
+    asked: list[int] = []
+    hit, known = ours.find_hit_asking(
+        block_hashes, wanted, max_hit, _oracle(wanted, present, asked), max_rounds=max_rounds
+    )
+
+    assert hit.hit_tokens == real_hit
+    # Never asked about a block twice, and the answers kept are the pool's.
+    assert sum(asked) == sum(len(k) for k in known.values())
+    for g, held in known.items():
+        assert all(ok == (wanted[g][i] in present.get(g, set())) for i, ok in held.items())
+    for group in ours.groups:
+        gid = group.group_id
+        limit = cdiv(real_hit, group.block_size)
+        real_positions = [i for i, b in enumerate(real_blocks[gid][:limit]) if not b.is_null]
+        if group.spec.__class__.__name__ == "MambaSpec":
+            real_positions = real_positions[-1:]
+        assert list(hit.needed_blocks[gid]) == real_positions, (gid, group.spec)
+    # A group's own hit, from what was asked, never claims more than the pool holds.
+    full = ours.find_hit(
+        block_hashes, {g: present.get(g, set()) & set(wanted.get(g, [])) for g in wanted}, max_hit
+    )
+    assert all(a <= b for a, b in zip(hit.group_hit_tokens, full.group_hit_tokens))
+
+
+def test_asking_skips_blocks_the_hit_cannot_use() -> None:
+    groups = [GroupDesc("full", 32), GroupDesc("sliding_window", 32, window=64), GroupDesc("mamba", 32)]
+    ours = HybridHitCoordinator.from_vllm_coordinator(make_coordinator(groups))
+    block_hashes = [os.urandom(32) for _ in range(64)]
+    wanted = ours.lookup_blocks(block_hashes, 64 * 32 - 1)
+    everything = {g: set(hashes) for g, hashes in wanted.items()}
+    for present, rounds, hit_blocks in (
+        (everything, 1, 63),
+        ({g: set() for g in wanted}, 1, 0),
+        ({g: set(hashes[:32]) for g, hashes in wanted.items()}, 2, 32),
+    ):
+        asked: list[int] = []
+        hit, known = ours.find_hit_asking(block_hashes, wanted, 64 * 32 - 1, _oracle(wanted, present, asked))
+        assert hit.hit_tokens == hit_blocks * 32
+        assert len(asked) == rounds
+        # Full attention needs its whole prefix; the window and the state only their ends.
+        assert len(known[0]) == 63 and len(known[1]) < 8 and len(known[2]) <= 2
+
+
+def test_asking_without_an_answer_is_a_miss() -> None:
+    groups = [GroupDesc("full", 32), GroupDesc("sliding_window", 32, window=64)]
+    ours = HybridHitCoordinator.from_vllm_coordinator(make_coordinator(groups))
+    block_hashes = [os.urandom(32) for _ in range(8)]
+    wanted = ours.lookup_blocks(block_hashes, 8 * 32 - 1)
+    hit, _ = ours.find_hit_asking(block_hashes, wanted, 8 * 32 - 1, lambda questions: None)
+    assert hit.hit_tokens == 0 and hit.needed_blocks == ((), ()) and hit.group_hit_tokens == (0, 0)
