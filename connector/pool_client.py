@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 from kvpool.connector.contract.mooncake_env import configure_client_process
 from kvpool.connector.contract.settings import ConnectorSettings
+from kvpool.connector.cpu_affinity import unpinned
 from kvpool.connector.logs import get_logger
 
 logger = get_logger(__name__)
@@ -109,21 +110,24 @@ class PoolClient:
     """
 
     def __init__(self, settings: ConnectorSettings, *, global_segment_size: int | None = None):
-        from mooncake.store import MooncakeDistributedStore
-
         self.settings = settings
         self.batch_size = settings.batch_size
-        self._store = MooncakeDistributedStore()
         segment = settings.global_segment_size if global_segment_size is None else global_segment_size
-        code = self._store.setup(
-            settings.local_hostname,
-            settings.metadata_server,
-            segment,
-            settings.local_buffer_size,
-            settings.protocol,
-            settings.device_name,
-            settings.master_server_address,
-        )
+        # The client's threads start here: off the cores vLLM pins its compute to.
+        # (Loading Mooncake starts threads too.)
+        with unpinned():
+            from mooncake.store import MooncakeDistributedStore
+
+            self._store = MooncakeDistributedStore()
+            code = self._store.setup(
+                settings.local_hostname,
+                settings.metadata_server,
+                segment,
+                settings.local_buffer_size,
+                settings.protocol,
+                settings.device_name,
+                settings.master_server_address,
+            )
         if code != 0:
             raise StoreUnavailable(
                 f"Mooncake setup failed with code {code} "

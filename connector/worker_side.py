@@ -35,6 +35,7 @@ from kvpool.connector.contract.keys import KeySpace
 from kvpool.connector.contract.metric_names import REMOVE, SKIP_COMPUTED_ON_FAILED_LOAD
 from kvpool.connector.contract.object_header import ObjectIdentity, mismatch, pack_header
 from kvpool.connector.contract.settings import ConnectorSettings
+from kvpool.connector.cpu_affinity import unpin_this_thread
 from kvpool.connector.deadlines import Job, JobBoard
 from kvpool.connector.device_order import Marker, wait_for
 from kvpool.connector.logs import get_logger
@@ -124,7 +125,9 @@ class WorkerSide:
         self.groups: list[list[LayerBlocks]] = [[] for _ in group_layers]
         self.copiers: list[GroupCopier | None] = [None for _ in group_layers]
         self._device: Any = None
-        self._pool = ThreadPoolExecutor(TRANSFER_THREADS, thread_name_prefix="kvpool-xfer")
+        self._pool = ThreadPoolExecutor(
+            TRANSFER_THREADS, thread_name_prefix="kvpool-xfer", initializer=unpin_this_thread
+        )
         self._lock = threading.Lock()
         # Futures of saves and asynchronous loads not yet returned (their records follow).
         self._saves_in_flight: list[Future[None]] = []

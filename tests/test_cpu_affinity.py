@@ -1,0 +1,92 @@
+"""Pool transfers run off the core vLLM pins a worker's compute to.
+
+A CPU worker's main thread is bound to its rank's cores (``VLLM_CPU_OMP_THREADS_BIND``)
+and spins there between steps; threads it starts inherit the binding. Here the test's
+thread is bound to one CPU as vLLM binds it; the real Mooncake client's threads and the
+connector's transfer threads it then starts may run on every CPU, and the test's
+thread keeps its own binding.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvpool.connector.contract.keys import KeySpace
+from kvpool.connector.cpu_affinity import allowed_cpus
+from kvpool.connector.pool_client import open_client
+from kvpool.connector.records import StatsCollector
+from kvpool.connector.worker_side import WorkerSide
+
+pytestmark = [
+    pytest.mark.mooncake,
+    pytest.mark.skipif(
+        not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+        reason="needs thread affinity and at least two CPUs",
+    ),
+]
+
+
+def thread_cpus() -> dict[int, set[int]]:
+    """Each thread of this process: the CPUs it may run on."""
+    out = {}
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            out[int(task.name)] = os.sched_getaffinity(int(task.name))
+        except OSError:  # a thread that ended meanwhile
+            continue
+    return out
+
+
+@pytest.fixture
+def pinned_thread() -> Iterator[int]:
+    """The test's thread bound to one CPU, as vLLM binds a CPU worker's main thread."""
+    before = os.sched_getaffinity(0)
+    cpu = min(before)
+    os.sched_setaffinity(0, {cpu})
+    try:
+        yield cpu
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def test_the_client_and_transfer_threads_are_not_bound_to_the_workers_core(
+    pinned_thread, pool_settings, cache_prefix
+) -> None:
+    everywhere = os.sched_getaffinity(os.getpid()) | allowed_cpus()
+    threads_before = set(thread_cpus())
+
+    client = open_client(pool_settings, global_segment_size=0)
+    worker = WorkerSide(
+        client=client,
+        keyspace=KeySpace(cache_prefix, "fp"),
+        tp_rank=0,
+        pp_rank=0,
+        group_layers=[["l0"]],
+        num_blocks=4,
+        stats=StatsCollector(group_kinds=("full",)),
+    )
+    try:
+        seen: list[set[int]] = []
+        done = threading.Event()
+
+        def affinity_in_transfer_thread() -> None:
+            seen.append(os.sched_getaffinity(0))
+            done.set()
+
+        worker._pool.submit(affinity_in_transfer_thread).result(timeout=30)
+        assert done.is_set()
+        new_threads = {tid: cpus for tid, cpus in thread_cpus().items() if tid not in threads_before}
+        assert new_threads, "the Mooncake client started threads of its own"
+        assert all(len(cpus) > 1 for cpus in new_threads.values()), new_threads
+        assert seen == [os.sched_getaffinity(0) | seen[0]] and len(seen[0]) > 1
+        assert seen[0] <= everywhere
+        # The worker's own thread keeps vLLM's binding.
+        assert os.sched_getaffinity(0) == {pinned_thread}
+    finally:
+        worker.shutdown()
+        client.close()
