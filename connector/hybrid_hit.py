@@ -121,11 +121,12 @@ class AskingBlockPool:
         self._known = known
         self._assume_present = assume_present
         self.read_unknown: dict[int, dict[int, None]] = {}  # group -> indices, in order read
+        self._markers: dict[int, KVCacheBlock] = {}  # one marker per index: only read
 
     def get_cached_block(
         self, block_hash: Any, kv_cache_group_ids: Sequence[int]
     ) -> list[KVCacheBlock] | None:
-        key = bytes(block_hash)
+        key = block_hash if type(block_hash) is bytes else bytes(block_hash)
         blocks: list[KVCacheBlock] = []
         for group_id in kv_cache_group_ids:
             index = self._index_of.get(group_id, _NONE).get(key)
@@ -135,10 +136,16 @@ class AskingBlockPool:
             if held is None:
                 if not self._assume_present:
                     return None
-                self.read_unknown.setdefault(group_id, {})[index] = None
+                unknown = self.read_unknown.get(group_id)
+                if unknown is None:
+                    unknown = self.read_unknown[group_id] = {}
+                unknown[index] = None
             elif not held:
                 return None
-            blocks.append(KVCacheBlock(block_id=index))
+            marker = self._markers.get(index)
+            if marker is None:
+                marker = self._markers[index] = KVCacheBlock(block_id=index)
+            blocks.append(marker)
         return blocks
 
 
@@ -156,6 +163,9 @@ class HybridHitCoordinator:
         self.hash_block_size = hash_block_size
         self.alignment_tokens = scheduler_block_size
         self.spec_groups = self._split(self.groups)
+        # vLLM's hybrid coordinator looks past the candidate before dropping an EAGLE
+        # block; with one group its unitary coordinator does not.
+        self._eagle_margin = len(self.groups) > 1
 
     @classmethod
     def from_vllm_coordinator(cls, coordinator: Any) -> HybridHitCoordinator:
@@ -203,8 +213,12 @@ class HybridHitCoordinator:
         return resolve_block_hashes(block_hashes, self.hash_block_size, self.groups[group_id].block_size)
 
     def lookup_blocks(self, block_hashes: Sequence[Any], max_hit_tokens: int) -> dict[int, list[bytes]]:
-        """Per cacheable group, the hashes of blocks a hit up to ``max_hit_tokens`` may use."""
+        """Per cacheable group, the hashes of blocks a hit up to ``max_hit_tokens`` may use.
+
+        Groups of one block size (and reach) share one list.
+        """
         wanted: dict[int, list[bytes]] = {}
+        views: dict[tuple[int, int], list[bytes]] = {}
         for sg in self.spec_groups:
             for group_id in sg.group_ids:
                 block_size = self.groups[group_id].block_size
@@ -212,7 +226,14 @@ class HybridHitCoordinator:
                 # EAGLE groups look one block past the candidate before dropping it.
                 limit = max_hit_tokens // block_size + (1 if sg.use_eagle else 0)
                 count = min(limit, len(view))
-                wanted[group_id] = [bytes(view[i]) for i in range(count)]
+                hashes = views.get((block_size, count))
+                if hashes is None:
+                    if isinstance(view, list) and all(type(h) is bytes for h in view[:1]):
+                        hashes = view[:count]
+                    else:
+                        hashes = [bytes(view[i]) for i in range(count)]
+                    views[(block_size, count)] = hashes
+                wanted[group_id] = hashes
         return wanted
 
     # --- the fixed point ---------------------------------------------------
@@ -252,12 +273,13 @@ class HybridHitCoordinator:
 
         ``wanted`` is :meth:`lookup_blocks`' answer; ``ask`` takes, per group, the
         indices of blocks to ask about and returns, per group, whether the pool holds
-        each, or None when it cannot tell (then the lookup is a miss). Each round runs
+        each, or None when it cannot tell (then the lookup is a miss). The first round
+        asks what any hit reads first (:meth:`_first_questions`); each later one runs
         the fixed point taking every block not yet asked about as present, asks about
-        the ones it read, and is done when they all were; after ``max_rounds`` rounds
-        it asks about every block left. The hit is the one :meth:`find_hit` finds over
-        the pool's whole presence: the fixed point's result depends only on what it
-        read, and everything it read was answered by the pool. Returns the hit and,
+        the ones it read, and is done when it read none or they all were present;
+        after ``max_rounds`` rounds it asks about every block left. The hit is the one
+        :meth:`find_hit` finds over the pool's whole presence: the fixed point's result
+        depends only on what it read, and everything it read was answered by the pool. Returns the hit and,
         per group, what was asked (index -> held); the per-group hits take a block
         never asked about as absent.
         """
@@ -269,7 +291,11 @@ class HybridHitCoordinator:
             if shared is None:
                 shared = by_list[id(hashes)] = {h: i for i, h in enumerate(hashes)}
             index_of[group_id] = shared
-        rounds = 0
+        if not self._ask(
+            ask, self._first_questions(block_hashes, index_of, known, wanted, max_hit_tokens), known
+        ):
+            return self._miss(), known
+        rounds = 1
         while True:
             pool = AskingBlockPool(self.hash_block_size, index_of, known, assume_present=True)
             hit = self._reconcile(
@@ -286,16 +312,70 @@ class HybridHitCoordinator:
                 questions = {
                     g: [i for i in range(len(hashes)) if i not in known[g]] for g, hashes in wanted.items()
                 }
-            answers = ask(questions)
-            if answers is None:
-                miss = HybridHit(0, tuple(() for _ in self.groups), lambda: tuple(0 for _ in self.groups))
-                return miss, known
-            for group_id, indices in questions.items():
-                held = known[group_id]
-                for index, ok in zip(indices, answers[group_id], strict=True):
-                    held[index] = ok
+            if not self._ask(ask, questions, known):
+                return self._miss(), known
             if all(known[g][i] for g, indices in pool.read_unknown.items() for i in indices):
                 return hit, known  # what it took as present, the pool holds: the hit stands
+
+    def _first_questions(
+        self,
+        block_hashes: Sequence[Any],
+        index_of: Mapping[int, Mapping[bytes, int]],
+        known: Mapping[int, Mapping[int, bool]],
+        wanted: Mapping[int, Sequence[bytes]],
+        max_hit_tokens: int,
+    ) -> dict[int, list[int]]:
+        """What any hit reads first: full attention's whole prefix, and each other group's
+        blocks at the longest hit's end (as its manager reads them from there)."""
+        pool = AskingBlockPool(self.hash_block_size, index_of, known, assume_present=True)
+        questions: dict[int, list[int]] = {}
+        for sg in self.spec_groups:
+            if isinstance(sg.spec, FullAttentionSpec):
+                questions.update((g, list(range(len(wanted[g])))) for g in sg.group_ids)
+                continue
+            first = self.groups[sg.group_ids[0]]
+            sg.manager_cls.find_longest_cache_hit(
+                block_hashes=block_hashes,
+                max_length=max_hit_tokens,
+                kv_cache_group_ids=list(sg.group_ids),
+                block_pool=pool,
+                kv_cache_spec=sg.spec,
+                drop_eagle_block=sg.use_eagle,
+                alignment_tokens=self.alignment_tokens,
+                dcp_world_size=first.dcp_world_size,
+                pcp_world_size=first.pcp_world_size,
+            )
+        questions.update((g, list(indices)) for g, indices in pool.read_unknown.items())
+        return questions
+
+    @staticmethod
+    def _ask(ask: Ask, questions: dict[int, list[int]], known: dict[int, dict[int, bool]]) -> bool:
+        """Ask ``questions`` and note the answers in ``known``; False when the pool could not tell."""
+        if not questions:
+            return True
+        answers = ask(questions)
+        if answers is None:
+            return False
+        for group_id, indices in questions.items():
+            held = known[group_id]
+            for index, ok in zip(indices, answers[group_id], strict=True):
+                held[index] = ok
+        return True
+
+    def _miss(self) -> HybridHit:
+        return HybridHit(0, tuple(() for _ in self.groups), lambda: tuple(0 for _ in self.groups))
+
+    def group_hits(
+        self,
+        block_hashes: Sequence[Any],
+        wanted: Mapping[int, Sequence[bytes]],
+        known: Mapping[int, Mapping[int, bool]],
+        max_hit_tokens: int,
+    ) -> tuple[int, ...]:
+        """Each group's own hit over ``known`` (group -> index -> held; others absent)."""
+        index_of = {g: {h: i for i, h in enumerate(hashes)} for g, hashes in wanted.items()}
+        pool = AskingBlockPool(self.hash_block_size, index_of, known, assume_present=False)
+        return self._alone(block_hashes, pool, max_hit_tokens)
 
     def _reconcile(
         self,
@@ -323,7 +403,7 @@ class HybridHitCoordinator:
                     continue
                 drop_eagle = sg.use_eagle and idx not in eagle_verified
                 max_length = curr
-                if drop_eagle and not isinstance(sg.spec, MambaSpec):
+                if drop_eagle and self._eagle_margin and not isinstance(sg.spec, MambaSpec):
                     margin = eagle_proof_margin(first.block_size, self.hash_block_size, False)
                     max_length = min(curr + margin, len(block_hashes) * self.hash_block_size)
                 hit_blocks, new_length = sg.manager_cls.find_longest_cache_hit(
@@ -364,7 +444,7 @@ class HybridHitCoordinator:
         for sg in self.spec_groups:
             first = self.groups[sg.group_ids[0]]
             max_length = max_hit_tokens
-            if sg.use_eagle and not isinstance(sg.spec, MambaSpec):
+            if sg.use_eagle and self._eagle_margin and not isinstance(sg.spec, MambaSpec):
                 margin = eagle_proof_margin(first.block_size, self.hash_block_size, False)
                 max_length = min(max_hit_tokens + margin, len(block_hashes) * self.hash_block_size)
             _, length = sg.manager_cls.find_longest_cache_hit(

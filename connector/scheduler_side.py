@@ -1,7 +1,7 @@
 """Scheduler half of the connector: lookups, load plans and save plans.
 
-``get_num_new_matched_tokens`` asks the master once which of the request's
-blocks the pool holds, runs the hybrid fixed point over that presence and
+``get_num_new_matched_tokens`` runs the hybrid fixed point over what the pool
+holds, asking the master (usually once) only about the blocks it reads, and
 remembers a load plan; ``update_state_after_alloc`` pins the plan to the
 blocks vLLM allocated; ``build_connector_meta`` hands each step's loads and the
 saves of newly computed blocks to the workers.
@@ -10,7 +10,7 @@ saves of newly computed blocks to the workers.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +23,7 @@ from kvpool.connector.contract.settings import ConnectorSettings
 from kvpool.connector.deadlines import BoundedCall
 from kvpool.connector.hybrid_hit import HybridHit, HybridHitCoordinator
 from kvpool.connector.logs import get_logger
+from kvpool.connector.lookup_statistics import PresenceBackfill, read_by_position
 from kvpool.connector.metadata import (
     GroupTransfer,
     PoolConnectorMetadata,
@@ -44,7 +45,7 @@ class _Plan:
 
     hit: HybridHit
     local_tokens: int
-    digests: dict[int, list[str]]  # group -> digest of each looked-up block, by index
+    digests: dict[int, dict[int, str]]  # group -> block index -> digest (of the blocks asked)
 
 
 @dataclass
@@ -87,6 +88,7 @@ class SchedulerSide:
         self.stats = stats
         self.lookup_timeout_s = lookup_timeout_s
         self._lookups = BoundedCall("kvpool-lookup")
+        self._backfill = PresenceBackfill(client.exists, lookup_timeout_s)
         self.coordinator: HybridHitCoordinator | None = None
         self._plans: dict[str, _Plan] = {}
         self._pending_loads: list[RequestLoad] = []
@@ -139,53 +141,109 @@ class SchedulerSide:
     def _lookup(
         self, coord: HybridHitCoordinator, request: Any, num_computed_tokens: int
     ) -> tuple[LookupRecord, _Plan | None]:
-        """One round trip to the master, then the hybrid fixed point over what it holds."""
+        """The hybrid fixed point over what the master holds, asking only what it reads.
+
+        Usually one round trip (a miss, or a hit as long as full attention's): every
+        full-attention block up to the longest possible hit, and each other group's
+        blocks at that hit's end; another, of a few keys, for each shorter candidate.
+        """
         started = time.perf_counter()
+        deadline = started + self.lookup_timeout_s
         max_hit = request.num_tokens - 1
         block_hashes = request.block_hashes
         wanted = coord.lookup_blocks(block_hashes, max_hit)
-        # Keys in order: per group, per rank, per block; flags are read back by position.
-        digests: dict[int, list[str]] = {}
-        keys: list[str] = []
-        same_view: dict[tuple[int, int], list[str]] = {}  # groups of one block size share hashes
-        for group_id, hashes in wanted.items():
-            view = (coord.groups[group_id].block_size, len(hashes))
-            group_digests = same_view.get(view)
-            if group_digests is None:
-                group_digests = same_view[view] = [hash_digest(h) for h in hashes]
-            digests[group_id] = group_digests
-            for prefix in self._rank_prefixes(group_id):
-                keys += [prefix + digest for digest in group_digests]
-        flags, failure = self._exists(keys)
-        present: dict[int, dict[bytes, int]] = {}  # per group: a present block's hash -> index
-        at = 0
-        for group_id, hashes in wanted.items():
-            count = len(hashes)
-            held = flags[at : at + count]
-            for _ in range(1, len(self._rank_prefixes(group_id))):  # a hit needs every rank's key
-                at += count
-                held = [a and b for a, b in zip(held, flags[at : at + count])]
-            at += count
-            present[group_id] = {hashes[i]: i for i, ok in enumerate(held) if ok}
-        hit = coord.find_hit_indexed(block_hashes, present, max_hit)
+        digests: dict[int, dict[int, str]] = {g: {} for g in wanted}  # group -> index -> digest
+        digest_of: dict[bytes, str] = {}  # groups of one block size share their hashes
+        asked_keys = 0
+        failures: dict[str, int] = {}
+
+        def keys_of(questions: Mapping[int, Sequence[int]]) -> list[str]:
+            # Per group, per rank, per block: flags are read back by position.
+            keys: list[str] = []
+            for group_id, indices in questions.items():
+                hashes, group_digests = wanted[group_id], digests[group_id]
+                for index in indices:
+                    block_hash = hashes[index]
+                    digest = digest_of.get(block_hash)
+                    if digest is None:
+                        digest = digest_of[block_hash] = hash_digest(block_hash)
+                    group_digests[index] = digest
+                ordered = [group_digests[i] for i in indices]
+                for prefix in self._rank_prefixes(group_id):
+                    keys += [prefix + digest for digest in ordered]
+            return keys
+
+        def ask(questions: Mapping[int, Sequence[int]]) -> dict[int, list[bool]] | None:
+            nonlocal asked_keys
+            keys = keys_of(questions)
+            asked_keys += len(keys)
+            flags, failure = self._exists(keys, deadline - time.perf_counter())
+            if failure:
+                failures[failure] = 1
+                return None
+            return read_by_position(questions, flags, self._ranks)
+
+        hit, known = coord.find_hit_asking(block_hashes, wanted, max_hit, ask)
         num_external = max(0, hit.hit_tokens - num_computed_tokens)
+        statistics = self._statistics(coord, block_hashes, wanted, known, max_hit, keys_of, bool(failures))
         groups = range(len(coord.groups))
         record = LookupRecord(
             query_tokens=max(0, request.num_tokens - num_computed_tokens),
             hit_tokens=num_external,
             group_kinds=self.stats.group_kinds,
             looked_up_blocks=tuple(len(wanted.get(g, ())) for g in groups),
-            present_blocks=tuple(len(present.get(g, ())) for g in groups),
+            present_blocks=Deferred(lambda: statistics()[0]),
             needed_blocks=tuple(len(b) for b in hit.needed_blocks),
             group_hit_tokens=Deferred(
-                lambda: tuple(max(0, t - num_computed_tokens) for t in hit.group_hit_tokens)
+                lambda: tuple(max(0, t - num_computed_tokens) for t in statistics()[1])
             ),
             seconds=time.perf_counter() - started,
-            keys=len(keys),
-            failures={failure: 1} if failure else {},
+            keys=asked_keys,
+            failures=failures,
         )
         plan = _Plan(hit, num_computed_tokens, digests) if num_external > 0 else None
         return record, plan
+
+    def _statistics(
+        self,
+        coord: HybridHitCoordinator,
+        block_hashes: Sequence[Any],
+        wanted: dict[int, list[bytes]],
+        known: dict[int, dict[int, bool]],
+        max_hit: int,
+        keys_of: Callable[[Mapping[int, Sequence[int]]], list[str]],
+        failed: bool,
+    ) -> Callable[[], tuple[tuple[int, ...], tuple[int, ...]]]:
+        """Per group: blocks present and the group's own hit, over every looked-up block.
+
+        The blocks the lookup did not ask about are asked about off its path (not
+        after a failed lookup); the answer is waited for when the statistics are read.
+        """
+        rest = {g: [i for i in range(len(hashes)) if i not in known[g]] for g, hashes in wanted.items()}
+        rest = {g: indices for g, indices in rest.items() if indices}
+        backfill = None if failed or not rest else self._backfill.submit(lambda: keys_of(rest))
+        memo: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+
+        def compute() -> tuple[tuple[int, ...], tuple[int, ...]]:
+            if not memo:
+                held = {g: dict(k) for g, k in known.items()}
+                flags = None if backfill is None else backfill.result()
+                if flags is not None:
+                    for g, answers in read_by_position(rest, flags, self._ranks).items():
+                        held[g].update(zip(rest[g], answers))
+                groups = range(len(coord.groups))
+                present = tuple(sum(held.get(g, {}).values()) for g in groups)
+                memo.append((present, coord.group_hits(block_hashes, wanted, held, max_hit)))
+            return memo[0]
+
+        return compute
+
+    def settle_statistics(self, timeout_s: float) -> bool:
+        """Wait until the statistics' existence checks so far are answered (benchmarks)."""
+        return self._backfill.wait_idle(timeout_s)
+
+    def _ranks(self, group_id: int) -> int:
+        return len(self._rank_prefixes(group_id))
 
     def _rank_prefixes(self, group_id: int) -> tuple[str, ...]:
         """Every rank's key prefix in ``group_id``, computed once."""
@@ -195,15 +253,19 @@ class SchedulerSide:
             self._key_prefixes[group_id] = prefixes
         return prefixes
 
-    def _exists(self, keys: list[str]) -> tuple[list[bool], str | None]:
-        """Presence of ``keys``, within ``lookup_timeout_s``: past it every key is absent.
+    def _exists(self, keys: list[str], timeout_s: float | None = None) -> tuple[list[bool], str | None]:
+        """Presence of ``keys``, within ``timeout_s`` (default ``lookup_timeout_s``): past it
+        every key is absent.
 
         The call runs on a thread of its own; while one stuck call has not returned,
         lookups are misses at once (reason ``timeout``).
         """
         if not keys:
             return [], None
-        flags, refused = self._lookups.run(self.lookup_timeout_s, self.client.exists, keys)
+        timeout_s = self.lookup_timeout_s if timeout_s is None else timeout_s
+        if timeout_s <= 0:
+            return [False] * len(keys), Outcome.TIMEOUT.value
+        flags, refused = self._lookups.run(timeout_s, self.client.exists, keys)
         if refused is None:
             return flags, None
         if refused == BoundedCall.TIMED_OUT:
@@ -217,6 +279,7 @@ class SchedulerSide:
 
     def close(self) -> None:
         self._lookups.close()
+        self._backfill.close()
 
     def _is_async(self) -> bool:
         # vLLM reports block-level load failures only for single-group layouts;

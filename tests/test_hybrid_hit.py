@@ -212,3 +212,15 @@ def test_asking_without_an_answer_is_a_miss() -> None:
     wanted = ours.lookup_blocks(block_hashes, 8 * 32 - 1)
     hit, _ = ours.find_hit_asking(block_hashes, wanted, 8 * 32 - 1, lambda questions: None)
     assert hit.hit_tokens == 0 and hit.needed_blocks == ((), ()) and hit.group_hit_tokens == (0, 0)
+
+
+def test_one_eagle_group_drops_its_last_block_like_vllms_unitary_coordinator() -> None:
+    # vLLM's one-group coordinator does not look a block past the candidate first.
+    coordinator = make_coordinator([GroupDesc("full", 32, eagle=True)])
+    ours = HybridHitCoordinator.from_vllm_coordinator(coordinator)
+    block_hashes = [os.urandom(32) for _ in range(5)]
+    present = {0: {bytes(h) for h in block_hashes}}
+    fill_block_pool(coordinator, present)
+    _, real_hit, _ = coordinator.find_longest_cache_hit(block_hashes, 5 * 32 - 1)
+    assert real_hit == 3 * 32
+    assert ours.find_hit(block_hashes, present, 5 * 32 - 1).hit_tokens == real_hit

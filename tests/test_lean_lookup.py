@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import copy
 import os
+import threading
+import time
 from dataclasses import asdict
 
+import pytest
 from opentelemetry import trace
 
 from kvpool.connector import tracing
 from kvpool.connector.contract.keys import KeySpace, hash_digest
 from kvpool.connector.hybrid_hit import HybridHitCoordinator
+from kvpool.connector.lookup_statistics import PresenceBackfill
 from kvpool.connector.records import Deferred, LookupRecord
 from tests.support.kv_cache import GroupDesc, make_coordinator
 
@@ -76,3 +80,94 @@ def test_rank_prefix_plus_digest_is_the_key() -> None:
         keyspace.key(2, tp, pp, digest) for pp in range(2) for tp in range(2)
     ]
     assert keyspace.rank_keys(2, 2, 2, digest) == [p + digest for p in prefixes]
+
+
+# --- statistics over every looked-up block, asked about off the lookup's path ------------
+
+
+@pytest.mark.mooncake
+def test_statistics_count_blocks_the_lookup_did_not_ask_about(
+    tmp_path_factory, pool_settings, pool_client
+) -> None:
+    from kvpool.connector.local.tiny_model import build_gemma3
+    from tests.support.scheduler import make_request, make_scheduler, pool_transfer
+
+    groups = [GroupDesc("full", 32), GroupDesc("sliding_window", 32, window=64)]
+    transfer = pool_transfer(
+        {
+            "master_server_address": pool_settings.master_server_address,
+            "cache_prefix": pool_settings.cache_prefix,
+        }
+    )
+    scheduler = make_scheduler(build_gemma3(tmp_path_factory.mktemp("gemma3-stats")), groups, transfer)
+    try:
+        connector = scheduler.connector
+        request = make_request(scheduler, list(range(10, 10 + 12 * 32 + 5)))
+        coord = connector._sched().coordinator
+        # Full attention holds 4 blocks, the window group all 12.
+        for group_id, count in ((0, 4), (1, 12)):
+            view = coord.group_block_hashes(group_id, request.block_hashes)
+            for i in range(count):
+                key = connector.keyspace.key(group_id, 0, 0, hash_digest(bytes(view[i])))
+                assert pool_client.put_bytes(key, b"kv" * 8) == 0
+
+        hit, _ = connector.get_num_new_matched_tokens(request, 0)
+        assert hit == 4 * 32
+        record = connector.stats.lookups[-1]
+        # Asked: full attention's 12 blocks, the window at the longest hit's end and at 4 blocks.
+        assert record.keys == 12 + 2 + 2
+        assert record.looked_up_blocks == (12, 12)
+        assert tuple(record.present_blocks) == (4, 12)
+        # Alone, the window group could have served all 12 blocks.
+        assert tuple(record.group_hit_tokens) == (4 * 32, 12 * 32)
+    finally:
+        scheduler.shutdown()
+
+
+def until(predicate, what: str) -> None:
+    deadline = time.monotonic() + 30
+    while not predicate():
+        assert time.monotonic() < deadline, f"never: {what}"
+        time.sleep(0.01)
+
+
+class _Gate:
+    """The real client's existence check, held until released; counts its calls."""
+
+    def __init__(self, exists):
+        self.exists = exists
+        self.calls: list[int] = []
+        self.open = threading.Event()
+
+    def __call__(self, keys: list[str]) -> list[bool]:
+        self.calls.append(len(keys))
+        self.open.wait(30)
+        return self.exists(keys)
+
+
+@pytest.mark.mooncake
+def test_backfill_batches_waiting_questions_and_never_waits_past_its_deadline(pool_client) -> None:
+    held = "kvpool-test/held"
+    assert pool_client.put_bytes(held, b"kv") == 0
+    gate = _Gate(pool_client.exists)
+    now = [0.0]
+    backfill = PresenceBackfill(gate, timeout_s=1.0, clock=lambda: now[0])
+    try:
+        first = backfill.submit(lambda: [held])
+        until(lambda: gate.calls == [1], "the first question is in flight")
+        waiting = [backfill.submit(lambda k=k: [held, f"kvpool-test/absent-{k}"]) for k in range(3)]
+        now[0] = 2.0  # the first call is past its deadline: its statistics do not wait for it
+        assert first.result(clock=lambda: now[0]) is None
+        late = backfill.submit(lambda: [held])  # a call stuck past the deadline: no answer, at once
+        assert late.result(clock=lambda: now[0]) is None
+        now[0] = 0.0
+        gate.open.set()
+        assert backfill.wait_idle(30)
+        # The three questions that waited went out in one call, in order.
+        assert gate.calls == [1, 6]
+        assert [w.result() for w in waiting] == [[True, False]] * 3
+    finally:
+        gate.open.set()
+        backfill.close()
+    closed = backfill.submit(lambda: [held])
+    assert closed.result() is None
