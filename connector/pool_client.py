@@ -28,6 +28,10 @@ CODE_STORE_FULL = -200
 CODE_BUFFER_TOO_SMALL = -600
 CODE_OBJECT_NOT_FOUND = -704
 CODE_OBJECT_EXISTS = -705
+# Not Mooncake's: a reservation answered CODE_OBJECT_EXISTS for a key whose object is not
+# published (another writer's save in flight, or one that writer abandoned or died in:
+# Mooncake drops such a reservation after about 30 s).
+CODE_RESERVED_ELSEWHERE = -70500
 CODE_TRANSFER_FAILED = -800
 CODE_RPC_FAILED = -900
 CODE_RPC_TIMEOUT = -901
@@ -59,6 +63,7 @@ class Outcome(StrEnum):
     RPC_FAILED = "rpc_failed"
     TIMEOUT = "timeout"  # past a deadline of the connector's, or Mooncake's RPC timeout
     CORRUPT = "corrupt"  # an object that is not the block its key names (header check)
+    IN_FLIGHT = "in_flight"  # a save found the key reserved by another writer, not published
     OTHER = "other_error"
 
 
@@ -85,6 +90,8 @@ def classify(code: int, expected_size: int | None = None) -> Outcome:
         return Outcome.RPC_FAILED
     if code == CODE_RPC_TIMEOUT:
         return Outcome.TIMEOUT
+    if code == CODE_RESERVED_ELSEWHERE:
+        return Outcome.IN_FLIGHT
     return Outcome.OTHER
 
 
@@ -266,9 +273,18 @@ class PoolClient:
         """Reserve an object of ``sizes[i]`` bytes under each key; 0 when reserved.
 
         A reserved object is invisible to lookups and loads until :meth:`publish`;
-        :meth:`revoke` drops it. An existing key answers ``CODE_OBJECT_EXISTS``.
+        :meth:`revoke` drops it. A key whose object is published answers
+        ``CODE_OBJECT_EXISTS``; one another writer reserved and has not published answers
+        ``CODE_RESERVED_ELSEWHERE`` (Mooncake answers both alike: presence tells them apart).
         """
-        return self._session_call(self._store.batch_put_session_start, list(keys), list(sizes))
+        codes = self._session_call(self._store.batch_put_session_start, list(keys), list(sizes))
+        taken = [i for i, code in enumerate(codes) if code == CODE_OBJECT_EXISTS]
+        if taken:
+            published = self.exists([keys[i] for i in taken])
+            for i, present in zip(taken, published):
+                if not present:
+                    codes[i] = CODE_RESERVED_ELSEWHERE
+        return codes
 
     def write(
         self,
