@@ -1,17 +1,21 @@
 """A real Prometheus scrapes a real run, and every dashboard query returns data.
 
-The run: the session's Mooncake master (and store), two real in-process vLLM CPU engines with
-the connector (a single-group model, then a hybrid one) doing lookups, loads, saves and failed
-loads in rounds a few scrapes apart, and the real operator on kmock reconciling a pool through
-an injected API failure. Prometheus (Debian's, on loopback) scrapes the master, vLLM's metrics
-registry and the operator, with the alert rules loaded. Then every panel query, with Grafana's
-variables filled in, must return at least one finite value; every variable query must answer;
-every alert rule must evaluate cleanly.
+The run: the session's Mooncake master (and store), real in-process vLLM CPU engines with the
+connector (a single-group model, then a hybrid one) doing lookups, loads, saves, failed loads
+and loads of replaced (corrupt, then removed) objects in rounds a few scrapes apart, one engine
+whose declared layout differs from the one vLLM builds (out of the pool), and the real operator
+on kmock reconciling a pool through an injected API failure. Prometheus (Debian's, on loopback)
+scrapes the master, vLLM's metrics registry and the operator, with the alert rules loaded. Then
+every panel query, with Grafana's variables filled in, must return at least one finite value;
+every variable query must answer; every alert rule must evaluate cleanly.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import random
+import re
 import time
 import uuid
 from collections.abc import Iterator
@@ -35,6 +39,7 @@ pytestmark = [pytest.mark.engine, pytest.mark.mooncake]
 VLLM_JOB = "vllm"
 PAUSE = 2.5  # seconds between rounds: at least two scrapes apart, so every counter moves in a rate
 LATE, EARLY = range(4, 9), range(0, 4)  # prefix blocks two failing loads lose (each within the hit)
+REMOVE, REPLACE = "remove", "replace"  # what happens to a round's prefix blocks before its load
 EXPECTED_ZERO = {("Pool hit rate beside vLLM's prefix caches", "C")}  # the local cache, reset every round
 
 
@@ -47,13 +52,22 @@ class Run:
     engines: set[str] = field(default_factory=set)
 
 
-def _rounds(
-    model: Path, settings: Any, client: Any, rounds: list[tuple[list[int], range | None]]
-) -> set[str]:
-    """Run ``rounds`` on one engine; return its engine labels.
+def fresh_prompt(seed: int) -> list[int]:
+    """The shared prefix, then 50 tokens of its own: the pool holds at most its first 9 blocks."""
+    from tests.support.prompts import PREFIX
 
-    A round is a prompt and the prefix blocks to delete from the pool between its lookup and
-    its load (the load of those blocks then fails), or None.
+    rng = random.Random(seed)
+    return PREFIX + [rng.randrange(3, 500) for _ in range(50)]
+
+
+def _rounds(
+    model: Path, settings: Any, client: Any, rounds: list[tuple[list[int], range | None, str]]
+) -> tuple[set[str], Any]:
+    """Run ``rounds`` on one engine; return its engine labels and the layout vLLM built.
+
+    A round is a prompt, the prefix blocks to remove from the pool (``REMOVE``: their load
+    fails) or to replace with random bytes (``REPLACE``: the load finds them corrupt and
+    removes them) between its lookup and its load, or None, and which of the two.
     """
     from kvpool.connector import scheduler_side
     from kvpool.connector.local.engine import (
@@ -73,15 +87,19 @@ def _rounds(
         connector = scheduler_connector(llm)
         original = scheduler_side.SchedulerSide.update_state_after_alloc
 
-        for prompt, blocks in rounds:
+        for prompt, blocks, how in rounds:
             doomed = (
                 []
-                if blocks is None
+                if blocks is None or not connector.layout_verdict.in_pool
                 else pool_keys(connector.keyspace, PREFIX, len(connector.layout.groups), blocks)
             )
 
             def delete_then_alloc(self: Any, request: Any, block_ids: Any, num_external: int) -> Any:
-                client.remove(doomed)  # noqa: B023 (used in this round only)
+                if how == REMOVE:  # noqa: B023 (used in this round only)
+                    client.remove(doomed)  # noqa: B023
+                else:
+                    for key in doomed:  # noqa: B023
+                        assert client._store.upsert(key, os.urandom(4096)) == 0
                 return original(self, request, block_ids, num_external)
 
             llm.reset_prefix_cache()  # every round goes to the pool, not the local cache
@@ -90,13 +108,15 @@ def _rounds(
                     patch.setattr(scheduler_side.SchedulerSide, "update_state_after_alloc", delete_then_alloc)
                 generate(llm, [prompt], MAX_TOKENS)
             time.sleep(PAUSE)
-        return {m.labels["engine"] for m in llm.get_metrics() if "engine" in m.labels}
+        engines = {m.labels["engine"] for m in llm.get_metrics() if "engine" in m.labels}
+        return engines, connector.layout
     finally:
         shutdown_llm(llm)
 
 
 @pytest.fixture(scope="module")
 def run(local_pool, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
+    from kvpool.connector.contract.layout import fingerprint
     from kvpool.connector.contract.settings import ConnectorSettings
     from kvpool.connector.local.tiny_model import build_gemma3
     from kvpool.connector.pool_client import open_client
@@ -123,12 +143,33 @@ def run(local_pool, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
         prom.wait_for_scrapes(MASTER_JOB)
         prom.wait_for_scrapes(VLLM_JOB)
         result = Run(prom, operator_port, time.time(), [str(single), str(hybrid)])
-        # Single group: a failed load hands its blocks back to vLLM (load_error_blocks).
-        result.engines |= _rounds(single, settings, client, [(P1, None), (P2, LATE), (P1, EARLY)])
+        # Single group: a failed load hands its blocks back to vLLM (load_error_blocks); a
+        # load of replaced objects finds them corrupt and removes them. Each kind of fault
+        # happens twice, rounds apart, so each of its counters moves between scrapes; the
+        # last round (no fault) carries the step stats of the one before to /metrics.
+        # Fresh prompts (the shared prefix, then a block the pool does not hold) have the
+        # forward compute a whole block on top of the failed load: a save kept out of the pool.
+        q1, q2, q3 = (fresh_prompt(seed) for seed in range(3))
+        engines, built = _rounds(
+            single, settings, client,
+            [(P1, None, REMOVE), (q1, LATE, REMOVE), (P1, EARLY, REMOVE), (q2, EARLY, REPLACE),
+             (q3, LATE, REPLACE), (P2, None, REMOVE)],
+        )  # fmt: skip
+        result.engines |= engines
         # Hybrid: saves, hits, masked loads, a failed load that recomputes, hits again.
-        result.engines |= _rounds(
-            hybrid, settings, client, [(P1, None), (P2, None), (P1, LATE), (P2, None), (P1, EARLY)]
+        engines, _ = _rounds(
+            hybrid, settings, client,
+            [(P1, None, REMOVE), (P2, None, REMOVE), (P1, LATE, REMOVE), (P2, None, REMOVE),
+             (P1, EARLY, REMOVE), (P2, None, REMOVE)],
+        )  # fmt: skip
+        result.engines |= engines
+        # An engine declared with another dtype than vLLM builds: out of the pool, counted.
+        declared = built.model_copy(update={"dtype": "float32" if built.dtype != "float32" else "bfloat16"})
+        wrong = settings.model_copy(
+            update={"declared_layout": declared, "declared_layout_fingerprint": fingerprint(declared)}
         )
+        engines, _ = _rounds(single, wrong, client, [(P1, None, REMOVE)])
+        result.engines |= engines
         yield result
     finally:
         client.close()
@@ -164,6 +205,16 @@ def _answers(run: Run, values: dict[str, list[str]] | None = None) -> dict[Panel
 
 def _report(answers: dict[PanelQuery, list[dict]], failed: list[PanelQuery]) -> str:
     return "\n".join(f"{q}: {q.expr} -> {answers[q]}" for q in failed)
+
+
+def _samples(run: Run, queries: list[PanelQuery]) -> str:
+    """Every sample Prometheus holds of the series ``queries`` read (to tell "never moved" apart)."""
+    window = f"{int(time.time() - run.started) + 60}s"
+    names = sorted({name for q in queries for name in re.findall(r"vllm:kvpool_\w+", q.expr)})
+    rows = {name: run.prom.query(f"{name}[{window}]") for name in names}
+    return "\nsamples:\n" + "\n".join(
+        f"{r['metric']}: {[v for _, v in r['values']]}" for name in names for r in rows[name]
+    )
 
 
 def _check_variables(run: Run) -> dict[tuple[str, str], list[str]]:
@@ -203,7 +254,8 @@ async def test_every_panel_query_returns_data(run: Run, cluster: Cluster, operat
     idle = [
         q for q, rows in connector.items() if not positive(rows) and (q.panel, q.ref) not in EXPECTED_ZERO
     ]
-    assert not idle, "connector panels that do not show the run:\n" + _report(answers, idle)
+    report = _report(answers, idle) + _samples(run, idle)
+    assert not idle, "connector panels that do not show the run:\n" + report
 
     # The operator's per-pool gauges carry the pool's own namespace and name.
     answers = await asyncio.to_thread(_answers, run, {VAR_NAMESPACE: [NAMESPACE], VAR_POOL: ["pool"]})
