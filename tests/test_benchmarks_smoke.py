@@ -38,7 +38,7 @@ NEEDS = {
 }
 
 
-def _run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+def _run(*args: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout, check=False
     )
