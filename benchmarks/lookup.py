@@ -38,6 +38,7 @@ LAYOUTS: dict[str, list[GroupDesc]] = {
 }
 SCENARIOS = ("full", "partial", "none")
 NUM_BLOCKS = 4096
+TARGET_TOKENS = 8192  # the lookup-time target is stated for 8k and 32k tokens
 VARIANTS = ("ours", "intree_thread", "intree_process")
 TOTAL = "get_num_new_matched_tokens (total)"
 LABELS = {
@@ -254,7 +255,8 @@ def _report(rows: list[dict[str, Any]], reps: int, opts: Options) -> Report:
         ],
     )
     all_equal = True
-    worst = 0.0
+    worst = 0.0  # the stated target's rows: 8k tokens and more
+    worst_short = 0.0
     for r in rows:
         hit_sets = list(r["hits"].values())
         equal = all(h == hit_sets[0] for h in hit_sets) and len(hit_sets[0]) == 1
@@ -263,7 +265,10 @@ def _report(rows: list[dict[str, Any]], reps: int, opts: Options) -> Report:
         s = {v: Stat.of(r["seconds"][v]) for v in VARIANTS}
         ratio_t = ratios(r["seconds"]["ours"], r["seconds"]["intree_thread"])
         ratio_p = ratios(r["seconds"]["ours"], r["seconds"]["intree_process"])
-        worst = max(worst, ratio_t.median, ratio_p.median)
+        if r["tokens"] >= TARGET_TOKENS:
+            worst = max(worst, ratio_t.median, ratio_p.median)
+        else:
+            worst_short = max(worst_short, ratio_t.median, ratio_p.median)
         r["ratio_thread"], r["ratio_process"] = ratio_t.median, ratio_p.median
         table.add(
             r["layout"].split(" (")[0],
@@ -304,8 +309,14 @@ def _report(rows: list[dict[str, Any]], reps: int, opts: Options) -> Report:
         Target("same hit lengths as in-tree", "equal in every case" if all_equal else "MISMATCH", all_equal)
     )
     report.targets.append(
-        Target("≤ 0.5x in-tree lookup time", f"worst median ratio {worst:.2f}x", worst <= 0.5)
+        Target(
+            "≤ 0.5x in-tree lookup time (8k and 32k tokens)", f"worst median ratio {worst:.2f}x", worst <= 0.5
+        )
     )
+    if worst_short:
+        report.targets.append(
+            Target("(1k tokens, not a stated target)", f"worst median ratio {worst_short:.2f}x", None)
+        )
     report.notes.append(
         "Both connectors run inside real vLLM Scheduler objects against one Mooncake master on loopback; "
         "pool values are 16-byte markers (a lookup only asks whether keys exist)."
