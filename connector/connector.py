@@ -25,6 +25,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvpool.connector import tracing
 from kvpool.connector.contract.keys import KeySpace
 from kvpool.connector.contract.layout import check_or_raise
+from kvpool.connector.contract.metric_names import LOAD
 from kvpool.connector.contract.settings import ConnectorSettings
 from kvpool.connector.layout_verdict import OutOfPool, add_counters, verify_declared_layout
 from kvpool.connector.logs import get_logger
@@ -33,7 +34,7 @@ from kvpool.connector.pool_client import acquire_client, release_client
 from kvpool.connector.pool_events import PoolEvents
 from kvpool.connector.pool_reset import LayoutReset
 from kvpool.connector.rank_agreement import rank_agreement
-from kvpool.connector.records import StatsCollector
+from kvpool.connector.records import StatsCollector, TransferRecord
 from kvpool.connector.save_integrity import SaveIntegrity
 from kvpool.connector.scheduler_side import SchedulerSide
 from kvpool.connector.vllm_layout import key_fingerprint_from_vllm, layout_from_vllm
@@ -63,6 +64,49 @@ def _zeroes_before_preemptions(vllm_config: VllmConfig) -> bool:
         return True
 
 
+def recompute_failed_loads(transfer: Any) -> None:
+    """A pool is a cache: a block it fails to deliver is recomputed, never a failed request.
+
+    vLLM's default ``kv_load_failure_policy`` ("fail") would end the request with an
+    error; the scheduler reads the policy after it has created this connector, so the
+    connector sets "recompute" (with a warning naming the field) before it is read.
+    """
+    policy = getattr(transfer, "kv_load_failure_policy", "recompute")
+    if policy != "recompute":
+        logger.warning(
+            "kv_load_failure_policy=%r: KVPoolConnector is a cache, a block it fails to "
+            "deliver is a miss; set to 'recompute' (its requests recompute instead of failing)",
+            policy,
+        )
+        transfer.kv_load_failure_policy = "recompute"
+
+
+def record_recovery(stats: StatsCollector, failed_requests: int, failed_blocks: int) -> None:
+    """Count what vLLM recomputes after failed loads: requests sent back whole (hybrid
+    layouts) and blocks handed back (single-group layouts)."""
+    if not failed_requests and not failed_blocks:
+        return
+    groups = stats.group_kinds
+    zeros = tuple(0 for _ in groups)
+    for index in range(max(failed_requests, 1)):
+        stats.record_transfer(
+            TransferRecord(
+                operation=LOAD,
+                group_kinds=groups,
+                blocks=zeros,
+                masked=zeros,
+                bytes=zeros,
+                failures={},
+                seconds=0.0,
+                group_failures=tuple({} for _ in groups),
+                group_seconds=tuple(0.0 for _ in groups),
+                group_attempted=tuple(False for _ in groups),
+                load_error_blocks=failed_blocks if index == 0 else 0,
+                recomputed=index < failed_requests,
+            )
+        )
+
+
 def _ranks() -> tuple[int, int]:
     """(tp_rank, pp_rank) of this worker; (0, 0) outside a distributed setup."""
     try:
@@ -89,12 +133,8 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
             self.settings, self.layout, scheduler=role == KVConnectorRole.SCHEDULER
         )
         in_pool = self.layout_verdict.in_pool
-        if getattr(transfer, "kv_load_failure_policy", "recompute") != "recompute":
-            logger.warning(
-                "kv_load_failure_policy=%r: a block the pool fails to deliver will fail its "
-                "request instead of being recomputed; set it to 'recompute'",
-                transfer.kv_load_failure_policy,
-            )
+        if role == KVConnectorRole.SCHEDULER:
+            recompute_failed_loads(transfer)
         tracing.configure_from_env()
         self.keyspace = KeySpace(
             self.settings.cache_prefix, key_fingerprint_from_vllm(vllm_config, kv_cache_config, self.layout)
@@ -124,7 +164,9 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             self._client = acquire_client(self.settings) if in_pool else OutOfPool()
             tp_rank, pp_rank = _ranks()
-            self._events = PoolEvents.for_worker(vllm_config, pp_rank * self.layout.tp_size + tp_rank)
+            # Only rank 0 counts a transfer's blocks and events; every rank its bytes.
+            self.stats.rank = pp_rank * self.layout.tp_size + tp_rank
+            self._events = PoolEvents.for_worker(vllm_config, self.stats.rank)
             self._worker = WorkerSide(
                 client=self._events.observe(self._client),
                 keyspace=self.keyspace,
@@ -186,12 +228,16 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         manager = self._kv_cache_manager
+        failed_requests = set(getattr(connector_output, "failed_recving", None) or ())
+        failed_blocks = set(connector_output.invalid_block_ids or ())
         self._sched().on_worker_output(
             set(connector_output.finished_recving or ()),
-            set(getattr(connector_output, "failed_recving", None) or ()),
-            set(connector_output.invalid_block_ids or ()),
+            failed_requests,
+            failed_blocks,
             None if manager is None else manager.get_block_ids,
         )
+        # What vLLM recomputes, over every rank's failures: counted here, once.
+        record_recovery(self.stats, len(failed_requests), len(failed_blocks))
         self._events.on_reports(getattr(connector_output, "kv_cache_events", None))
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, overload
 
 TRACE_HEADERS = ("traceparent", "tracestate")
@@ -93,6 +93,10 @@ class TransferRecord:
     reason: str = ""  # operation "remove": why the objects (``blocks`` per group) were removed
     skipped: tuple[int, ...] = ()  # per group: blocks kept out of the pool (a save only)
     skip_reason: str = ""  # why (``metric_names.SKIP_*``)
+    # The worker's rank in its engine (tensor and pipeline); None: not one rank's view. Every
+    # rank moves the same blocks of a request: only rank 0 counts them (and their failures,
+    # skips, latencies), every rank its bytes; the scheduler counts what vLLM recomputes.
+    rank: int | None = None
 
 
 @dataclass
@@ -100,6 +104,7 @@ class StatsCollector:
     """Thread-safe buffer of records, drained by the metrics layer."""
 
     group_kinds: tuple[str, ...] = ()
+    rank: int | None = None  # a worker's rank in its engine: stamped on its transfer records
     lookups: list[LookupRecord] = field(default_factory=list)
     transfers: list[TransferRecord] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -109,6 +114,8 @@ class StatsCollector:
             self.lookups.append(record)
 
     def record_transfer(self, record: TransferRecord) -> None:
+        if self.rank is not None and record.rank is None:
+            record = replace(record, rank=self.rank)
         with self._lock:
             self.transfers.append(record)
 

@@ -74,6 +74,10 @@ def records_to_data(lookups: Iterable[LookupRecord], transfers: Iterable[Transfe
             for g, kind in enumerate(t.group_kinds):
                 out.inc(m.REMOVED_OBJECTS, t.blocks[g], group=g, group_kind=kind, reason=t.reason)
             continue
+        if t.rank:  # another rank of the same blocks: its bytes only
+            for g, kind in enumerate(t.group_kinds):
+                out.inc(m.TRANSFER_BYTES, t.bytes[g], group=g, group_kind=kind, operation=op)
+            continue
         for g, kind in enumerate(t.group_kinds):
             labels = {"group": g, "group_kind": kind, "operation": op}
             out.inc(m.TRANSFER_BLOCKS, t.blocks[g], **labels)
@@ -87,8 +91,9 @@ def records_to_data(lookups: Iterable[LookupRecord], transfers: Iterable[Transfe
                 out.observe(m.OPERATION_SECONDS, t.group_seconds[g], operation=op, group_kind=kind)
         if any(t.group_attempted):
             out.observe(m.TRANSFER_SIZE_BYTES, float(sum(t.bytes)), operation=op)
-        out.inc(m.LOAD_ERROR_BLOCKS, t.load_error_blocks)
-        out.inc(m.RECOMPUTED_REQUESTS, int(t.recomputed))
+        if t.rank is None:  # a worker's view is partial: the scheduler counts the union
+            out.inc(m.LOAD_ERROR_BLOCKS, t.load_error_blocks)
+            out.inc(m.RECOMPUTED_REQUESTS, int(t.recomputed))
     return out.data()
 
 

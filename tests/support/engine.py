@@ -146,16 +146,22 @@ def run_engine(
     *,
     logprobs: bool = False,
     trace_headers: dict[str, str] | None = None,
+    reset_local_cache: bool = False,
 ) -> EngineReport:
-    """Create an engine, run each batch as one ``generate`` call (in order), report, shut down."""
+    """Create an engine, run each batch as one ``generate`` call (in order), report, shut down.
+
+    ``reset_local_cache``: vLLM's own prefix cache is emptied after each batch (the pool is
+    not touched), so every batch's hit comes from the pool.
+    """
     llm = create_llm(opts)
     try:
         core = engine_core(llm)
         layout = None if core is None else kv_cache_config_summary(core.scheduler.kv_cache_config)
-        results = [
-            generate(llm, batch, max_tokens, logprobs=logprobs, trace_headers=trace_headers)
-            for batch in batches
-        ]
+        results = []
+        for batch in batches:
+            results.append(generate(llm, batch, max_tokens, logprobs=logprobs, trace_headers=trace_headers))
+            if reset_local_cache:
+                assert llm.reset_prefix_cache(), "vLLM's prefix cache was reset"
         metrics = None if opts.disable_log_stats else collect_metrics(llm)
         lookups, transfers = connector_records(llm)
         return EngineReport(results, lookups, transfers, metrics, layout)
@@ -173,6 +179,7 @@ def run_engine_subprocess(
     env: dict[str, str] | None = None,
     timeout: float = 600.0,
     log_path: str | os.PathLike[str] | None = None,
+    reset_local_cache: bool = False,
 ) -> EngineReport:
     """Like :func:`run_engine`, in a fresh Python process; ``env`` is added to its environment."""
     spec = {
@@ -181,6 +188,7 @@ def run_engine_subprocess(
         "max_tokens": max_tokens,
         "logprobs": logprobs,
         "trace_headers": trace_headers,
+        "reset_local_cache": reset_local_cache,
     }
     path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
     child_env = {"PYTHONPATH": path, **(env or {})}
@@ -195,6 +203,7 @@ def _run_spec(spec: dict[str, Any]) -> dict[str, Any]:
         spec["max_tokens"],
         logprobs=spec["logprobs"],
         trace_headers=spec["trace_headers"],
+        reset_local_cache=spec.get("reset_local_cache", False),
     )
     return report.to_json()
 
