@@ -70,7 +70,7 @@ def group_table(run: EngineRun) -> list[str]:
             f"  {g:>5}  {kind:<15} {lookup['looked_up_blocks'][g]:>9} {lookup['present_blocks'][g]:>7} "
             f"{lookup['needed_blocks'][g]:>8} {masked:>6} {loaded:>6} {nbytes:>9}"
         )
-    rows.append(f"  lookup: {lookup['keys']} keys in one round trip, {lookup['seconds'] * 1e3:.1f} ms")
+    rows.append(f"  lookup: {lookup['keys']} keys asked, {lookup['seconds'] * 1e3:.1f} ms")
     rows.append(f"  load: {sum(t['seconds'] for t in loads) * 1e3:.1f} ms for every group's blocks")
     return rows
 
