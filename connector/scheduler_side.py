@@ -49,6 +49,15 @@ class _Plan:
 
 
 @dataclass
+class _LookedUp:
+    """A request's lookup, kept until vLLM allocates the request's blocks."""
+
+    hit: HybridHit
+    digests: dict[int, dict[int, str]]  # group -> block index -> digest (of the blocks asked)
+    num_tokens: int  # the request's length when it was looked up
+
+
+@dataclass
 class _Tracked:
     """A request the connector saves blocks for."""
 
@@ -91,6 +100,7 @@ class SchedulerSide:
         self._backfill = PresenceBackfill(client.exists, lookup_timeout_s)
         self.coordinator: HybridHitCoordinator | None = None
         self._plans: dict[str, _Plan] = {}
+        self._looked_up: dict[str, _LookedUp] = {}
         self._pending_loads: list[RequestLoad] = []
         self._loading: set[str] = set()
         self._tracked: dict[str, _Tracked] = {}
@@ -112,35 +122,42 @@ class SchedulerSide:
         coord = self.coordinator
         if not self.can_load or coord is None or request.request_id in self._load_failed:
             return 0, False
-        with tracing.span(
-            "kvpool.lookup",
-            self.stats.trace_context(request),
-            request_id=request.request_id,
-            groups=self.stats.group_kinds,
-        ) as span:
-            record, plan = self._lookup(coord, request, num_computed_tokens)
-            if span.is_recording():
-                tracing.set_attributes(
-                    span,
-                    query_tokens=record.query_tokens,
-                    hit_tokens=record.hit_tokens,
-                    keys=record.keys,
-                    looked_up_blocks=record.looked_up_blocks,
-                    present_blocks=record.present_blocks,
-                    hit_blocks=record.needed_blocks,
-                    group_hit_tokens=tuple(record.group_hit_tokens),
-                )
-        self.stats.record_lookup(record, request)
-        self._local_tokens[request.request_id] = num_computed_tokens
-        if plan is None:
-            self._plans.pop(request.request_id, None)
+        req_id = request.request_id
+        # A request vLLM could not allocate yet comes back: its lookup stands until
+        # its blocks are allocated, without asking the master or counting it again.
+        looked_up = self._looked_up.get(req_id)
+        if looked_up is None or looked_up.num_tokens != request.num_tokens:
+            with tracing.span(
+                "kvpool.lookup",
+                self.stats.trace_context(request),
+                request_id=req_id,
+                groups=self.stats.group_kinds,
+            ) as span:
+                record, looked_up = self._lookup(coord, request, num_computed_tokens)
+                if span.is_recording():
+                    tracing.set_attributes(
+                        span,
+                        query_tokens=record.query_tokens,
+                        hit_tokens=record.hit_tokens,
+                        keys=record.keys,
+                        looked_up_blocks=record.looked_up_blocks,
+                        present_blocks=record.present_blocks,
+                        hit_blocks=record.needed_blocks,
+                        group_hit_tokens=tuple(record.group_hit_tokens),
+                    )
+            self.stats.record_lookup(record, request)
+            self._looked_up[req_id] = looked_up
+        self._local_tokens[req_id] = num_computed_tokens
+        num_external = max(0, looked_up.hit.hit_tokens - num_computed_tokens)
+        if num_external == 0:
+            self._plans.pop(req_id, None)
             return 0, False
-        self._plans[request.request_id] = plan
-        return record.hit_tokens, self._is_async()
+        self._plans[req_id] = _Plan(looked_up.hit, num_computed_tokens, looked_up.digests)
+        return num_external, self._is_async()
 
     def _lookup(
         self, coord: HybridHitCoordinator, request: Any, num_computed_tokens: int
-    ) -> tuple[LookupRecord, _Plan | None]:
+    ) -> tuple[LookupRecord, _LookedUp]:
         """The hybrid fixed point over what the master holds, asking only what it reads.
 
         Usually one round trip (a miss, or a hit as long as full attention's): every
@@ -201,8 +218,7 @@ class SchedulerSide:
             keys=asked_keys,
             failures=failures,
         )
-        plan = _Plan(hit, num_computed_tokens, digests) if num_external > 0 else None
-        return record, plan
+        return record, _LookedUp(hit, digests, request.num_tokens)
 
     def _statistics(
         self,
@@ -293,6 +309,7 @@ class SchedulerSide:
         self, request: Any, block_ids: Sequence[list[int]], num_external: int
     ) -> None:
         req_id = request.request_id
+        self._looked_up.pop(req_id, None)
         plan = self._plans.pop(req_id, None)
         local_tokens = self._local_tokens.pop(req_id, request.num_computed_tokens)
         if self.can_save and self.coordinator is not None:
@@ -471,6 +488,7 @@ class SchedulerSide:
         """
         self._tracked.pop(req_id, None)
         self._plans.pop(req_id, None)
+        self._looked_up.pop(req_id, None)
         self._local_tokens.pop(req_id, None)
         self._loaded_blocks.pop(req_id, None)
         self._load_failed.discard(req_id)

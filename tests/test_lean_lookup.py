@@ -171,3 +171,57 @@ def test_backfill_batches_waiting_questions_and_never_waits_past_its_deadline(po
         backfill.close()
     closed = backfill.submit(lambda: [held])
     assert closed.result() is None
+
+
+# --- a request vLLM could not allocate yet keeps its lookup ----------------------------------
+
+
+@pytest.mark.mooncake
+def test_a_request_retried_under_memory_pressure_is_looked_up_and_counted_once(
+    tmp_path_factory, pool_settings, pool_client
+) -> None:
+    from vllm.v1.request import RequestStatus
+
+    from kvpool.connector.local.tiny_model import build_gemma3
+    from tests.support.scheduler import make_request, make_scheduler, pool_transfer
+
+    groups = [GroupDesc("full", 32), GroupDesc("sliding_window", 32, window=64)]
+    transfer = pool_transfer(
+        {
+            "master_server_address": pool_settings.master_server_address,
+            "cache_prefix": pool_settings.cache_prefix,
+        }
+    )
+    model = build_gemma3(tmp_path_factory.mktemp("gemma3-retry"))
+    scheduler = make_scheduler(model, groups, transfer, num_blocks=24)
+    try:
+        connector = scheduler.connector
+        coord = connector._sched().coordinator
+        # A occupies most of the blocks; B's prompt is in the pool but does not fit yet.
+        first = make_request(scheduler, [1] * (7 * 32), max_tokens=64)
+        second = make_request(scheduler, list(range(10, 10 + 8 * 32 + 5)))
+        for group_id in (0, 1):
+            view = coord.group_block_hashes(group_id, second.block_hashes)
+            for i in range(8):
+                key = connector.keyspace.key(group_id, 0, 0, hash_digest(bytes(view[i])))
+                assert pool_client.put_bytes(key, b"kv" * 8) == 0
+        scheduler.add_request(first)
+        scheduler.schedule()
+        scheduler.add_request(second)
+        for _ in range(3):
+            scheduler.schedule()
+            assert second.status == RequestStatus.WAITING
+        looked_up = [r for r in connector.stats.lookups if r.query_tokens == second.num_tokens]
+        assert len(looked_up) == 1 and looked_up[0].hit_tokens == 8 * 32
+
+        # Room again: B is admitted with the hit it was looked up with, and loads it.
+        scheduler.finish_requests([first.request_id], RequestStatus.FINISHED_ABORTED)
+        output = scheduler.schedule()
+        assert second.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        (load,) = [x for x in output.kv_connector_metadata.loads if x.req_id == second.request_id]
+        assert load.hit_tokens == 8 * 32 and len(load.groups[0].block_ids) == 8
+        assert len([r for r in connector.stats.lookups if r.query_tokens == second.num_tokens]) == 1
+        # Allocated: a later lookup of it would ask the master again.
+        assert second.request_id not in connector._sched()._looked_up
+    finally:
+        scheduler.shutdown()
