@@ -81,6 +81,28 @@ def recompute_failed_loads(transfer: Any) -> None:
         transfer.kv_load_failure_policy = "recompute"
 
 
+def warn_if_workers_stop_first(vllm_config: Any, shutdown_timeout_s: float) -> bool:
+    """Warn when vLLM stops worker processes before the saves in flight at shutdown may drain.
+
+    vLLM's multiprocess executor (tensor or pipeline parallel) terminates its workers
+    ``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS`` into shutdown; a save still running then
+    publishes nothing (a later miss). True when it warned.
+    """
+    import vllm.envs as envs
+
+    backend = getattr(vllm_config.parallel_config, "distributed_executor_backend", None)
+    grace = envs.VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS
+    if backend != "mp" or grace >= shutdown_timeout_s:
+        return False
+    logger.warning(
+        "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS=%d is below shutdown_timeout_s=%.1f: vLLM stops its "
+        "workers before their last saves may drain (those blocks miss later); raise it",
+        grace,
+        shutdown_timeout_s,
+    )
+    return True
+
+
 def record_recovery(stats: StatsCollector, failed_requests: int, failed_blocks: int) -> None:
     """Count what vLLM recomputes after failed loads: requests sent back whole (hybrid
     layouts) and blocks handed back (single-group layouts)."""
@@ -135,6 +157,7 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         in_pool = self.layout_verdict.in_pool
         if role == KVConnectorRole.SCHEDULER:
             recompute_failed_loads(transfer)
+            warn_if_workers_stop_first(vllm_config, self.settings.shutdown_timeout_s)
         tracing.configure_from_env()
         self.keyspace = KeySpace(
             self.settings.cache_prefix, key_fingerprint_from_vllm(vllm_config, kv_cache_config, self.layout)

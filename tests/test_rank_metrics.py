@@ -1,4 +1,4 @@
-"""Counters across tensor-parallel ranks: once per request and group; bytes stay physical.
+"""Tensor-parallel ranks: counters once per request and group, bytes physical; the policies TP needs.
 
 Every rank of an engine moves the same blocks of a request (each its share of the KV
 heads): rank 0 counts the blocks, failures and latencies, every rank adds its bytes, and
@@ -68,3 +68,18 @@ def test_vllms_default_failure_policy_becomes_recompute() -> None:
     assert default.kv_load_failure_policy == "fail"  # vLLM's default: a failed load fails the request
     recompute_failed_loads(default)
     assert default.kv_load_failure_policy == "recompute"
+
+
+def test_a_shutdown_grace_below_the_save_drain_is_named(monkeypatch) -> None:
+    from types import SimpleNamespace
+
+    from kvpool.connector.connector import warn_if_workers_stop_first
+
+    def config(backend: str | None) -> SimpleNamespace:
+        return SimpleNamespace(parallel_config=SimpleNamespace(distributed_executor_backend=backend))
+
+    monkeypatch.setenv("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "5")
+    assert warn_if_workers_stop_first(config("mp"), 10.0)
+    assert not warn_if_workers_stop_first(config("uni"), 10.0)  # one process: nothing stops first
+    monkeypatch.setenv("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "60")
+    assert not warn_if_workers_stop_first(config("mp"), 10.0)
