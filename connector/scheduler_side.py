@@ -97,7 +97,8 @@ class SchedulerSide:
         self.stats = stats
         self.lookup_timeout_s = lookup_timeout_s
         self._lookups = BoundedCall("kvpool-lookup")
-        self._backfill = PresenceBackfill(client.exists, lookup_timeout_s)
+        # Bound on first use: a connector out of the pool has a client with no calls at all.
+        self._backfill = PresenceBackfill(lambda keys: self.client.exists(keys), lookup_timeout_s)
         self.coordinator: HybridHitCoordinator | None = None
         self._plans: dict[str, _Plan] = {}
         self._looked_up: dict[str, _LookedUp] = {}

@@ -150,6 +150,27 @@ def test_verdict_keeps_a_mismatched_connector_out_of_the_pool(caplog: pytest.Log
         stand_in.exists(["k"])
 
 
+def test_a_scheduler_out_of_the_pool_starts_without_calling_its_client() -> None:
+    """The scheduler side of a connector out of the pool starts (the engine serves without it)."""
+    pytest.importorskip("vllm")
+    from kvpool.connector.contract.keys import KeySpace
+    from kvpool.connector.layout_verdict import OutOfPool
+    from kvpool.connector.records import StatsCollector
+    from kvpool.connector.scheduler_side import SchedulerSide
+
+    side = SchedulerSide(
+        client=OutOfPool(),  # type: ignore[arg-type]
+        keyspace=KeySpace("p", "0123456789abcdef"),
+        tp_size=1,
+        pp_size=1,
+        load_async=False,
+        can_load=False,
+        can_save=False,
+        stats=StatsCollector(group_kinds=("full",)),
+    )
+    side.close()
+
+
 def test_a_pipeline_stage_compares_all_but_its_layer_counts() -> None:
     """Each pipeline stage builds only its layers: their count is not compared there."""
     stage = BUILT.model_copy(
