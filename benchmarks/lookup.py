@@ -97,6 +97,7 @@ def _diagnose(scheduler: Any, request: Any, reps: int) -> dict[str, list[float]]
     keys = [keyspace.key(g, 0, 0, hash_digest(h)) for g, blocks in wanted.items() for h in blocks]
     side.get_num_new_matched_tokens(request, 0)
     side.settle_statistics(5.0)
+    side.forget_lookup(request.request_id)
     asked = keys[: side.stats.lookups[-1].keys]  # as many keys as it asks; the pool holds none
 
     def absent(questions: Any) -> dict[int, list[bool]]:
@@ -120,15 +121,20 @@ def _diagnose(scheduler: Any, request: Any, reps: int) -> dict[str, list[float]]
                 fn()
             out[label].append(t[0])
             side.settle_statistics(5.0)
+            side.forget_lookup(request.request_id)
     return out
 
 
-def _settle(scheduler: Any) -> None:
-    """Untimed: let our statistics' check (off the lookup's path) finish before the next call."""
+def _settle(scheduler: Any, request: Any) -> None:
+    """Untimed, after each of our calls: let the statistics' check (off the lookup's path)
+    finish, and forget the request's lookup, which it would keep until allocated, so the
+    next call looks it up again."""
     from kvpool.connector.connector import KVPoolConnector
 
     if isinstance(scheduler.connector, KVPoolConnector):
-        scheduler.connector._sched().settle_statistics(5.0)
+        side = scheduler.connector._sched()
+        side.settle_statistics(5.0)
+        side.forget_lookup(request.request_id)
 
 
 def freeze_gc_heap() -> None:
@@ -179,14 +185,14 @@ def _measure_layout(
                         hits[v].add(
                             int(schedulers[v].connector.get_num_new_matched_tokens(requests[v], 0)[0] or 0)
                         )
-                        _settle(schedulers[v])
+                        _settle(schedulers[v], requests[v])
                     for rep in range(reps):
                         for v in rotate(VARIANTS, rep):
                             with stopwatch() as t:
                                 got, _ = schedulers[v].connector.get_num_new_matched_tokens(requests[v], 0)
                             times[v].append(t[0])
                             hits[v].add(int(got or 0))
-                            _settle(schedulers[v])
+                            _settle(schedulers[v], requests[v])
                     rows.append(
                         {
                             "layout": name,

@@ -255,6 +255,10 @@ class SchedulerSide:
 
         return compute
 
+    def forget_lookup(self, req_id: str) -> None:
+        """Drop ``req_id``'s kept lookup: its next one asks the master again (benchmarks)."""
+        self._looked_up.pop(req_id, None)
+
     def settle_statistics(self, timeout_s: float) -> bool:
         """Wait until the statistics' existence checks so far are answered (benchmarks)."""
         return self._backfill.wait_idle(timeout_s)
