@@ -25,6 +25,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvpool.connector import tracing
 from kvpool.connector.contract.keys import KeySpace
 from kvpool.connector.contract.layout import check_or_raise
+from kvpool.connector.contract.layout import fingerprint as layout_fingerprint
 from kvpool.connector.contract.metric_names import LOAD
 from kvpool.connector.contract.settings import ConnectorSettings
 from kvpool.connector.layout_verdict import OutOfPool, add_counters, verify_declared_layout
@@ -205,10 +206,13 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
                     drain_saves=_zeroes_before_preemptions(vllm_config),
                 ),
             )
+        # layout= is the layout's fingerprint (the operator's layoutFingerprint of a declared one);
+        # keys= the one in this engine's pool keys (the layout and what else makes KV the same).
         logger.info(
-            "KVPoolConnector %s: master=%s layout=%s groups=%s",
+            "KVPoolConnector %s: master=%s layout=%s keys=%s groups=%s",
             role.name,
             self.settings.master_server_address,
+            layout_fingerprint(self.layout),
             self.keyspace.fingerprint,
             [g.kind.value for g in self.layout.groups],
         )
