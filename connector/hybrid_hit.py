@@ -333,18 +333,7 @@ class HybridHitCoordinator:
             if isinstance(sg.spec, FullAttentionSpec):
                 questions.update((g, list(range(len(wanted[g])))) for g in sg.group_ids)
                 continue
-            first = self.groups[sg.group_ids[0]]
-            sg.manager_cls.find_longest_cache_hit(
-                block_hashes=block_hashes,
-                max_length=max_hit_tokens,
-                kv_cache_group_ids=list(sg.group_ids),
-                block_pool=pool,
-                kv_cache_spec=sg.spec,
-                drop_eagle_block=sg.use_eagle,
-                alignment_tokens=self.alignment_tokens,
-                dcp_world_size=first.dcp_world_size,
-                pcp_world_size=first.pcp_world_size,
-            )
+            self._manager_hit(sg, block_hashes, max_hit_tokens, pool, sg.use_eagle)
         questions.update((g, list(indices)) for g, indices in pool.read_unknown.items())
         return questions
 
@@ -406,17 +395,7 @@ class HybridHitCoordinator:
                 if drop_eagle and self._eagle_margin and not isinstance(sg.spec, MambaSpec):
                     margin = eagle_proof_margin(first.block_size, self.hash_block_size, False)
                     max_length = min(curr + margin, len(block_hashes) * self.hash_block_size)
-                hit_blocks, new_length = sg.manager_cls.find_longest_cache_hit(
-                    block_hashes=block_hashes,
-                    max_length=max_length,
-                    kv_cache_group_ids=list(sg.group_ids),
-                    block_pool=pool,
-                    kv_cache_spec=sg.spec,
-                    drop_eagle_block=drop_eagle,
-                    alignment_tokens=self.alignment_tokens,
-                    dcp_world_size=first.dcp_world_size,
-                    pcp_world_size=first.pcp_world_size,
-                )
+                hit_blocks, new_length = self._manager_hit(sg, block_hashes, max_length, pool, drop_eagle)
                 if drop_eagle:
                     eagle_verified.add(idx)
                 elif new_length < curr:
@@ -438,6 +417,23 @@ class HybridHitCoordinator:
             group_hits=lambda: self._alone(block_hashes, alone_pool, max_hit_tokens),
         )
 
+    def _manager_hit(
+        self, sg: SpecGroup, block_hashes: Sequence[Any], max_length: int, pool: Any, drop_eagle: bool
+    ) -> tuple[Any, int]:
+        """vLLM's own manager of ``sg``'s spec, asked for its longest hit in ``pool``."""
+        first = self.groups[sg.group_ids[0]]
+        return sg.manager_cls.find_longest_cache_hit(
+            block_hashes=block_hashes,
+            max_length=max_length,
+            kv_cache_group_ids=list(sg.group_ids),
+            block_pool=pool,
+            kv_cache_spec=sg.spec,
+            drop_eagle_block=drop_eagle,
+            alignment_tokens=self.alignment_tokens,
+            dcp_world_size=first.dcp_world_size,
+            pcp_world_size=first.pcp_world_size,
+        )
+
     def _alone(self, block_hashes: Sequence[Any], pool: Any, max_hit_tokens: int) -> tuple[int, ...]:
         """Each group's own hit, as vLLM's ``find_longest_cache_hit_per_group`` sees it."""
         alone = [0] * len(self.groups)
@@ -447,17 +443,7 @@ class HybridHitCoordinator:
             if sg.use_eagle and self._eagle_margin and not isinstance(sg.spec, MambaSpec):
                 margin = eagle_proof_margin(first.block_size, self.hash_block_size, False)
                 max_length = min(max_hit_tokens + margin, len(block_hashes) * self.hash_block_size)
-            _, length = sg.manager_cls.find_longest_cache_hit(
-                block_hashes=block_hashes,
-                max_length=max_length,
-                kv_cache_group_ids=list(sg.group_ids),
-                block_pool=pool,
-                kv_cache_spec=sg.spec,
-                drop_eagle_block=sg.use_eagle,
-                alignment_tokens=self.alignment_tokens,
-                dcp_world_size=first.dcp_world_size,
-                pcp_world_size=first.pcp_world_size,
-            )
+            _, length = self._manager_hit(sg, block_hashes, max_length, pool, sg.use_eagle)
             for group_id in sg.group_ids:
                 alone[group_id] = length
         return tuple(alone)
