@@ -177,6 +177,7 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
                 tp_size=self.layout.tp_size,
                 pp_size=self.layout.pp_size,
                 load_async=self.settings.load_async,
+                save_decode_cache=self.settings.save_decode_cache,
                 can_load=transfer.is_kv_consumer and in_pool,
                 can_save=transfer.is_kv_producer and in_pool,
                 stats=self.stats,

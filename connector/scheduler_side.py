@@ -82,6 +82,7 @@ class SchedulerSide:
         tp_size: int,
         pp_size: int,
         load_async: bool,
+        save_decode_cache: bool = False,
         can_load: bool,
         can_save: bool,
         stats: StatsCollector,
@@ -92,6 +93,9 @@ class SchedulerSide:
         self.tp_size = tp_size
         self.pp_size = pp_size
         self.load_async = load_async
+        # Prompts are what requests share; blocks a request completes while decoding
+        # are saved only when asked for.
+        self.save_decode_cache = save_decode_cache
         self.can_load = can_load
         self.can_save = can_save
         self.stats = stats
@@ -392,7 +396,8 @@ class SchedulerSide:
         coord = self.coordinator
         assert coord is not None
         request = tracked.request
-        computed_after = min(request.num_computed_tokens + num_new, request.num_tokens)
+        savable = request.num_tokens if self.save_decode_cache else request.num_prompt_tokens
+        computed_after = min(request.num_computed_tokens + num_new, savable)
         if all(computed_after // g.block_size <= done for g, done in zip(coord.groups, tracked.saved_upto)):
             return None  # most decode steps complete no block: nothing to plan
         block_ids = block_ids_of(req_id)

@@ -187,7 +187,14 @@ class StoreSpec(_Model):
 # The consumer-facing connector options, taken field by field from the contract's
 # ConnectorSettings (same names, types, limits, descriptions). Addresses, protocol and
 # segment sizes are not here: the operator derives them from the pool.
-CONNECTOR_FIELDS = ("cache_prefix", "load_async", "batch_size", "local_buffer_size", "metadata_server")
+CONNECTOR_FIELDS = (
+    "cache_prefix",
+    "load_async",
+    "save_decode_cache",
+    "batch_size",
+    "local_buffer_size",
+    "metadata_server",
+)
 
 
 def _contract_field(name: str) -> tuple[Any, Any]:

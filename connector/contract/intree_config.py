@@ -34,7 +34,6 @@ IGNORED_FILE_KEYS: dict[str, str] = {
 INTREE_EXTRA_KEYS: dict[str, str] = {
     "lookup_async": "lookups are one batch_is_exist round trip with a deadline (lookup_timeout_s)",
     "enable_lookup": "set kv_role to kv_producer to store without looking up",
-    "save_decode_cache": "decode blocks are saved once they are full; nothing to set",
     "custom_mem_pool": "not needed: blocks move through a registered staging buffer",
     "preferred_segment": "the master places objects; nothing to set",
     "enable_group_semantics": "hybrid groups are always handled; nothing to set",

@@ -123,6 +123,10 @@ class ConnectorSettings(BaseModel):
     load_async: bool = Field(
         default=False, description="Load between scheduler steps instead of before the forward."
     )
+    save_decode_cache: bool = Field(
+        default=False,
+        description="Also save blocks completed while decoding (off: a request saves its prompt's blocks).",
+    )
     batch_size: int = Field(default=256, ge=1, le=MAX_BATCH_KEYS, description="Keys per Mooncake batch call.")
     model_id: str = Field(
         default="", description="Model identity for the layout fingerprint (default: vLLM's)."

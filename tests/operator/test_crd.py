@@ -87,6 +87,7 @@ def test_field_names_and_contract_blocks() -> None:
     assert set(spec["connector"]["properties"]) == {
         "cache_prefix",
         "load_async",
+        "save_decode_cache",
         "batch_size",
         "local_buffer_size",
         "metadata_server",

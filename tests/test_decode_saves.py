@@ -1,0 +1,93 @@
+"""Which blocks a request saves: its prompt's, and those it completes while decoding only
+with ``save_decode_cache`` (vLLM's real scheduler, a real Mooncake master).
+
+The scheduler is stepped as an engine would: each step's output samples one token per
+running request, so decoding fills blocks past the prompt.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvpool.connector.local.tiny_model import build_gemma3
+from kvpool.connector.metadata import PoolConnectorMetadata
+from tests.support.kv_cache import GroupDesc
+from tests.support.scheduler import make_request, make_scheduler, pool_transfer
+
+pytestmark = pytest.mark.mooncake
+
+BLOCK = 32
+FULL = [GroupDesc("full", BLOCK)]
+PROMPT_BLOCKS = 3
+PROMPT = list(range(7, 7 + PROMPT_BLOCKS * BLOCK + 5))  # 3 whole blocks and 5 tokens
+DECODED = 2 * BLOCK  # enough to complete two blocks past the prompt
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_gemma3(tmp_path_factory.mktemp("gemma3-decode"))
+
+
+def _sample_one_each(scheduler: Any, output: Any) -> None:
+    """The model runner's answer to ``output``: one token (the same id) per scheduled request."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    ids = list(output.num_scheduled_tokens)
+    scheduler.update_from_output(
+        output,
+        ModelRunnerOutput(
+            req_ids=ids,
+            req_id_to_index={r: i for i, r in enumerate(ids)},
+            sampled_token_ids=[[11] for _ in ids],
+            prompt_logprobs_dict={},
+            prompt_token_id_logprobs_dict={},
+        ),
+    )
+
+
+def saved_block_indices(pool_settings: Any, model_dir: Path, **extra: Any) -> list[int]:
+    """Indices (in the request's full-attention blocks) of every block the scheduler plans to save."""
+    transfer = pool_transfer(
+        {
+            "master_server_address": pool_settings.master_server_address,
+            "cache_prefix": pool_settings.cache_prefix,
+            **extra,
+        }
+    )
+    scheduler = make_scheduler(model_dir, FULL, transfer)
+    try:
+        request = make_request(scheduler, PROMPT, max_tokens=DECODED + 1)
+        scheduler.add_request(request)
+        saved: list[int] = []
+        for _ in range(DECODED + 1):
+            output = scheduler.schedule()
+            meta = output.kv_connector_metadata
+            assert isinstance(meta, PoolConnectorMetadata)
+            block_ids = request_block_ids(scheduler, request.request_id)
+            for save in meta.saves:
+                saved += [block_ids.index(b) for b in save.groups[0].block_ids]
+            _sample_one_each(scheduler, output)
+            if request.is_finished():
+                break
+        assert request.num_output_tokens >= DECODED, "the request decoded past two more blocks"
+        return saved
+    finally:
+        scheduler.shutdown()
+
+
+def request_block_ids(scheduler: Any, req_id: str) -> list[int]:
+    (ids,) = scheduler.kv_cache_manager.get_block_ids(req_id)
+    return list(ids)
+
+
+def test_a_request_saves_its_prompt_blocks_only_by_default(model_dir, pool_settings) -> None:
+    assert saved_block_indices(pool_settings, model_dir) == list(range(PROMPT_BLOCKS))
+
+
+def test_save_decode_cache_also_saves_blocks_completed_while_decoding(model_dir, pool_settings) -> None:
+    saved = saved_block_indices(pool_settings, model_dir, save_decode_cache=True)
+    # The prompt's blocks, the one the prompt's tail and the first tokens complete, and the next.
+    assert saved == list(range(PROMPT_BLOCKS + 2))
