@@ -38,8 +38,13 @@ from kvpool.connector.rank_agreement import rank_agreement
 from kvpool.connector.records import StatsCollector, TransferRecord
 from kvpool.connector.save_integrity import SaveIntegrity
 from kvpool.connector.scheduler_side import SchedulerSide
-from kvpool.connector.vllm_layout import key_fingerprint_from_vllm, layout_from_vllm
-from kvpool.connector.vllm_metrics import PoolConnectorStats, PoolPromMetrics, records_to_data
+from kvpool.connector.vllm_layout import key_fingerprint_inputs_from_vllm, layout_from_vllm
+from kvpool.connector.vllm_metrics import (
+    PoolConnectorStats,
+    PoolPromMetrics,
+    fingerprint_info_key,
+    records_to_data,
+)
 from kvpool.connector.worker_side import Deadlines, WorkerSide
 
 if TYPE_CHECKING:
@@ -160,9 +165,10 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
             recompute_failed_loads(transfer)
             warn_if_workers_stop_first(vllm_config, self.settings.shutdown_timeout_s)
         tracing.configure_from_env()
-        self.keyspace = KeySpace(
-            self.settings.cache_prefix, key_fingerprint_from_vllm(vllm_config, kv_cache_config, self.layout)
-        )
+        self._fingerprint_inputs = key_fingerprint_inputs_from_vllm(vllm_config, kv_cache_config, self.layout)
+        # The scheduler side exports them once, as vllm:kvpool_key_fingerprint_info.
+        self._fingerprint_exported = role != KVConnectorRole.SCHEDULER
+        self.keyspace = KeySpace(self.settings.cache_prefix, self._fingerprint_inputs["fingerprint"])
         self.stats = StatsCollector(group_kinds=tuple(g.kind.value for g in self.layout.groups))
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
@@ -293,9 +299,15 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
     def get_kv_connector_stats(self) -> PoolConnectorStats | None:
         lookups, transfers = self.stats.drain()
         layout_counters = self.layout_verdict.take_counters()
-        if not lookups and not transfers and not layout_counters:
+        gauges: dict[str, float] = {}
+        if not self._fingerprint_exported:
+            self._fingerprint_exported = True
+            gauges = {fingerprint_info_key(self._fingerprint_inputs): 1.0}
+        if not lookups and not transfers and not layout_counters and not gauges:
             return None
-        return PoolConnectorStats(data=add_counters(records_to_data(lookups, transfers), layout_counters))
+        data = add_counters(records_to_data(lookups, transfers), layout_counters)
+        data["gauges"] = gauges
+        return PoolConnectorStats(data=data)
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> PoolConnectorStats:

@@ -20,7 +20,7 @@ from vllm.v1.kv_cache_interface import (
     UniformTypeKVCacheSpecs,
 )
 
-from kvpool.connector.contract.identity import KVIdentity, fingerprint_inputs, key_fingerprint, seed_digest
+from kvpool.connector.contract.identity import KVIdentity, fingerprint_inputs, seed_digest
 from kvpool.connector.contract.layout import GroupKind, KVGroup, KVLayout
 from kvpool.connector.logs import get_logger
 
@@ -177,6 +177,13 @@ def _hash_seed(algorithm: str) -> str:
 
 def key_fingerprint_from_vllm(vllm_config: Any, kv_cache_config: KVCacheConfig, layout: KVLayout) -> str:
     """The fingerprint of this deployment's store keys; logs every input it digests."""
+    return key_fingerprint_inputs_from_vllm(vllm_config, kv_cache_config, layout)["fingerprint"]
+
+
+def key_fingerprint_inputs_from_vllm(
+    vllm_config: Any, kv_cache_config: KVCacheConfig, layout: KVLayout
+) -> dict[str, str]:
+    """The key fingerprint (``fingerprint``) and every input it digests; logs them."""
     identity = identity_from_vllm(vllm_config, kv_cache_config)
     inputs = fingerprint_inputs(layout, identity)
     logger.info(
@@ -184,4 +191,4 @@ def key_fingerprint_from_vllm(vllm_config: Any, kv_cache_config: KVCacheConfig, 
         inputs["fingerprint"],
         " ".join(f"{name}={value}" for name, value in inputs.items() if name != "fingerprint"),
     )
-    return key_fingerprint(layout, identity)
+    return inputs

@@ -1,7 +1,7 @@
 """Connector stats the way vLLM carries them: worker → scheduler → Prometheus.
 
 Records become a plain, serialisable ``{"counters": {key: n}, "histograms":
-{key: [obs...]}}`` payload (``key`` = metric name plus label pairs), which
+{key: [obs...]}, "gauges": {key: value}}`` payload (``key`` = metric name plus label pairs), which
 ``PoolConnectorStats`` aggregates across workers and steps and
 ``PoolPromMetrics`` turns into series on vLLM's own ``/metrics``.
 """
@@ -27,6 +27,12 @@ MAX_OBSERVATIONS = 4096  # per histogram series and interval; beyond, the oldest
 def series_key(spec: m.MetricSpec, **labels: object) -> str:
     """``name|label=value|...`` with labels in the spec's order."""
     return SEP.join([spec.name, *(f"{name}={labels[name]}" for name in spec.labels)])
+
+
+def fingerprint_info_key(inputs: Mapping[str, str]) -> str:
+    """The series key of ``vllm:kvpool_key_fingerprint_info`` for the fingerprint's inputs."""
+    values = {name: str(inputs.get(name, "")).replace(SEP, "/") for name in m.KEY_FINGERPRINT_INFO.labels}
+    return series_key(m.KEY_FINGERPRINT_INFO, **values)
 
 
 def parse_key(key: str) -> tuple[str, tuple[str, ...]]:
@@ -106,10 +112,10 @@ class PoolConnectorStats(KVConnectorStats):
             self.reset()
 
     def reset(self) -> None:
-        self.data = {"counters": {}, "histograms": {}}
+        self.data = {"counters": {}, "histograms": {}, "gauges": {}}
 
     def is_empty(self) -> bool:
-        return not self.data.get("counters") and not self.data.get("histograms")
+        return not any(self.data.get(part) for part in ("counters", "histograms", "gauges"))
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         counters: dict[str, float] = dict(self.data.get("counters", {}))
@@ -120,7 +126,8 @@ class PoolConnectorStats(KVConnectorStats):
             merged = histograms.setdefault(key, [])
             merged.extend(values)
             del merged[:-MAX_OBSERVATIONS]
-        return PoolConnectorStats(data={"counters": counters, "histograms": histograms})
+        gauges = {**self.data.get("gauges", {}), **other.data.get("gauges", {})}  # the latest value
+        return PoolConnectorStats(data={"counters": counters, "histograms": histograms, "gauges": gauges})
 
     def counter(self, spec: m.MetricSpec) -> float:
         """Sum of one counter over all its label sets."""
@@ -154,6 +161,10 @@ class PoolPromMetrics(KVConnectorPromMetrics):
             names = [*labelnames, *spec.labels]
             if spec.kind is m.Kind.COUNTER:
                 metric = self._counter_cls(name=spec.name, documentation=spec.help, labelnames=names)
+            elif spec.kind is m.Kind.GAUGE:
+                metric = self._gauge_cls(
+                    name=spec.name, documentation=spec.help, labelnames=names, multiprocess_mode="mostrecent"
+                )
             else:
                 metric = self._histogram_cls(
                     name=spec.name, documentation=spec.help, labelnames=names, buckets=list(spec.buckets)
@@ -173,6 +184,11 @@ class PoolPromMetrics(KVConnectorPromMetrics):
             metric = self._metrics.get(name)
             if metric is not None and value:
                 metric.labels(*engine_labels, *labels).inc(value)
+        for key, value in transfer_stats_data.get("gauges", {}).items():
+            name, labels = parse_key(key)
+            metric = self._metrics.get(name)
+            if metric is not None:
+                metric.labels(*engine_labels, *labels).set(value)
         for key, values in transfer_stats_data.get("histograms", {}).items():
             name, labels = parse_key(key)
             metric = self._metrics.get(name)

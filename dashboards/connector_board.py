@@ -262,4 +262,20 @@ def build() -> Board:
             )
         ],
     )
+    board.stat(
+        "Engines per key fingerprint",
+        "Engines share pool entries only when the fingerprint in their keys is equal. One value per "
+        "fingerprint (its engines); two where one was expected: compare the inputs in the legend "
+        "(every input is a label of vllm:kvpool_key_fingerprint_info).",
+        [
+            Target(
+                f"count{by(list(m.FINGERPRINT_LABELS))} ({m.KEY_FINGERPRINT_INFO.exported}{SEL})",
+                "{{fingerprint}}: {{model}} {{dtype}} {{groups}} {{parallel}} cache {{cache_dtype}} "
+                "rev {{model_revision}} quant {{weight_quantization}} hash {{block_hash_algorithm}} "
+                "seed {{block_hash_seed}}",
+            )
+        ],
+        width=12,
+        height=8,
+    )
     return board

@@ -96,3 +96,42 @@ def test_pipeline_stages_and_scheduler_share_the_key_fingerprint() -> None:
     # Another split of the layers over the stages is another deployment.
     split = identity.model_copy(update={"pp_layer_partition": "3,1"})
     assert key_fingerprint(stage0, split) != key_fingerprint(stage0, identity)
+
+
+def test_the_info_metric_carries_every_input_and_says_why_two_deployments_differ() -> None:
+    """``vllm:kvpool_key_fingerprint_info`` has one label per input of the fingerprint."""
+    pytest.importorskip("vllm")
+    import functools
+
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+    from kvpool.connector.contract import metric_names as m
+    from kvpool.connector.vllm_metrics import PoolConnectorStats, PoolPromMetrics, fingerprint_info_key
+
+    base, other = KVIdentity(), KVIdentity(model_revision="v2")
+    assert list(m.FINGERPRINT_LABELS) == list(fingerprint_inputs(LAYOUT, base))
+
+    registry = CollectorRegistry()
+    types = {cls: functools.partial(cls, registry=registry) for cls in (Counter, Gauge, Histogram)}
+    prom = PoolPromMetrics(
+        SimpleNamespace(kv_transfer_config=None),
+        types,
+        ["model_name", "engine"],
+        {0: ["m", "0"], 1: ["m", "1"]},
+    )
+    for engine, identity in enumerate((base, other)):
+        stats = PoolConnectorStats(
+            data={"gauges": {fingerprint_info_key(fingerprint_inputs(LAYOUT, identity)): 1.0}}
+        )
+        prom.observe(PoolConnectorStats().aggregate(stats).data, engine)
+    rows = [
+        s.labels
+        for metric in registry.collect()
+        if metric.name == m.KEY_FINGERPRINT_INFO.name
+        for s in metric.samples
+        if s.value == 1.0
+    ]
+    assert len(rows) == 2
+    differing = {name for name in m.FINGERPRINT_LABELS if rows[0][name] != rows[1][name]}
+    assert differing == {"fingerprint", "model_revision"}  # why engine 1 does not share with engine 0
+    assert {r["fingerprint"] for r in rows} == {key_fingerprint(LAYOUT, base), key_fingerprint(LAYOUT, other)}

@@ -101,6 +101,32 @@ LAYOUT_MISMATCHES = _counter(
     "counted once at start-up; an engine with any stays out of the pool.",
     ("field",),
 )
+#: The key fingerprint and every input it digests (``contract.identity.fingerprint_inputs``).
+FINGERPRINT_LABELS = (
+    "fingerprint",
+    "layout_fingerprint",
+    "model",
+    "dtype",
+    "groups",
+    "hash_block_size",
+    "parallel",
+    "cache_dtype",
+    "kv_quantization",
+    "model_revision",
+    "weight_quantization",
+    "hf_overrides",
+    "kv_cache_layout",
+    "block_hash_algorithm",
+    "pp_layer_partition",
+    "block_hash_seed",
+)
+KEY_FINGERPRINT_INFO = MetricSpec(
+    f"{PREFIX}key_fingerprint_info",
+    Kind.GAUGE,
+    "Always 1: the fingerprint in this engine's pool keys and every input it digests. Engines "
+    "share pool entries only when their fingerprints are equal; the other labels say why not.",
+    FINGERPRINT_LABELS,
+)
 OPERATION_SECONDS = MetricSpec(
     f"{PREFIX}operation_seconds",
     Kind.HISTOGRAM,
@@ -132,6 +158,7 @@ ALL: tuple[MetricSpec, ...] = (
     LOAD_ERROR_BLOCKS,
     RECOMPUTED_REQUESTS,
     LAYOUT_MISMATCHES,
+    KEY_FINGERPRINT_INFO,
     OPERATION_SECONDS,
     TRANSFER_SIZE_BYTES,
 )
