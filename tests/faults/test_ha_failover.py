@@ -27,11 +27,11 @@ from tests.faults.helpers import (
 )
 from tests.support.engine import transfer_config
 
-pytestmark = [pytest.mark.faults, pytest.mark.engine, pytest.mark.mooncake, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.faults, pytest.mark.engine, pytest.mark.mooncake, pytest.mark.timeout(900)]
 
 WARM_UP = 7  # requests before the kill: every prefix stored, then hit
 MAX_REQUESTS = 300  # the whole stream, at most (the time budget bounds it too)
-STREAM_BUDGET_S = 150.0
+STREAM_BUDGET_S = 600.0  # a bound against a stuck stream, not a speed target: CI cores are shared
 HITS_AFTER = 4  # hits after failover that end the stream
 REQUEST_DEADLINE_S = 60.0
 
