@@ -16,11 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from kvpool.connector.contract.keys import KeySpace
 from kvpool.connector.cpu_affinity import allowed_cpus
 from kvpool.connector.pool_client import open_client
-from kvpool.connector.records import StatsCollector
-from kvpool.connector.worker_side import WorkerSide
+from tests.support.worker import single_group_worker
 
 pytestmark = [
     pytest.mark.mooncake,
@@ -61,15 +59,7 @@ def test_the_client_and_transfer_threads_are_not_bound_to_the_workers_core(
     threads_before = set(thread_cpus())
 
     client = open_client(pool_settings, global_segment_size=0)
-    worker = WorkerSide(
-        client=client,
-        keyspace=KeySpace(cache_prefix, "fp"),
-        tp_rank=0,
-        pp_rank=0,
-        group_layers=[["l0"]],
-        num_blocks=4,
-        stats=StatsCollector(group_kinds=("full",)),
-    )
+    worker = single_group_worker(client, cache_prefix, num_blocks=4)
     try:
         seen: list[set[int]] = []
         done = threading.Event()

@@ -17,6 +17,7 @@ from kvpool.connector.metadata import GroupTransfer, PoolConnectorMetadata, Requ
 from kvpool.connector.pool_client import Outcome, classify
 from kvpool.connector.records import StatsCollector
 from kvpool.connector.worker_side import WorkerSide
+from tests.support.worker import single_group_worker
 
 pytestmark = pytest.mark.mooncake
 
@@ -136,15 +137,7 @@ def test_missing_keys_fail_the_hybrid_load(worker) -> None:
 
 
 def test_single_group_reports_failed_block_ids(pool_client, cache_prefix) -> None:
-    w = WorkerSide(
-        client=pool_client,
-        keyspace=KeySpace(cache_prefix, "fp1"),
-        tp_rank=0,
-        pp_rank=0,
-        group_layers=[["l0"]],
-        num_blocks=NUM_BLOCKS,
-        stats=StatsCollector(group_kinds=("full",)),
-    )
+    w = single_group_worker(pool_client, cache_prefix, num_blocks=NUM_BLOCKS, fingerprint="fp1")
     try:
         caches = {"l0": torch.randn(SHAPE)}
         w.register_kv_caches(caches)
@@ -185,15 +178,7 @@ def test_classify(code, expected, outcome) -> None:
 
 
 def test_a_broken_transfer_is_a_failure_not_an_exception(pool_client, cache_prefix) -> None:
-    w = WorkerSide(
-        client=pool_client,
-        keyspace=KeySpace(cache_prefix, "fp2"),
-        tp_rank=0,
-        pp_rank=0,
-        group_layers=[["l0"]],
-        num_blocks=NUM_BLOCKS,
-        stats=StatsCollector(group_kinds=("full",)),
-    )
+    w = single_group_worker(pool_client, cache_prefix, num_blocks=NUM_BLOCKS, fingerprint="fp2")
     try:
         w.register_kv_caches({"l0": torch.randn(SHAPE)})
         # Block 999 does not exist: addressing it raises inside the worker.

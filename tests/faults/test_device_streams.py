@@ -19,12 +19,11 @@ from typing import Any
 import pytest
 import torch
 
-from kvpool.connector.contract.keys import KeySpace
 from kvpool.connector.device_order import forward_marker
 from kvpool.connector.metadata import GroupTransfer, PoolConnectorMetadata, RequestLoad, RequestSave
-from kvpool.connector.records import StatsCollector
 from kvpool.connector.save_integrity import SaveIntegrity
 from kvpool.connector.worker_side import WorkerSide
+from tests.support.worker import single_group_worker
 
 pytestmark = [pytest.mark.faults, pytest.mark.mooncake]
 
@@ -52,14 +51,10 @@ class QueuedWork:
 @pytest.fixture
 def rig(pool_client: Any, cache_prefix: str) -> Iterator[tuple[WorkerSide, torch.Tensor, list[Any]]]:
     markers: list[Any] = []
-    worker = WorkerSide(
-        client=pool_client,
-        keyspace=KeySpace(cache_prefix, "fp"),
-        tp_rank=0,
-        pp_rank=0,
-        group_layers=[["l0"]],
+    worker = single_group_worker(
+        pool_client,
+        cache_prefix,
         num_blocks=NUM_BLOCKS,
-        stats=StatsCollector(group_kinds=("full",)),
         integrity=SaveIntegrity(record_marker=lambda: markers.pop(0) if markers else None),
     )
     cache = torch.zeros(SHAPE)

@@ -138,11 +138,9 @@ def test_under_a_runner_that_writes_blocks_first_saves_read_theirs_within_the_st
     until the save thread synchronizes."""
     import torch
 
-    from kvpool.connector.contract.keys import KeySpace
     from kvpool.connector.metadata import GroupTransfer, PoolConnectorMetadata, RequestSave
-    from kvpool.connector.records import StatsCollector
     from kvpool.connector.save_integrity import SaveIntegrity
-    from kvpool.connector.worker_side import WorkerSide
+    from tests.support.worker import single_group_worker
 
     landed = threading.Event()
 
@@ -151,14 +149,10 @@ def test_under_a_runner_that_writes_blocks_first_saves_read_theirs_within_the_st
             landed.wait(0.2)  # the device still computing, a moment
             landed.set()
 
-    worker = WorkerSide(
-        client=pool_client,
-        keyspace=KeySpace(cache_prefix, "fp"),
-        tp_rank=0,
-        pp_rank=0,
-        group_layers=[["l0"]],
+    worker = single_group_worker(
+        pool_client,
+        cache_prefix,
         num_blocks=4,
-        stats=StatsCollector(group_kinds=("full",)),
         integrity=SaveIntegrity(record_marker=Forward, drain_saves=True),
     )
     try:
