@@ -15,7 +15,7 @@ import pytest
 from kvpool.connector.local.tiny_model import build_gemma3
 from kvpool.connector.metadata import PoolConnectorMetadata
 from tests.support.kv_cache import GroupDesc
-from tests.support.scheduler import make_request, make_scheduler, pool_transfer
+from tests.support.scheduler import local_pool_transfer, make_request, make_scheduler
 
 pytestmark = pytest.mark.mooncake
 
@@ -50,14 +50,7 @@ def _sample_one_each(scheduler: Any, output: Any) -> None:
 
 def saved_block_indices(pool_settings: Any, model_dir: Path, **extra: Any) -> list[int]:
     """Indices (in the request's full-attention blocks) of every block the scheduler plans to save."""
-    transfer = pool_transfer(
-        {
-            "master_server_address": pool_settings.master_server_address,
-            "cache_prefix": pool_settings.cache_prefix,
-            **extra,
-        }
-    )
-    scheduler = make_scheduler(model_dir, FULL, transfer)
+    scheduler = make_scheduler(model_dir, FULL, local_pool_transfer(pool_settings, **extra))
     try:
         request = make_request(scheduler, PROMPT, max_tokens=DECODED + 1)
         scheduler.add_request(request)

@@ -90,15 +90,10 @@ def test_statistics_count_blocks_the_lookup_did_not_ask_about(
     tmp_path_factory, pool_settings, pool_client
 ) -> None:
     from kvpool.connector.local.tiny_model import build_gemma3
-    from tests.support.scheduler import make_request, make_scheduler, pool_transfer
+    from tests.support.scheduler import local_pool_transfer, make_request, make_scheduler
 
     groups = [GroupDesc("full", 32), GroupDesc("sliding_window", 32, window=64)]
-    transfer = pool_transfer(
-        {
-            "master_server_address": pool_settings.master_server_address,
-            "cache_prefix": pool_settings.cache_prefix,
-        }
-    )
+    transfer = local_pool_transfer(pool_settings)
     scheduler = make_scheduler(build_gemma3(tmp_path_factory.mktemp("gemma3-stats")), groups, transfer)
     try:
         connector = scheduler.connector
@@ -183,15 +178,10 @@ def test_a_request_retried_under_memory_pressure_is_looked_up_and_counted_once(
     from vllm.v1.request import RequestStatus
 
     from kvpool.connector.local.tiny_model import build_gemma3
-    from tests.support.scheduler import make_request, make_scheduler, pool_transfer
+    from tests.support.scheduler import local_pool_transfer, make_request, make_scheduler
 
     groups = [GroupDesc("full", 32), GroupDesc("sliding_window", 32, window=64)]
-    transfer = pool_transfer(
-        {
-            "master_server_address": pool_settings.master_server_address,
-            "cache_prefix": pool_settings.cache_prefix,
-        }
-    )
+    transfer = local_pool_transfer(pool_settings)
     model = build_gemma3(tmp_path_factory.mktemp("gemma3-retry"))
     scheduler = make_scheduler(model, groups, transfer, num_blocks=24)
     try:

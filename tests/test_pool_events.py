@@ -22,6 +22,7 @@ from kvpool.connector.pool_events import (
 )
 from kvpool.connector.records import StatsCollector
 from tests.support.kv_cache import GroupDesc, make_coordinator, make_kv_cache_config
+from tests.support.prompts import hashed_request
 
 BLOCK = 32
 TOKENS = [(7 * i + 3) % 500 for i in range(3 * BLOCK + 5)]  # three full blocks
@@ -70,26 +71,12 @@ def test_a_worker_reports_the_keys_it_published_and_removed(pool_client, cache_p
 
 
 def _scheduler(world_size: int) -> tuple[SchedulerEvents, object, object]:
-    from vllm.sampling_params import SamplingParams
-    from vllm.utils.hashing import get_hash_fn_by_name
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.request import Request
-
     from kvpool.connector.hybrid_hit import HybridHitCoordinator
 
     groups = [GroupDesc("full")]
     events = SchedulerEvents(make_kv_cache_config(groups), world_size)
     coordinator = HybridHitCoordinator.from_vllm_coordinator(make_coordinator(groups))
-    hash_fn = get_hash_fn_by_name("sha256")
-    init_none_hash(hash_fn)
-    request = Request(
-        request_id="req",
-        prompt_token_ids=TOKENS,
-        sampling_params=SamplingParams(max_tokens=1),
-        pooling_params=None,
-        block_hasher=get_request_block_hasher(BLOCK, hash_fn),
-    )
-    return events, coordinator, request
+    return events, coordinator, hashed_request(TOKENS, BLOCK, request_id="req")
 
 
 def _plan(events: SchedulerEvents, coordinator: object, request: object) -> list[str]:

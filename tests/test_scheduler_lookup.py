@@ -16,7 +16,7 @@ from kvpool.connector.contract.keys import hash_digest
 from kvpool.connector.local.tiny_model import build_gemma3
 from kvpool.connector.metadata import PoolConnectorMetadata
 from tests.support.kv_cache import GroupDesc
-from tests.support.scheduler import make_request, make_scheduler, pool_transfer
+from tests.support.scheduler import local_pool_transfer, make_request, make_scheduler
 
 pytestmark = pytest.mark.mooncake
 
@@ -26,14 +26,6 @@ FULL_SWA = [GroupDesc("full", 32), GroupDesc("sliding_window", 32, window=64)]
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_gemma3(tmp_path_factory.mktemp("gemma3"))
-
-
-def _transfer(pool_settings, kv_role: str = "kv_both") -> dict:
-    extra = {
-        "master_server_address": pool_settings.master_server_address,
-        "cache_prefix": pool_settings.cache_prefix,
-    }
-    return pool_transfer(extra, kv_role)
 
 
 def store_blocks(client, scheduler, request, blocks_per_group: dict[int, range]) -> None:
@@ -55,7 +47,7 @@ def _load_of(output, req_id: str):
 
 
 def test_hybrid_hit_loads_window_only(model_dir, pool_settings, pool_client) -> None:
-    scheduler = make_scheduler(model_dir, FULL_SWA, _transfer(pool_settings))
+    scheduler = make_scheduler(model_dir, FULL_SWA, local_pool_transfer(pool_settings))
     try:
         first = make_request(scheduler, list(range(10, 10 + 10 * 32 + 5)))
         store_blocks(pool_client, scheduler, first, {0: range(10), 1: range(10)})
@@ -86,7 +78,7 @@ def test_hybrid_hit_loads_window_only(model_dir, pool_settings, pool_client) -> 
 
 
 def test_window_group_missing_blocks_cuts_the_hit(model_dir, pool_settings, pool_client) -> None:
-    scheduler = make_scheduler(model_dir, FULL_SWA, _transfer(pool_settings))
+    scheduler = make_scheduler(model_dir, FULL_SWA, local_pool_transfer(pool_settings))
     try:
         prompt = list(range(3, 3 + 12 * 32))
         request = make_request(scheduler, prompt)
@@ -105,7 +97,7 @@ def test_window_group_missing_blocks_cuts_the_hit(model_dir, pool_settings, pool
 
 
 def test_single_group_loads_synchronously(model_dir, pool_settings, pool_client) -> None:
-    scheduler = make_scheduler(model_dir, [GroupDesc("full", 32)], _transfer(pool_settings))
+    scheduler = make_scheduler(model_dir, [GroupDesc("full", 32)], local_pool_transfer(pool_settings))
     try:
         request = make_request(scheduler, list(range(1, 1 + 6 * 32 + 3)))
         store_blocks(pool_client, scheduler, request, {0: range(4)})
@@ -121,7 +113,7 @@ def test_single_group_loads_synchronously(model_dir, pool_settings, pool_client)
 
 
 def test_miss_when_pool_is_empty(model_dir, pool_settings) -> None:
-    scheduler = make_scheduler(model_dir, FULL_SWA, _transfer(pool_settings))
+    scheduler = make_scheduler(model_dir, FULL_SWA, local_pool_transfer(pool_settings))
     try:
         request = make_request(scheduler, list(range(5, 5 + 4 * 32)))
         scheduler.add_request(request)
@@ -137,7 +129,7 @@ def test_miss_when_pool_is_empty(model_dir, pool_settings) -> None:
 
 
 def test_producer_role_never_loads(model_dir, pool_settings, pool_client) -> None:
-    scheduler = make_scheduler(model_dir, FULL_SWA, _transfer(pool_settings, "kv_producer"))
+    scheduler = make_scheduler(model_dir, FULL_SWA, local_pool_transfer(pool_settings, "kv_producer"))
     try:
         request = make_request(scheduler, list(range(10, 10 + 6 * 32)))
         store_blocks(pool_client, scheduler, request, {0: range(6), 1: range(6)})
@@ -150,7 +142,7 @@ def test_producer_role_never_loads(model_dir, pool_settings, pool_client) -> Non
 
 
 def test_consumer_role_never_saves(model_dir, pool_settings) -> None:
-    scheduler = make_scheduler(model_dir, FULL_SWA, _transfer(pool_settings, "kv_consumer"))
+    scheduler = make_scheduler(model_dir, FULL_SWA, local_pool_transfer(pool_settings, "kv_consumer"))
     try:
         request = make_request(scheduler, list(range(10, 10 + 6 * 32)))
         scheduler.add_request(request)
@@ -170,7 +162,7 @@ def _master_counter(local_pool, name: str) -> float:
 def test_one_round_trip_per_lookup(model_dir, pool_settings, local_pool) -> None:
     """A miss in one batch_is_exist, of only the blocks the fixed point reads: full
     attention's whole prefix, and the window at its end."""
-    scheduler = make_scheduler(model_dir, FULL_SWA, _transfer(pool_settings))
+    scheduler = make_scheduler(model_dir, FULL_SWA, local_pool_transfer(pool_settings))
     try:
         calls = _master_counter(local_pool, "master_batch_exist_key_requests_total")
         items = _master_counter(local_pool, "master_batch_exist_key_items_total")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from typing import Any
 
 from kvpool.connector.contract.keys import KeySpace, hash_digest
 
@@ -15,8 +16,10 @@ PREFIX_HIT = (len(PREFIX) // BLOCK) * BLOCK  # 288 tokens the pool can serve P2
 MAX_TOKENS = 12
 
 
-def block_hashes(prompt: list[int]) -> list[bytes]:
-    """vLLM's block hashes for ``prompt`` (sha256, the engine default)."""
+def hashed_request(
+    prompt: list[int], hash_block: int = BLOCK, request_id: str = "keys", sampling_params: Any = None
+) -> Any:
+    """A vLLM ``Request`` for ``prompt``, hashed as an engine hashes it (sha256, the default)."""
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -24,14 +27,18 @@ def block_hashes(prompt: list[int]) -> list[bytes]:
 
     hash_fn = get_hash_fn_by_name("sha256")
     init_none_hash(hash_fn)
-    request = Request(
-        request_id="keys",
+    return Request(
+        request_id=request_id,
         prompt_token_ids=prompt,
-        sampling_params=SamplingParams(max_tokens=1),
+        sampling_params=sampling_params or SamplingParams(max_tokens=1),
         pooling_params=None,
-        block_hasher=get_request_block_hasher(BLOCK, hash_fn),
+        block_hasher=get_request_block_hasher(hash_block, hash_fn),
     )
-    return [bytes(h) for h in request.block_hashes]
+
+
+def block_hashes(prompt: list[int]) -> list[bytes]:
+    """vLLM's block hashes for ``prompt`` (sha256, the engine default)."""
+    return [bytes(h) for h in hashed_request(prompt).block_hashes]
 
 
 def pool_keys(

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.support.kv_cache import GroupDesc, block_sizes, ensure_registry, make_kv_cache_config
+from tests.support.prompts import hashed_request
 
 _ids = itertools.count()
 
@@ -21,6 +22,18 @@ def pool_transfer(extra_config: Mapping[str, Any], kv_role: str = "kv_both") -> 
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": dict(extra_config),
     }
+
+
+def local_pool_transfer(pool_settings: Any, kv_role: str = "kv_both", **extra: Any) -> dict[str, Any]:
+    """``pool_transfer`` to the master and key namespace of ``pool_settings``, plus ``extra``."""
+    return pool_transfer(
+        {
+            "master_server_address": pool_settings.master_server_address,
+            "cache_prefix": pool_settings.cache_prefix,
+            **extra,
+        },
+        kv_role,
+    )
 
 
 def engine_config(
@@ -89,16 +102,10 @@ def make_scheduler(
 def make_request(scheduler: Any, prompt: list[int], max_tokens: int = 4) -> Any:
     """A greedy ``Request`` hashed as ``scheduler``'s engine would hash it (sha256)."""
     from vllm.sampling_params import SamplingParams
-    from vllm.utils.hashing import get_hash_fn_by_name
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.request import Request
 
-    hash_block = scheduler.kv_cache_manager.block_pool.hash_block_size
-    init_none_hash(get_hash_fn_by_name("sha256"))
-    return Request(
+    return hashed_request(
+        prompt,
+        scheduler.kv_cache_manager.block_pool.hash_block_size,
         request_id=f"req-{next(_ids)}",
-        prompt_token_ids=prompt,
         sampling_params=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
-        pooling_params=None,
-        block_hasher=get_request_block_hasher(hash_block, get_hash_fn_by_name("sha256")),
     )
