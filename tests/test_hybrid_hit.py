@@ -9,6 +9,7 @@ exactly the real (non-null) blocks vLLM's hit uses.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -59,19 +60,27 @@ def _presence(
     return present
 
 
-@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(groups=layouts(), data=st.data())
-def test_same_hit_and_masks_as_vllm(groups: list[GroupDesc], data: st.DataObject) -> None:
+def _drawn_case(
+    groups: list[GroupDesc], data: st.DataObject
+) -> tuple[Any, HybridHitCoordinator, list, dict, int]:
+    """vLLM's coordinator over ``groups`` with a drawn prompt and presence in its block pool; ours
+    from it; the prompt's hashes, the presence and the longest hit a lookup may grant."""
     coordinator = make_coordinator(groups)
     ours = HybridHitCoordinator.from_vllm_coordinator(coordinator)
     scheduler_block, hash_block = block_sizes(groups)
-    assert ours.scheduler_block_size == scheduler_block
     num_tokens = data.draw(st.integers(1, 24 * scheduler_block), label="num_tokens")
     block_hashes = [os.urandom(32) for _ in range(num_tokens // hash_block)]
     present = _presence(data.draw, coordinator, ours, block_hashes)
     fill_block_pool(coordinator, present)
+    return coordinator, ours, block_hashes, present, num_tokens - 1
 
-    max_hit = num_tokens - 1
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(groups=layouts(), data=st.data())
+def test_same_hit_and_masks_as_vllm(groups: list[GroupDesc], data: st.DataObject) -> None:
+    coordinator, ours, block_hashes, present, max_hit = _drawn_case(groups, data)
+    scheduler_block = block_sizes(groups)[0]
+    assert ours.scheduler_block_size == scheduler_block
     real_blocks, real_hit, _ = coordinator.find_longest_cache_hit(block_hashes, max_hit)
 
     # The connector only asks the pool about the blocks lookup_blocks names.
@@ -151,15 +160,7 @@ def _oracle(wanted: dict[int, list[bytes]], present: dict[int, set[bytes]], aske
 def test_asking_only_what_the_fixed_point_reads_finds_vllms_hit(
     groups: list[GroupDesc], data: st.DataObject, max_rounds: int
 ) -> None:
-    coordinator = make_coordinator(groups)
-    ours = HybridHitCoordinator.from_vllm_coordinator(coordinator)
-    scheduler_block, hash_block = block_sizes(groups)
-    num_tokens = data.draw(st.integers(1, 24 * scheduler_block), label="num_tokens")
-    block_hashes = [os.urandom(32) for _ in range(num_tokens // hash_block)]
-    present = _presence(data.draw, coordinator, ours, block_hashes)
-    fill_block_pool(coordinator, present)
-
-    max_hit = num_tokens - 1
+    coordinator, ours, block_hashes, present, max_hit = _drawn_case(groups, data)
     real_blocks, real_hit, _ = coordinator.find_longest_cache_hit(block_hashes, max_hit)
     wanted = ours.lookup_blocks(block_hashes, max_hit)
     asked: list[int] = []
