@@ -44,12 +44,19 @@ def test_mamba_block_size_must_equal_cache_block_size() -> None:
     assert rules(layout) == {"mamba-block-size": "groups[1].block_size"}
 
 
-@pytest.mark.parametrize("field", ["pcp_size", "dcp_size"])
-def test_hybrid_with_context_parallel_rejected(field) -> None:
-    layout = KVLayout(groups=[FULL, SWA], **{field: 2})
-    assert rules(layout) == {"hybrid-context-parallel": field}
-    # A single group may use context parallelism.
-    assert check(KVLayout(groups=[FULL], **{field: 2})) == []
+def test_hybrid_with_decode_context_parallel_rejected() -> None:
+    assert rules(KVLayout(groups=[FULL, SWA], dcp_size=2)) == {"hybrid-context-parallel": "dcp_size"}
+    # A single group may shard its KV over decode context parallel ranks: they are
+    # tensor ranks, which every key names.
+    assert check(KVLayout(groups=[FULL], dcp_size=2)) == []
+
+
+@pytest.mark.parametrize("groups", [[FULL], [FULL, SWA]])
+def test_prefill_context_parallel_rejected(groups) -> None:
+    """PCP ranks are not tensor ranks: two of them would write one key with other tokens."""
+    problems = check(KVLayout(groups=groups, pcp_size=2))
+    assert [(p.field, p.rule) for p in problems] == [("pcp_size", "prefill-context-parallel")]
+    assert "pcp_size=2" in problems[0].message
 
 
 def test_no_prefix_cacheable_group_rejected() -> None:

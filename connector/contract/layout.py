@@ -102,21 +102,29 @@ def check(layout: KVLayout) -> list[Problem]:
     hash_block = layout.effective_hash_block_size
     for index, group in enumerate(layout.groups):
         problems.extend(_check_group(index, group, layout, hash_block))
-    if len(layout.groups) > 1:
-        for name in ("pcp_size", "dcp_size"):
-            size = getattr(layout, name)
-            if size > 1:
-                problems.append(
-                    Problem(
-                        field=name,
-                        rule="hybrid-context-parallel",
-                        message=(
-                            f"{name}={size} with {len(layout.groups)} KV-cache groups: "
-                            "hybrid layouts are not supported with prefill or decode "
-                            "context parallelism > 1"
-                        ),
-                    )
-                )
+    if len(layout.groups) > 1 and layout.dcp_size > 1:
+        problems.append(
+            Problem(
+                field="dcp_size",
+                rule="hybrid-context-parallel",
+                message=(
+                    f"dcp_size={layout.dcp_size} with {len(layout.groups)} KV-cache groups: "
+                    "hybrid layouts are not supported with decode context parallelism > 1"
+                ),
+            )
+        )
+    if layout.pcp_size > 1:
+        problems.append(
+            Problem(
+                field="pcp_size",
+                rule="prefill-context-parallel",
+                message=(
+                    f"pcp_size={layout.pcp_size}: prefill context parallel ranks hold different "
+                    "tokens of one block under the same tensor rank, and store keys name only "
+                    "tensor and pipeline ranks"
+                ),
+            )
+        )
     if not any(g.prefix_cacheable and g.kind != GroupKind.CROSS for g in layout.groups):
         problems.append(
             Problem(

@@ -45,6 +45,11 @@ def test_a_good_spec_has_no_problems() -> None:
             ("spec.consumers[0].layout.dcp_size", "hybrid-context-parallel"),
         ),
         (
+            [full_group()],
+            {"pcp_size": 2},
+            ("spec.consumers[0].layout.pcp_size", "prefill-context-parallel"),
+        ),
+        (
             [{"kind": "sliding_window", "block_size": 16}],
             {},
             ("spec.consumers[0].layout.groups[0].sliding_window", "window-required"),
