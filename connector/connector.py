@@ -28,6 +28,7 @@ from kvpool.connector.contract.layout import check_or_raise
 from kvpool.connector.contract.layout import fingerprint as layout_fingerprint
 from kvpool.connector.contract.metric_names import LOAD
 from kvpool.connector.contract.settings import ConnectorSettings
+from kvpool.connector.contract.shards import group_shards
 from kvpool.connector.layout_verdict import OutOfPool, add_counters, verify_declared_layout
 from kvpool.connector.logs import get_logger
 from kvpool.connector.metadata import PoolConnectorMetadata
@@ -170,6 +171,9 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         self._fingerprint_exported = role != KVConnectorRole.SCHEDULER
         self.keyspace = KeySpace(self.settings.cache_prefix, self._fingerprint_inputs["fingerprint"])
         self.stats = StatsCollector(group_kinds=tuple(g.kind.value for g in self.layout.groups))
+        # Per group: the objects of one block per pipeline stage (fewer than the ranks when
+        # ranks hold copies of the KV: one of them saves, all read).
+        shards = group_shards(self.layout)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._events = PoolEvents(False)
@@ -182,6 +186,7 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
                 keyspace=self.keyspace,
                 tp_size=self.layout.tp_size,
                 pp_size=self.layout.pp_size,
+                group_shards=shards,
                 load_async=self.settings.load_async,
                 save_decode_cache=self.settings.save_decode_cache,
                 can_load=transfer.is_kv_consumer and in_pool,
@@ -189,8 +194,8 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
                 stats=self.stats,
                 lookup_timeout_s=self.settings.lookup_timeout_s,
             )
-            world = self.layout.tp_size * self.layout.pp_size
-            self._events = PoolEvents.for_scheduler(vllm_config, kv_cache_config, world)
+            keys_per_block = tuple(self.layout.pp_size * n for n in shards)
+            self._events = PoolEvents.for_scheduler(vllm_config, kv_cache_config, keys_per_block)
             self._reset = LayoutReset(self._client, self.keyspace) if in_pool else None
         else:
             self._client = acquire_client(self.settings) if in_pool else OutOfPool()
@@ -204,6 +209,8 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
                 tp_rank=tp_rank,
                 pp_rank=pp_rank,
                 group_layers=[list(g.layer_names) for g in kv_cache_config.kv_cache_groups],
+                tp_size=self.layout.tp_size,
+                group_shards=shards,
                 num_blocks=kv_cache_config.num_blocks,
                 stats=self.stats,
                 deadlines=Deadlines.of(self.settings),

@@ -8,8 +8,9 @@ merged across workers by vLLM), the scheduler side turns them into
 ``BlockStored`` / ``BlockRemoved`` events (``take_events``), and vLLM's
 publisher sends them with its own (ZMQ).
 
-A block counts as stored once every tensor/pipeline rank has published its key:
-only then can a lookup hit it. A rank's key removed (a corrupt object, a block
+A block counts as stored once every key of it has been published (one per
+pipeline rank and tensor shard: :mod:`kvpool.connector.contract.shards`): only
+then can a lookup hit it. A key of it removed (a corrupt object, a block
 saved again) removes the block. A reset of the pool's layout is
 ``AllBlocksCleared``. Events carry what vLLM's own events carry: the block hash,
 its parent, the block's token ids and the group; ``medium`` is ``CPU`` (the
@@ -159,13 +160,17 @@ class _Pending:
 class SchedulerEvents:
     """The scheduler side: save plans and worker reports in, vLLM KV-cache events out."""
 
-    def __init__(self, kv_cache_config: Any, world_size: int):
+    def __init__(self, kv_cache_config: Any, world_size: int | Sequence[int]):
+        """``world_size``: the keys of one block (per group, or one count for every group)."""
         from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind, get_kv_cache_spec_sliding_window
 
         specs = [g.kv_cache_spec for g in kv_cache_config.kv_cache_groups]
         self.kinds = [get_kv_cache_spec_kind(s).value for s in specs]
         self.windows = [get_kv_cache_spec_sliding_window(s) for s in specs]
         self.world_size = world_size
+        self._keys_per_block = (
+            [world_size] * len(specs) if isinstance(world_size, int) else list(world_size)
+        )
         self._requests: dict[str, Any] = {}
         self._pending: OrderedDict[tuple[int, str], _Pending] = OrderedDict()
         self._announced: OrderedDict[tuple[int, str], Any] = OrderedDict()
@@ -250,7 +255,7 @@ class SchedulerEvents:
             if pending is None:
                 continue
             pending.ranks.add(rank)
-            if len(pending.ranks) >= self.world_size:
+            if len(pending.ranks) >= self._keys_per_block[gid]:
                 del self._pending[block]
                 self._out.append(pending.event)
                 self._remember(self._announced, block, pending.event.block_hashes[0])
@@ -284,7 +289,9 @@ class PoolEvents:
         self.worker = worker if enabled else None
 
     @classmethod
-    def for_scheduler(cls, vllm_config: Any, kv_cache_config: Any, world_size: int) -> PoolEvents:
+    def for_scheduler(
+        cls, vllm_config: Any, kv_cache_config: Any, world_size: int | Sequence[int]
+    ) -> PoolEvents:
         enabled = events_enabled(vllm_config)
         return cls(enabled, scheduler=SchedulerEvents(kv_cache_config, world_size) if enabled else None)
 

@@ -81,6 +81,7 @@ class SchedulerSide:
         keyspace: KeySpace,
         tp_size: int,
         pp_size: int,
+        group_shards: Sequence[int] = (),
         load_async: bool,
         save_decode_cache: bool = False,
         can_load: bool,
@@ -92,6 +93,8 @@ class SchedulerSide:
         self.keyspace = keyspace
         self.tp_size = tp_size
         self.pp_size = pp_size
+        # Per group: the objects of a block per pipeline stage (contract.shards); tp_size if unset.
+        self.group_shards = tuple(group_shards)
         self.load_async = load_async
         # Prompts are what requests share; blocks a request completes while decoding
         # are saved only when asked for.
@@ -271,10 +274,11 @@ class SchedulerSide:
         return len(self._rank_prefixes(group_id))
 
     def _rank_prefixes(self, group_id: int) -> tuple[str, ...]:
-        """Every rank's key prefix in ``group_id``, computed once."""
+        """Every shard's key prefix in ``group_id`` (one per rank unless ranks hold copies), computed once."""
         prefixes = self._key_prefixes.get(group_id)
         if prefixes is None:
-            prefixes = self.keyspace.rank_prefixes(group_id, self.tp_size, self.pp_size)
+            shards = self.group_shards[group_id] if self.group_shards else self.tp_size
+            prefixes = self.keyspace.rank_prefixes(group_id, shards, self.pp_size)
             self._key_prefixes[group_id] = prefixes
         return prefixes
 

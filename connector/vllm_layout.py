@@ -22,6 +22,7 @@ from vllm.v1.kv_cache_interface import (
 
 from kvpool.connector.contract.identity import KVIdentity, fingerprint_inputs, seed_digest
 from kvpool.connector.contract.layout import GroupKind, KVGroup, KVLayout
+from kvpool.connector.contract.shards import kv_shards_of
 from kvpool.connector.logs import get_logger
 
 logger = get_logger(__name__)
@@ -106,7 +107,40 @@ def layout_from_vllm(vllm_config: Any, kv_cache_config: KVCacheConfig, model_id:
         pp_size=parallel.pipeline_parallel_size,
         pcp_size=getattr(parallel, "prefill_context_parallel_size", 1),
         dcp_size=getattr(parallel, "decode_context_parallel_size", 1),
+        kv_shards=_kv_shards(vllm_config, kv_cache_config),
     )
+
+
+def _kv_shards(vllm_config: Any, kv_cache_config: KVCacheConfig) -> int | None:
+    """The attention groups' KV shards when tensor ranks hold copies of them; None when each
+    rank holds its own KV (or when anything disagrees: one object per rank is always right).
+
+    Copies only without context parallelism (which splits tokens over the ranks of a head),
+    and only when every attention layer's per-rank heads are what the shard split implies.
+    """
+    parallel, model = vllm_config.parallel_config, vllm_config.model_config
+    tp_size = parallel.tensor_parallel_size
+    if getattr(parallel, "prefill_context_parallel_size", 1) > 1:
+        return None
+    if getattr(parallel, "decode_context_parallel_size", 1) > 1:
+        return None
+    try:
+        use_mla = bool(model.use_mla)
+        shards = kv_shards_of(tp_size, int(model.get_total_num_kv_heads()), use_mla)
+    except Exception:  # a model config without these: one object per rank
+        return None
+    if shards >= tp_size or tp_size % shards != 0:
+        return None
+    heads_per_rank = 1 if use_mla else max(1, model.get_total_num_kv_heads() // tp_size)
+    for group in kv_cache_config.kv_cache_groups:
+        if getattr(group, "is_eagle_group", False):
+            continue
+        spec = group.kv_cache_spec
+        layers = spec.kv_cache_specs.values() if isinstance(spec, UniformTypeKVCacheSpecs) else [spec]
+        for layer in layers:
+            if isinstance(layer, AttentionSpec) and layer.num_kv_heads != heads_per_rank:
+                return None
+    return shards
 
 
 def identity_from_vllm(vllm_config: Any, kv_cache_config: KVCacheConfig) -> KVIdentity:

@@ -35,6 +35,7 @@ from kvpool.connector.contract.keys import KeySpace
 from kvpool.connector.contract.metric_names import REMOVE, SKIP_COMPUTED_ON_FAILED_LOAD
 from kvpool.connector.contract.object_header import ObjectIdentity, mismatch, pack_header
 from kvpool.connector.contract.settings import ConnectorSettings
+from kvpool.connector.contract.shards import shard_of, writes_shard
 from kvpool.connector.cpu_affinity import unpin_this_thread
 from kvpool.connector.deadlines import Job, JobBoard
 from kvpool.connector.device_order import Marker, wait_for
@@ -107,6 +108,8 @@ class WorkerSide:
         tp_rank: int,
         pp_rank: int,
         group_layers: list[list[str]],
+        tp_size: int = 1,
+        group_shards: Sequence[int] = (),
         num_blocks: int,
         stats: StatsCollector,
         deadlines: Deadlines | None = None,
@@ -118,6 +121,11 @@ class WorkerSide:
         self.tp_rank = tp_rank
         self.pp_rank = pp_rank
         self.group_layers = group_layers
+        # Per group: the shard this rank holds (its keys and headers name it) and whether it is
+        # the shard's lowest rank, the one that saves it (contract.shards); one per rank if unset.
+        shards = tuple(group_shards) or tuple(tp_size for _ in group_layers)
+        self.shards = tuple(shard_of(tp_rank, tp_size, n) for n in shards)
+        self.writes = tuple(writes_shard(tp_rank, tp_size, n) for n in shards)
         self.num_blocks = num_blocks
         self.stats = stats
         self.deadlines = deadlines or Deadlines()
@@ -163,6 +171,8 @@ class WorkerSide:
                 self.copiers[group_id] = GroupCopier(
                     self.groups[group_id], tensors, use_memmove=tensors[0].device.type == "cpu"
                 )
+            else:  # every layer of the group is on other pipeline stages
+                self.copiers[group_id] = GroupCopier.header_only(self.num_blocks)
         for ptr, size in sorted(spans):
             self.client.register(ptr, size)
         logger.info(
@@ -560,7 +570,7 @@ class WorkerSide:
     def _save_request(self, save: RequestSave) -> None:
         job = self._job(save, self.deadlines.save_s)
         started = time.perf_counter()
-        groups = [g for g in save.groups if g.block_ids and self.copiers[g.group_id] is not None]
+        groups = [g for g in save.groups if g.block_ids and self._saves_group(g.group_id)]
         last = groups[-1] if groups else None
         with tracing.span("kvpool.save", save.trace_context, request_id=save.req_id) as span:
             results = [self._traced_group("save", g, job, g is last) for g in save.groups]
@@ -572,8 +582,8 @@ class WorkerSide:
         """Copy the blocks into staging, then reserve, write and publish their objects."""
         result = GroupResult()
         copier = self.copiers[transfer.group_id]
-        if not transfer.block_ids or copier is None:
-            return result
+        if not transfer.block_ids or copier is None or not self.writes[transfer.group_id]:
+            return result  # nothing of this group here, or another rank of its shard saves it
         result.attempted = True
         copier.check(transfer.block_ids)
         slot = self._slot()
@@ -652,15 +662,20 @@ class WorkerSide:
         job.progress()
 
     # --- shared ------------------------------------------------------------------------
+    def _saves_group(self, group_id: int) -> bool:
+        """Whether this rank saves ``group_id``'s blocks: it holds the group and writes its shard."""
+        return self.copiers[group_id] is not None and self.writes[group_id]
+
     def _keys(self, transfer: GroupTransfer) -> list[str]:
-        return [self.keyspace.key(transfer.group_id, self.tp_rank, self.pp_rank, d) for d in transfer.digests]
+        shard = self.shards[transfer.group_id]
+        return [self.keyspace.key(transfer.group_id, shard, self.pp_rank, d) for d in transfer.digests]
 
     def _identity(self, transfer: GroupTransfer, index: int, copier: GroupCopier) -> ObjectIdentity:
         return ObjectIdentity(
             fingerprint=self.keyspace.fingerprint,
             digest=transfer.digests[index],
             group=transfer.group_id,
-            tp_rank=self.tp_rank,
+            tp_rank=self.shards[transfer.group_id],
             pp_rank=self.pp_rank,
             payload_bytes=copier.payload_bytes,
         )

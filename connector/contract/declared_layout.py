@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpool.connector.contract.identity import stage_independent
-from kvpool.connector.contract.layout import KVLayout, fingerprint
+from kvpool.connector.contract.layout import KVLayout, canonical_payload, fingerprint
 
 
 @dataclass(frozen=True)
@@ -33,10 +33,8 @@ def _show(value: Any) -> str:
 
 
 def canonical(layout: KVLayout) -> dict[str, Any]:
-    """The layout as the fingerprint sees it (the hash block size resolved)."""
-    payload = layout.model_dump(mode="json")
-    payload["hash_block_size"] = layout.effective_hash_block_size
-    return payload
+    """The layout as the fingerprint sees it (``layout.canonical_payload``)."""
+    return canonical_payload(layout)
 
 
 def differences(

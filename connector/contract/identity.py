@@ -20,6 +20,7 @@ import json
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvpool.connector.contract.layout import KVLayout, fingerprint
+from kvpool.connector.contract.shards import shard_independent
 
 
 def seed_digest(seed: str) -> str:
@@ -67,8 +68,13 @@ def stage_independent(layout: KVLayout) -> KVLayout:
 
 
 def key_fingerprint(layout: KVLayout, identity: KVIdentity) -> str:
-    """The fingerprint in every store key: the layout's shape and the identity together."""
-    payload = {"layout": fingerprint(stage_independent(layout)), "identity": identity.model_dump(mode="json")}
+    """The fingerprint in every store key: the layout's shape and the identity together.
+
+    Layouts whose keys name KV shards leave the tensor size out for the shard count
+    (:func:`~kvpool.connector.contract.shards.shard_independent`).
+    """
+    shape = stage_independent(shard_independent(layout))
+    payload = {"layout": fingerprint(shape), "identity": identity.model_dump(mode="json")}
     canonical = json.dumps(payload, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
@@ -82,6 +88,13 @@ def fingerprint_inputs(layout: KVLayout, identity: KVIdentity) -> dict[str, str]
         "dtype": layout.dtype,
         "groups": ",".join(f"{g.kind.value}:{g.block_size}" for g in layout.groups),
         "hash_block_size": str(layout.effective_hash_block_size),
-        "parallel": f"tp{layout.tp_size}-pp{layout.pp_size}-pcp{layout.pcp_size}-dcp{layout.dcp_size}",
+        "parallel": f"tp{layout.tp_size}{_copies(layout)}-pp{layout.pp_size}-pcp{layout.pcp_size}"
+        f"-dcp{layout.dcp_size}",
         **{name: str(value) for name, value in identity.model_dump(mode="json").items()},
     }
+
+
+def _copies(layout: KVLayout) -> str:
+    """``-kv<shards>`` when tensor ranks hold copies of the attention KV, else nothing."""
+    shards = layout.kv_shards
+    return "" if shards in (None, layout.tp_size) else f"-kv{shards}"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 from enum import StrEnum
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -72,6 +72,13 @@ class KVLayout(BaseModel):
     pp_size: int = Field(default=1, ge=1)
     pcp_size: int = Field(default=1, ge=1)
     dcp_size: int = Field(default=1, ge=1)
+    kv_shards: int | None = Field(
+        default=None,
+        ge=1,
+        description="Distinct KV shards of the attention groups over the tensor-parallel ranks: "
+        "min(tp_size, total KV heads), 1 with MLA; ranks beyond it hold copies. "
+        "None: one per rank (tp_size). Mamba and EAGLE groups are always one per rank.",
+    )
 
     @property
     def effective_hash_block_size(self) -> int:
@@ -125,6 +132,7 @@ def check(layout: KVLayout) -> list[Problem]:
                 ),
             )
         )
+    problems.extend(_check_kv_shards(layout))
     if not any(g.prefix_cacheable and g.kind != GroupKind.CROSS for g in layout.groups):
         problems.append(
             Problem(
@@ -134,6 +142,32 @@ def check(layout: KVLayout) -> list[Problem]:
             )
         )
     return problems
+
+
+def _check_kv_shards(layout: KVLayout) -> list[Problem]:
+    shards = layout.kv_shards
+    if shards is None or shards == layout.tp_size:
+        return []
+    if layout.tp_size % shards != 0:
+        return [
+            Problem(
+                field="kv_shards",
+                rule="kv-shards-divide-tp",
+                message=f"kv_shards={shards} does not divide tp_size={layout.tp_size}: "
+                "each shard is held by the same number of tensor-parallel ranks",
+            )
+        ]
+    if layout.pcp_size > 1 or layout.dcp_size > 1:
+        return [
+            Problem(
+                field="kv_shards",
+                rule="kv-shards-context-parallel",
+                message=f"kv_shards={shards} below tp_size={layout.tp_size} with pcp_size="
+                f"{layout.pcp_size}, dcp_size={layout.dcp_size}: context parallelism splits "
+                "tokens over the ranks that hold a head, so their KV is not one shard",
+            )
+        ]
+    return []
 
 
 def _check_group(index: int, group: KVGroup, layout: KVLayout, hash_block: int) -> list[Problem]:
@@ -186,9 +220,17 @@ def check_or_raise(layout: KVLayout) -> None:
         raise ValueError(f"KV layout not supported by KVPoolConnector:\n{lines}")
 
 
-def fingerprint(layout: KVLayout) -> str:
-    """A short stable digest of everything that makes KV bytes interchangeable."""
+def canonical_payload(layout: KVLayout) -> dict[str, Any]:
+    """The layout as the fingerprint sees it: the hash block size resolved, and ``kv_shards``
+    only when ranks hold copies (one shard per rank is the layout without it)."""
     payload = layout.model_dump(mode="json")
     payload["hash_block_size"] = layout.effective_hash_block_size
-    canonical = json.dumps(payload, sort_keys=True, separators=(",", ":"))
+    if layout.kv_shards in (None, layout.tp_size):
+        del payload["kv_shards"]
+    return payload
+
+
+def fingerprint(layout: KVLayout) -> str:
+    """A short stable digest of everything that makes KV bytes interchangeable."""
+    canonical = json.dumps(canonical_payload(layout), sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]

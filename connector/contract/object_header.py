@@ -2,8 +2,10 @@
 
 A stored block is one object, ``header | payload``. The 64-byte header names
 the layout fingerprint and the digest of the block's prefix hash (as 8- and
-16-byte BLAKE2b tags), its KV-cache group, the tensor and pipeline rank that
-produced it and the payload length, with a CRC-32 of those fields. Everything
+16-byte BLAKE2b tags), its KV-cache group, the tensor shard and pipeline rank
+that produced it (the shard is the tensor rank unless ranks hold copies of the
+KV: :mod:`kvpool.connector.contract.shards`) and the payload length, with a
+CRC-32 of those fields. Everything
 in it follows from the key a block is stored under, so a load compares the
 object's first 64 bytes with the header it expects (one ``bytes`` comparison)
 before any payload reaches vLLM's cache: an object of another layout, a
@@ -35,7 +37,7 @@ class ObjectIdentity:
     fingerprint: str  # the layout fingerprint of the key space
     digest: str  # the digest of the block's prefix hash (the key's last part)
     group: int
-    tp_rank: int
+    tp_rank: int  # the group's tensor shard, as in the key
     pp_rank: int
     payload_bytes: int
 
