@@ -1,4 +1,5 @@
-"""Random-weight models beyond the demo's tiny Gemma3: an all-full-attention Gemma3, a larger Gemma3, gpt-oss.
+"""Random-weight models beyond the demo's tiny Gemma3: an all-full-attention Gemma3 (and one with
+a single KV head), a larger Gemma3, gpt-oss.
 
 Built with :func:`kvpool.connector.local.tiny_model.build_random_model`, so they
 are idempotent and deterministic in the same way.
@@ -28,6 +29,18 @@ def build_gemma3_full(path: str | os.PathLike[str], *, seed: int = 0) -> Path:
         path,
         seed=seed,
         num_hidden_layers=GEMMA3_FULL_LAYERS,
+        layer_types=["full_attention"] * GEMMA3_FULL_LAYERS,
+    )
+
+
+def build_gemma3_one_kv_head(path: str | os.PathLike[str], *, seed: int = 0) -> Path:
+    """The all-full-attention tiny Gemma3 with one KV head (four query heads): at TP=2 vLLM
+    gives both ranks a copy of that head, so the ranks hold the same KV (one shard)."""
+    return build_gemma3(
+        path,
+        seed=seed,
+        num_hidden_layers=GEMMA3_FULL_LAYERS,
+        num_key_value_heads=1,
         layer_types=["full_attention"] * GEMMA3_FULL_LAYERS,
     )
 
