@@ -7,6 +7,11 @@ tensors (full: 2 layers, sliding window: 4 layers, as Gemma3's 1:2 mix). The
 minimum is every full-attention block of the hit plus the ``ceil((W-1)/block)``
 window blocks before its end. "Unmasked" is the same load with every
 sliding-window block of the hit, what a connector without load masks moves.
+
+Replicated KV: two ``WorkerSide`` ranks of a TP=2 layout whose one KV head both
+ranks hold (a one-KV-head model; MLA alike) save the same blocks once as one
+object per shard (what the connector does) and once as one object per rank; the
+objects in the pool and the bytes the ranks stored are counted.
 """
 
 from __future__ import annotations
@@ -30,6 +35,9 @@ SMOKE_WINDOW = 128
 BLOCK = 32
 LAYERS = (2, 4)  # full, sliding window
 SHAPE_TAIL = (BLOCK, 2, 64)  # tokens, KV heads, head size (bf16)
+REPLICATED_BLOCKS = 64
+SMOKE_REPLICATED_BLOCKS = 4
+REPLICATED_SHAPE_TAIL = (BLOCK, 1, 64)  # one KV head per rank: both TP=2 ranks hold it
 
 
 def _wait_loaded(worker: Any, req_id: str, timeout: float = 60.0) -> None:
@@ -156,6 +164,66 @@ def _measure(address: str, model: Path, prefix: int, window: int, reps: int) -> 
         scheduler.shutdown()
 
 
+def _measure_replicated(address: str, blocks: int) -> list[dict[str, Any]]:
+    """Objects and bytes stored for ``blocks`` blocks by two TP ranks holding copies of one KV head."""
+    import torch
+
+    from kvpool.connector.contract.keys import KeySpace
+    from kvpool.connector.contract.layout import GroupKind, KVGroup, KVLayout
+    from kvpool.connector.contract.shards import group_shards
+    from kvpool.connector.metadata import GroupTransfer, PoolConnectorMetadata, RequestSave
+    from kvpool.connector.records import StatsCollector
+    from kvpool.connector.worker_side import WorkerSide
+
+    cache = torch.randn((2, blocks + 1, *REPLICATED_SHAPE_TAIL)).to(torch.bfloat16)
+    layers = [f"l{i}" for i in range(LAYERS[0])]
+    digests = [f"{i:032x}" for i in range(blocks)]
+    rows = []
+    for storage, kv_shards in (("one object per rank", None), ("one object per shard", 1)):
+        layout = KVLayout(
+            groups=[KVGroup(kind=GroupKind.FULL, block_size=BLOCK)], tp_size=2, kv_shards=kv_shards
+        )
+        keyspace = KeySpace(f"replicated{kv_shards}", "0" * 16)
+        client = pool.client(address, keyspace.cache_prefix)
+        ranks = [
+            WorkerSide(
+                client=client,
+                keyspace=keyspace,
+                tp_rank=rank,
+                pp_rank=0,
+                group_layers=[layers],
+                num_blocks=blocks + 1,
+                stats=StatsCollector(group_kinds=("full",)),
+                tp_size=2,
+                group_shards=group_shards(layout),
+            )
+            for rank in range(2)
+        ]
+        try:
+            stored = 0
+            for worker in ranks:
+                worker.register_kv_caches({name: cache.clone() for name in layers})
+                save = RequestSave("seed", [GroupTransfer(0, digests, list(range(1, blocks + 1)))])
+                worker.start_saves(PoolConnectorMetadata(saves=[save]))
+                worker.before_forward()
+                worker.wait_for_saves()
+                stored += sum(sum(r.bytes) for r in worker.stats.drain()[1] if r.operation == "save")
+            keys = [keyspace.key(0, shard, 0, d) for shard in range(2) for d in digests]
+            rows.append(
+                {
+                    "storage": storage,
+                    "objects_per_block": sum(client.exists(keys)) / blocks,
+                    "bytes_per_block": stored / blocks,
+                    "rank_block_bytes": ranks[0].group_block_bytes(0),
+                }
+            )
+        finally:
+            for worker in ranks:
+                worker.shutdown()
+            client.close()
+    return rows
+
+
 def run(opts: Options) -> Report:
     from kvpool.connector.local.pool import LocalPool
 
@@ -168,7 +236,53 @@ def run(opts: Options) -> Report:
         for prefix in prefixes:
             rows.append(_measure(lp.address, model, prefix, window, reps))
             print(f"  prefix {prefix}: done", file=sys.stderr, flush=True)
-    return _report(rows, reps, opts)
+        replicated = _measure_replicated(
+            lp.address, SMOKE_REPLICATED_BLOCKS if opts.smoke else REPLICATED_BLOCKS
+        )
+    report = _report(rows, reps, opts)
+    _report_replicated(report, replicated)
+    return report
+
+
+def _kib(n: float) -> str:
+    return f"{n / 2**10:.0f} KiB"
+
+
+def _report_replicated(report: Report, rows: list[dict[str, Any]]) -> None:
+    from kvpool.connector.contract.shards import kv_shards_of
+
+    per_rank, per_shard = rows
+    table = Table(
+        "stored per block by a TP=2 engine whose ranks hold copies of one KV head (measured: two "
+        "ranks' saves on the real pool); larger TP computed from the same shard split",
+        ["TP", "KV heads", "storage", "objects per block", "bytes per block", "vs one per rank"],
+    )
+    for r in rows:
+        ratio = r["bytes_per_block"] / per_rank["bytes_per_block"]
+        table.add(
+            2, 1, r["storage"], f"{r['objects_per_block']:g}", _kib(r["bytes_per_block"]), f"{ratio:.2f}"
+        )
+    for tp, heads, mla in ((8, 1, False), (8, 2, False), (8, "MLA", True)):
+        shards = kv_shards_of(tp, 1 if mla else int(heads), mla)
+        bytes_text = f"{shards}x a rank's block"
+        table.add(tp, heads, "one object per shard (computed)", shards, bytes_text, f"{shards}/{tp}")
+    report.tables.append(table)
+    saved = 1 - per_shard["bytes_per_block"] / per_rank["bytes_per_block"]
+    exact = per_shard["objects_per_block"] == 1 and per_rank["objects_per_block"] == 2
+    report.targets.append(
+        Target(
+            "replicated KV stored once per shard (TP=2, one KV head)",
+            f"{saved:.0%} fewer bytes stored",
+            exact,
+        )
+    )
+    report.notes.append(
+        "Replicated KV: each rank's block is one KV head (the same bytes on both ranks); stored once "
+        f"per shard, a TP=2 engine stores {saved:.0%} fewer bytes and half the objects, and a TP=N "
+        "engine 1/N of them when every rank holds the same KV. Loads are unchanged: every rank reads "
+        "its shard's object."
+    )
+    report.data["replicated"] = rows
 
 
 def _report(rows: list[dict[str, Any]], reps: int, opts: Options) -> Report:
