@@ -38,9 +38,9 @@ INTREE_EXTRA_KEYS: dict[str, str] = {
     "preferred_segment": "the master places objects; nothing to set",
     "enable_group_semantics": "hybrid groups are always handled; nothing to set",
     "enable_cross_layers_blocks": "a block is stored whole per group; nothing to set",
-    "enable_store_tp_lcm": "each tensor-parallel rank stores its own keys; nothing to set",
-    "prefill_tp_sizes": "each tensor-parallel rank stores its own keys; nothing to set",
-    "store_tp_size": "each tensor-parallel rank stores its own keys; nothing to set",
+    "enable_store_tp_lcm": "each tensor shard is stored once (ranks holding copies share it); nothing to set",
+    "prefill_tp_sizes": "each tensor shard is stored once (ranks holding copies share it); nothing to set",
+    "store_tp_size": "each tensor shard is stored once (ranks holding copies share it); nothing to set",
     "lookup_rpc_port": "the scheduler asks the master itself; no lookup server to place",
 }
 

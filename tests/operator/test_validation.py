@@ -50,6 +50,11 @@ def test_a_good_spec_has_no_problems() -> None:
             ("spec.consumers[0].layout.pcp_size", "prefill-context-parallel"),
         ),
         (
+            [full_group()],
+            {"tp_size": 4, "kv_shards": 3},
+            ("spec.consumers[0].layout.kv_shards", "kv-shards-divide-tp"),
+        ),
+        (
             [{"kind": "sliding_window", "block_size": 16}],
             {},
             ("spec.consumers[0].layout.groups[0].sliding_window", "window-required"),
