@@ -56,6 +56,18 @@ class GroupCopier:
         self.num_blocks = min((run.num_blocks for run in runs), default=0)
         self._views: list[Any] | None = None
 
+    @classmethod
+    def header_only(cls, num_blocks: int) -> GroupCopier:
+        """A group with no layers on this rank (another pipeline stage holds them all).
+
+        Its objects are a header and no payload: every rank still publishes a key per
+        block, so a hit (which needs every rank's key) is found, and a load checks the
+        header and copies nothing.
+        """
+        copier = cls([], [], use_memmove=True)
+        copier.num_blocks = num_blocks
+        return copier
+
     def check(self, block_ids: Sequence[int]) -> None:
         """Raise ``IndexError`` unless every id names a block of the cache (before any copy)."""
         if block_ids and (min(block_ids) < 0 or max(block_ids) >= self.num_blocks):

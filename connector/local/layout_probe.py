@@ -143,8 +143,11 @@ def rank_specs(engine_args: Mapping[str, Any], world: int) -> tuple[list[dict[st
     return [collected[r][0] for r in range(world)], collected[0][1]
 
 
-def probe_layout(engine_args: Mapping[str, Any], model_id: str = "") -> KVLayout:
-    """The layout a vLLM server started with ``engine_args`` hands the connector."""
+def kv_cache_configs(
+    engine_args: Mapping[str, Any], kv_memory_bytes: int = NOTIONAL_KV_MEMORY
+) -> tuple[Any, list[Any], Any]:
+    """vLLM's config, every rank's ``KVCacheConfig`` (rank order) and the scheduler's, as its
+    engine core computes them for ``engine_args`` with ``kv_memory_bytes`` per rank."""
     from vllm.config import set_current_vllm_config
     from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
     from vllm.v1.core.kv_cache_utils import (
@@ -154,8 +157,6 @@ def probe_layout(engine_args: Mapping[str, Any], model_id: str = "") -> KVLayout
     )
     from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
 
-    from kvpool.connector.vllm_layout import layout_from_vllm
-
     config = engine_config(engine_args)
     parallel = config.parallel_config
     specs, layouts = rank_specs(engine_args, parallel.tensor_parallel_size * parallel.pipeline_parallel_size)
@@ -164,11 +165,22 @@ def probe_layout(engine_args: Mapping[str, Any], model_id: str = "") -> KVLayout
     with set_current_vllm_config(config):
         register_all_kvcache_specs(config)
         resolve_kv_cache_layout(config, [layouts] * len(specs), [s for r in specs for s in r.values()])
-        configs = get_kv_cache_configs(config, specs, [NOTIONAL_KV_MEMORY] * len(specs))
+        configs = get_kv_cache_configs(config, specs, [kv_memory_bytes] * len(specs))
         scheduler_config = generate_scheduler_kv_cache_config(configs)
         groups = scheduler_config.kv_cache_groups
         cacheable = [g.kv_cache_spec.block_size for g in groups if g.kv_cache_spec.prefix_cacheable]
         config.cache_config.block_size = min(cacheable or [g.kv_cache_spec.block_size for g in groups])
         _, hash_block_size = resolve_kv_cache_block_sizes(scheduler_config, config)
         scheduler_config.hash_block_size = hash_block_size
+    return config, configs, scheduler_config
+
+
+def probe_layout(engine_args: Mapping[str, Any], model_id: str = "") -> KVLayout:
+    """The layout a vLLM server started with ``engine_args`` hands the connector."""
+    from vllm.config import set_current_vllm_config
+
+    from kvpool.connector.vllm_layout import layout_from_vllm
+
+    config, _, scheduler_config = kv_cache_configs(engine_args)
+    with set_current_vllm_config(config):
         return layout_from_vllm(config, scheduler_config, model_id)
