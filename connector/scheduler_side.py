@@ -1,8 +1,11 @@
 """Scheduler half of the connector: lookups, load plans and save plans.
 
 ``get_num_new_matched_tokens`` runs the hybrid fixed point over what the pool
-holds, asking the master (usually once) only about the blocks it reads, and
-remembers a load plan; ``update_state_after_alloc`` pins the plan to the
+holds, asking the master only about the blocks it reads, and remembers a load
+plan. Lookups are batched (``lookup_batch``): a request's first call queues its
+lookup and answers ``None`` (vLLM skips it this step); the step's lookups go to
+the master together when scheduling ends, and the request's next call takes the
+answer; ``update_state_after_alloc`` pins the plan to the
 blocks vLLM allocated; ``build_connector_meta`` hands each step's loads and the
 saves of newly computed blocks to the workers.
 """
@@ -23,6 +26,7 @@ from kvpool.connector.contract.settings import ConnectorSettings
 from kvpool.connector.deadlines import BoundedCall
 from kvpool.connector.hybrid_hit import HybridHit, HybridHitCoordinator
 from kvpool.connector.logs import get_logger
+from kvpool.connector.lookup_batch import Lookup, LookupQuery, LookupQueue
 from kvpool.connector.lookup_statistics import PresenceBackfill, read_by_position
 from kvpool.connector.metadata import (
     GroupTransfer,
@@ -88,6 +92,7 @@ class SchedulerSide:
         can_save: bool,
         stats: StatsCollector,
         lookup_timeout_s: float = LOOKUP_TIMEOUT_S,
+        batch_lookups: bool = True,
     ):
         self.client = client
         self.keyspace = keyspace
@@ -106,6 +111,9 @@ class SchedulerSide:
         self._lookups = BoundedCall("kvpool-lookup")
         # Bound on first use: a connector out of the pool has a client with no calls at all.
         self._backfill = PresenceBackfill(lambda keys: self.client.exists(keys), lookup_timeout_s)
+        # Off: each lookup asks the master itself, inside vLLM's schedule() (tests, benchmarks).
+        self.batch_lookups = batch_lookups
+        self._queue = LookupQueue(self._exists, self._conclude)
         self.coordinator: HybridHitCoordinator | None = None
         self._plans: dict[str, _Plan] = {}
         self._looked_up: dict[str, _LookedUp] = {}
@@ -126,7 +134,7 @@ class SchedulerSide:
         self.coordinator = HybridHitCoordinator.from_vllm_coordinator(vllm_coordinator)
 
     # --- lookup ------------------------------------------------------------
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         coord = self.coordinator
         if not self.can_load or coord is None or request.request_id in self._load_failed:
             return 0, False
@@ -135,24 +143,17 @@ class SchedulerSide:
         # its blocks are allocated, without asking the master or counting it again.
         looked_up = self._looked_up.get(req_id)
         if looked_up is None or looked_up.num_tokens != request.num_tokens:
-            with tracing.span(
-                "kvpool.lookup",
-                self.stats.trace_context(request),
-                request_id=req_id,
-                groups=self.stats.group_kinds,
-            ) as span:
-                record, looked_up = self._lookup(coord, request, num_computed_tokens)
-                if span.is_recording():
-                    tracing.set_attributes(
-                        span,
-                        query_tokens=record.query_tokens,
-                        hit_tokens=record.hit_tokens,
-                        keys=record.keys,
-                        looked_up_blocks=record.looked_up_blocks,
-                        present_blocks=record.present_blocks,
-                        hit_blocks=record.needed_blocks,
-                        group_hit_tokens=tuple(record.group_hit_tokens),
-                    )
+            if self.batch_lookups:
+                answered = self._take_answer(coord, request, num_computed_tokens)
+                if answered is None:
+                    return None, False  # in flight: vLLM skips the request this step
+                query, record, looked_up = answered
+            else:
+                query = self._query(request, num_computed_tokens)
+                lookup = self._new_lookup(coord, query)
+                lookup.ask_directly(self._exists)
+                record, looked_up = self._conclude(lookup)
+            self._trace(query, record)
             self.stats.record_lookup(record, request)
             self._looked_up[req_id] = looked_up
         self._local_tokens[req_id] = num_computed_tokens
@@ -163,70 +164,117 @@ class SchedulerSide:
         self._plans[req_id] = _Plan(looked_up.hit, num_computed_tokens, looked_up.digests)
         return num_external, self._is_async()
 
-    def _lookup(
+    def _take_answer(
         self, coord: HybridHitCoordinator, request: Any, num_computed_tokens: int
+    ) -> tuple[LookupQuery, LookupRecord, _LookedUp] | None:
+        """The answer to ``request``'s queued lookup; None while it is in flight (a request
+        with none, or one of another length, is queued now)."""
+        req_id = request.request_id
+        pending = self._queue.get(req_id)
+        if pending is None or pending.lookup.query.num_tokens != request.num_tokens:
+            self._queue.put(self._new_lookup(coord, self._query(request, num_computed_tokens)))
+            return None
+        query = pending.lookup.query
+        answered = pending.done.is_set()
+        if not answered and time.perf_counter() < query.deadline:
+            return None
+        self._queue.forget(req_id)
+        if answered and pending.outcome is not None:
+            record, looked_up = pending.outcome
+            return query, record, looked_up
+        # Past its deadline (or its batch failed): a miss.
+        if not answered:
+            logger.warning(
+                "KVPoolConnector lookup passed its %.2f s deadline unanswered: a miss", self.lookup_timeout_s
+            )
+        lookup = pending.lookup
+        miss = HybridHit(0, tuple(() for _ in coord.groups), lambda: tuple(0 for _ in coord.groups))
+        record, looked_up = self._record(
+            lookup, miss, {g: {} for g in lookup.wanted}, {Outcome.TIMEOUT.value: 1}, 0
+        )
+        return query, record, looked_up
+
+    def _query(self, request: Any, num_computed_tokens: int) -> LookupQuery:
+        """What the lookup needs of ``request`` (which vLLM's scheduler thread mutates), copied."""
+        now = time.perf_counter()
+        return LookupQuery(
+            req_id=request.request_id,
+            block_hashes=list(request.block_hashes),
+            num_tokens=request.num_tokens,
+            num_computed_tokens=num_computed_tokens,
+            trace_context=self.stats.trace_context(request),
+            started=now,
+            started_ns=time.time_ns(),
+            deadline=now + self.lookup_timeout_s,
+        )
+
+    def _new_lookup(self, coord: HybridHitCoordinator, query: LookupQuery) -> Lookup:
+        return Lookup(coord, query, self._rank_prefixes, self._ranks)
+
+    def _conclude(self, lookup: Lookup) -> tuple[LookupRecord, _LookedUp]:
+        """An answered lookup's record and what the request keeps of it."""
+        assert lookup.result is not None
+        hit, known = lookup.result
+        return self._record(lookup, hit, known, lookup.failures, lookup.asked_keys)
+
+    def _record(
+        self,
+        lookup: Lookup,
+        hit: HybridHit,
+        known: dict[int, dict[int, bool]],
+        failures: dict[str, int],
+        asked_keys: int,
     ) -> tuple[LookupRecord, _LookedUp]:
-        """The hybrid fixed point over what the master holds, asking only what it reads.
-
-        Usually one round trip (a miss, or a hit as long as full attention's): every
-        full-attention block up to the longest possible hit, and each other group's
-        blocks at that hit's end; another, of a few keys, for each shorter candidate.
-        """
-        started = time.perf_counter()
-        deadline = started + self.lookup_timeout_s
-        max_hit = request.num_tokens - 1
-        block_hashes = request.block_hashes
-        wanted = coord.lookup_blocks(block_hashes, max_hit)
-        digests: dict[int, dict[int, str]] = {g: {} for g in wanted}  # group -> index -> digest
-        digest_of: dict[bytes, str] = {}  # groups of one block size share their hashes
-        asked_keys = 0
-        failures: dict[str, int] = {}
-
-        def keys_of(questions: Mapping[int, Sequence[int]]) -> list[str]:
-            # Per group, per rank, per block: flags are read back by position.
-            keys: list[str] = []
-            for group_id, indices in questions.items():
-                hashes, group_digests = wanted[group_id], digests[group_id]
-                for index in indices:
-                    block_hash = hashes[index]
-                    digest = digest_of.get(block_hash)
-                    if digest is None:
-                        digest = digest_of[block_hash] = hash_digest(block_hash)
-                    group_digests[index] = digest
-                ordered = [group_digests[i] for i in indices]
-                for prefix in self._rank_prefixes(group_id):
-                    keys += [prefix + digest for digest in ordered]
-            return keys
-
-        def ask(questions: Mapping[int, Sequence[int]]) -> dict[int, list[bool]] | None:
-            nonlocal asked_keys
-            keys = keys_of(questions)
-            asked_keys += len(keys)
-            flags, failure = self._exists(keys, deadline - time.perf_counter())
-            if failure:
-                failures[failure] = 1
-                return None
-            return read_by_position(questions, flags, self._ranks)
-
-        hit, known = coord.find_hit_asking(block_hashes, wanted, max_hit, ask)
+        coord, query = lookup.coord, lookup.query
+        num_computed_tokens = query.num_computed_tokens
         num_external = max(0, hit.hit_tokens - num_computed_tokens)
-        statistics = self._statistics(coord, block_hashes, wanted, known, max_hit, keys_of, bool(failures))
+        statistics = self._statistics(
+            coord, query.block_hashes, lookup.wanted, known, lookup.max_hit, lookup.keys_of, bool(failures)
+        )
         groups = range(len(coord.groups))
         record = LookupRecord(
-            query_tokens=max(0, request.num_tokens - num_computed_tokens),
+            query_tokens=max(0, query.num_tokens - num_computed_tokens),
             hit_tokens=num_external,
             group_kinds=self.stats.group_kinds,
-            looked_up_blocks=tuple(len(wanted.get(g, ())) for g in groups),
+            looked_up_blocks=tuple(len(lookup.wanted.get(g, ())) for g in groups),
             present_blocks=Deferred(lambda: statistics()[0]),
             needed_blocks=tuple(len(b) for b in hit.needed_blocks),
             group_hit_tokens=Deferred(
                 lambda: tuple(max(0, t - num_computed_tokens) for t in statistics()[1])
             ),
-            seconds=time.perf_counter() - started,
+            # Batched: from the request's first call until its answer.
+            seconds=time.perf_counter() - query.started,
             keys=asked_keys,
             failures=failures,
         )
-        return record, _LookedUp(hit, digests, request.num_tokens)
+        return record, _LookedUp(hit, lookup.digests, query.num_tokens)
+
+    def _trace(self, query: LookupQuery, record: LookupRecord) -> None:
+        """The lookup's span, from the request's first call until its answer was taken."""
+        with tracing.span(
+            "kvpool.lookup",
+            query.trace_context,
+            start_time_ns=query.started_ns,
+            request_id=query.req_id,
+            groups=self.stats.group_kinds,
+        ) as span:
+            if span.is_recording():
+                tracing.set_attributes(
+                    span,
+                    query_tokens=record.query_tokens,
+                    hit_tokens=record.hit_tokens,
+                    keys=record.keys,
+                    looked_up_blocks=record.looked_up_blocks,
+                    present_blocks=record.present_blocks,
+                    hit_blocks=record.needed_blocks,
+                    group_hit_tokens=tuple(record.group_hit_tokens),
+                )
+                tracing.mark_failed(span, record.failures)
+
+    def wait_lookups(self, timeout_s: float) -> bool:
+        """Send the queued lookups and wait until every one is answered (tests, benchmarks)."""
+        self._queue.flush()
+        return self._queue.wait_idle(timeout_s)
 
     def _statistics(
         self,
@@ -307,6 +355,7 @@ class SchedulerSide:
         return [False] * len(keys), Outcome.TIMEOUT.value
 
     def close(self) -> None:
+        self._queue.close()
         self._lookups.close()
         self._backfill.close()
 
@@ -323,6 +372,7 @@ class SchedulerSide:
     ) -> None:
         req_id = request.request_id
         self._looked_up.pop(req_id, None)
+        self._queue.forget(req_id)  # one vLLM scheduled without waiting for its answer
         plan = self._plans.pop(req_id, None)
         local_tokens = self._local_tokens.pop(req_id, request.num_computed_tokens)
         if self.can_save and self.coordinator is not None:
@@ -388,6 +438,8 @@ class SchedulerSide:
                 if save is not None:
                     meta.saves.append(save)
         self._step += 1
+        # The lookups vLLM asked for during this schedule() go to the master together.
+        self._queue.flush()
         return meta
 
     def _plan_save(
@@ -503,6 +555,7 @@ class SchedulerSide:
         self._tracked.pop(req_id, None)
         self._plans.pop(req_id, None)
         self._looked_up.pop(req_id, None)
+        self._queue.forget(req_id)
         self._local_tokens.pop(req_id, None)
         self._loaded_blocks.pop(req_id, None)
         self._load_failed.discard(req_id)

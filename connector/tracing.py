@@ -80,21 +80,31 @@ def enabled() -> bool:
 
 
 def span(
-    name: str, parent_headers: Mapping[str, str] | None = None, **attributes: Any
+    name: str,
+    parent_headers: Mapping[str, str] | None = None,
+    *,
+    start_time_ns: int | None = None,
+    **attributes: Any,
 ) -> AbstractContextManager[Span]:
-    """A span under the request's trace (when it carries ``traceparent``); a shared no-op
-    context, costing one check, while tracing is off."""
+    """A span under the request's trace (when it carries ``traceparent``), begun at
+    ``start_time_ns`` (epoch ns; default now); a shared no-op context, costing one check,
+    while tracing is off."""
     if not enabled():
         return _OFF
-    return _span(name, parent_headers, attributes)
+    return _span(name, parent_headers, attributes, start_time_ns)
 
 
 @contextmanager
 def _span(
-    name: str, parent_headers: Mapping[str, str] | None, attributes: Mapping[str, Any]
+    name: str,
+    parent_headers: Mapping[str, str] | None,
+    attributes: Mapping[str, Any],
+    start_time_ns: int | None = None,
 ) -> Iterator[Span]:
     context = _propagator.extract(dict(parent_headers)) if parent_headers else None
-    with tracer().start_as_current_span(name, context=context, attributes=_clean(attributes)) as current:
+    with tracer().start_as_current_span(
+        name, context=context, attributes=_clean(attributes), start_time=start_time_ns
+    ) as current:
         yield current
 
 

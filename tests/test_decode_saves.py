@@ -15,7 +15,7 @@ import pytest
 from kvpool.connector.local.tiny_model import build_gemma3
 from kvpool.connector.metadata import PoolConnectorMetadata
 from tests.support.kv_cache import GroupDesc
-from tests.support.scheduler import local_pool_transfer, make_request, make_scheduler
+from tests.support.scheduler import local_pool_transfer, make_request, make_scheduler, schedule_answered
 
 pytestmark = pytest.mark.mooncake
 
@@ -54,6 +54,7 @@ def saved_block_indices(pool_settings: Any, model_dir: Path, **extra: Any) -> li
     try:
         request = make_request(scheduler, PROMPT, max_tokens=DECODED + 1)
         scheduler.add_request(request)
+        schedule_answered(scheduler)  # its lookup's step: nothing is scheduled
         saved: list[int] = []
         for _ in range(DECODED + 1):
             output = scheduler.schedule()

@@ -90,7 +90,7 @@ def test_statistics_count_blocks_the_lookup_did_not_ask_about(
     tmp_path_factory, pool_settings, pool_client
 ) -> None:
     from kvpool.connector.local.tiny_model import build_gemma3
-    from tests.support.scheduler import local_pool_transfer, make_request, make_scheduler
+    from tests.support.scheduler import local_pool_transfer, make_request, make_scheduler, matched_tokens
 
     groups = [GroupDesc("full", 32), GroupDesc("sliding_window", 32, window=64)]
     transfer = local_pool_transfer(pool_settings)
@@ -106,7 +106,7 @@ def test_statistics_count_blocks_the_lookup_did_not_ask_about(
                 key = connector.keyspace.key(group_id, 0, 0, hash_digest(bytes(view[i])))
                 assert pool_client.put_bytes(key, b"kv" * 8) == 0
 
-        hit, _ = connector.get_num_new_matched_tokens(request, 0)
+        hit, _ = matched_tokens(connector, request)
         assert hit == 4 * 32
         record = connector.stats.lookups[-1]
         # Asked: full attention's 12 blocks, the window at the longest hit's end and at 4 blocks.
@@ -178,7 +178,7 @@ def test_a_request_retried_under_memory_pressure_is_looked_up_and_counted_once(
     from vllm.v1.request import RequestStatus
 
     from kvpool.connector.local.tiny_model import build_gemma3
-    from tests.support.scheduler import local_pool_transfer, make_request, make_scheduler
+    from tests.support.scheduler import local_pool_transfer, make_request, make_scheduler, schedule_answered
 
     groups = [GroupDesc("full", 32), GroupDesc("sliding_window", 32, window=64)]
     transfer = local_pool_transfer(pool_settings)
@@ -199,7 +199,7 @@ def test_a_request_retried_under_memory_pressure_is_looked_up_and_counted_once(
         scheduler.schedule()
         scheduler.add_request(second)
         for _ in range(3):
-            scheduler.schedule()
+            schedule_answered(scheduler)
             assert second.status == RequestStatus.WAITING
         looked_up = [r for r in connector.stats.lookups if r.query_tokens == second.num_tokens]
         assert len(looked_up) == 1 and looked_up[0].hit_tokens == 8 * 32

@@ -203,7 +203,7 @@ def test_worker_spans_join_the_request_trace(spans, pool_client, cache_prefix) -
 
 def test_lookup_span_joins_the_request_trace(spans, pool_settings, tmp_path_factory) -> None:
     from tests.support.kv_cache import GroupDesc
-    from tests.support.scheduler import make_request, make_scheduler, pool_transfer
+    from tests.support.scheduler import admit, make_request, make_scheduler, pool_transfer
 
     model = build_gemma3(tmp_path_factory.mktemp("gemma3-span"))
     scheduler = make_scheduler(
@@ -220,7 +220,7 @@ def test_lookup_span_joins_the_request_trace(spans, pool_settings, tmp_path_fact
         request = make_request(scheduler, list(range(5, 5 + 3 * 32)))
         request.trace_headers = TRACEPARENT
         scheduler.add_request(request)
-        scheduler.schedule()
+        admit(scheduler)
     finally:
         scheduler.shutdown()
     (lookup,) = [s for s in spans.get_finished_spans() if s.name == "kvpool.lookup"]

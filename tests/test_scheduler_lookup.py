@@ -16,7 +16,13 @@ from kvpool.connector.contract.keys import hash_digest
 from kvpool.connector.local.tiny_model import build_gemma3
 from kvpool.connector.metadata import PoolConnectorMetadata
 from tests.support.kv_cache import GroupDesc
-from tests.support.scheduler import local_pool_transfer, make_request, make_scheduler
+from tests.support.scheduler import (
+    admit,
+    local_pool_transfer,
+    make_request,
+    make_scheduler,
+    schedule_answered,
+)
 
 pytestmark = pytest.mark.mooncake
 
@@ -55,6 +61,9 @@ def test_hybrid_hit_loads_window_only(model_dir, pool_settings, pool_client) -> 
         # Shares 8 whole blocks with `first`, then differs.
         second = make_request(scheduler, list(range(10, 10 + 8 * 32)) + [7] * 100)
         scheduler.add_request(second)
+        # Its lookup is in flight: vLLM skips it this step.
+        first_step = schedule_answered(scheduler)
+        assert second.status == RequestStatus.WAITING and not first_step.num_scheduled_tokens
         output = scheduler.schedule()
 
         # Hybrid layouts load asynchronously: the request waits for its KV.
@@ -85,7 +94,7 @@ def test_window_group_missing_blocks_cuts_the_hit(model_dir, pool_settings, pool
         # Full attention holds 11 blocks; the window group lost blocks 5..10.
         store_blocks(pool_client, scheduler, request, {0: range(11), 1: range(5)})
         scheduler.add_request(request)
-        output = scheduler.schedule()
+        output = admit(scheduler)
         assert request.num_computed_tokens == 5 * 32
         load = _load_of(output, request.request_id)
         assert load is not None
@@ -102,7 +111,7 @@ def test_single_group_loads_synchronously(model_dir, pool_settings, pool_client)
         request = make_request(scheduler, list(range(1, 1 + 6 * 32 + 3)))
         store_blocks(pool_client, scheduler, request, {0: range(4)})
         scheduler.add_request(request)
-        output = scheduler.schedule()
+        output = admit(scheduler)
         assert request.status == RequestStatus.RUNNING
         assert output.num_scheduled_tokens[request.request_id] == 6 * 32 + 3 - 4 * 32
         load = _load_of(output, request.request_id)
@@ -117,7 +126,7 @@ def test_miss_when_pool_is_empty(model_dir, pool_settings) -> None:
     try:
         request = make_request(scheduler, list(range(5, 5 + 4 * 32)))
         scheduler.add_request(request)
-        output = scheduler.schedule()
+        output = admit(scheduler)
         assert output.num_scheduled_tokens[request.request_id] == 4 * 32
         assert _load_of(output, request.request_id) is None
         # Every computed block is planned for saving, per group.
@@ -134,7 +143,7 @@ def test_producer_role_never_loads(model_dir, pool_settings, pool_client) -> Non
         request = make_request(scheduler, list(range(10, 10 + 6 * 32)))
         store_blocks(pool_client, scheduler, request, {0: range(6), 1: range(6)})
         scheduler.add_request(request)
-        output = scheduler.schedule()
+        output = scheduler.schedule()  # no lookup to wait for: admitted at once
         assert output.num_scheduled_tokens[request.request_id] == 6 * 32
         assert _load_of(output, request.request_id) is None
     finally:
@@ -146,7 +155,7 @@ def test_consumer_role_never_saves(model_dir, pool_settings) -> None:
     try:
         request = make_request(scheduler, list(range(10, 10 + 6 * 32)))
         scheduler.add_request(request)
-        output = scheduler.schedule()
+        output = admit(scheduler)
         assert output.kv_connector_metadata.saves == []
     finally:
         scheduler.shutdown()
@@ -168,7 +177,7 @@ def test_one_round_trip_per_lookup(model_dir, pool_settings, local_pool) -> None
         items = _master_counter(local_pool, "master_batch_exist_key_items_total")
         request = make_request(scheduler, list(range(9, 9 + 40 * 32 + 1)))
         scheduler.add_request(request)
-        scheduler.schedule()
+        admit(scheduler)
         # 40 full-attention blocks; a 64-token window needs its last 2 blocks.
         assert scheduler.connector.stats.lookups[-1].keys == 40 + 2
         # The statistics ask about the other 38 window blocks, off the lookup's path.

@@ -109,3 +109,31 @@ def make_request(scheduler: Any, prompt: list[int], max_tokens: int = 4) -> Any:
         request_id=f"req-{next(_ids)}",
         sampling_params=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
     )
+
+
+def matched_tokens(connector: Any, request: Any, num_computed_tokens: int = 0) -> tuple[int, bool]:
+    """``get_num_new_matched_tokens`` of a scheduler-side connector, past its batched lookup:
+    the first call queues the lookup (None), the second, once it is answered, takes the hit."""
+    got = connector.get_num_new_matched_tokens(request, num_computed_tokens)
+    if got[0] is None:
+        assert connector._sched().wait_lookups(30), "the lookup was never answered"
+        got = connector.get_num_new_matched_tokens(request, num_computed_tokens)
+    assert got[0] is not None
+    return got
+
+
+def schedule_answered(scheduler: Any) -> Any:
+    """``scheduler.schedule()``, then wait until the lookups it queued are answered, so the
+    next step admits with their hits (as a real engine does a step or so later)."""
+    output = scheduler.schedule()
+    connector = scheduler.connector
+    if connector is not None:
+        assert connector._sched().wait_lookups(30), "the lookups were never answered"
+    return output
+
+
+def admit(scheduler: Any) -> Any:
+    """Two steps: the first queues the waiting requests' lookups (vLLM skips those requests)
+    and waits for the answers; the second admits them with their hits. The second's output."""
+    schedule_answered(scheduler)
+    return scheduler.schedule()
