@@ -116,7 +116,8 @@ def _kv_shards(vllm_config: Any, kv_cache_config: KVCacheConfig) -> int | None:
     rank holds its own KV (or when anything disagrees: one object per rank is always right).
 
     Copies only without context parallelism (which splits tokens over the ranks of a head),
-    and only when every attention layer's per-rank heads are what the shard split implies.
+    and only when every attention layer's per-rank heads (and vLLM's ``max_tp_shards``,
+    where published) are what the shard split implies.
     """
     parallel, model = vllm_config.parallel_config, vllm_config.model_config
     tp_size = parallel.tensor_parallel_size
@@ -138,7 +139,12 @@ def _kv_shards(vllm_config: Any, kv_cache_config: KVCacheConfig) -> int | None:
         spec = group.kv_cache_spec
         layers = spec.kv_cache_specs.values() if isinstance(spec, UniformTypeKVCacheSpecs) else [spec]
         for layer in layers:
-            if isinstance(layer, AttentionSpec) and layer.num_kv_heads != heads_per_rank:
+            if not isinstance(layer, AttentionSpec):
+                continue
+            published = getattr(layer, "max_tp_shards", None)  # vLLM's own word, where a backend gives it
+            if layer.num_kv_heads != heads_per_rank or (
+                published is not None and min(tp_size, published) != shards
+            ):
                 return None
     return shards
 

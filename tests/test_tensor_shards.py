@@ -174,3 +174,44 @@ def test_the_second_rank_of_a_shard_saves_nothing_and_loads_the_first_ranks_obje
     finally:
         first.shutdown()
         second.shutdown()
+
+
+def _vllm_config(tp: int, heads: int, mla: bool = False, dcp: int = 1) -> object:
+    from types import SimpleNamespace
+
+    model = SimpleNamespace(use_mla=mla, get_total_num_kv_heads=lambda: heads)
+    parallel = SimpleNamespace(
+        tensor_parallel_size=tp, prefill_context_parallel_size=1, decode_context_parallel_size=dcp
+    )
+    return SimpleNamespace(model_config=model, parallel_config=parallel)
+
+
+def _kv_cache_config(*specs: object) -> object:
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+
+    groups = [KVCacheGroupSpec([f"l{i}"], spec) for i, spec in enumerate(specs)]
+    return KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups)
+
+
+def test_the_connector_reads_the_shard_split_from_vllms_config_and_specs() -> None:
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+
+    from kvpool.connector.vllm_layout import _kv_shards
+
+    def full(heads: int, **extra: object) -> FullAttentionSpec:
+        return FullAttentionSpec(
+            block_size=BLOCK, num_kv_heads=heads, head_size=64, dtype=torch.float32, **extra
+        )
+
+    assert _kv_shards(_vllm_config(2, 1), _kv_cache_config(full(1))) == 1
+    assert _kv_shards(_vllm_config(4, 2), _kv_cache_config(full(1))) == 2
+    assert _kv_shards(_vllm_config(2, 2), _kv_cache_config(full(1))) is None  # one head per rank: no copies
+    mla = MLAAttentionSpec(
+        block_size=BLOCK, num_kv_heads=1, head_size=576, dtype=torch.float32, max_tp_shards=1
+    )
+    assert _kv_shards(_vllm_config(4, 8, mla=True), _kv_cache_config(mla)) == 1
+    # Anything that disagrees is one object per rank: per-rank heads, vLLM's word, context parallelism.
+    assert _kv_shards(_vllm_config(2, 1), _kv_cache_config(full(2))) is None
+    assert _kv_shards(_vllm_config(4, 2), _kv_cache_config(full(1, max_tp_shards=4))) is None
+    assert _kv_shards(_vllm_config(2, 1, dcp=2), _kv_cache_config(full(1))) is None
