@@ -19,6 +19,7 @@ from typing import Any
 
 from vllm.utils.math_utils import cdiv
 from vllm.v1.core.kv_cache_coordinator import replay_boundaries
+from vllm.v1.kv_cache_interface import MambaSpec
 
 from kvpool.connector import tracing
 from kvpool.connector.contract.keys import KeySpace, hash_digest
@@ -430,11 +431,13 @@ class SchedulerSide:
         self._pending_loads = []
         if self.can_save and self.coordinator is not None:
             meta.new_blocks = _new_blocks(self.coordinator, scheduler_output)
+            offers = boundary_state_offers(scheduler_output)
             for req_id, num_new in scheduler_output.num_scheduled_tokens.items():
                 tracked = self._tracked.get(req_id)
                 if tracked is None or num_new <= 0:
                     continue
-                save = self._plan_save(tracked, req_id, num_new, block_ids_of)
+                offered = None if offers is None else offers.get(req_id, ())
+                save = self._plan_save(tracked, req_id, num_new, block_ids_of, offered)
                 if save is not None:
                     meta.saves.append(save)
         self._step += 1
@@ -448,7 +451,15 @@ class SchedulerSide:
         req_id: str,
         num_new: int,
         block_ids_of: Callable[[str], Sequence[list[int]]],
+        offered: Sequence[tuple[int, int, int]] | None = None,
     ) -> RequestSave | None:
+        """The blocks of ``req_id`` this step completes, to save after its forward.
+
+        A Mamba group's state blocks are the ones vLLM hands off this step
+        (``offered``: ``(group, block id, boundary tokens)``), never read by position
+        from the block table, where speculative blocks relocate and checkpoints move;
+        None (no hand-off from this vLLM) falls back to the table.
+        """
         coord = self.coordinator
         assert coord is not None
         request = tracked.request
@@ -484,8 +495,9 @@ class SchedulerSide:
                     dcp_world_size=group.dcp_world_size,
                     final_segment_end_block=cdiv(request.num_prompt_tokens, group.block_size),
                 )
+                states = _boundary_states(group, offered)
                 for index in range(start, end):
-                    block_id = block_ids[gid][index]
+                    block_id = block_ids[gid][index] if states is None else states.get(index, 0)
                     if (mask is not None and not mask[index - start]) or block_id <= 0:
                         transfer.masked += 1
                         continue
@@ -574,6 +586,23 @@ def _rewind(tracked: _Tracked, upto: Sequence[int]) -> None:
         if mark < tracked.saved_upto[gid]:
             tracked.replace_upto[gid] = max(tracked.replace_upto[gid], tracked.saved_upto[gid])
             tracked.saved_upto[gid] = mark
+
+
+def boundary_state_offers(scheduler_output: Any) -> Mapping[str, Sequence[tuple[int, int, int]]] | None:
+    """vLLM's Mamba boundary-state hand-offs of this step by request; None when it gives none."""
+    state = getattr(scheduler_output, "kv_connector_block_state", None)
+    return getattr(state, "boundary_state_offloads", None)
+
+
+def _boundary_states(group: Any, offered: Sequence[tuple[int, int, int]] | None) -> dict[int, int] | None:
+    """A Mamba group's handed-off state blocks by block index; None: read the block table."""
+    if offered is None or not isinstance(group.spec, MambaSpec):
+        return None
+    return {
+        tokens // group.block_size - 1: block_id
+        for group_id, block_id, tokens in offered
+        if group_id == group.group_id and tokens > 0 and tokens % group.block_size == 0
+    }
 
 
 def _lineage(tracked: _Tracked, group: Any, block_ids: Sequence[int], num_new: int) -> SaveLineage:

@@ -28,6 +28,7 @@ class GroupDesc:
     block_size: int = 32
     window: int = 0
     eagle: bool = False
+    speculative_blocks: int = 0  # mamba: vLLM's num_speculative_blocks
 
 
 def make_spec(desc: GroupDesc, head_size: int = 8) -> Any:
@@ -51,6 +52,7 @@ def make_spec(desc: GroupDesc, head_size: int = 8) -> Any:
             shapes=((2, 4),),
             dtypes=(torch.float32,),
             mamba_cache_mode="align",
+            num_speculative_blocks=desc.speculative_blocks,
         )
     raise ValueError(desc.kind)
 
