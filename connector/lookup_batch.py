@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from kvpool.connector.contract.keys import hash_digest
@@ -61,7 +63,11 @@ class _Unanswered(Exception):
 
 
 class Lookup:
-    """One request's fixed point over the master's presence answers."""
+    """One request's fixed point over the master's presence answers.
+
+    Built on the scheduler thread from its query alone; what costs time (the blocks
+    it may use, :attr:`wanted`) is computed on first use, on the thread answering it.
+    """
 
     def __init__(
         self,
@@ -73,15 +79,19 @@ class Lookup:
         self.coord = coord
         self.query = query
         self.max_hit = query.num_tokens - 1
-        self.wanted = coord.lookup_blocks(query.block_hashes, self.max_hit)
-        self.digests: dict[int, dict[int, str]] = {g: {} for g in self.wanted}  # group -> index -> digest
+        self.digests: dict[int, dict[int, str]] = defaultdict(dict)  # group -> index -> digest
         self.asked_keys = 0
         self.failures: dict[str, int] = {}
         self.result: tuple[HybridHit, dict[int, dict[int, bool]]] | None = None
         self._rank_prefixes = rank_prefixes
         self._ranks = ranks
         self._digest_of: dict[bytes, str] = {}  # groups of one block size share their hashes
-        self._answered: dict[int, dict[int, bool]] = {g: {} for g in self.wanted}
+        self._answered: dict[int, dict[int, bool]] = defaultdict(dict)
+
+    @cached_property
+    def wanted(self) -> dict[int, list[bytes]]:
+        """Per group, the hashes of the blocks a hit may use (``lookup_blocks``)."""
+        return self.coord.lookup_blocks(self.query.block_hashes, self.max_hit)
 
     def keys_of(self, questions: Questions) -> list[str]:
         """The keys of ``questions``: per group, per rank, per block (read back by position)."""

@@ -79,7 +79,7 @@ def test_batched_lookups_find_the_synchronous_hits(
         (hit, known), (batched_hit, batched_known) = one.result, batched.result
         assert batched_hit == hit and batched_hit.needed_blocks == hit.needed_blocks
         assert batched_known == known and batched.asked_keys == one.asked_keys
-        assert batched.digests == one.digests
+        assert {g: d for g, d in batched.digests.items() if d} == {g: d for g, d in one.digests.items() if d}
         if ranks == 1:
             _, real_hit, _ = coordinator.find_longest_cache_hit(block_hashes, max_hit)
             assert batched_hit.hit_tokens == real_hit
