@@ -7,6 +7,11 @@ itself; the in-tree one sends each lookup over ZMQ to the ``LookupKeyServer``
 of its rank-0 worker, measured with that worker in the scheduler's process (as
 vLLM's ``UniProcExecutor`` runs it) and in a process of its own (as
 ``MultiprocExecutor`` does). Every variant must return the same hit length.
+
+Ours runs its synchronous path (``batch_lookups`` off): each call asks the master
+itself and returns the hit, which is what one request costs the batched path's
+thread when it is alone in its step (in an engine the call returns ``None`` at
+once and the hit a step later; ``benchmarks.scheduler_overhead`` measures that).
 """
 
 from __future__ import annotations
@@ -161,6 +166,8 @@ def _measure_layout(
         "intree_thread": bench_scheduler(model, groups, it_transfer[0], num_blocks=NUM_BLOCKS),
         "intree_process": bench_scheduler(model, groups, it_transfer[1], num_blocks=NUM_BLOCKS),
     }
+    # One request's lookup, asked and answered within the call (see the module docstring).
+    schedulers["ours"].connector._sched().batch_lookups = False
     worker = intree.start_worker(model, groups, it_transfer[0], NUM_BLOCKS, config_path)
     rows: list[dict[str, Any]] = []
     rng = random.Random(1000 + index)

@@ -3,9 +3,15 @@
 Two real vLLM ``Scheduler`` objects, identical but for the connector (full
 attention + a sliding window; the pool is empty, so every lookup misses and
 every computed block is planned for saving). Each repetition adds N waiting
-requests (fresh 128-token prompts) to each, then times the step that admits
-them all (``schedule`` + ``update_from_output`` with one sampled token each)
-and the decode steps after it. Requests are then aborted (untimed).
+requests (fresh 128-token prompts) to each and runs steps (``schedule`` +
+``update_from_output`` with one sampled token each) until every request is
+admitted: the connector's lookups are batched, so its scheduler skips the
+requests in the step that queues their lookups and admits them in a later
+one. Admission is the scheduler time summed over those steps; after each, the
+benchmark waits, untimed, until the connector's threads have answered the
+lookups and their statistics' existence checks (in an engine the model's
+forward runs then), and reports that wait apart. Then the decode steps
+after it are timed; requests are then aborted (untimed).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ WAITING = (64, 256)
 SMOKE_WAITING = (8,)
 PROMPT = 128
 DECODE_STEPS = 8
+MAX_ADMIT_STEPS = 20
 GROUPS = [GroupDesc("full"), GroupDesc("sliding_window", window=128)]
 VARIANTS = ("with", "without")
 
@@ -46,19 +53,48 @@ def _step(scheduler: Any) -> tuple[Any, float]:
     return output, t[0]
 
 
-def _cycle(scheduler: Any, prompts: list[list[int]]) -> tuple[float, float, int]:
-    """Admit ``prompts`` and decode; (admission step s, median decode step s, requests admitted)."""
+def _admit(scheduler: Any, count: int) -> tuple[float, float, int, int]:
+    """Steps until ``count`` waiting requests are all admitted: (scheduler s summed over them,
+    s waited between them for the lookups' answers, steps, existence checks made)."""
+    side = None if scheduler.connector is None else scheduler.connector._sched()
+    calls = 0 if side is None else side._queue.calls
+    busy = waited = 0.0
+    admitted: set[str] = set()
+    steps = 0
+    while len(admitted) < count:
+        if steps == MAX_ADMIT_STEPS:
+            raise RuntimeError(f"admitted {len(admitted)} of {count} waiting requests in {steps} steps")
+        output, seconds = _step(scheduler)
+        busy += seconds
+        steps += 1
+        admitted.update(output.num_scheduled_tokens)
+        if side is not None:  # the connector's threads finish what the step started
+            with stopwatch() as t:
+                if not (side.wait_lookups(30) and side.settle_statistics(30)):
+                    raise RuntimeError("lookups or their statistics unanswered after 30 s")
+            waited += t[0]
+    return busy, waited, steps, 0 if side is None else side._queue.calls - calls
+
+
+def _cycle(scheduler: Any, prompts: list[list[int]]) -> dict[str, float]:
+    """Admit ``prompts`` and decode: admission's scheduler s, wait s, steps and existence checks;
+    the median decode step s."""
     from vllm.v1.request import RequestStatus
 
     requests = [make_request(scheduler, p, max_tokens=DECODE_STEPS + 4) for p in prompts]
     for r in requests:
         scheduler.add_request(r)
-    output, admit = _step(scheduler)
-    admitted = len(output.num_scheduled_tokens)
+    admit, waited, steps, calls = _admit(scheduler, len(requests))
     decode = [_step(scheduler)[1] for _ in range(DECODE_STEPS)]
     scheduler.finish_requests([r.request_id for r in requests], RequestStatus.FINISHED_ABORTED)
     _step(scheduler)  # hands the finished ids to the connector, as the next real step would
-    return admit, Stat.of(decode).median, admitted
+    return {
+        "admit": admit,
+        "waited": waited,
+        "steps": steps,
+        "calls": calls,
+        "decode": Stat.of(decode).median,
+    }
 
 
 def run(opts: Options) -> Report:
@@ -91,18 +127,16 @@ def run(opts: Options) -> Report:
                     _cycle(schedulers[v], [[rng.randrange(3, 500) for _ in range(PROMPT)] for _ in range(n)])
                 freeze_gc_heap()  # as vLLM's EngineCore does after start-up
                 seen = len(recording.lookups)
-                admit: dict[str, list[float]] = {v: [] for v in VARIANTS}
-                decode: dict[str, list[float]] = {v: [] for v in VARIANTS}
+                measured: dict[str, dict[str, list[float]]] = {
+                    key: {v: [] for v in VARIANTS} for key in ("admit", "waited", "steps", "calls", "decode")
+                }
                 for rep in range(reps):
                     for v in rotate(VARIANTS, rep):
                         prompts = [[rng.randrange(3, 500) for _ in range(PROMPT)] for _ in range(n)]
-                        a, d, admitted = _cycle(schedulers[v], prompts)
-                        if admitted != n:
-                            raise RuntimeError(f"{v}: admitted {admitted} of {n} waiting requests")
-                        admit[v].append(a)
-                        decode[v].append(d)
+                        for key, value in _cycle(schedulers[v], prompts).items():
+                            measured[key][v].append(value)
                 lookups = [rec.seconds for rec in recording.lookups[seen:]]
-                rows.append({"waiting": n, "admit": admit, "decode": decode, "lookup_seconds": lookups})
+                rows.append({"waiting": n, **measured, "lookup_seconds": lookups})
                 print(f"  {n} waiting: done", file=sys.stderr, flush=True)
         finally:
             gc.unfreeze()
@@ -114,20 +148,17 @@ def run(opts: Options) -> Report:
 def _report(rows: list[dict[str, Any]], reps: int, opts: Options) -> Report:
     report = Report("scheduler_overhead", "5. Scheduler step: with KVPoolConnector (no hits) vs without", "")
     table = Table(
-        f"step time ms, median (min..max) of {reps}; ratio = with / without, paired per repetition",
+        f"scheduler time ms, median (min..max) of {reps}; ratio = with / without, paired per repetition",
         ["waiting", "step", "with connector ms", "without ms", "ratio", "per request µs (with - without)"],
     )
-    worst = 0.0
     for r in rows:
         for step, key in (
-            ("admission (all prefill)", "admit"),
+            ("admission (all steps until every request is admitted)", "admit"),
             (f"decode (median of {DECODE_STEPS})", "decode"),
         ):
             w, wo = Stat.of(r[key]["with"]), Stat.of(r[key]["without"])
             ratio = ratios(r[key]["with"], r[key]["without"])
             r[f"{key}_ratio"] = ratio.median
-            if key == "admit":
-                worst = max(worst, ratio.median)
             table.add(
                 r["waiting"],
                 step,
@@ -138,27 +169,47 @@ def _report(rows: list[dict[str, Any]], reps: int, opts: Options) -> Report:
             )
     report.tables.append(table)
     own = Table(
-        "the connector's own lookup records during the timed admission steps (one per request)",
-        ["waiting", "lookups", "lookup ms per request", "lookups' share of the admission step's extra time"],
+        "admission with the connector: steps, the lookups' batched existence checks, and the wait after "
+        "each step for the connector's threads (lookups, statistics; untimed above: in an engine the "
+        "model's forward runs then)",
+        [
+            "waiting",
+            "steps to admit all (with / without)",
+            "existence checks per admission",
+            "wait for the threads ms",
+            "lookup ms per request (first call to answer)",
+        ],
     )
     for r in rows:
-        if not r["lookup_seconds"]:
-            continue
-        st = Stat.of(r["lookup_seconds"])
-        extra = Stat.of(r["admit"]["with"]).median - Stat.of(r["admit"]["without"]).median
-        share = st.median * r["waiting"] / extra * 100 if extra > 0 else float("nan")
-        own.add(r["waiting"], len(r["lookup_seconds"]), st.fmt(1e3, 3), f"{share:.0f}%")
+        st = Stat.of(r["lookup_seconds"]) if r["lookup_seconds"] else None
+        own.add(
+            r["waiting"],
+            f"{Stat.of(r['steps']['with']).median:.0f} / {Stat.of(r['steps']['without']).median:.0f}",
+            f"{Stat.of(r['calls']['with']).median:.0f} (max {max(r['calls']['with']):.0f})",
+            Stat.of(r["waited"]["with"]).fmt(1e3),
+            "-" if st is None else st.fmt(1e3, 3),
+        )
     report.tables.append(own)
+    worst = max(r["admit_ratio"] for r in rows)
     report.targets.append(
-        Target("admission step ≤ 1.1x without connector", f"worst median {worst:.2f}x", worst <= 1.1)
+        Target(
+            "admission (scheduler time over its steps) ≤ 1.1x without connector",
+            f"worst median {worst:.2f}x",
+            worst <= 1.1,
+        )
     )
     decode_worst = max(r["decode_ratio"] for r in rows)
     report.targets.append(
-        Target("(decode step, not a stated target)", f"worst median {decode_worst:.2f}x", None)
+        Target(
+            "decode step ≤ 1.05x without connector", f"worst median {decode_worst:.2f}x", decode_worst <= 1.05
+        )
     )
     report.notes.append(
-        "Admission includes one batch_is_exist round trip per request to the Mooncake master on loopback "
-        "and the save plan of every request's blocks; decode steps include the per-step save planning."
+        "Lookups are batched: the step that first sees the waiting requests queues their lookups and "
+        "schedules none of them; the lookups go to the master in one batch_is_exist (per round of the "
+        "hybrid fixed point) on a thread of their own when the step ends, and the next step admits them. "
+        "Admission counts the scheduler's time in all those steps, including the save plan of every "
+        "admitted request; decode steps include the per-step save planning."
     )
     report.data["rows"] = rows
     path = common.plot_path("scheduler_overhead", opts)
@@ -172,7 +223,7 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> bool:
     if plt is None:
         return False
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, key, title in zip(axes, ("admit", "decode"), ("admission step", "decode step")):
+    for ax, key, title in zip(axes, ("admit", "decode"), ("admission (all its steps)", "decode step")):
         labels = [str(r["waiting"]) for r in rows]
         x = range(len(rows))
         for offset, v, color in ((-0.2, "with", "tab:blue"), (0.2, "without", "tab:gray")):
