@@ -141,6 +141,15 @@ class PoolClient:
                 f"(master_server_address={settings.master_server_address})"
             )
         self._open = True
+        # A client that contributes memory keeps what it saves there when it can (Mooncake
+        # falls back to other segments when it is full): its own hits then move by memcpy,
+        # not over the network. Others read those objects as they read any store's.
+        self._put_config: Any = None
+        if segment > 0:
+            from mooncake.store import ReplicateConfig
+
+            self._put_config = ReplicateConfig()
+            self._put_config.preferred_segment = self._store.get_hostname()
         self._registered: set[tuple[int, int]] = set()
         self._unreachable_until = 0.0
         self._failed_batches = 0
@@ -277,7 +286,8 @@ class PoolClient:
         ``CODE_OBJECT_EXISTS``; one another writer reserved and has not published answers
         ``CODE_RESERVED_ELSEWHERE`` (Mooncake answers both alike: presence tells them apart).
         """
-        codes = self._session_call(self._store.batch_put_session_start, list(keys), list(sizes))
+        config = () if self._put_config is None else (self._put_config,)
+        codes = self._session_call(self._store.batch_put_session_start, list(keys), list(sizes), *config)
         taken = [i for i, code in enumerate(codes) if code == CODE_OBJECT_EXISTS]
         if taken:
             published = self.exists([keys[i] for i in taken])
