@@ -26,7 +26,7 @@ from benchmarks import common, pool
 from benchmarks.common import Options, Report, Stat, Table, Target, ratios, rotate, stopwatch
 from benchmarks.vllm_env import bench_scheduler, ours_transfer, tiny_long_model
 from tests.support.kv_cache import GroupDesc
-from tests.support.scheduler import make_request
+from tests.support.scheduler import admit, make_request
 
 PREFIXES = (1024, 2048, 4096, 8192, 16384)
 SMOKE_PREFIXES = (512,)
@@ -113,7 +113,7 @@ def _measure(address: str, model: Path, prefix: int, window: int, reps: int) -> 
         # The scheduler plans the load; the worker runs it as vLLM would (asynchronously).
         request = make_request(scheduler, prompt)
         scheduler.add_request(request)
-        output = scheduler.schedule()
+        output = admit(scheduler)  # its lookup is answered a step after its first call
         (load,) = [x for x in output.kv_connector_metadata.loads if x.req_id == request.request_id]
         worker.start_loads(output.kv_connector_metadata)
         _wait_loaded(worker, request.request_id)
