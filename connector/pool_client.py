@@ -226,6 +226,16 @@ class PoolClient:
             raise StoreUnavailable(f"register_buffer failed with code {code}")
         self._registered.add((ptr, size))
 
+    def unregister(self, ptr: int, size: int) -> None:
+        """Forget a region registered with :meth:`register` (its memory is about to be freed)."""
+        if (ptr, size) not in self._registered or not self._open:
+            return
+        self._registered.discard((ptr, size))
+        try:
+            self._call(lambda p: [self._store.unregister_buffer(p)], ptr)
+        except Exception:  # the client is closing or gone: nothing is left to forget
+            logger.debug("unregister_buffer failed", exc_info=True)
+
     def get_into(
         self, keys: Sequence[str], ptrs: Sequence[list[int]], sizes: Sequence[list[int]]
     ) -> list[int]:
