@@ -51,14 +51,13 @@ TP = 2
 TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": "60"}
 #: The hits asserted here must not depend on how busy the machine is: deadlines a
 #: shared 2-core machine does not reach (a deadline's own behaviour is tested elsewhere).
-#: Seen here: every process of a run, the master's own timer thread included, stalled
-#: for about 40 s while a TP=2 engine loaded; 30 s deadlines turned that into misses.
+#: (Load and save deadlines are at their upper bound, 30 s.)
 PATIENT = {
-    "lookup_timeout_s": 120.0,
-    "load_timeout_s": 120.0,
-    "save_timeout_s": 120.0,
+    "lookup_timeout_s": 30.0,
+    "load_timeout_s": 30.0,
+    "save_timeout_s": 30.0,
     "shutdown_timeout_s": 50.0,
-    "store_timeout_s": 120,
+    "store_timeout_s": 30,
 }
 MAX_TOKENS = 8
 _rng = random.Random(718)
