@@ -150,9 +150,9 @@ class WorkerSide:
         self._slots: list[StagingSlot] = []
         self._retired: list[tuple[float, StagingSlot]] = []  # (when, buffer) given up on
         self._closed = False
-        # Memory registered with the client (KV caches, staging buffers): unregistered at
-        # shutdown, as the client may outlive this engine in the process.
-        self._spans: list[tuple[int, int]] = []
+        # The KV caches' memory registered with the client: unregistered at shutdown with
+        # the staging buffers, as the client may outlive this engine in the process.
+        self._kv_spans: list[tuple[int, int]] = []
         # No save of KV computed from a failed load; device work ordered before transfers.
         self.integrity = integrity or SaveIntegrity()
 
@@ -178,7 +178,7 @@ class WorkerSide:
                 self.copiers[group_id] = GroupCopier.header_only(self.num_blocks)
         for ptr, size in sorted(spans):
             self.client.register(ptr, size)
-            self._spans.append((ptr, size))
+            self._kv_spans.append((ptr, size))
         logger.info(
             "KVPoolConnector registered %d memory span(s); bytes per block by group: %s",
             len(spans),
@@ -220,7 +220,6 @@ class WorkerSide:
             largest = max((c.object_bytes for c in self.copiers if c is not None), default=0)
             slot = StagingSlot(max(self.staging_bytes, largest), self._device)
             self.client.register(slot.ptr, slot.nbytes)
-            self._spans.append((slot.ptr, slot.nbytes))
             with self._lock:
                 self._slots.append(slot)
         self._local.slot = slot
@@ -765,7 +764,10 @@ class WorkerSide:
         if self._jobs.live():
             return False  # a call stuck in Mooncake may still use the registered memory
         with self._lock:
-            spans, self._spans = self._spans, []
+            # A buffer given up on stays registered: Mooncake's transport may still write it.
+            resting = {id(slot) for _, slot in self._retired}
+            spans = self._kv_spans + [(s.ptr, s.nbytes) for s in self._slots if id(s) not in resting]
+            self._kv_spans = []
         for ptr, size in spans:
             self.client.unregister(ptr, size)
         return True

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from tests.support.prompts import hashed_request
-from tests.support.scheduler import local_pool_transfer
+from tests.support.scheduler import local_pool_transfer, scheduler_over
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(600)]
 
@@ -112,24 +112,14 @@ class Engine:
     def __init__(self, stage_configs: tuple[Any, list[Any], Any], pool_settings: Any, *, seed: int | None):
         from vllm.config import KVTransferConfig, set_current_vllm_config
         from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
-        from vllm.v1.core.sched.scheduler import Scheduler
-        from vllm.v1.structured_output import StructuredOutputManager
 
         config, per_stage, scheduler_config = stage_configs
         config.kv_transfer_config = KVTransferConfig(**local_pool_transfer(pool_settings))
-        config.cache_config.num_gpu_blocks = scheduler_config.num_blocks
         self.stages = [
             Stage(config, c, rank, None if seed is None else seed + rank) for rank, c in enumerate(per_stage)
         ]
         with set_current_vllm_config(config):
-            self.scheduler = Scheduler(
-                vllm_config=config,
-                kv_cache_config=scheduler_config,
-                structured_output_manager=StructuredOutputManager(config),
-                block_size=BLOCK,
-                hash_block_size=BLOCK,
-                log_stats=True,
-            )
+            self.scheduler = scheduler_over(config, scheduler_config, BLOCK, BLOCK)
         self.aggregator = KVOutputAggregator(expected_finished_count=len(self.stages))
 
     def step(self) -> Any:

@@ -193,23 +193,29 @@ def test_a_broken_transfer_is_a_failure_not_an_exception(pool_client, cache_pref
 
 def test_an_engine_after_another_on_the_same_client_registers_its_memory(pool_client, cache_prefix) -> None:
     """The client outlives an engine in the process: the next engine's KV cache may reuse the
-    freed memory, in spans that overlap the first one's. Its loads must still work."""
-    memory = torch.randn((2 * NUM_BLOCKS + 2, 32, 2, 16))
+    freed memory in a span that overlaps the first one's, which Mooncake refuses to register
+    (-600) while the first is still registered. Its loads must still work."""
+    import numpy as np
+
+    elements = int(np.prod(SHAPE))
+    block = elements // (2 * NUM_BLOCKS)
+    memory = np.random.default_rng(0).standard_normal(elements + block).astype(np.float32)
+    # Two storages of their own over one allocation, the second one block further on.
+    first_cache = torch.from_numpy(memory[:elements]).view(SHAPE)
+    second_cache = torch.from_numpy(memory[block:]).view(SHAPE)
     first = single_group_worker(pool_client, cache_prefix, num_blocks=NUM_BLOCKS, fingerprint="fp3")
-    first.register_kv_caches({"l0": memory[:, :].narrow(0, 0, 2 * NUM_BLOCKS).view(SHAPE)})
+    first.register_kv_caches({"l0": first_cache})
     first.start_saves(PoolConnectorMetadata(saves=[RequestSave("s", [GroupTransfer(0, ["y"], [1])])]))
     first.before_forward()
     first.wait_for_saves()
+    stored = first_cache[:, 1].clone()
     assert first.shutdown()
-    # The second engine's cache starts one block later in the same memory: an overlapping span.
     second = single_group_worker(pool_client, cache_prefix, num_blocks=NUM_BLOCKS, fingerprint="fp3")
     try:
-        cache = memory.narrow(0, 2, 2 * NUM_BLOCKS).view(SHAPE)
-        second.register_kv_caches({"l0": cache})
-        stored = memory.narrow(0, 0, 2 * NUM_BLOCKS).view(SHAPE)[:, 1].clone()
+        second.register_kv_caches({"l0": second_cache})
         load = RequestLoad("r", [GroupTransfer(0, ["y"], [3])], hit_tokens=32, is_async=False)
         second.start_loads(PoolConnectorMetadata(loads=[load]))
         assert second.take_load_errors() == set()
-        assert torch.equal(cache[:, 3], stored)
+        assert torch.equal(second_cache[:, 3], stored)
     finally:
         second.shutdown()

@@ -75,9 +75,6 @@ def make_scheduler(
     max_num_batched_tokens: int | None = None,
 ) -> Any:
     """vLLM's ``Scheduler`` over ``groups`` with the connector ``transfer`` names (None: no connector)."""
-    from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.structured_output import StructuredOutputManager
-
     ensure_registry()
     vllm_config = engine_config(
         model_dir,
@@ -87,14 +84,21 @@ def make_scheduler(
         max_num_batched_tokens=max_num_batched_tokens,
     )
     kv_cache_config = make_kv_cache_config(groups, num_blocks=num_blocks)
-    scheduler_block, hash_block = block_sizes(groups)
+    return scheduler_over(vllm_config, kv_cache_config, *block_sizes(groups))
+
+
+def scheduler_over(vllm_config: Any, kv_cache_config: Any, block_size: int, hash_block_size: int) -> Any:
+    """vLLM's ``Scheduler`` of ``vllm_config`` over ``kv_cache_config``, as the engine core makes it."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.structured_output import StructuredOutputManager
+
     vllm_config.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
     return Scheduler(
         vllm_config=vllm_config,
         kv_cache_config=kv_cache_config,
         structured_output_manager=StructuredOutputManager(vllm_config),
-        block_size=scheduler_block,
-        hash_block_size=hash_block,
+        block_size=block_size,
+        hash_block_size=hash_block_size,
         log_stats=True,
     )
 
