@@ -367,12 +367,17 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
             self._work().start_saves(meta)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        recving, failed = self._work().transfer_results()
+        recving, failed = self._work().transfer_results(idle=self._idle_step())
         return KVConnectorTransferResults(finished_recving=recving, failed_recving=failed)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        recving, _ = self._work().transfer_results()
+        recving, _ = self._work().transfer_results(idle=self._idle_step())
         return None, recving or None
+
+    def _idle_step(self) -> bool:
+        """Whether the bound step runs no forward (the engine only waits, e.g. for loads)."""
+        meta = self._connector_metadata
+        return isinstance(meta, PoolConnectorMetadata) and meta.forward_tokens == 0
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._work().take_load_errors()

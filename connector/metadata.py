@@ -95,3 +95,5 @@ class PoolConnectorMetadata(KVConnectorMetadata):
     step: int = 0
     # Per group: blocks newly allocated this step, which hold nothing of earlier steps.
     new_blocks: list[list[int]] = field(default_factory=list)
+    # Tokens this step's forward computes; 0: an idle step (no forward).
+    forward_tokens: int = 0

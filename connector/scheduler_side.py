@@ -427,7 +427,11 @@ class SchedulerSide:
     def build_connector_meta(
         self, scheduler_output: Any, block_ids_of: Callable[[str], Sequence[list[int]]]
     ) -> PoolConnectorMetadata:
-        meta = PoolConnectorMetadata(loads=self._pending_loads, step=self._step)
+        meta = PoolConnectorMetadata(
+            loads=self._pending_loads,
+            step=self._step,
+            forward_tokens=int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0),
+        )
         self._pending_loads = []
         if self.can_save and self.coordinator is not None:
             meta.new_blocks = _new_blocks(self.coordinator, scheduler_output)
