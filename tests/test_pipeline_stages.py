@@ -126,6 +126,8 @@ class Engine:
         from vllm.v1.outputs import ModelRunnerOutput
 
         output = self.scheduler.schedule()
+        # Workers tell an idle step (no forward: they may pause for loads) by this.
+        assert output.kv_connector_metadata.forward_tokens == output.total_num_scheduled_tokens
         req_ids = list(output.num_scheduled_tokens)
         runs = [
             ModelRunnerOutput(
