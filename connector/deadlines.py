@@ -29,6 +29,13 @@ from typing import Any
 
 Clock = Any  # a callable returning monotonic seconds
 
+# An idle engine step (no forward) waits this long at most for the pool work in flight
+# (a step's lookups on the scheduler, asynchronous loads on a worker). Without it the
+# engine's loop spins through idle steps holding the GIL, and the threads doing that
+# work, which need it between Mooncake calls, crawl (measured: a 72 MiB hit loaded at
+# ~43 MB/s in an in-process engine, against ~1.4 GB/s alone).
+IDLE_STEP_WAIT_S = 0.005
+
 
 class JobState(Enum):
     RUNNING = "running"  # queued, or in a Mooncake call: touches no block

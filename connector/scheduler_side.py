@@ -24,7 +24,7 @@ from vllm.v1.kv_cache_interface import MambaSpec
 from kvpool.connector import tracing
 from kvpool.connector.contract.keys import KeySpace, hash_digest
 from kvpool.connector.contract.settings import ConnectorSettings
-from kvpool.connector.deadlines import BoundedCall
+from kvpool.connector.deadlines import IDLE_STEP_WAIT_S, BoundedCall
 from kvpool.connector.hybrid_hit import HybridHit, HybridHitCoordinator
 from kvpool.connector.logs import get_logger
 from kvpool.connector.lookup_batch import Lookup, LookupQuery, LookupQueue
@@ -447,6 +447,10 @@ class SchedulerSide:
         self._step += 1
         # The lookups vLLM asked for during this schedule() go to the master together.
         self._queue.flush()
+        if meta.forward_tokens == 0:
+            # An idle step: the engine only waits. Let the lookup thread answer (it needs
+            # the GIL the engine's loop would hold), so the next step admits the requests.
+            self._queue.wait_idle(IDLE_STEP_WAIT_S)
         return meta
 
     def _plan_save(

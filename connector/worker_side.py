@@ -37,7 +37,7 @@ from kvpool.connector.contract.object_header import ObjectIdentity, mismatch, pa
 from kvpool.connector.contract.settings import ConnectorSettings
 from kvpool.connector.contract.shards import shard_of, writes_shard
 from kvpool.connector.cpu_affinity import unpin_this_thread
-from kvpool.connector.deadlines import Job, JobBoard
+from kvpool.connector.deadlines import IDLE_STEP_WAIT_S, Job, JobBoard
 from kvpool.connector.device_order import Marker, wait_for
 from kvpool.connector.logs import get_logger
 from kvpool.connector.metadata import GroupTransfer, PoolConnectorMetadata, RequestLoad, RequestSave
@@ -56,11 +56,6 @@ from kvpool.connector.staging import GroupCopier, StagingSlot
 logger = get_logger(__name__)
 
 TRANSFER_THREADS = 4
-# An idle step (no forward) with asynchronous loads in flight waits this long at most for
-# one of them. Without it the engine's loop spins through idle steps holding the GIL,
-# and the loads, which need it between Mooncake calls, crawl (measured: a 72 MiB hit
-# loaded at ~43 MB/s in an in-process engine, against ~1.4 GB/s alone).
-IDLE_STEP_WAIT_S = 0.005
 # Staging buffers whose call was given up on rest this long (ten times Mooncake's longest
 # wait for a transfer, 60 s) before reuse; at most this many rest at once.
 RETIRE_GRACE_S = 600.0

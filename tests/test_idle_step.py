@@ -67,3 +67,29 @@ def test_the_connector_calls_a_step_without_scheduled_tokens_idle() -> None:
     assert not connector._idle_step()
     connector._connector_metadata = None
     assert not connector._idle_step()
+
+
+class _RecordingQueue:
+    def __init__(self) -> None:
+        self.waits: list[float] = []
+
+    def flush(self) -> None:
+        pass
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        self.waits.append(timeout_s)
+        return True
+
+
+@pytest.mark.parametrize(("tokens", "waits"), [(0, [worker_side.IDLE_STEP_WAIT_S]), (16, [])])
+def test_an_idle_scheduler_step_lets_its_lookups_be_answered(tokens: int, waits: list[float]) -> None:
+    from types import SimpleNamespace
+
+    from kvpool.connector.scheduler_side import SchedulerSide
+
+    side = object.__new__(SchedulerSide)
+    side._pending_loads, side._step, side.can_save = [], 0, False
+    side._queue = _RecordingQueue()
+    meta = side.build_connector_meta(SimpleNamespace(total_num_scheduled_tokens=tokens), lambda _: [])
+    assert meta.forward_tokens == tokens
+    assert side._queue.waits == waits  # bounded: the queue's wait takes the deadline
