@@ -10,7 +10,8 @@ requests in the step that queues their lookups and admits them in a later
 one. Admission is the scheduler time summed over those steps; after each, the
 benchmark waits, untimed, until the connector's threads have answered the
 lookups and their statistics' existence checks (in an engine the model's
-forward runs then), and reports that wait apart. Then the decode steps
+forward runs then), and reports that wait apart, with the pause an idle step
+takes for its lookups (``IDLE_STEP_WAIT_S``). Then the decode steps
 after it are timed; requests are then aborted (untimed).
 """
 
@@ -64,8 +65,12 @@ def _admit(scheduler: Any, count: int) -> tuple[float, float, int, int]:
     while len(admitted) < count:
         if steps == MAX_ADMIT_STEPS:
             raise RuntimeError(f"admitted {len(admitted)} of {count} waiting requests in {steps} steps")
+        paused = 0.0 if side is None else side.idle_wait_s
         output, seconds = _step(scheduler)
-        busy += seconds
+        # An idle step's pause for its lookups is waiting, not scheduler work.
+        paused = 0.0 if side is None else side.idle_wait_s - paused
+        busy += seconds - paused
+        waited += paused
         steps += 1
         admitted.update(output.num_scheduled_tokens)
         if side is not None:  # the connector's threads finish what the step started

@@ -115,6 +115,7 @@ class SchedulerSide:
         # Off: each lookup asks the master itself, inside vLLM's schedule() (tests, benchmarks).
         self.batch_lookups = batch_lookups
         self._queue = LookupQueue(self._exists, self._conclude)
+        self.idle_wait_s = 0.0  # seconds idle steps waited for lookups (benchmarks)
         self.coordinator: HybridHitCoordinator | None = None
         self._plans: dict[str, _Plan] = {}
         self._looked_up: dict[str, _LookedUp] = {}
@@ -450,7 +451,9 @@ class SchedulerSide:
         if meta.forward_tokens == 0:
             # An idle step: the engine only waits. Let the lookup thread answer (it needs
             # the GIL the engine's loop would hold), so the next step admits the requests.
+            started = time.perf_counter()
             self._queue.wait_idle(IDLE_STEP_WAIT_S)
+            self.idle_wait_s += time.perf_counter() - started
         return meta
 
     def _plan_save(
