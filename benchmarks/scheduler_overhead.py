@@ -65,10 +65,10 @@ def _admit(scheduler: Any, count: int) -> tuple[float, float, int, int]:
     while len(admitted) < count:
         if steps == MAX_ADMIT_STEPS:
             raise RuntimeError(f"admitted {len(admitted)} of {count} waiting requests in {steps} steps")
-        paused = 0.0 if side is None else side.idle_wait_s
+        paused_before = 0.0 if side is None else side.idle_wait_s
         output, seconds = _step(scheduler)
         # An idle step's pause for its lookups is waiting, not scheduler work.
-        paused = 0.0 if side is None else side.idle_wait_s - paused
+        paused = 0.0 if side is None else side.idle_wait_s - paused_before
         busy += seconds - paused
         waited += paused
         steps += 1

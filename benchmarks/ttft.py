@@ -106,7 +106,8 @@ def run(opts: Options) -> Report:
         "Hit and recompute are paired within one engine (interleaved). The engines without and "
         f"with the connector alternate in {BLOCKS} blocks in one process (one block below 3 "
         "repetitions); the no-connector ratio pairs by repetition index across engines, so it "
-        "also carries the machine's drift. Each engine's warm-up request has a 256-token prefix."
+        "also carries the machine's drift. Each engine's warm-up request has a "
+        f"{WARM_UP_PREFIX}-token prefix."
     )
     report.data.update(
         {
@@ -164,10 +165,12 @@ def _run_prefix(
                 llm.reset_prefix_cache()
                 hit, hit_cached = _ttft(llm, prompt(prefix))
                 # The prefix is in the local cache now: a hit that loads nothing (the floor).
-                local, _ = _ttft(llm, prompt(prefix))
+                local, local_cached = _ttft(llm, prompt(prefix))
                 llm.reset_prefix_cache()
                 if miss_cached:
                     raise RuntimeError(f"the recompute run found {miss_cached} cached tokens")
+                if local_cached != hit_cached:
+                    raise RuntimeError(f"the floor run found {local_cached} cached tokens, not {hit_cached}")
                 if rep >= 0:
                     times["recompute"].append(miss)
                     times["hit"].append(hit)

@@ -431,7 +431,7 @@ class SchedulerSide:
         meta = PoolConnectorMetadata(
             loads=self._pending_loads,
             step=self._step,
-            forward_tokens=int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0),
+            forward_tokens=scheduler_output.total_num_scheduled_tokens,
         )
         self._pending_loads = []
         if self.can_save and self.coordinator is not None:
