@@ -29,7 +29,7 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
@@ -190,11 +190,12 @@ def answer_together(lookups: Sequence[Lookup], exists: Exists) -> int:
 
 @dataclass
 class Pending:
-    """A queued lookup; :attr:`outcome` is set (and :attr:`done` fires) when answered."""
+    """A queued lookup; :attr:`outcome` is set, then :attr:`answered`, when answered
+    (nobody blocks on one lookup: the scheduler polls it once a step)."""
 
     lookup: Lookup
     outcome: Any = None
-    done: threading.Event = field(default_factory=threading.Event)
+    answered: bool = False
 
 
 class LookupQueue:
@@ -219,8 +220,7 @@ class LookupQueue:
         self.calls = 0  # existence checks made (benchmarks)
 
     def get(self, req_id: str) -> Pending | None:
-        with self._cond:
-            return self._by_id.get(req_id)
+        return self._by_id.get(req_id)  # one dict read: atomic, no lock needed
 
     def put(self, lookup: Lookup) -> Pending:
         """Queue ``lookup`` (replacing any of the same request) until the next :meth:`flush`."""
@@ -287,7 +287,7 @@ class LookupQueue:
                 logger.exception("KVPoolConnector batched lookup failed; its requests miss")
             finally:
                 for pending in batch:
-                    pending.done.set()
+                    pending.answered = True
                 with self._cond:
                     self._busy = False
                     self._cond.notify_all()

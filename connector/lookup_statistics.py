@@ -30,10 +30,25 @@ class Backfill:
         self.flags: list[bool] | None = None
         self.keys = 0
         self._done = threading.Event()
+        self._then: list[Callable[[], object]] = []
+
+    def then(self, follow_up: Callable[[], object]) -> None:
+        """Run ``follow_up`` on the backfill's thread once answered (statistics computed
+        there, not on the scheduler thread when they are exported)."""
+        self._then.append(follow_up)
 
     def answer(self, flags: list[bool] | None) -> None:
         self.flags = flags
         self._done.set()
+
+    def follow_up(self) -> None:
+        """Run what :meth:`then` queued (on the thread that answered)."""
+        for follow_up in self._then:
+            try:
+                follow_up()
+            except Exception:  # statistics only: computed again when read
+                logger.debug("KVPoolConnector lookup statistics failed to compute", exc_info=True)
+        self._then = []
 
     def result(self, clock: Clock = time.monotonic) -> list[bool] | None:
         """Presence of each key, waiting at most until the deadline."""
@@ -118,6 +133,8 @@ class PresenceBackfill:
             for handle in batch:
                 handle.answer(None if flags is None else flags[at : at + handle.keys])
                 at += handle.keys
+            for handle in batch:
+                handle.follow_up()
             with self._cond:
                 self._busy_since = None
                 self._cond.notify_all()

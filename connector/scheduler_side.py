@@ -74,6 +74,13 @@ class _Tracked:
     # Per group: blocks below this index that are saved again after a failed load
     # replace whatever the pool holds under their keys.
     replace_upto: list[int] = field(default_factory=list)
+    # Tokens computed from which some group completes a block it has not saved
+    # (0: not known). Below it a step plans nothing: most decode steps.
+    next_save_at: int = 0
+
+    def note_saved(self, block_sizes: Sequence[int]) -> None:
+        """Recompute :attr:`next_save_at` after ``saved_upto`` moved."""
+        self.next_save_at = min((done + 1) * size for done, size in zip(self.saved_upto, block_sizes))
 
 
 class SchedulerSide:
@@ -122,6 +129,9 @@ class SchedulerSide:
         self._pending_loads: list[RequestLoad] = []
         self._loading: set[str] = set()
         self._tracked: dict[str, _Tracked] = {}
+        # The tracked requests that may still complete a block to save (decode steps
+        # of prompts saved in full look at none).
+        self._saving: dict[str, _Tracked] = {}
         self._local_tokens: dict[str, int] = {}
         # Block ids each request's load wrote, and requests whose load failed:
         # those recompute and never take the pool's word for them again.
@@ -177,7 +187,7 @@ class SchedulerSide:
             self._queue.put(self._new_lookup(coord, self._query(request, num_computed_tokens)))
             return None
         query = pending.lookup.query
-        answered = pending.done.is_set()
+        answered = pending.answered
         if not answered and time.perf_counter() < query.deadline:
             return None
         self._queue.forget(req_id)
@@ -253,6 +263,8 @@ class SchedulerSide:
 
     def _trace(self, query: LookupQuery, record: LookupRecord) -> None:
         """The lookup's span, from the request's first call until its answer was taken."""
+        if not tracing.enabled():
+            return
         with tracing.span(
             "kvpool.lookup",
             query.trace_context,
@@ -291,7 +303,9 @@ class SchedulerSide:
         """Per group: blocks present and the group's own hit, over every looked-up block.
 
         The blocks the lookup did not ask about are asked about off its path (not
-        after a failed lookup); the answer is waited for when the statistics are read.
+        after a failed lookup). The statistics are computed once that answer is in, on
+        the thread that has it, or when read if they are read first (never past the
+        lookup deadline).
         """
         rest = {g: [i for i in range(len(hashes)) if i not in known[g]] for g, hashes in wanted.items()}
         rest = {g: indices for g, indices in rest.items() if indices}
@@ -310,6 +324,12 @@ class SchedulerSide:
                 memo.append((present, coord.group_hits(block_hashes, wanted, held, max_hit)))
             return memo[0]
 
+        # Computed ahead, where the lookup is answered (the lookups' or the backfill's
+        # thread when batched): vLLM exports them at its next step anyway.
+        if backfill is None:
+            compute()
+        else:
+            backfill.then(compute)
         return compute
 
     def forget_lookup(self, req_id: str) -> None:
@@ -384,7 +404,7 @@ class SchedulerSide:
             start = [start_tokens // g.block_size for g in self.coordinator.groups]
             tracked = self._tracked.get(req_id)
             if tracked is None:
-                self._tracked[req_id] = _Tracked(
+                self._tracked[req_id] = self._saving[req_id] = _Tracked(
                     request=request,
                     saved_upto=start,
                     trace_context=self.stats.trace_context(request),
@@ -392,6 +412,7 @@ class SchedulerSide:
                 )
             elif req_id in self._load_failed:
                 _rewind(tracked, start)
+                self._saving[req_id] = tracked
         if num_external == 0 or plan is None:
             return
         assert self.coordinator is not None
@@ -437,14 +458,21 @@ class SchedulerSide:
         if self.can_save and self.coordinator is not None:
             meta.new_blocks = _new_blocks(self.coordinator, scheduler_output)
             offers = boundary_state_offers(scheduler_output)
-            for req_id, num_new in scheduler_output.num_scheduled_tokens.items():
-                tracked = self._tracked.get(req_id)
-                if tracked is None or num_new <= 0:
+            scheduled = scheduler_output.num_scheduled_tokens
+            save_decode = self.save_decode_cache
+            for req_id, tracked in list(self._saving.items()):
+                num_new = scheduled.get(req_id, 0)
+                if num_new <= 0:
                     continue
-                offered = None if offers is None else offers.get(req_id, ())
-                save = self._plan_save(tracked, req_id, num_new, block_ids_of, offered)
-                if save is not None:
-                    meta.saves.append(save)
+                request = tracked.request
+                savable = request.num_tokens if save_decode else request.num_prompt_tokens
+                if min(request.num_computed_tokens + num_new, savable) >= tracked.next_save_at:
+                    offered = None if offers is None else offers.get(req_id, ())
+                    save = self._plan_save(tracked, req_id, num_new, block_ids_of, offered)
+                    if save is not None:
+                        meta.saves.append(save)
+                if not save_decode and 0 < request.num_prompt_tokens < tracked.next_save_at:
+                    del self._saving[req_id]  # its prompt's blocks are all planned
         self._step += 1
         # The lookups vLLM asked for during this schedule() go to the master together.
         self._queue.flush()
@@ -476,8 +504,12 @@ class SchedulerSide:
         request = tracked.request
         savable = request.num_tokens if self.save_decode_cache else request.num_prompt_tokens
         computed_after = min(request.num_computed_tokens + num_new, savable)
-        if all(computed_after // g.block_size <= done for g, done in zip(coord.groups, tracked.saved_upto)):
-            return None  # most decode steps complete no block: nothing to plan
+        if computed_after < tracked.next_save_at:
+            return None
+        block_sizes = [g.block_size for g in coord.groups]
+        if all(computed_after // size <= done for size, done in zip(block_sizes, tracked.saved_upto)):
+            tracked.note_saved(block_sizes)
+            return None  # completes no block: nothing to plan
         block_ids = block_ids_of(req_id)
         block_hashes = request.block_hashes
         groups: list[GroupTransfer] = []
@@ -518,6 +550,7 @@ class SchedulerSide:
                         transfer.replacing += 1
                 tracked.saved_upto[gid] = end
             groups.append(transfer)
+        tracked.note_saved(block_sizes)
         if not any(len(g) for g in groups) and not any(g.masked for g in groups):
             return None
         since, tracked.since_step = tracked.since_step, self._step
@@ -568,6 +601,7 @@ class SchedulerSide:
             if invalid_blocks.isdisjoint(ids):
                 continue
             _rewind(tracked, [tracked.request.num_computed_tokens // group.block_size])
+            self._saving[req_id] = tracked
 
     def request_finished(self, req_id: str) -> bool:
         """Forget ``req_id``; True when an async load may still write its blocks.
@@ -576,6 +610,7 @@ class SchedulerSide:
         receiving (``finished_recving`` of a finished request frees its blocks).
         """
         self._tracked.pop(req_id, None)
+        self._saving.pop(req_id, None)
         self._plans.pop(req_id, None)
         self._looked_up.pop(req_id, None)
         self._queue.forget(req_id)
@@ -597,6 +632,7 @@ def _rewind(tracked: _Tracked, upto: Sequence[int]) -> None:
         if mark < tracked.saved_upto[gid]:
             tracked.replace_upto[gid] = max(tracked.replace_upto[gid], tracked.saved_upto[gid])
             tracked.saved_upto[gid] = mark
+    tracked.next_save_at = 0
 
 
 def boundary_state_offers(scheduler_output: Any) -> Mapping[str, Sequence[tuple[int, int, int]]] | None:
@@ -641,5 +677,7 @@ def _new_blocks(coord: HybridHitCoordinator, scheduler_output: Any) -> list[list
             if new_ids is None or req_id in cached.resumed_req_ids:
                 continue
             for group in coord.groups:
-                out[group.group_id].extend(b for b in new_ids[group.group_id] if b > 0)
+                ids = new_ids[group.group_id]
+                if ids:  # a decode step allocates none for most requests
+                    out[group.group_id].extend(b for b in ids if b > 0)
     return out

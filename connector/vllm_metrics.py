@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
@@ -26,7 +27,12 @@ MAX_OBSERVATIONS = 4096  # per histogram series and interval; beyond, the oldest
 
 def series_key(spec: m.MetricSpec, **labels: object) -> str:
     """``name|label=value|...`` with labels in the spec's order."""
-    return SEP.join([spec.name, *(f"{name}={labels[name]}" for name in spec.labels)])
+    return _series_key(spec, tuple(labels[name] for name in spec.labels))
+
+
+@lru_cache(maxsize=4096)
+def _series_key(spec: m.MetricSpec, values: tuple[object, ...]) -> str:
+    return SEP.join([spec.name, *(f"{name}={value}" for name, value in zip(spec.labels, values))])
 
 
 def fingerprint_info_key(inputs: Mapping[str, str]) -> str:
@@ -61,19 +67,7 @@ class _Payload:
 def records_to_data(lookups: Iterable[LookupRecord], transfers: Iterable[TransferRecord]) -> dict[str, Any]:
     """The stats payload for a batch of records."""
     out = _Payload()
-    for r in lookups:
-        out.inc(m.LOOKUPS, 1)
-        out.inc(m.LOOKUP_QUERY_TOKENS, r.query_tokens)
-        out.inc(m.LOOKUP_HIT_TOKENS, r.hit_tokens)
-        for g, kind in enumerate(r.group_kinds):
-            out.inc(m.GROUP_HIT_TOKENS, r.group_hit_tokens[g], group=g, group_kind=kind)
-            out.inc(m.PRESENT_BLOCKS, r.present_blocks[g], group=g, group_kind=kind)
-            if r.hit_tokens:
-                out.inc(m.HIT_BLOCKS, r.needed_blocks[g], group=g, group_kind=kind)
-        out.observe(m.OPERATION_SECONDS, r.seconds, operation=m.LOOKUP, group_kind=m.ALL_GROUPS_KIND)
-        for reason, count in r.failures.items():
-            all_groups = {"group": m.ALL_GROUPS_KIND, "group_kind": m.ALL_GROUPS_KIND}
-            out.inc(m.FAILURES, count, operation=m.LOOKUP, reason=reason, **all_groups)
+    _add_lookups(out, lookups)
     for t in transfers:
         op = t.operation
         if op == m.REMOVE:
@@ -101,6 +95,43 @@ def records_to_data(lookups: Iterable[LookupRecord], transfers: Iterable[Transfe
             out.inc(m.LOAD_ERROR_BLOCKS, t.load_error_blocks)
             out.inc(m.RECOMPUTED_REQUESTS, int(t.recomputed))
     return out.data()
+
+
+def _add_lookups(out: _Payload, lookups: Iterable[LookupRecord]) -> None:
+    """Lookup counters summed over the batch first (a step admits many requests), then added."""
+    count = query_tokens = hit_tokens = 0
+    per_group: dict[tuple[int, str], list[int]] = {}  # (group, kind) -> [group hit, present, hit blocks]
+    failures: dict[str, int] = {}
+    seconds = []
+    for r in lookups:
+        count += 1
+        query_tokens += r.query_tokens
+        hit_tokens += r.hit_tokens
+        for g, kind in enumerate(r.group_kinds):
+            sums = per_group.setdefault((g, kind), [0, 0, 0])
+            sums[0] += r.group_hit_tokens[g]
+            sums[1] += r.present_blocks[g]
+            if r.hit_tokens:
+                sums[2] += r.needed_blocks[g]
+        seconds.append(r.seconds)
+        for reason, n in r.failures.items():
+            failures[reason] = failures.get(reason, 0) + n
+    if not count:
+        return
+    out.inc(m.LOOKUPS, count)
+    out.inc(m.LOOKUP_QUERY_TOKENS, query_tokens)
+    out.inc(m.LOOKUP_HIT_TOKENS, hit_tokens)
+    for (g, kind), (group_hit, present, hit_blocks) in per_group.items():
+        out.inc(m.GROUP_HIT_TOKENS, group_hit, group=g, group_kind=kind)
+        out.inc(m.PRESENT_BLOCKS, present, group=g, group_kind=kind)
+        out.inc(m.HIT_BLOCKS, hit_blocks, group=g, group_kind=kind)
+    histogram = out.histograms.setdefault(
+        series_key(m.OPERATION_SECONDS, operation=m.LOOKUP, group_kind=m.ALL_GROUPS_KIND), []
+    )
+    histogram += seconds
+    all_groups = {"group": m.ALL_GROUPS_KIND, "group_kind": m.ALL_GROUPS_KIND}
+    for reason, n in failures.items():
+        out.inc(m.FAILURES, n, operation=m.LOOKUP, reason=reason, **all_groups)
 
 
 @dataclass
