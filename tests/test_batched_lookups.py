@@ -162,6 +162,40 @@ def test_a_steps_waiting_requests_are_looked_up_in_one_call(
 
 
 @pytest.mark.mooncake
+def test_lookup_statistics_are_computed_before_vllm_exports_them(
+    model_dir, pool_settings, pool_client
+) -> None:
+    """Per-group statistics are computed on the connector's threads once the master has
+    answered, so the scheduler step that exports them only reads them."""
+    from kvpool.connector.records import Deferred
+    from tests.support.scheduler import local_pool_transfer, make_request, make_scheduler, schedule_answered
+
+    scheduler = make_scheduler(model_dir, FULL_SWA, local_pool_transfer(pool_settings))
+    try:
+        requests = [make_request(scheduler, list(range(n * 1000, n * 1000 + 6 * 32 + 1))) for n in range(4)]
+        for n, request in enumerate(requests):
+            _store(pool_client, scheduler, request, range(n))
+        for request in requests:
+            scheduler.add_request(request)
+        schedule_answered(scheduler)
+        scheduler.schedule()
+        side = scheduler.connector._sched()
+        assert side.settle_statistics(30)
+        lookups = scheduler.connector.stats.lookups
+        assert len(lookups) == 4
+        assert all(isinstance(r.group_hit_tokens, Deferred) for r in lookups)
+
+        def computing_now(*args: Any) -> Any:
+            raise AssertionError("statistics computed when read, on the scheduler thread")
+
+        side.coordinator.group_hits = computing_now  # any computing from here on fails
+        assert sorted(r.present_blocks[0] for r in lookups) == [0, 1, 2, 3]
+        assert sorted(r.group_hit_tokens[0] for r in lookups) == [0, 32, 64, 96]
+    finally:
+        scheduler.shutdown()
+
+
+@pytest.mark.mooncake
 def test_a_request_that_leaves_while_its_lookup_is_in_flight_is_forgotten(
     model_dir, pool_settings, pool_client
 ) -> None:

@@ -85,3 +85,34 @@ def test_save_decode_cache_also_saves_blocks_completed_while_decoding(model_dir,
     saved = saved_block_indices(pool_settings, model_dir, save_decode_cache=True)
     # The prompt's blocks, the one the prompt's tail and the first tokens complete, and the next.
     assert saved == list(range(PROMPT_BLOCKS + 2))
+
+
+def test_decode_steps_plan_no_save_once_the_prompt_is_planned(model_dir, pool_settings) -> None:
+    """A step looks only at requests that may still complete a block to save: decoding a
+    prompt whose blocks are all planned costs the connector no save planning at all."""
+    scheduler = make_scheduler(model_dir, FULL, local_pool_transfer(pool_settings))
+    try:
+        side = scheduler.connector._sched()
+        planned: list[str] = []
+        plan_save = side._plan_save
+
+        def counting(tracked: Any, req_id: str, *args: Any) -> Any:
+            planned.append(req_id)
+            return plan_save(tracked, req_id, *args)
+
+        side._plan_save = counting
+        request = make_request(scheduler, PROMPT, max_tokens=DECODED + 1)
+        scheduler.add_request(request)
+        schedule_answered(scheduler)
+        output = scheduler.schedule()  # the prefill: plans the prompt's blocks
+        assert [len(s.groups[0].block_ids) for s in output.kv_connector_metadata.saves] == [PROMPT_BLOCKS]
+        _sample_one_each(scheduler, output)
+        planned.clear()
+        for _ in range(DECODED):
+            output = scheduler.schedule()
+            assert output.num_scheduled_tokens.get(request.request_id) == 1
+            assert output.kv_connector_metadata.saves == []
+            _sample_one_each(scheduler, output)
+        assert planned == [], "decode steps planned saves for a prompt saved in full"
+    finally:
+        scheduler.shutdown()
