@@ -513,6 +513,8 @@ class SchedulerSide:
         block_ids = block_ids_of(req_id)
         block_hashes = request.block_hashes
         groups: list[GroupTransfer] = []
+        digest_of: dict[bytes, str] = {}  # groups of one block size share their hashes
+        boundaries: dict[bool, Any] = {}  # replay boundaries, by use_eagle
         for group in coord.groups:
             gid = group.group_id
             if not group.prefix_cacheable:
@@ -532,21 +534,25 @@ class SchedulerSide:
                     # Dense: a future prompt may share any aligned prefix, not
                     # only this prompt's replay boundary.
                     retention_interval=None,
-                    reachable_boundaries=replay_boundaries(
-                        request.num_prompt_tokens, coord.scheduler_block_size, group.use_eagle
-                    ),
+                    reachable_boundaries=_replay_boundaries(boundaries, request, coord, group.use_eagle),
                     dcp_world_size=group.dcp_world_size,
                     final_segment_end_block=cdiv(request.num_prompt_tokens, group.block_size),
                 )
                 states = _boundary_states(group, offered)
+                ids, digests, kept = block_ids[gid], transfer.digests, transfer.block_ids
+                replace_below = tracked.replace_upto[gid] if tracked.replace_upto else 0
                 for index in range(start, end):
-                    block_id = block_ids[gid][index] if states is None else states.get(index, 0)
+                    block_id = ids[index] if states is None else states.get(index, 0)
                     if (mask is not None and not mask[index - start]) or block_id <= 0:
                         transfer.masked += 1
                         continue
-                    transfer.digests.append(hash_digest(bytes(view[index])))
-                    transfer.block_ids.append(block_id)
-                    if tracked.replace_upto and index < tracked.replace_upto[gid]:
+                    block_hash = bytes(view[index])
+                    digest = digest_of.get(block_hash)
+                    if digest is None:
+                        digest = digest_of[block_hash] = hash_digest(block_hash)
+                    digests.append(digest)
+                    kept.append(block_id)
+                    if index < replace_below:
                         transfer.replacing += 1
                 tracked.saved_upto[gid] = end
             groups.append(transfer)
@@ -650,6 +656,13 @@ def _boundary_states(group: Any, offered: Sequence[tuple[int, int, int]] | None)
         for group_id, block_id, tokens in offered
         if group_id == group.group_id and tokens > 0 and tokens % group.block_size == 0
     }
+
+
+def _replay_boundaries(cache: dict[bool, Any], request: Any, coord: Any, use_eagle: bool) -> Any:
+    """vLLM's replay boundaries of ``request``'s prompt, computed once per ``use_eagle``."""
+    if use_eagle not in cache:
+        cache[use_eagle] = replay_boundaries(request.num_prompt_tokens, coord.scheduler_block_size, use_eagle)
+    return cache[use_eagle]
 
 
 def _lineage(tracked: _Tracked, group: Any, block_ids: Sequence[int], num_new: int) -> SaveLineage:
