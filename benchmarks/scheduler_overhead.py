@@ -12,7 +12,10 @@ benchmark waits, untimed, until the connector's threads have answered the
 lookups and their statistics' existence checks (in an engine the model's
 forward runs then), and reports that wait apart, with the pause an idle step
 takes for its lookups (``IDLE_STEP_WAIT_S``). Then the decode steps
-after it are timed; requests are then aborted (untimed).
+after it are timed; requests are then aborted (untimed). A last pass, not in
+the ratios, times each of the connector's hooks over a few more admissions:
+where the extra time per admitted request goes, and what is left for vLLM's
+own part (the skipped step, its local prefix lookup asked again).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import gc
 import random
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +40,17 @@ DECODE_STEPS = 8
 MAX_ADMIT_STEPS = 20
 GROUPS = [GroupDesc("full"), GroupDesc("sliding_window", window=128)]
 VARIANTS = ("with", "without")
+# The connector's scheduler-side hooks vLLM calls, timed apart in the breakdown pass.
+HOOKS = (
+    "get_num_new_matched_tokens",
+    "update_state_after_alloc",
+    "build_connector_meta",
+    "update_connector_output",
+    "get_kv_connector_stats",
+    "take_events",
+    "request_finished_all_groups",
+)
+BREAKDOWN_CYCLES = 3
 
 
 def _step(scheduler: Any) -> tuple[Any, float]:
@@ -81,18 +96,79 @@ def _admit(scheduler: Any, count: int) -> tuple[float, float, int, int]:
     return busy, waited, steps, 0 if side is None else side._queue.calls - calls
 
 
-def _cycle(scheduler: Any, prompts: list[list[int]]) -> dict[str, float]:
-    """Admit ``prompts`` and decode: admission's scheduler s, wait s, steps and existence checks;
-    the median decode step s."""
-    from vllm.v1.request import RequestStatus
+class HookTimer:
+    """Seconds spent inside each of the connector's hooks while :attr:`on` (the breakdown pass)."""
 
+    def __init__(self, connector: Any):
+        self.on = False
+        self.seconds: dict[str, float] = dict.fromkeys(HOOKS, 0.0)
+        for name in HOOKS:
+            setattr(connector, name, self._timed(name, getattr(connector, name)))
+
+    def _timed(self, name: str, hook: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if not self.on:
+                return hook(*args, **kwargs)
+            started = time.perf_counter()
+            try:
+                return hook(*args, **kwargs)
+            finally:
+                self.seconds[name] += time.perf_counter() - started
+
+        return timed
+
+    def take(self) -> dict[str, float]:
+        taken, self.seconds = self.seconds, dict.fromkeys(HOOKS, 0.0)
+        return taken
+
+
+def _breakdown(schedulers: dict[str, Any], timer: HookTimer, n: int, rng: random.Random) -> dict[str, float]:
+    """Per admitted request, µs: each hook's time over admission, and the rest of the difference
+    (vLLM's own work for the connector: the skipped step, its local lookup asked again)."""
+    side = schedulers["with"].connector._sched()
+    per_hook = dict.fromkeys(HOOKS, 0.0)
+    admit = {v: 0.0 for v in VARIANTS}
+    for _ in range(BREAKDOWN_CYCLES):
+        for v in VARIANTS:
+            requests = _add(schedulers[v], [[rng.randrange(3, 500) for _ in range(PROMPT)] for _ in range(n)])
+            timer.on = v == "with"
+            paused = side.idle_wait_s
+            admit[v] += _admit(schedulers[v], len(requests))[0]
+            timer.on = False
+            if v == "with":
+                for name, seconds in timer.take().items():
+                    per_hook[name] += seconds
+                # The idle step's pause for the lookups is not scheduler work (as in _admit).
+                per_hook["build_connector_meta"] -= side.idle_wait_s - paused
+            _finish(schedulers[v], requests)
+    scale = 1e6 / (BREAKDOWN_CYCLES * n)
+    out = {name: seconds * scale for name, seconds in per_hook.items()}
+    out["total"] = (admit["with"] - admit["without"]) * scale
+    out["vllm"] = out["total"] - sum(per_hook.values()) * scale
+    return out
+
+
+def _add(scheduler: Any, prompts: list[list[int]]) -> list[Any]:
     requests = [make_request(scheduler, p, max_tokens=DECODE_STEPS + 4) for p in prompts]
     for r in requests:
         scheduler.add_request(r)
-    admit, waited, steps, calls = _admit(scheduler, len(requests))
-    decode = [_step(scheduler)[1] for _ in range(DECODE_STEPS)]
+    return requests
+
+
+def _finish(scheduler: Any, requests: list[Any]) -> None:
+    from vllm.v1.request import RequestStatus
+
     scheduler.finish_requests([r.request_id for r in requests], RequestStatus.FINISHED_ABORTED)
     _step(scheduler)  # hands the finished ids to the connector, as the next real step would
+
+
+def _cycle(scheduler: Any, prompts: list[list[int]]) -> dict[str, float]:
+    """Admit ``prompts`` and decode: admission's scheduler s, wait s, steps and existence checks;
+    the median decode step s."""
+    requests = _add(scheduler, prompts)
+    admit, waited, steps, calls = _admit(scheduler, len(requests))
+    decode = [_step(scheduler)[1] for _ in range(DECODE_STEPS)]
+    _finish(scheduler, requests)
     return {
         "admit": admit,
         "waited": waited,
@@ -126,6 +202,7 @@ def run(opts: Options) -> Report:
         }
         recording = Recording()  # the lookups' own timings
         recording.tap(schedulers["with"].connector.stats)
+        timer = HookTimer(schedulers["with"].connector)  # off but in the breakdown pass
         try:
             for n in sizes:
                 for v in VARIANTS:  # warm-up
@@ -141,7 +218,8 @@ def run(opts: Options) -> Report:
                         for key, value in _cycle(schedulers[v], prompts).items():
                             measured[key][v].append(value)
                 lookups = [rec.seconds for rec in recording.lookups[seen:]]
-                rows.append({"waiting": n, **measured, "lookup_seconds": lookups})
+                breakdown = _breakdown(schedulers, timer, n, rng)
+                rows.append({"waiting": n, **measured, "lookup_seconds": lookups, "breakdown": breakdown})
                 print(f"  {n} waiting: done", file=sys.stderr, flush=True)
         finally:
             gc.unfreeze()
@@ -195,6 +273,16 @@ def _report(rows: list[dict[str, Any]], reps: int, opts: Options) -> Report:
             "-" if st is None else st.fmt(1e3, 3),
         )
     report.tables.append(own)
+    parts = Table(
+        f"where admission's extra time goes: µs per admitted request, over {BREAKDOWN_CYCLES} further "
+        "admissions with the connector's hooks timed (not in the tables above)",
+        ["waiting", *HOOKS, "vLLM's own (the rest)", "extra in all"],
+    )
+    for r in rows:
+        b = r["breakdown"]
+        cells = [f"{b[name]:.1f}" for name in (*HOOKS, "vllm", "total")]
+        parts.add(r["waiting"], *cells)
+    report.tables.append(parts)
     worst = max(r["admit_ratio"] for r in rows)
     report.targets.append(
         Target(
