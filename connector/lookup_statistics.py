@@ -3,9 +3,11 @@
 A lookup asks the master only about the blocks its fixed point reads. Its
 statistics (blocks present per group, each group's own hit) count every block a
 hit could have used, so :class:`PresenceBackfill` asks about the rest on a
-thread of its own, the keys of every lookup waiting for it in one call. A
-record's statistics wait for that answer only when they are exported, and never
-past the lookup deadline: then they count what the lookup itself asked about.
+thread of its own, the keys of every lookup waiting for it in one call, and
+computes the statistics there once answered (:meth:`Backfill.then`), off the
+scheduler thread that exports them. Read earlier, a record's statistics wait
+for that answer, never past the lookup deadline: then they count what the
+lookup itself asked about.
 """
 
 from __future__ import annotations
