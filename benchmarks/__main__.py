@@ -17,6 +17,7 @@ from benchmarks.common import REPO_ROOT
 BENCHMARKS = (
     "lookup",
     "transfer",
+    "tcp_tuning",
     "bytes_moved",
     "ttft",
     "scheduler_overhead",

@@ -30,6 +30,7 @@ def _benchmarks() -> list[str]:
 NEEDS = {
     "lookup": [pytest.mark.mooncake],
     "transfer": [pytest.mark.mooncake],
+    "tcp_tuning": [pytest.mark.mooncake],
     "bytes_moved": [pytest.mark.mooncake],
     "ttft": [pytest.mark.mooncake, pytest.mark.engine],
     "serving": [pytest.mark.mooncake, pytest.mark.engine],
