@@ -36,21 +36,24 @@ class Backfill:
 
     def then(self, follow_up: Callable[[], object]) -> None:
         """Run ``follow_up`` on the backfill's thread once answered (statistics computed
-        there, not on the scheduler thread when they are exported)."""
+        there, not on the scheduler thread when they are exported); at once, on this
+        thread, when the answer is already in."""
         self._then.append(follow_up)
+        if self._done.is_set():  # answered before this was queued: nobody else runs it
+            self.follow_up()
 
     def answer(self, flags: list[bool] | None) -> None:
         self.flags = flags
         self._done.set()
 
     def follow_up(self) -> None:
-        """Run what :meth:`then` queued (on the thread that answered)."""
-        for follow_up in self._then:
+        """Run what :meth:`then` queued so far, each once."""
+        queued, self._then = self._then, []
+        for follow_up in queued:
             try:
                 follow_up()
             except Exception:  # statistics only: computed again when read
                 logger.debug("KVPoolConnector lookup statistics failed to compute", exc_info=True)
-        self._then = []
 
     def result(self, clock: Clock = time.monotonic) -> list[bool] | None:
         """Presence of each key, waiting at most until the deadline."""

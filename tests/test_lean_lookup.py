@@ -168,6 +168,30 @@ def test_backfill_batches_waiting_questions_and_never_waits_past_its_deadline(po
     assert closed.result() is None
 
 
+def test_backfill_follow_ups_run_once_whether_queued_before_or_after_the_answer() -> None:
+    """What a lookup queues with ``then`` runs once on the backfill's thread after the answer,
+    or at once when the answer came first (never lost, never twice)."""
+    gate = _Gate(lambda keys: [True] * len(keys))
+    backfill = PresenceBackfill(gate, timeout_s=30.0)
+    ran: list[tuple[str, str]] = []
+    try:
+        early = backfill.submit(lambda: ["k"])
+        early.then(lambda: ran.append(("early", threading.current_thread().name)))
+        until(lambda: gate.calls == [1], "the question is in flight")
+        assert ran == [], "nothing runs before the answer"
+        gate.open.set()
+        assert backfill.wait_idle(30)
+        assert ran == [("early", "kvpool-lookup-stats")]
+        late = backfill.submit(lambda: ["k"])
+        assert backfill.wait_idle(30)
+        late.then(lambda: ran.append(("late", threading.current_thread().name)))
+        assert ran[1:] == [("late", threading.current_thread().name)]
+        assert late.result() == [True]
+    finally:
+        gate.open.set()
+        backfill.close()
+
+
 # --- a request vLLM could not allocate yet keeps its lookup ----------------------------------
 
 
