@@ -324,12 +324,14 @@ class SchedulerSide:
                 memo.append((present, coord.group_hits(block_hashes, wanted, held, max_hit)))
             return memo[0]
 
-        # Computed ahead, where the lookup is answered (the lookups' or the backfill's
-        # thread when batched): vLLM exports them at its next step anyway.
-        if backfill is None:
-            compute()
-        else:
-            backfill.then(compute)
+        # Batched, computed ahead where the lookup is answered (the lookups' or the
+        # backfill's thread): vLLM exports them at its next step anyway. A direct lookup
+        # runs on the scheduler thread: its statistics wait to be read.
+        if self.batch_lookups:
+            if backfill is None:
+                compute()
+            else:
+                backfill.then(compute)
         return compute
 
     def forget_lookup(self, req_id: str) -> None:
