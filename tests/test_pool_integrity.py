@@ -276,6 +276,13 @@ def test_the_barrier_gives_up_on_a_save_that_could_not_start(
     worker.start_saves(PoolConnectorMetadata(saves=saves))
     worker.before_forward()  # returns: four saves copied their blocks, the fifth is given up
     until(lambda: stall.in_flight == 4, "four saves stalled")
+    # The stuck saves pass their own deadlines (each counts from its last progress, which
+    # may come a little after the fifth's start), and the next forward's barrier gives
+    # them up; only then does the pool answer.
+    saves_left = [j for j in worker._jobs.live() if j.kind == "save" and not j.abandoned]
+    until(lambda: all(j.overdue() for j in saves_left), "the stuck saves are past their deadlines")
+    worker.before_forward()
+    assert all(j.abandoned for j in saves_left)
     stall.release()
     worker.wait_for_saves()
     until(lambda: not worker._jobs.live(), "every save returned")
