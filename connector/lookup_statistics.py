@@ -33,12 +33,14 @@ class Backfill:
         self.keys = 0
         self._done = threading.Event()
         self._then: list[Callable[[], object]] = []
+        self._then_lock = threading.Lock()  # the answering thread and a late then() may race
 
     def then(self, follow_up: Callable[[], object]) -> None:
         """Run ``follow_up`` on the backfill's thread once answered (statistics computed
         there, not on the scheduler thread when they are exported); at once, on this
         thread, when the answer is already in."""
-        self._then.append(follow_up)
+        with self._then_lock:
+            self._then.append(follow_up)
         if self._done.is_set():  # answered before this was queued: nobody else runs it
             self.follow_up()
 
@@ -48,7 +50,8 @@ class Backfill:
 
     def follow_up(self) -> None:
         """Run what :meth:`then` queued so far, each once."""
-        queued, self._then = self._then, []
+        with self._then_lock:
+            queued, self._then = self._then, []
         for follow_up in queued:
             try:
                 follow_up()

@@ -473,7 +473,7 @@ class SchedulerSide:
                     save = self._plan_save(tracked, req_id, num_new, block_ids_of, offered)
                     if save is not None:
                         meta.saves.append(save)
-                if not save_decode and 0 < request.num_prompt_tokens < tracked.next_save_at:
+                if not save_decode and request.num_prompt_tokens < tracked.next_save_at:
                     del self._saving[req_id]  # its prompt's blocks are all planned
         self._step += 1
         # The lookups vLLM asked for during this schedule() go to the master together.
@@ -506,11 +506,9 @@ class SchedulerSide:
         request = tracked.request
         savable = request.num_tokens if self.save_decode_cache else request.num_prompt_tokens
         computed_after = min(request.num_computed_tokens + num_new, savable)
-        if computed_after < tracked.next_save_at:
-            return None
         block_sizes = [g.block_size for g in coord.groups]
-        if all(computed_after // size <= done for size, done in zip(block_sizes, tracked.saved_upto)):
-            tracked.note_saved(block_sizes)
+        tracked.note_saved(block_sizes)  # unknown after a rewind
+        if computed_after < tracked.next_save_at:
             return None  # completes no block: nothing to plan
         block_ids = block_ids_of(req_id)
         block_hashes = request.block_hashes

@@ -57,8 +57,8 @@ class _Payload:
             key = series_key(spec, **labels)
             self.counters[key] = self.counters.get(key, 0.0) + value
 
-    def observe(self, spec: m.MetricSpec, value: float, **labels: object) -> None:
-        self.histograms.setdefault(series_key(spec, **labels), []).append(value)
+    def observe(self, spec: m.MetricSpec, *values: float, **labels: object) -> None:
+        self.histograms.setdefault(series_key(spec, **labels), []).extend(values)
 
     def data(self) -> dict[str, Any]:
         return {"counters": self.counters, "histograms": self.histograms}
@@ -125,10 +125,7 @@ def _add_lookups(out: _Payload, lookups: Iterable[LookupRecord]) -> None:
         out.inc(m.GROUP_HIT_TOKENS, group_hit, group=g, group_kind=kind)
         out.inc(m.PRESENT_BLOCKS, present, group=g, group_kind=kind)
         out.inc(m.HIT_BLOCKS, hit_blocks, group=g, group_kind=kind)
-    histogram = out.histograms.setdefault(
-        series_key(m.OPERATION_SECONDS, operation=m.LOOKUP, group_kind=m.ALL_GROUPS_KIND), []
-    )
-    histogram += seconds
+    out.observe(m.OPERATION_SECONDS, *seconds, operation=m.LOOKUP, group_kind=m.ALL_GROUPS_KIND)
     all_groups = {"group": m.ALL_GROUPS_KIND, "group_kind": m.ALL_GROUPS_KIND}
     for reason, n in failures.items():
         out.inc(m.FAILURES, n, operation=m.LOOKUP, reason=reason, **all_groups)

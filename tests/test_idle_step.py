@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from kvpool.connector import worker_side
+from kvpool.connector.deadlines import IDLE_STEP_WAIT_S
 from kvpool.connector.metadata import PoolConnectorMetadata
 from tests.support.worker import single_group_worker
 
@@ -43,7 +44,7 @@ def test_an_idle_step_waits_for_loads_in_flight_with_a_deadline(worker, waits) -
     assert worker.transfer_results(idle=True) == (set(), set())  # returned: bounded
     assert len(waits) == 1
     assert waits[0]["futures"] == [stuck]
-    assert waits[0]["timeout"] == worker_side.IDLE_STEP_WAIT_S
+    assert waits[0]["timeout"] == IDLE_STEP_WAIT_S
     assert waits[0]["return_when"] == worker_side.FIRST_COMPLETED
 
 
@@ -81,7 +82,7 @@ class _RecordingQueue:
         return True
 
 
-@pytest.mark.parametrize(("tokens", "waits"), [(0, [worker_side.IDLE_STEP_WAIT_S]), (16, [])])
+@pytest.mark.parametrize(("tokens", "waits"), [(0, [IDLE_STEP_WAIT_S]), (16, [])])
 def test_an_idle_scheduler_step_lets_its_lookups_be_answered(tokens: int, waits: list[float]) -> None:
     from types import SimpleNamespace
 
