@@ -61,17 +61,35 @@ class EtcdCluster:
     def endpoints(self) -> list[str]:
         return [f"127.0.0.1:{client}" for client, _ in self.ports]
 
-    def start(self) -> EtcdCluster:
+    def start(self, attempts: int = 3, timeout: float = 60.0) -> EtcdCluster:
+        """Start the members and wait until each reports a leader.
+
+        Ports are picked free and then released, so another process can take one before
+        etcd binds it (that member exits): such an attempt is stopped and retried on
+        fresh ports. The last failure carries each member's log.
+        """
         binary = shutil.which("etcd")
         if binary is None:
             pytest.fail("etcd not installed: run scripts/setup.sh (etcd-server)")
-        self.ports = [(free_port(), free_port()) for _ in range(self.members)]
+        for attempt in range(attempts):
+            failure = self._start_once(binary, attempt, timeout)
+            if failure is None:
+                return self
+            logs = "\n".join(f"--- m{i}.log ---\n{self.log(attempt, i)}" for i in range(self.members))
+            self.stop_members()
+        raise AssertionError(f"the etcd cluster never became healthy: {failure}\n{logs}")
+
+    def _start_once(self, binary: str, attempt: int, timeout: float) -> str | None:
+        """One start on fresh ports; ``None`` once healthy, else why not."""
+        ports = distinct_free_ports(2 * self.members)
+        self.ports = list(zip(ports[0::2], ports[1::2], strict=True))
         peers = ",".join(f"m{i}=http://127.0.0.1:{peer}" for i, (_, peer) in enumerate(self.ports))
+        self.processes = []
         for i, (client, peer) in enumerate(self.ports):
             command = [
                 binary,
                 f"--name=m{i}",
-                f"--data-dir={self.workdir / f'm{i}'}",
+                f"--data-dir={self.workdir / f'a{attempt}' / f'm{i}'}",
                 f"--listen-client-urls=http://127.0.0.1:{client}",
                 f"--advertise-client-urls=http://127.0.0.1:{client}",
                 f"--listen-peer-urls=http://127.0.0.1:{peer}",
@@ -79,12 +97,23 @@ class EtcdCluster:
                 f"--initial-cluster={peers}",
                 "--initial-cluster-state=new",
             ]
-            self.processes.append(start_logged(command, self.workdir / f"m{i}.log"))
-        deadline = time.monotonic() + 60
+            self.processes.append(start_logged(command, self.log_path(attempt, i)))
+        deadline = time.monotonic() + timeout
         while not all(self.healthy(endpoint) for endpoint in self.endpoints):
-            assert time.monotonic() < deadline, "the etcd cluster never became healthy"
+            exited = [i for i, process in enumerate(self.processes) if process and process.poll() is not None]
+            if exited:
+                return f"member(s) {exited} exited"
+            if time.monotonic() > deadline:
+                return f"no leader on every member within {timeout:.0f} s"
             time.sleep(0.2)
-        return self
+        return None
+
+    def log_path(self, attempt: int, index: int) -> Path:
+        (self.workdir / f"a{attempt}").mkdir(parents=True, exist_ok=True)
+        return self.workdir / f"a{attempt}" / f"m{index}.log"
+
+    def log(self, attempt: int, index: int) -> str:
+        return self.log_path(attempt, index).read_text(errors="replace")[-1500:]
 
     @staticmethod
     def healthy(endpoint: str) -> bool:
@@ -99,18 +128,33 @@ class EtcdCluster:
         stop_process(self.processes[index])
         self.processes[index] = None
 
-    def stop(self) -> None:
+    def stop_members(self) -> None:
         for process in self.processes:
             stop_process(process)
+        self.processes = []
+
+    def stop(self) -> None:
+        self.stop_members()
         shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def distinct_free_ports(count: int) -> list[int]:
+    """``count`` different ports free on loopback at the time of asking."""
+    ports: list[int] = []
+    while len(ports) < count:
+        port = free_port()
+        if port not in ports:
+            ports.append(port)
+    return ports
 
 
 @pytest.fixture
 def etcd() -> Iterator[EtcdCluster]:
     """Three etcd members; the first, listed first everywhere, stopped (two keep quorum)."""
-    cluster = EtcdCluster().start()
-    cluster.stop_member(0)
+    cluster = EtcdCluster()
     try:
+        cluster.start()
+        cluster.stop_member(0)
         yield cluster
     finally:
         cluster.stop()
