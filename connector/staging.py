@@ -1,7 +1,8 @@
 """Staging: the registered buffers pool objects move through, and the copies to and from blocks.
 
 Every transfer thread owns one staging buffer. A Mooncake call reads or writes
-only its thread's buffer, one contiguous object (``header | payload``) per key;
+only its thread's buffer (or, reading ahead for a long load, the half of it the
+thread is not copying), one contiguous object (``header | payload``) per key;
 vLLM's KV blocks are read (saves) and written (loads) only by this process's
 own copies between that buffer and the blocks. Hence:
 
@@ -140,6 +141,21 @@ class StagingSlot:
         self.ptr = int(self.tensor.data_ptr())
         self.nbytes = nbytes
         self.on_cpu = self.tensor.device.type == "cpu"
+
+    @classmethod
+    def _of(cls, tensor: Any) -> StagingSlot:
+        slot = cls.__new__(cls)
+        slot.tensor = tensor
+        slot.ptr = int(tensor.data_ptr())
+        slot.nbytes = int(tensor.numel())
+        slot.on_cpu = tensor.device.type == "cpu"
+        return slot
+
+    def part(self, offset: int, nbytes: int) -> StagingSlot:
+        """Bytes ``offset..offset+nbytes`` of this buffer, as a buffer of its own (same registration)."""
+        if offset < 0 or offset + nbytes > self.nbytes:
+            raise ValueError(f"part {offset}+{nbytes} outside a {self.nbytes}-byte buffer")
+        return StagingSlot._of(self.tensor[offset : offset + nbytes])
 
     def objects(self, count: int, object_bytes: int) -> Any:
         """The first ``count`` objects as a ``(count, object_bytes)`` byte tensor."""

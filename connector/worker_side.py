@@ -5,7 +5,8 @@ batches. Every object is ``header | payload`` and moves through the transfer
 thread's registered staging buffer (:mod:`kvpool.connector.staging`): a save
 copies its blocks there, then reserves, writes and publishes its objects; a
 load reads objects there, checks each header, and only then copies the payload
-into the blocks. Each key's return code is classified; a failed load is
+into the blocks (a long load reads its next batch into the buffer's other half
+meanwhile). Each key's return code is classified; a failed load is
 reported so vLLM recomputes it (block ids for single-group layouts, the request
 for hybrid ones), and an object whose header is wrong is removed from the pool.
 
@@ -64,7 +65,25 @@ RETIRED_MAX = 4
 # read like a transfer error does): a stored object of another size is not the block.
 SIZE_PROBES_PER_CALL = 16
 
+# A load reads batches of about this many bytes, one into each half of its staging buffer
+# while the other half is copied into the blocks. Measured (2 x 48 MiB, 2 cores): co-located
+# loads ~13% faster than one read a group at 8-16 MiB; 2-4 MiB reads slowed TCP loads.
+LOAD_BATCH_BYTES = 16 << 20
+
 _DEFAULTS = ConnectorSettings.model_fields
+
+
+def load_batches(count: int, object_bytes: int, buffer_bytes: int) -> tuple[int, int]:
+    """Objects per read and buffer halves used for a load of ``count`` objects.
+
+    One batch (one half) when everything fits ``LOAD_BATCH_BYTES`` or the buffer
+    holds fewer than two objects; else two halves, each at most half the buffer.
+    """
+    fits = max(1, buffer_bytes // object_bytes)
+    if count * object_bytes <= LOAD_BATCH_BYTES or fits < 2:
+        return min(count, fits), 1
+    per_batch = max(1, min(fits // 2, LOAD_BATCH_BYTES // object_bytes))
+    return per_batch, 2
 
 
 @dataclass(frozen=True)
@@ -135,6 +154,10 @@ class WorkerSide:
         self._device: Any = None
         self._pool = ThreadPoolExecutor(
             TRANSFER_THREADS, thread_name_prefix="kvpool-xfer", initializer=unpin_this_thread
+        )
+        # One fetch in flight per transfer thread at most: the next batch of its load.
+        self._fetchers = ThreadPoolExecutor(
+            TRANSFER_THREADS, thread_name_prefix="kvpool-fetch", initializer=unpin_this_thread
         )
         self._lock = threading.Lock()
         # Futures of saves and asynchronous loads not yet returned (their records follow).
@@ -477,7 +500,14 @@ class WorkerSide:
         )
 
     def _load_group(self, transfer: GroupTransfer, job: Job) -> GroupResult:
-        """One group's blocks, batch by batch through this thread's staging buffer."""
+        """One group's blocks, batch by batch through this thread's staging buffer.
+
+        The buffer's two halves alternate: while this thread checks one batch and
+        copies it into the blocks, a fetch thread reads the next batch into the other
+        half, so Mooncake's copy and the connector's overlap. A half is read again only
+        after the call that wrote it returned, and the group returns only after every
+        call it made returned (the buffer is this thread's again).
+        """
         result = GroupResult()
         copier = self.copiers[transfer.group_id]
         if not transfer.block_ids or copier is None:
@@ -489,50 +519,94 @@ class WorkerSide:
             result.fail(transfer.block_ids, Outcome.TIMEOUT)
             return result
         size = copier.object_bytes
-        # As many objects as the buffer holds; the client cuts its calls at batch_size keys.
-        per_call = max(1, slot.nbytes // size)
         keys = self._keys(transfer)
-        for start in range(0, len(keys), per_call):
-            part = slice(start, start + per_call)
-            part_keys, part_blocks = keys[part], transfer.block_ids[part]
-            if not job.may_publish():
-                result.fail(transfer.block_ids[start:], Outcome.TIMEOUT)
-                break
-            codes = self.client.get_into(
-                part_keys, [[slot.ptr + i * size] for i in range(len(part_keys))], [[size]] * len(part_keys)
-            )
-            headers = slot.read_headers(len(part_keys), size)
-            good: list[tuple[int, int]] = []
-            unexplained: list[int] = []
-            for i, (block, code) in enumerate(zip(part_blocks, codes)):
-                outcome = self._check_loaded(transfer, start + i, code, headers[i], copier)
-                if outcome is Outcome.OK:
-                    good.append((i, block))
-                elif code == CODE_TRANSFER_FAILED:
-                    unexplained.append(i)
-                else:
-                    result.fail([block], outcome)
-                    if outcome is Outcome.CORRUPT:
-                        result.corrupt_keys.append(part_keys[i])
-            wrong_size = self._wrong_sizes([part_keys[i] for i in unexplained], size)
-            for i in unexplained:
-                if part_keys[i] in wrong_size:
-                    result.fail([part_blocks[i]], Outcome.CORRUPT)
-                    result.corrupt_keys.append(part_keys[i])
-                else:
-                    result.fail([part_blocks[i]], Outcome.TRANSFER_FAILED)
-            if not job.begin_touch():
-                # Given up meanwhile: nothing of this batch reaches the blocks.
-                result.fail([b for _, b in good] + transfer.block_ids[start + per_call :], Outcome.TIMEOUT)
-                break
-            try:
-                copier.to_blocks(slot, good)
-                job.copied.update((transfer.group_id, b) for _, b in good)
-            finally:
-                job.end_touch()
-            result.blocks += len(good)
-            result.bytes += len(good) * copier.payload_bytes
+        per_call, halves = load_batches(len(keys), size, slot.nbytes)
+        parts = [slot.part(h * per_call * size, per_call * size) for h in range(halves)]
+        starts = list(range(0, len(keys), per_call))
+
+        def fetch(index: int) -> Future[list[int]] | None:
+            """Start reading batch ``index`` into its half; None when the job may not."""
+            if index >= len(starts) or not job.may_publish():
+                return None
+            part, first = parts[index % halves], starts[index]
+            batch = keys[first : first + per_call]
+            ptrs = [[part.ptr + i * size] for i in range(len(batch))]
+            if halves == 1:
+                done: Future[list[int]] = Future()
+                done.set_result(self.client.get_into(batch, ptrs, [[size]] * len(batch)))
+                return done
+            return self._fetchers.submit(self.client.get_into, batch, ptrs, [[size]] * len(batch))
+
+        pending = fetch(0)
+        try:
+            for index, first in enumerate(starts):
+                if pending is None:
+                    result.fail(transfer.block_ids[first:], Outcome.TIMEOUT)
+                    break
+                codes = pending.result()
+                # Two halves: the next batch is read while this one is copied; one: after.
+                pending = fetch(index + 1) if halves == 2 else None
+                batch = slice(first, first + per_call)
+                if not self._take_batch(
+                    transfer, job, result, parts[index % halves], first, keys[batch], codes, copier
+                ):
+                    result.fail(transfer.block_ids[first + per_call :], Outcome.TIMEOUT)
+                    break
+                if halves == 1:
+                    pending = fetch(index + 1)
+        finally:
+            if pending is not None:  # its half is written until the call returns
+                pending.exception()
         return result
+
+    def _take_batch(
+        self,
+        transfer: GroupTransfer,
+        job: Job,
+        result: GroupResult,
+        part: StagingSlot,
+        first: int,
+        batch_keys: Sequence[str],
+        codes: Sequence[int],
+        copier: GroupCopier,
+    ) -> bool:
+        """Check a read batch in ``part`` and copy its good objects into the blocks.
+
+        False when the job was given up meanwhile (then nothing of the batch is copied).
+        """
+        blocks = transfer.block_ids[first : first + len(batch_keys)]
+        headers = part.read_headers(len(batch_keys), copier.object_bytes)
+        good: list[tuple[int, int]] = []
+        unexplained: list[int] = []
+        for i, (block, code) in enumerate(zip(blocks, codes)):
+            outcome = self._check_loaded(transfer, first + i, code, headers[i], copier)
+            if outcome is Outcome.OK:
+                good.append((i, block))
+            elif code == CODE_TRANSFER_FAILED:
+                unexplained.append(i)
+            else:
+                result.fail([block], outcome)
+                if outcome is Outcome.CORRUPT:
+                    result.corrupt_keys.append(batch_keys[i])
+        wrong_size = self._wrong_sizes([batch_keys[i] for i in unexplained], copier.object_bytes)
+        for i in unexplained:
+            if batch_keys[i] in wrong_size:
+                result.fail([blocks[i]], Outcome.CORRUPT)
+                result.corrupt_keys.append(batch_keys[i])
+            else:
+                result.fail([blocks[i]], Outcome.TRANSFER_FAILED)
+        if not job.begin_touch():
+            # Given up meanwhile: nothing of this batch reaches the blocks.
+            result.fail([b for _, b in good], Outcome.TIMEOUT)
+            return False
+        try:
+            copier.to_blocks(part, good)
+            job.copied.update((transfer.group_id, b) for _, b in good)
+        finally:
+            job.end_touch()
+        result.blocks += len(good)
+        result.bytes += len(good) * copier.payload_bytes
+        return True
 
     def _check_loaded(
         self, transfer: GroupTransfer, index: int, code: int, header: bytes, copier: GroupCopier
@@ -775,6 +849,7 @@ class WorkerSide:
                 self.deadlines.shutdown_s,
             )
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._fetchers.shutdown(wait=False)
         for job in self._jobs.live():
             job.wait(deadline=time.monotonic() + 0.05)
         if self._jobs.live():

@@ -195,6 +195,81 @@ def test_a_buffer_given_up_on_rests_before_reuse(worker: WorkerSide, monkeypatch
     assert worker._slot() is first, "after its rest the oldest buffer is used again"
 
 
+# --- loads read ahead: the next batch into one half while the other is copied -----------------
+
+
+def one_object_batches(worker: WorkerSide, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make every load batch one object, so a load of n blocks reads n batches through both halves."""
+    from kvpool.connector import worker_side
+
+    monkeypatch.setattr(worker_side, "LOAD_BATCH_BYTES", worker.copiers[0].object_bytes)  # type: ignore[union-attr]
+
+
+def test_a_load_read_ahead_batch_by_batch_moves_exact_bytes(
+    worker: WorkerSide, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    one_object_batches(worker, monkeypatch)
+    save(worker, ["a", "b", "c", "d", "e"], [1, 2, 3, 4, 5])
+    for b in range(8, 13):
+        zero(worker, b)
+    load(worker, ["a", "b", "c", "d", "e"], [8, 9, 10, 11, 12])
+    assert worker.take_load_errors() == set()
+    for source, target in zip([1, 2, 3, 4, 5], [8, 9, 10, 11, 12], strict=True):
+        assert same(block(worker, target), block(worker, source)), f"block {target}"
+    (loaded,) = records(worker, "load")
+    assert loaded.blocks == (5,) and not loaded.failures
+
+
+def test_a_read_ahead_past_the_deadline_never_writes_a_block(
+    worker: WorkerSide, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The second batch's read, made while the first was copied, stalls: the load fails at its
+    deadline with only the first block copied, and the stalled read, scribbling when it returns,
+    reaches only its half of the staging buffer."""
+    one_object_batches(worker, monkeypatch)
+    save(worker, ["a", "b", "c"], [1, 2, 3])
+    stall = Stall("batch_get_into_multi_buffers", {worker.keyspace.key(0, 0, 0, "b")}, scribble=True)
+    stall.install(monkeypatch)
+    for b in (5, 6, 7):
+        zero(worker, b)
+    before = [block(worker, b) for b in (6, 7)]
+    load(worker, ["a", "b", "c"], [5, 6, 7])  # returns at the deadline, the read still stalled
+    assert stall.in_flight == 1
+    assert worker.take_load_errors() == {6, 7}, "what was copied before the deadline stays loaded"
+    assert same(block(worker, 5), block(worker, 1))
+    stall.release()
+    until(lambda: stall.in_flight == 0 and not worker._jobs.stalled, "the stalled read returns")
+    assert all(same(block(worker, b), old) for b, old in zip((6, 7), before, strict=True))
+
+
+def test_a_load_failing_midway_returns_only_after_its_read_ahead(
+    worker: WorkerSide, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The staging buffer is the thread's again only when no read into it is in flight: a batch
+    whose copy fails still waits for the next batch's read before the load returns."""
+    from kvpool.connector.staging import GroupCopier
+
+    one_object_batches(worker, monkeypatch)
+    save(worker, ["a", "b"], [1, 2])
+    stall = Stall("batch_get_into_multi_buffers", {worker.keyspace.key(0, 0, 0, "b")})
+    stall.install(monkeypatch)
+    copies: list[int] = []
+
+    def failing_copy(self: GroupCopier, slot: Any, pairs: Any) -> None:
+        copies.append(len(pairs))
+        raise RuntimeError("copy failed")
+
+    monkeypatch.setattr(GroupCopier, "to_blocks", failing_copy)
+    load(worker, ["a", "b"], [5, 6], req="midway", is_async=True)
+    until(lambda: copies and stall.in_flight == 1, "the first copy failed with the next read in flight")
+    future = worker._async_loads["midway"]
+    time.sleep(0.5)  # room for a load that did not wait to return
+    assert not future.done(), "returned while its read-ahead could still write the buffer"
+    stall.release()
+    until(future.done, "the load returns once its read-ahead did")
+    assert stall.in_flight == 0
+
+
 def test_an_async_load_past_its_deadline_is_reported_failed(
     pool_client: Any, cache_prefix: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -78,3 +78,15 @@ def test_a_block_outside_the_cache_is_refused_before_any_copy() -> None:
         group.from_blocks(slot, [NUM_BLOCKS])
     with pytest.raises(IndexError):
         group.to_blocks(slot, [(0, -1)])
+
+
+def test_a_load_reads_through_both_halves_only_when_it_is_long_and_two_objects_fit() -> None:
+    from kvpool.connector.worker_side import LOAD_BATCH_BYTES, load_batches
+
+    obj = 1 << 20
+    short = LOAD_BATCH_BYTES // obj
+    assert load_batches(short, obj, 64 * obj) == (short, 1), "fits one read: no read-ahead"
+    assert load_batches(100, obj, 64 * obj) == (short, 2), "long: batches of LOAD_BATCH_BYTES, two halves"
+    assert load_batches(100, obj, 4 * obj) == (2, 2), "a small buffer: each half holds half of it"
+    assert load_batches(100, obj, obj + 1) == (1, 1), "one object fits: read, copy, read again"
+    assert load_batches(3, 4 * LOAD_BATCH_BYTES, 1) == (1, 1), "larger than the buffer: one at a time"
