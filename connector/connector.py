@@ -46,7 +46,7 @@ from kvpool.connector.vllm_metrics import (
     fingerprint_info_key,
     records_to_data,
 )
-from kvpool.connector.worker_side import Deadlines, WorkerSide
+from kvpool.connector.worker_side import Deadlines, WorkerSide, read_ahead_bytes
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -215,6 +215,7 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
                 stats=self.stats,
                 deadlines=Deadlines.of(self.settings),
                 staging_bytes=self.settings.staging_buffer_size,
+                load_batch_bytes=read_ahead_bytes(self.settings.global_segment_size),
                 integrity=SaveIntegrity(
                     agree_failures=rank_agreement(),
                     drain_saves=_zeroes_before_preemptions(vllm_config),

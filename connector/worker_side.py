@@ -66,24 +66,32 @@ RETIRED_MAX = 4
 SIZE_PROBES_PER_CALL = 16
 
 # A load reads batches of about this many bytes, one into each half of its staging buffer
-# while the other half is copied into the blocks. Measured (2 x 48 MiB, 2 cores): co-located
-# loads ~13% faster than one read a group at 8-16 MiB; 2-4 MiB reads slowed TCP loads.
+# while the other half is copied into the blocks, when its client holds a segment of the
+# pool (most hits local copies). Measured (benchmarks.transfer, 2 x 48 MiB, 2 cores):
+# co-located loads 1.09-1.10x faster than one read a group; over TCP 0.92-0.95x (smaller
+# calls cost more than the overlap saves), so a client without a segment reads at once.
 LOAD_BATCH_BYTES = 16 << 20
 
 _DEFAULTS = ConnectorSettings.model_fields
 
 
-def load_batches(count: int, object_bytes: int, buffer_bytes: int) -> tuple[int, int]:
+def read_ahead_bytes(segment_bytes: int) -> int | None:
+    """The load batch of a worker whose client contributes ``segment_bytes``; None: no read-ahead."""
+    return LOAD_BATCH_BYTES if segment_bytes > 0 else None
+
+
+def load_batches(
+    count: int, object_bytes: int, buffer_bytes: int, batch_bytes: int | None
+) -> tuple[int, int]:
     """Objects per read and buffer halves used for a load of ``count`` objects.
 
-    One batch (one half) when everything fits ``LOAD_BATCH_BYTES`` or the buffer
-    holds fewer than two objects; else two halves, each at most half the buffer.
+    One half (no read-ahead) when ``batch_bytes`` is None, everything fits it, or the
+    buffer holds fewer than two objects; else two halves, each at most half the buffer.
     """
     fits = max(1, buffer_bytes // object_bytes)
-    if count * object_bytes <= LOAD_BATCH_BYTES or fits < 2:
+    if batch_bytes is None or count * object_bytes <= batch_bytes or fits < 2:
         return min(count, fits), 1
-    per_batch = max(1, min(fits // 2, LOAD_BATCH_BYTES // object_bytes))
-    return per_batch, 2
+    return max(1, min(fits // 2, batch_bytes // object_bytes)), 2
 
 
 @dataclass(frozen=True)
@@ -134,6 +142,7 @@ class WorkerSide:
         deadlines: Deadlines | None = None,
         staging_bytes: int = _DEFAULTS["staging_buffer_size"].default,
         integrity: SaveIntegrity | None = None,
+        load_batch_bytes: int | None = None,
     ):
         self.client = client
         self.keyspace = keyspace
@@ -149,13 +158,15 @@ class WorkerSide:
         self.stats = stats
         self.deadlines = deadlines or Deadlines()
         self.staging_bytes = staging_bytes
+        # A load's read-ahead batch (``read_ahead_bytes``); None: each read fills the buffer.
+        self.load_batch_bytes = load_batch_bytes
         self.groups: list[list[LayerBlocks]] = [[] for _ in group_layers]
         self.copiers: list[GroupCopier | None] = [None for _ in group_layers]
         self._device: Any = None
         self._pool = ThreadPoolExecutor(
             TRANSFER_THREADS, thread_name_prefix="kvpool-xfer", initializer=unpin_this_thread
         )
-        # One fetch in flight per transfer thread at most: the next batch of its load.
+        # One read-ahead in flight per transfer thread at most: the next batch of its load.
         self._fetchers = ThreadPoolExecutor(
             TRANSFER_THREADS, thread_name_prefix="kvpool-fetch", initializer=unpin_this_thread
         )
@@ -520,7 +531,7 @@ class WorkerSide:
             return result
         size = copier.object_bytes
         keys = self._keys(transfer)
-        per_call, halves = load_batches(len(keys), size, slot.nbytes)
+        per_call, halves = load_batches(len(keys), size, slot.nbytes, self.load_batch_bytes)
         parts = [slot.part(h * per_call * size, per_call * size) for h in range(halves)]
         starts = list(range(0, len(keys), per_call))
 

@@ -198,17 +198,15 @@ def test_a_buffer_given_up_on_rests_before_reuse(worker: WorkerSide, monkeypatch
 # --- loads read ahead: the next batch into one half while the other is copied -----------------
 
 
-def one_object_batches(worker: WorkerSide, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Make every load batch one object, so a load of n blocks reads n batches through both halves."""
-    from kvpool.connector import worker_side
-
-    monkeypatch.setattr(worker_side, "LOAD_BATCH_BYTES", worker.copiers[0].object_bytes)  # type: ignore[union-attr]
+def one_object_batches(worker: WorkerSide) -> None:
+    """Read ahead one object at a time, so a load of n blocks reads n batches through both halves."""
+    worker.load_batch_bytes = worker.copiers[0].object_bytes  # type: ignore[union-attr]
 
 
 def test_a_load_read_ahead_batch_by_batch_moves_exact_bytes(
     worker: WorkerSide, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    one_object_batches(worker, monkeypatch)
+    one_object_batches(worker)
     save(worker, ["a", "b", "c", "d", "e"], [1, 2, 3, 4, 5])
     for b in range(8, 13):
         zero(worker, b)
@@ -226,7 +224,7 @@ def test_a_read_ahead_past_the_deadline_never_writes_a_block(
     """The second batch's read, made while the first was copied, stalls: the load fails at its
     deadline with only the first block copied, and the stalled read, scribbling when it returns,
     reaches only its half of the staging buffer."""
-    one_object_batches(worker, monkeypatch)
+    one_object_batches(worker)
     save(worker, ["a", "b", "c"], [1, 2, 3])
     stall = Stall("batch_get_into_multi_buffers", {worker.keyspace.key(0, 0, 0, "b")}, scribble=True)
     stall.install(monkeypatch)
@@ -249,7 +247,7 @@ def test_a_load_failing_midway_returns_only_after_its_read_ahead(
     whose copy fails still waits for the next batch's read before the load returns."""
     from kvpool.connector.staging import GroupCopier
 
-    one_object_batches(worker, monkeypatch)
+    one_object_batches(worker)
     save(worker, ["a", "b"], [1, 2])
     stall = Stall("batch_get_into_multi_buffers", {worker.keyspace.key(0, 0, 0, "b")})
     stall.install(monkeypatch)

@@ -80,13 +80,15 @@ def test_a_block_outside_the_cache_is_refused_before_any_copy() -> None:
         group.to_blocks(slot, [(0, -1)])
 
 
-def test_a_load_reads_through_both_halves_only_when_it_is_long_and_two_objects_fit() -> None:
-    from kvpool.connector.worker_side import LOAD_BATCH_BYTES, load_batches
+def test_a_load_reads_ahead_only_when_it_is_long_and_two_objects_fit() -> None:
+    from kvpool.connector.worker_side import LOAD_BATCH_BYTES, load_batches, read_ahead_bytes
 
-    obj = 1 << 20
-    short = LOAD_BATCH_BYTES // obj
-    assert load_batches(short, obj, 64 * obj) == (short, 1), "fits one read: no read-ahead"
-    assert load_batches(100, obj, 64 * obj) == (short, 2), "long: batches of LOAD_BATCH_BYTES, two halves"
-    assert load_batches(100, obj, 4 * obj) == (2, 2), "a small buffer: each half holds half of it"
-    assert load_batches(100, obj, obj + 1) == (1, 1), "one object fits: read, copy, read again"
-    assert load_batches(3, 4 * LOAD_BATCH_BYTES, 1) == (1, 1), "larger than the buffer: one at a time"
+    obj, batch = 1 << 20, LOAD_BATCH_BYTES
+    short = batch // obj
+    assert load_batches(short, obj, 64 * obj, batch) == (short, 1), "fits one read: no read-ahead"
+    assert load_batches(100, obj, 64 * obj, batch) == (short, 2), "long: batches of LOAD_BATCH_BYTES"
+    assert load_batches(100, obj, 64 * obj, None) == (64, 1), "no read-ahead: reads fill the buffer"
+    assert load_batches(100, obj, 4 * obj, batch) == (2, 2), "a small buffer: each half holds half of it"
+    assert load_batches(100, obj, obj + 1, batch) == (1, 1), "one object fits: read, copy, read again"
+    assert load_batches(3, 4 * batch, 1, batch) == (1, 1), "larger than the buffer: one at a time"
+    assert read_ahead_bytes(1 << 30) == batch and read_ahead_bytes(0) is None, "only with a segment"
