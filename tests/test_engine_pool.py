@@ -111,6 +111,45 @@ def test_window_groups_move_only_their_window(gemma_dir, gemma_reference, pool_s
         assert nbytes == blocks * per_block[kind]
 
 
+def test_an_engine_holding_a_segment_reads_its_hit_ahead(
+    gemma_dir, gemma_reference, pool_settings, monkeypatch
+) -> None:
+    """An engine contributing memory (embedded pools) keeps its saves there and reads a hit
+    ahead: here one object a batch, so P2's nine prefix blocks per group move through both
+    halves of the staging buffer. Its local cache is dropped between the prompts, so the
+    hit comes from the pool; the output is the reference's."""
+    from kvpool.connector import worker_side
+
+    halves: list[int] = []
+    original = worker_side.load_batches
+
+    def spied(*args: Any) -> tuple[int, int]:
+        plan = original(*args)
+        halves.append(plan[1])
+        return plan
+
+    monkeypatch.setattr(worker_side, "LOAD_BATCH_BYTES", 1)
+    monkeypatch.setattr(worker_side, "load_batches", spied)
+    config = transfer_config(pool_settings, global_segment_size="64MB")
+    llm = create_llm(EngineOptions(model=str(gemma_dir), kv_transfer_config=config))
+    try:
+        generate(llm, [P1], MAX_TOKENS)
+        assert llm.reset_prefix_cache(), "vLLM's own cache dropped: P2's prefix can come only from the pool"
+        (result,) = generate(llm, [P2], MAX_TOKENS)
+        transfers = list(worker_connector().recording.transfers)
+    finally:
+        shutdown_llm(llm)
+    assert result.token_ids == gemma_reference
+    assert result.num_cached_tokens == PREFIX_HIT
+    (load,) = [t for t in transfers if t.operation == "load"]
+    assert not load.failures
+    assert {kind: blocks for kind, blocks in zip(load.group_kinds, load.blocks)} == {
+        "full": 9,
+        "sliding_window": 2,
+    }
+    assert 2 in halves, "the full-attention group's nine blocks were read ahead"
+
+
 def test_keys_deleted_between_lookup_and_load(
     gemma_dir, gemma_reference, pool_settings, pool_client, monkeypatch
 ):
