@@ -5,6 +5,8 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+
 from kvpool.connector.deadlines import BoundedCall, Job, JobBoard, JobState
 
 
@@ -101,3 +103,23 @@ def test_a_bounded_call_times_out_and_refuses_while_stuck() -> None:
     finally:
         release.set()
         calls.close()
+
+
+def test_a_bounded_call_raises_what_the_call_raised_and_its_thread_stops_at_close() -> None:
+    calls = BoundedCall("test-bounded-errors")
+
+    def broken() -> None:
+        raise ValueError("pool said no")
+
+    try:
+        with pytest.raises(ValueError, match="pool said no"):
+            calls.run(5.0, broken)
+        assert calls.run(5.0, lambda: "next") == ("next", None), "an error leaves the thread serving"
+    finally:
+        calls.close()
+    thread = calls._thread
+    assert thread is not None
+    thread.join(5.0)
+    assert not thread.is_alive()
+    with pytest.raises(RuntimeError, match="after close"):
+        calls.run(5.0, lambda: "closed")
