@@ -513,10 +513,11 @@ class WorkerSide:
     def _load_group(self, transfer: GroupTransfer, job: Job) -> GroupResult:
         """One group's blocks, batch by batch through this thread's staging buffer.
 
-        The buffer's two halves alternate: while this thread checks one batch and
-        copies it into the blocks, a fetch thread reads the next batch into the other
-        half, so Mooncake's copy and the connector's overlap. A half is read again only
-        after the call that wrote it returned, and the group returns only after every
+        Reading ahead (``load_batch_bytes`` set), the buffer's two halves alternate:
+        while this thread checks one batch and copies it into the blocks, a fetch
+        thread reads the next batch into the other half, so Mooncake's copy and the
+        connector's overlap. A half is read into again only after the call that wrote
+        it returned and its batch was copied, and the group returns only after every
         call it made returned (the buffer is this thread's again).
         """
         result = GroupResult()
