@@ -137,25 +137,22 @@ class StagingSlot:
     def __init__(self, nbytes: int, device: Any):
         import torch
 
-        self.tensor = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        self.ptr = int(self.tensor.data_ptr())
-        self.nbytes = nbytes
-        self.on_cpu = self.tensor.device.type == "cpu"
+        self._hold(torch.empty(nbytes, dtype=torch.uint8, device=device))
 
-    @classmethod
-    def _of(cls, tensor: Any) -> StagingSlot:
-        slot = cls.__new__(cls)
-        slot.tensor = tensor
-        slot.ptr = int(tensor.data_ptr())
-        slot.nbytes = int(tensor.numel())
-        slot.on_cpu = tensor.device.type == "cpu"
-        return slot
+    def _hold(self, tensor: Any) -> None:
+        """Be the buffer of ``tensor`` (a 1-D byte tensor)."""
+        self.tensor = tensor
+        self.ptr = int(tensor.data_ptr())
+        self.nbytes = int(tensor.numel())
+        self.on_cpu = tensor.device.type == "cpu"
 
     def part(self, offset: int, nbytes: int) -> StagingSlot:
         """Bytes ``offset..offset+nbytes`` of this buffer, as a buffer of its own (same registration)."""
         if offset < 0 or offset + nbytes > self.nbytes:
             raise ValueError(f"part {offset}+{nbytes} outside a {self.nbytes}-byte buffer")
-        return StagingSlot._of(self.tensor[offset : offset + nbytes])
+        part = StagingSlot.__new__(StagingSlot)
+        part._hold(self.tensor[offset : offset + nbytes])
+        return part
 
     def objects(self, count: int, object_bytes: int) -> Any:
         """The first ``count`` objects as a ``(count, object_bytes)`` byte tensor."""
