@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -584,12 +585,17 @@ def test_shutdown_with_a_save_in_the_pool_returns_and_leaves_nothing_half_writte
     assert store is not None and store.process is not None
     original = MooncakeDistributedStore.batch_put_from_multi_buffer_ranges
     state: dict[str, Any] = {}
+    shut_down = threading.Event()
 
     def freeze_then_write(self: Any, keys: list[str], *args: Any) -> list[int]:
         if "frozen" not in state:
             state["keys"] = list(keys)
             state["frozen"] = frozen(store.process)
             state["thaw"] = state["frozen"].__enter__()
+            # Mooncake's TCP write returns once the kernel has taken its bytes, so a frozen
+            # store alone holds only a write too large for the socket buffers: this one is
+            # held until the engine has shut down, as a write stuck in the transport is.
+            shut_down.wait(SERVE_DEADLINE_S)
         return original(self, keys, *args)
 
     monkeypatch.setattr(MooncakeDistributedStore, "batch_put_from_multi_buffer_ranges", freeze_then_write)
@@ -606,6 +612,7 @@ def test_shutdown_with_a_save_in_the_pool_returns_and_leaves_nothing_half_writte
             engine.step()
         setup.engine.close()  # vLLM's shutdown, the connector's with it: it must return
     finally:
+        shut_down.set()
         monkeypatch.undo()
         if "frozen" in state:
             state["frozen"].__exit__(None, None, None)
