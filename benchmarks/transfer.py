@@ -16,9 +16,10 @@ with a Mooncake client. The same blocks move three ways:
 
 The connector moves each block as one object (its 64-byte header, then the block)
 through a registered staging buffer per transfer thread; raw moves the bare block
-with one scatter entry per K and V run. The header's own cost per block (packing
-and writing it for a save, reading and checking it for a load, its bytes) is
-measured apart and set against the connector's run-to-run spread. The load's read-ahead
+with one scatter entry per K and V run. The header's own cost per block (the
+payload's CRC-32, packing and writing the header for a save; reading and checking
+both for a load; its bytes) is measured apart and set against the connector's
+run-to-run spread. The load's read-ahead
 (the next batch read into one half of the staging buffer while the other half is copied
 into the blocks, which the connector does when its client holds a segment of the pool) is
 set against one read a group, paired, at the largest size, in both placements.
@@ -304,9 +305,16 @@ def _read_ahead_table(rows: list[dict[str, Any]], reps: int) -> Table:
 
 
 def _header_cost(rig: Rig, n: int, reps: int) -> dict[str, Any]:
-    """Seconds the object header adds per block: packing and writing it (save), reading and
-    checking it (load), on this thread's staging buffer; and the bytes it adds."""
-    from kvpool.connector.contract.object_header import HEADER_BYTES, ObjectIdentity, mismatch, pack_header
+    """Seconds the object header adds per block: the payload's CRC, packing and writing the
+    header (save); reading and checking the header and the payload's CRC (load), on this
+    thread's staging buffer; and the bytes it adds."""
+    from kvpool.connector.contract.object_header import (
+        HEADER_BYTES,
+        ObjectIdentity,
+        mismatch,
+        pack_header,
+        payload_matches,
+    )
 
     worker = rig.worker
     copier = worker.copiers[0]
@@ -320,10 +328,14 @@ def _header_cost(rig: Rig, n: int, reps: int) -> dict[str, Any]:
     save, load = [], []
     for _ in range(reps):
         with stopwatch() as t:
-            slot.write_headers([pack_header(i) for i in ids], size)
+            crcs = slot.payload_crcs(range(count), size)
+            slot.write_headers([pack_header(i, crc) for i, crc in zip(ids, crcs, strict=True)], size)
         save.append(t[0] / count)
         with stopwatch() as t:
-            bad = [mismatch(h, i) for h, i in zip(slot.read_headers(count, size), ids, strict=True)]
+            headers = slot.read_headers(count, size)
+            bad = [mismatch(h, i) for h, i in zip(headers, ids, strict=True)]
+            crcs = slot.payload_crcs(range(count), size)
+            bad += [None if payload_matches(h, c) else "payload" for h, c in zip(headers, crcs, strict=True)]
         load.append(t[0] / count)
         if any(bad):
             raise RuntimeError(f"a header did not read back: {next(b for b in bad if b)}")

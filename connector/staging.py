@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpool.connector.block_regions import LayerBlocks
-from kvpool.connector.contract.object_header import HEADER_BYTES
+from kvpool.connector.contract.object_header import HEADER_BYTES, payload_crc
 
 
 @dataclass(frozen=True)
@@ -176,6 +176,21 @@ class StagingSlot:
             return [ctypes.string_at(self.ptr + i * object_bytes, HEADER_BYTES) for i in range(count)]
         host = self.objects(count, object_bytes)[:, :HEADER_BYTES].cpu()
         return [bytes(row.numpy().tobytes()) for row in host]
+
+    def payload_crcs(self, indices: Sequence[int], object_bytes: int) -> list[int]:
+        """The CRC-32 of the payload (the bytes after the header) of each object in ``indices``."""
+        if self.on_cpu:
+            view = ctypes.c_char * (object_bytes - HEADER_BYTES)
+            start = self.ptr + HEADER_BYTES
+            return [payload_crc(view.from_address(start + i * object_bytes)) for i in indices]
+        if not indices:
+            return []
+        import torch
+
+        rows = torch.tensor(list(indices), dtype=torch.long, device=self.tensor.device)
+        objects = self.objects(max(indices) + 1, object_bytes).index_select(0, rows)
+        host = objects[:, HEADER_BYTES:].cpu().contiguous()
+        return [payload_crc(row.numpy()) for row in host]
 
     def synchronize(self) -> None:
         """Wait for this thread's device copies (nothing to wait for on the CPU)."""

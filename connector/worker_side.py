@@ -34,7 +34,7 @@ from kvpool.connector import tracing
 from kvpool.connector.block_regions import LayerBlocks, describe_layer, storage_span
 from kvpool.connector.contract.keys import KeySpace
 from kvpool.connector.contract.metric_names import REMOVE, SKIP_COMPUTED_ON_FAILED_LOAD
-from kvpool.connector.contract.object_header import ObjectIdentity, mismatch, pack_header
+from kvpool.connector.contract.object_header import ObjectIdentity, mismatch, pack_header, payload_matches
 from kvpool.connector.contract.settings import ConnectorSettings
 from kvpool.connector.contract.shards import shard_of, writes_shard
 from kvpool.connector.cpu_affinity import unpin_this_thread
@@ -600,6 +600,13 @@ class WorkerSide:
                 result.fail([block], outcome)
                 if outcome is Outcome.CORRUPT:
                     result.corrupt_keys.append(batch_keys[i])
+        # A payload not as its header states: corrupt, or read before its write landed.
+        crcs = part.payload_crcs([i for i, _ in good], copier.object_bytes)
+        stale = [(i, block) for (i, block), crc in zip(good, crcs) if not payload_matches(headers[i], crc)]
+        for i, block in stale:
+            good.remove((i, block))
+            result.fail([block], Outcome.CORRUPT)
+            result.corrupt_keys.append(batch_keys[i])
         wrong_size = self._wrong_sizes([batch_keys[i] for i in unexplained], copier.object_bytes)
         for i in unexplained:
             if batch_keys[i] in wrong_size:
@@ -710,8 +717,9 @@ class WorkerSide:
                 copier.from_blocks(slot, part_blocks)
             finally:
                 job.end_touch(last=last and start + per_call >= len(keys))
-            headers = [self._identity(transfer, start + i, copier) for i in range(len(part_keys))]
-            slot.write_headers([pack_header(h) for h in headers], size)
+            identities = [self._identity(transfer, start + i, copier) for i in range(len(part_keys))]
+            crcs = slot.payload_crcs(range(len(part_keys)), size)
+            slot.write_headers([pack_header(h, crc) for h, crc in zip(identities, crcs)], size)
             if start < replacing:
                 self.client.remove(part_keys[: replacing - start])
             self._put_staged(result, job, slot, part_keys, part_blocks, copier)

@@ -25,6 +25,7 @@ from kvpool.connector.local.engine import (
 from kvpool.connector.local.tiny_model import build_gemma3
 from tests.support.engine import run_engine_subprocess, transfer_config
 from tests.support.models import build_gpt_oss
+from tests.support.objects import over_payload
 from tests.support.prompts import MAX_TOKENS, P1, P2, PREFIX, PREFIX_HIT, pool_keys
 
 pytestmark = [pytest.mark.engine, pytest.mark.mooncake]
@@ -85,7 +86,7 @@ def test_corrupted_pool_changes_the_output(gemma_dir, gemma_reference, pool_sett
     assert all(len(data) > HEADER_BYTES for data in stored.values()), "engine A stored every prefix block"
     pool_client.remove(keys)
     for key, data in stored.items():
-        assert pool_client.put_bytes(key, data[:HEADER_BYTES] + os.urandom(len(data) - HEADER_BYTES)) == 0
+        assert pool_client.put_bytes(key, over_payload(data, os.urandom(len(data) - HEADER_BYTES))) == 0
 
     b = run_engine_subprocess(
         EngineOptions(model=str(gemma_dir), kv_transfer_config=config), [[P2]], MAX_TOKENS

@@ -12,6 +12,8 @@ from kvpool.connector.contract.object_header import (
     ObjectIdentity,
     mismatch,
     pack_header,
+    payload_crc,
+    payload_matches,
     read_header,
 )
 
@@ -20,8 +22,11 @@ ME = ObjectIdentity(
 )
 
 
+CRC = 0x1234ABCD
+
+
 def test_a_header_is_64_bytes_and_reads_back() -> None:
-    header = pack_header(ME)
+    header = pack_header(ME, CRC)
     assert len(header) == HEADER_BYTES
     assert mismatch(header + b"payload", ME) is None
     fields = read_header(header)
@@ -41,14 +46,14 @@ def test_a_header_is_64_bytes_and_reads_back() -> None:
     ],
 )
 def test_every_field_is_checked(change: dict, reason: str) -> None:
-    other = pack_header(dataclasses.replace(ME, **change))
+    other = pack_header(dataclasses.replace(ME, **change), CRC)
     assert mismatch(other, ME) == reason
 
 
 def test_garbage_short_and_torn_headers_are_rejected() -> None:
     assert mismatch(bytes(HEADER_BYTES), ME) == "no valid header"
     assert mismatch(b"KVPH", ME) == "object shorter than a header (4 bytes)"
-    torn = bytearray(pack_header(ME))
+    torn = bytearray(pack_header(ME, CRC))
     torn[20] ^= 0xFF  # inside the layout tag: the CRC no longer matches
     assert mismatch(bytes(torn), ME) == "no valid header"
 
@@ -56,3 +61,25 @@ def test_garbage_short_and_torn_headers_are_rejected() -> None:
 def test_the_object_format_is_part_of_every_key() -> None:
     key = KeySpace("kvpool", "fp").key(0, 0, 0, "d" * 32)
     assert f"/{OBJECT_FORMAT}/" in key
+
+
+def test_a_payload_is_checked_against_the_crc_its_header_states() -> None:
+    payload = bytes(range(256)) * 16
+    header = pack_header(ME, payload_crc(payload))
+    assert mismatch(header, ME) is None
+    assert payload_matches(header, payload_crc(payload))
+    stale = bytearray(payload)
+    stale[-1] ^= 0x01  # one byte behind the header is not what was written
+    assert not payload_matches(header, payload_crc(bytes(stale)))
+    # The identity does not depend on the payload: a header over other bytes names the same block.
+    assert mismatch(pack_header(ME, payload_crc(bytes(stale))), ME) is None
+
+
+def test_a_header_of_the_previous_format_is_rejected() -> None:
+    v1 = bytearray(pack_header(ME, 0))
+    v1[4] = 1  # version 1 (no payload CRC); its fields CRC made anew
+    import struct
+    import zlib
+
+    v1[48:52] = struct.pack("<I", zlib.crc32(bytes(v1[:48])))
+    assert mismatch(bytes(v1), ME) == "header version 1, expected 2"

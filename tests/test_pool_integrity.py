@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from kvpool.connector.contract.keys import KeySpace
+from kvpool.connector.contract.object_header import HEADER_BYTES
 from kvpool.connector.metadata import GroupTransfer, PoolConnectorMetadata, RequestLoad, RequestSave
 from kvpool.connector.records import StatsCollector
 from kvpool.connector.scheduler_side import SchedulerSide
@@ -103,7 +104,9 @@ def until(predicate: Any, what: str) -> None:
 # --- headers --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("case", ["another_layout", "truncated", "longer", "random_bytes", "misdirected"])
+@pytest.mark.parametrize(
+    "case", ["another_layout", "truncated", "longer", "random_bytes", "misdirected", "stale_payload"]
+)
 def test_an_object_that_is_not_the_block_never_becomes_kv(
     case: str, worker: WorkerSide, pool_client: Any, cache_prefix: str
 ) -> None:
@@ -125,6 +128,8 @@ def test_an_object_that_is_not_the_block_never_becomes_kv(
         bad = stored + b"\0" * 64
     elif case == "random_bytes":
         bad = torch.randint(0, 256, (len(stored),), dtype=torch.uint8).numpy().tobytes()
+    elif case == "stale_payload":  # its own header over other bytes: a read that overtook the write
+        bad = stored[:HEADER_BYTES] + store.get(worker.keyspace.key(0, 0, 0, "b"))[HEADER_BYTES:]
     else:  # another block's object copied under this key
         bad = store.get(worker.keyspace.key(0, 0, 0, "b"))
     assert store.upsert(key, bad) == 0

@@ -4,7 +4,7 @@ The model has one KV head (and four query heads), so at TP=2 vLLM gives both ran
 of it: one KV shard. Engine A (TP=2) serves a 700-token prompt and a second one; the pool
 then holds one object per block (shard 0's, written by rank 0), none of rank 1's, and A's
 saves moved one rank's bytes. Every K/V byte of the second prompt's objects is replaced
-by noise (header kept, size kept): the negative control.
+by noise in a well-formed object (its header, stating the noise's CRC): the negative control.
 
 A fresh TP=2 engine B, then a TP=1 engine C (same shard split, so the same keys), serve
 prompts sharing the first 100, 333, 650 and 700 tokens of the first prompt, one after
@@ -28,6 +28,7 @@ from kvpool.connector.contract.settings import ConnectorSettings
 from kvpool.connector.local.engine import EngineOptions
 from tests.support.engine import EngineReport, run_engine_subprocess, transfer_config
 from tests.support.models import build_gemma3_one_kv_head
+from tests.support.objects import over_payload
 from tests.support.prompts import BLOCK, block_hashes
 from tests.test_tensor_parallel import (
     FOLLOWERS,
@@ -109,7 +110,7 @@ def test_one_object_per_shard_read_by_every_rank_and_by_another_tp_size(
         data = pool_client._store.get(noisy_key)
         assert len(data) == HEADER_BYTES + page, noisy_key
         assert pool_client.remove([noisy_key]) == [0]
-        assert pool_client.put_bytes(noisy_key, data[:HEADER_BYTES] + os.urandom(page)) == 0
+        assert pool_client.put_bytes(noisy_key, over_payload(data, os.urandom(page))) == 0
 
     b = run(model, config, 2, B_BATCHES, log_path=tmp_path / "b.log", reset_local_cache=True)
     notes = connector_warnings(tmp_path / "b.log")

@@ -70,6 +70,25 @@ def test_headers_round_trip_on_both_paths(device_slot: StagingSlot) -> None:
         assert slot.read_headers(3, 4096) == headers
 
 
+def test_payload_crcs_are_the_crc_of_each_payload_on_both_paths(device_slot: StagingSlot) -> None:
+    import zlib
+
+    tensors = caches()
+    host_slot = StagingSlot(1 << 20, torch.device("cpu"))
+    copier(tensors, use_memmove=True).from_blocks(host_slot, [3, 1, 7])
+    device = copier(tensors, use_memmove=False)
+    device.from_blocks(device_slot, [3, 1, 7])
+    size = device.object_bytes
+    payloads = [host_slot.tensor[i * size + HEADER_BYTES : (i + 1) * size] for i in (2, 0)]
+    expected = [zlib.crc32(p.numpy()) for p in payloads]
+    assert len(set(expected)) == 2, "two blocks of random KV differ"
+    assert host_slot.payload_crcs([2, 0], size) == expected
+    assert device_slot.payload_crcs([2, 0], size) == expected
+    host_slot.write_headers([b"\xff" * HEADER_BYTES], size)  # the header is not part of the payload
+    assert host_slot.payload_crcs([0], size) == expected[1:]
+    assert host_slot.payload_crcs([], size) == device_slot.payload_crcs([], size) == []
+
+
 def test_a_block_outside_the_cache_is_refused_before_any_copy() -> None:
     tensors = caches()
     group = copier(tensors, use_memmove=True)

@@ -10,7 +10,7 @@ middle of its saves or a damaged object would leave them:
 * rank 1's object of block 20 is replaced by a short one: the lookup sees every rank's key,
   rank 1's load fails its check, and the request recomputes (vLLM's default
   ``kv_load_failure_policy`` is in force: a failed load must not fail the request);
-* every object of the second prompt gets noise for its K/V bytes (headers kept): the
+* every object of the second prompt gets noise for its K/V bytes (headers kept, stating the noise's CRC): the
   negative control.
 
 A fresh TP=2 engine B then serves prompts sharing the first 100, 333, 650 and 700 tokens
@@ -41,6 +41,7 @@ from kvpool.connector.local.engine import EngineOptions
 from kvpool.connector.local.tiny_model import build_gemma3
 from tests.support.engine import EngineReport, run_engine_subprocess, transfer_config
 from tests.support.models import build_gemma3_full
+from tests.support.objects import over_payload
 from tests.support.prompts import BLOCK, block_hashes
 
 pytestmark = [pytest.mark.engine, pytest.mark.mooncake]
@@ -165,9 +166,8 @@ def test_tp2_engine_b_loads_what_tp2_engine_a_stored(
         data = pool_client._store.get(noisy_key)
         assert len(data) > HEADER_BYTES, noisy_key
         assert pool_client.remove([noisy_key]) == [0]
-        assert (
-            pool_client.put_bytes(noisy_key, data[:HEADER_BYTES] + os.urandom(len(data) - HEADER_BYTES)) == 0
-        )
+        noise = os.urandom(len(data) - HEADER_BYTES)
+        assert pool_client.put_bytes(noisy_key, over_payload(data, noise)) == 0
 
     b = run_tp(
         tp_options(model_dir, config, disable_log_stats=False),

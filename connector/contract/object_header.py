@@ -5,11 +5,17 @@ the layout fingerprint and the digest of the block's prefix hash (as 8- and
 16-byte BLAKE2b tags), its KV-cache group, the tensor shard and pipeline rank
 that produced it (the shard is the tensor rank unless ranks hold copies of the
 KV: :mod:`kvpool.connector.contract.shards`) and the payload length, with a
-CRC-32 of those fields. Everything
-in it follows from the key a block is stored under, so a load compares the
-object's first 64 bytes with the header it expects (one ``bytes`` comparison)
-before any payload reaches vLLM's cache: an object of another layout, a
-truncated object, or an object copied under another key never becomes KV.
+CRC-32 of those fields; then the CRC-32 of the payload. Everything in the first
+part follows from the key a block is stored under, so a load compares it with
+the identity it expects (one ``bytes`` comparison), then the payload with its
+CRC, before any payload reaches vLLM's cache: an object of another layout, a
+truncated object, an object copied under another key, or one whose payload is
+not what its writer wrote never becomes KV.
+
+The payload CRC matters even without faulty hardware: Mooncake's TCP transport
+reports a write done once the writer's kernel holds its bytes, before the store
+has copied them, so a reader can overtake a published object's write and read
+its header with stale bytes behind it.
 """
 
 from __future__ import annotations
@@ -18,16 +24,19 @@ import hashlib
 import struct
 import zlib
 from dataclasses import dataclass
+from typing import Any
 
 MAGIC = b"KVPH"
-VERSION = 1
+VERSION = 2
 HEADER_BYTES = 64
 
 # magic, version, flags, header length, layout tag, digest, group, tp rank, pp rank,
-# reserved, payload length: 48 bytes, then the CRC-32 of those 48 and zero padding.
+# reserved, payload length: 48 bytes; the CRC-32 of those 48 (the identity ends here);
+# the CRC-32 of the payload; zero padding.
 _FIELDS = struct.Struct("<4sBBH8s16sHHHHQ")
 _CRC = struct.Struct("<I")
-_PADDING = bytes(HEADER_BYTES - _FIELDS.size - _CRC.size)
+IDENTITY_BYTES = _FIELDS.size + _CRC.size
+_PADDING = bytes(HEADER_BYTES - IDENTITY_BYTES - _CRC.size)
 
 
 @dataclass(frozen=True)
@@ -56,8 +65,8 @@ def block_tag(digest: str) -> bytes:
     return hashlib.blake2b(digest.encode(), digest_size=16).digest()
 
 
-def pack_header(identity: ObjectIdentity) -> bytes:
-    """The 64 header bytes of ``identity``."""
+def identity_bytes(identity: ObjectIdentity) -> bytes:
+    """The header's first ``IDENTITY_BYTES``: what follows from the key alone."""
     fields = _FIELDS.pack(
         MAGIC,
         VERSION,
@@ -71,7 +80,27 @@ def pack_header(identity: ObjectIdentity) -> bytes:
         0,
         identity.payload_bytes,
     )
-    return fields + _CRC.pack(zlib.crc32(fields)) + _PADDING
+    return fields + _CRC.pack(zlib.crc32(fields))
+
+
+def pack_header(identity: ObjectIdentity, payload_crc: int) -> bytes:
+    """The 64 header bytes of ``identity`` over a payload whose CRC-32 is ``payload_crc``."""
+    return identity_bytes(identity) + _CRC.pack(payload_crc) + _PADDING
+
+
+def payload_crc(payload: Any) -> int:
+    """The CRC-32 of ``payload`` (any contiguous buffer)."""
+    return zlib.crc32(payload)
+
+
+def stated_payload_crc(header: bytes) -> int:
+    """The payload CRC-32 a header states."""
+    return int(_CRC.unpack_from(header, IDENTITY_BYTES)[0])
+
+
+def payload_matches(header: bytes, crc: int) -> bool:
+    """Whether a payload whose CRC-32 is ``crc`` is the one ``header`` was written with."""
+    return stated_payload_crc(header) == crc
 
 
 @dataclass(frozen=True)
@@ -101,8 +130,11 @@ def read_header(data: bytes) -> HeaderFields | None:
 
 
 def mismatch(data: bytes, expected: ObjectIdentity) -> str | None:
-    """Why ``data`` (an object's first bytes) is not the header of ``expected``; None if it is."""
-    if bytes(data[:HEADER_BYTES]) == pack_header(expected):
+    """Why ``data`` (an object's first bytes) is not a header of ``expected``; None if it is.
+
+    The payload is checked apart (:func:`payload_matches`): it needs the payload's bytes.
+    """
+    if len(data) >= HEADER_BYTES and bytes(data[:IDENTITY_BYTES]) == identity_bytes(expected):
         return None
     found = read_header(bytes(data[:HEADER_BYTES]))
     if found is None:

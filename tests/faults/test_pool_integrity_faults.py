@@ -38,7 +38,7 @@ from typing import Any
 import pytest
 
 from kvpool.connector.contract.keys import hash_digest
-from kvpool.connector.contract.object_header import HEADER_BYTES, ObjectIdentity, pack_header
+from kvpool.connector.contract.object_header import HEADER_BYTES, ObjectIdentity, pack_header, payload_crc
 from kvpool.connector.contract.settings import ConnectorSettings
 from kvpool.connector.local.pool import LOOPBACK, LocalPool, free_port
 from kvpool.connector.pool_client import PoolClient, open_client
@@ -55,7 +55,7 @@ SERVE_DEADLINE_S = 120.0
 GOOD_BLOCKS = 4  # blocks 0..3 of a prefix: never tampered with
 TAMPERED = range(GOOD_BLOCKS, PREFIX_BLOCKS)
 # Prefixes (``helpers.prompt``) per scenario, apart for the two roles of one model.
-FROZEN_LOAD, FROZEN_LOOKUP, FOREIGN, FROZEN_SAVE, SHUTDOWN, UNCHECKED, DONOR = range(7)
+FROZEN_LOAD, FROZEN_LOOKUP, FOREIGN, FROZEN_SAVE, SHUTDOWN, UNCHECKED, DONOR, STALE = range(8)
 ROLE_BASE = {"kv_both": 200, "kv_consumer": 300}
 CONFIGS = [("sync", "kv_both"), ("sync", "kv_consumer"), ("async", "kv_both"), ("async", "kv_consumer")]
 
@@ -68,6 +68,7 @@ def keys_needed() -> list[tuple[int, int]]:
     """Every request whose output a test checks."""
     both = [(prefix_of("kv_both", s), j) for s in range(SHUTDOWN) for j in range(3)]
     both += [(prefix_of("kv_both", UNCHECKED), 0), (prefix_of("kv_both", UNCHECKED), 1)]
+    both += [(prefix_of("kv_both", STALE), j) for j in range(3)]
     consumer = [
         (prefix_of("kv_consumer", s), j) for s in (FROZEN_LOAD, FROZEN_LOOKUP, FOREIGN) for j in (1, 2)
     ]
@@ -421,7 +422,10 @@ def test_objects_that_are_not_their_block_are_recomputed_and_removed(setup: Setu
         objects = [store.get(key) for key in keys]
         payload = len(objects[0]) - HEADER_BYTES
         group = setup.full_group()
-        other_layout = pack_header(ObjectIdentity("another-layout", digests[5], group, 0, 0, payload))
+        other_layout = pack_header(
+            ObjectIdentity("another-layout", digests[5], group, 0, 0, payload),
+            payload_crc(objects[5][HEADER_BYTES:]),
+        )
         replaced = {
             1: objects[2],  # another block's object under this key
             3: objects[3][: len(objects[3]) // 2],  # truncated
@@ -476,6 +480,44 @@ def test_negative_control_without_the_header_check_another_blocks_object_is_kv(
     assert served.cached == PREFIX_TOKENS, "the swapped blocks were loaded"
     with pytest.raises(AssertionError):
         check([served], setup.model.references)
+
+
+def test_a_payload_not_as_its_header_states_is_recomputed_and_without_the_check_is_kv(
+    setup: Setup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read that overtakes its block's write finds the block's header over stale bytes:
+    Mooncake's TCP write returns once the writer's kernel holds the bytes, the store copies
+    them later, and the writer has published by then. Blocks 4..8 here keep their headers over
+    another prompt's payloads: with the payload check off they load as KV and the answer
+    changes; with it they are recomputed (and removed)."""
+    if setup.role != "kv_both":
+        pytest.skip("a kv_both engine stores the prefix whose payloads the test replaces")
+    from kvpool.connector import worker_side
+
+    prefix, donor = setup.prefix(STALE), setup.prefix(DONOR)
+    seed(setup, STALE)
+    setup.engine.serve((donor, 0))
+    setup.engine.wait_unstuck()
+    client = setup.client()
+    try:
+        for mine, theirs in zip(setup.keys(prefix, TAMPERED), setup.keys(donor, TAMPERED), strict=True):
+            own, other = client._store.get(mine), client._store.get(theirs)
+            assert len(own) == len(other) > HEADER_BYTES, "both prefixes are stored"
+            assert client._store.upsert(mine, own[:HEADER_BYTES] + other[HEADER_BYTES:]) == 0
+    finally:
+        client.close()
+    with monkeypatch.context() as unchecked:
+        unchecked.setattr(worker_side, "payload_matches", lambda header, crc: True)
+        served = setup.engine.serve((prefix, 1))
+    assert served.cached >= PREFIX_TOKENS, "the stale payloads were loaded"
+    with pytest.raises(AssertionError):
+        check([served], setup.model.references)
+    mark = len(setup.engine.transfers())
+    checked = setup.engine.serve((prefix, 2))
+    check([checked], setup.model.references)
+    setup.engine.wait_unstuck()
+    load = next(t for t in setup.engine.transfers()[mark:] if t.operation == "load")
+    assert load.failures.get("corrupt") == len(TAMPERED), load.failures
 
 
 def test_a_store_frozen_mid_save_publishes_nothing(setup: Setup, monkeypatch: pytest.MonkeyPatch) -> None:
