@@ -17,7 +17,7 @@ with a Mooncake client. The same blocks move three ways:
 The connector moves each block as one object (its 64-byte header, then the block)
 through a registered staging buffer per transfer thread; raw moves the bare block
 with one scatter entry per K and V run. The header's own cost per block (the
-payload's CRC-32, packing and writing the header for a save; reading and checking
+payload's CRC-32C, packing and writing the header for a save; reading and checking
 both for a load; its bytes) is measured apart and set against the connector's
 run-to-run spread. The load's read-ahead
 (the next batch read into one half of the staging buffer while the other half is copied
@@ -478,8 +478,8 @@ def _header_table(rows: list[dict[str, Any]], reps: int) -> Table:
         [
             "blocks/group",
             "header bytes / object",
-            "save: pack + write µs",
-            "load: read + check µs",
+            "save: CRC + pack + write µs",
+            "load: read + check + CRC µs",
             "save share",
             "load share",
             "save spread",

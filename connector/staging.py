@@ -178,7 +178,7 @@ class StagingSlot:
         return [bytes(row.numpy().tobytes()) for row in host]
 
     def payload_crcs(self, indices: Sequence[int], object_bytes: int) -> list[int]:
-        """The CRC-32 of the payload (the bytes after the header) of each object in ``indices``."""
+        """The CRC-32C of the payload (the bytes after the header) of each object in ``indices``."""
         if self.on_cpu:
             view = ctypes.c_char * (object_bytes - HEADER_BYTES)
             start = self.ptr + HEADER_BYTES

@@ -8,7 +8,7 @@ load reads objects there, checks each header, and only then copies the payload
 into the blocks (a long load reads its next batch into the buffer's other half
 meanwhile). Each key's return code is classified; a failed load is
 reported so vLLM recomputes it (block ids for single-group layouts, the request
-for hybrid ones), and an object whose header is wrong is removed from the pool.
+for hybrid ones), and an object whose header or payload is wrong is removed from the pool.
 
 Every wait has a deadline (:mod:`kvpool.connector.deadlines`): a load without
 progress for ``load_timeout_s`` fails, a save for ``save_timeout_s`` is

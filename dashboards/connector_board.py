@@ -233,7 +233,8 @@ def build() -> Board:
     board.timeseries(
         "Objects removed from the pool",
         "Objects the connector removed, by reason (corrupt: a loaded object whose header named "
-        "another layout, block, group or rank, or whose size was wrong).",
+        "another layout, block, group or rank, whose size was wrong, or whose payload was not "
+        "the one its header states: damaged, or read before its write landed).",
         [
             Target(
                 sum_rate(m.REMOVED_OBJECTS.exported, SEL, ["reason", "group_kind"]),

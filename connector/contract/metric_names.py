@@ -86,7 +86,8 @@ SKIPPED_BLOCKS = _counter(
 )
 REMOVED_OBJECTS = _counter(
     "removed_objects",
-    "Pool objects the connector removed, by reason (corrupt: a loaded object that failed its header check).",
+    "Pool objects the connector removed, by reason (corrupt: a loaded object that failed its header "
+    "or payload check).",
     (*GROUP_LABELS, "reason"),
 )
 LOAD_ERROR_BLOCKS = _counter(

@@ -5,7 +5,7 @@ the layout fingerprint and the digest of the block's prefix hash (as 8- and
 16-byte BLAKE2b tags), its KV-cache group, the tensor shard and pipeline rank
 that produced it (the shard is the tensor rank unless ranks hold copies of the
 KV: :mod:`kvpool.connector.contract.shards`) and the payload length, with a
-CRC-32 of those fields; then the CRC-32 of the payload. Everything in the first
+CRC-32 of those fields; then the CRC-32C of the payload. Everything in the first
 part follows from the key a block is stored under, so a load compares it with
 the identity it expects (one ``bytes`` comparison), then the payload with its
 CRC, before any payload reaches vLLM's cache: an object of another layout, a
@@ -15,7 +15,8 @@ not what its writer wrote never becomes KV.
 The payload CRC matters even without faulty hardware: Mooncake's TCP transport
 reports a write done once the writer's kernel holds its bytes, before the store
 has copied them, so a reader can overtake a published object's write and read
-its header with stale bytes behind it.
+its header with stale bytes behind it. CRC-32C (Castagnoli), because CPUs compute
+it in hardware (``google_crc32c``: 10-17 GB/s here, zlib's CRC-32 3.5 GB/s).
 """
 
 from __future__ import annotations
@@ -26,13 +27,15 @@ import zlib
 from dataclasses import dataclass
 from typing import Any
 
+import google_crc32c
+
 MAGIC = b"KVPH"
 VERSION = 2
 HEADER_BYTES = 64
 
 # magic, version, flags, header length, layout tag, digest, group, tp rank, pp rank,
 # reserved, payload length: 48 bytes; the CRC-32 of those 48 (the identity ends here);
-# the CRC-32 of the payload; zero padding.
+# the CRC-32C of the payload; zero padding.
 _FIELDS = struct.Struct("<4sBBH8s16sHHHHQ")
 _CRC = struct.Struct("<I")
 IDENTITY_BYTES = _FIELDS.size + _CRC.size
@@ -84,22 +87,27 @@ def identity_bytes(identity: ObjectIdentity) -> bytes:
 
 
 def pack_header(identity: ObjectIdentity, payload_crc: int) -> bytes:
-    """The 64 header bytes of ``identity`` over a payload whose CRC-32 is ``payload_crc``."""
+    """The 64 header bytes of ``identity`` over a payload whose CRC-32C is ``payload_crc``."""
     return identity_bytes(identity) + _CRC.pack(payload_crc) + _PADDING
 
 
 def payload_crc(payload: Any) -> int:
-    """The CRC-32 of ``payload`` (any contiguous buffer)."""
-    return zlib.crc32(payload)
+    """The CRC-32C of ``payload`` (any contiguous buffer)."""
+    return int(google_crc32c.value(payload))
+
+
+def payload_crc_in_hardware() -> bool:
+    """Whether :func:`payload_crc` runs compiled (else pure Python: correct, far slower)."""
+    return google_crc32c.implementation == "c"
 
 
 def stated_payload_crc(header: bytes) -> int:
-    """The payload CRC-32 a header states."""
+    """The payload CRC-32C a header states."""
     return int(_CRC.unpack_from(header, IDENTITY_BYTES)[0])
 
 
 def payload_matches(header: bytes, crc: int) -> bool:
-    """Whether a payload whose CRC-32 is ``crc`` is the one ``header`` was written with."""
+    """Whether a payload whose CRC-32C is ``crc`` is the one ``header`` was written with."""
     return stated_payload_crc(header) == crc
 
 

@@ -8,7 +8,7 @@ from kvpool.connector.contract.object_header import HEADER_BYTES, IDENTITY_BYTES
 
 
 def over_payload(stored: bytes, payload: bytes) -> bytes:
-    """``stored``'s header (the block it names) over ``payload``, stating ``payload``'s CRC-32:
+    """``stored``'s header (the block it names) over ``payload``, stating ``payload``'s CRC-32C:
     an object that passes every check a load makes and whose KV is ``payload``."""
     header = (
         stored[:IDENTITY_BYTES]
