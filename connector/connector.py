@@ -27,6 +27,7 @@ from kvpool.connector.contract.keys import KeySpace
 from kvpool.connector.contract.layout import check_or_raise
 from kvpool.connector.contract.layout import fingerprint as layout_fingerprint
 from kvpool.connector.contract.metric_names import LOAD
+from kvpool.connector.contract.object_header import payload_crc_in_hardware
 from kvpool.connector.contract.settings import ConnectorSettings
 from kvpool.connector.contract.shards import group_shards
 from kvpool.connector.layout_verdict import OutOfPool, add_counters, verify_declared_layout
@@ -199,6 +200,11 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
             self._reset = LayoutReset(self._client, self.keyspace) if in_pool else None
         else:
             self._client = acquire_client(self.settings) if in_pool else OutOfPool()
+            if in_pool and not payload_crc_in_hardware():
+                logger.warning(
+                    "KVPoolConnector: google-crc32c runs in pure Python here; every transfer checks "
+                    "each block's CRC-32C, so loads and saves will be far slower"
+                )
             tp_rank, pp_rank = _ranks()
             # Only rank 0 counts a transfer's blocks and events; every rank its bytes.
             self.stats.rank = pp_rank * self.layout.tp_size + tp_rank

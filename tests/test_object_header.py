@@ -13,6 +13,7 @@ from kvpool.connector.contract.object_header import (
     mismatch,
     pack_header,
     payload_crc,
+    payload_crc_in_hardware,
     payload_matches,
     read_header,
 )
@@ -65,6 +66,7 @@ def test_the_object_format_is_part_of_every_key() -> None:
 
 def test_a_payload_is_checked_against_the_crc_its_header_states() -> None:
     assert payload_crc(b"123456789") == 0xE3069283, "CRC-32C (Castagnoli), its standard check value"
+    assert payload_crc_in_hardware(), "the installed google-crc32c is the compiled one"
     payload = bytes(range(256)) * 16
     header = pack_header(ME, payload_crc(payload))
     assert mismatch(header, ME) is None
