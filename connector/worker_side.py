@@ -602,11 +602,14 @@ class WorkerSide:
                     result.corrupt_keys.append(batch_keys[i])
         # A payload not as its header states: corrupt, or read before its write landed.
         crcs = part.payload_crcs([i for i, _ in good], copier.object_bytes)
-        stale = [(i, block) for (i, block), crc in zip(good, crcs) if not payload_matches(headers[i], crc)]
-        for i, block in stale:
-            good.remove((i, block))
-            result.fail([block], Outcome.CORRUPT)
-            result.corrupt_keys.append(batch_keys[i])
+        intact = []
+        for (i, block), crc in zip(good, crcs, strict=True):
+            if payload_matches(headers[i], crc):
+                intact.append((i, block))
+            else:
+                result.fail([block], Outcome.CORRUPT)
+                result.corrupt_keys.append(batch_keys[i])
+        good = intact
         wrong_size = self._wrong_sizes([batch_keys[i] for i in unexplained], copier.object_bytes)
         for i in unexplained:
             if batch_keys[i] in wrong_size:

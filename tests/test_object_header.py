@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import struct
+import zlib
 
 import pytest
 
@@ -81,8 +83,5 @@ def test_a_payload_is_checked_against_the_crc_its_header_states() -> None:
 def test_a_header_of_the_previous_format_is_rejected() -> None:
     v1 = bytearray(pack_header(ME, 0))
     v1[4] = 1  # version 1 (no payload CRC); its fields CRC made anew
-    import struct
-    import zlib
-
     v1[48:52] = struct.pack("<I", zlib.crc32(bytes(v1[:48])))
     assert mismatch(bytes(v1), ME) == "header version 1, expected 2"

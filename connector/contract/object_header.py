@@ -88,7 +88,12 @@ def identity_bytes(identity: ObjectIdentity) -> bytes:
 
 def pack_header(identity: ObjectIdentity, payload_crc: int) -> bytes:
     """The 64 header bytes of ``identity`` over a payload whose CRC-32C is ``payload_crc``."""
-    return identity_bytes(identity) + _CRC.pack(payload_crc) + _PADDING
+    return restate_payload_crc(identity_bytes(identity), payload_crc)
+
+
+def restate_payload_crc(header: bytes, payload_crc: int) -> bytes:
+    """``header``'s identity over a payload whose CRC-32C is ``payload_crc``: 64 bytes."""
+    return bytes(header[:IDENTITY_BYTES]) + _CRC.pack(payload_crc) + _PADDING
 
 
 def payload_crc(payload: Any) -> int:

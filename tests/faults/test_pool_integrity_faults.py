@@ -332,6 +332,24 @@ def seed(setup: Setup, scenario: int) -> Served:
     return key
 
 
+def replace_from_donor(setup: Setup, scenario: int, make: Callable[[bytes, bytes], bytes]) -> int:
+    """Store the scenario's prefix and the donor's, then put ``make(own, donor's)`` under each
+    of the prefix's keys of blocks 4..8 (same size: right layout, right length); its prefix."""
+    prefix, donor = setup.prefix(scenario), setup.prefix(DONOR)
+    seed(setup, scenario)
+    setup.engine.serve((donor, 0))
+    setup.engine.wait_unstuck()
+    client = setup.client()
+    try:
+        for mine, theirs in zip(setup.keys(prefix, TAMPERED), setup.keys(donor, TAMPERED), strict=True):
+            own, other = client._store.get(mine), client._store.get(theirs)
+            assert len(own) == len(other) > HEADER_BYTES, "both prefixes are stored"
+            assert client._store.upsert(mine, make(own, other)) == 0
+    finally:
+        client.close()
+    return prefix
+
+
 # --- the scenarios ------------------------------------------------------------------------------
 
 
@@ -464,16 +482,7 @@ def test_negative_control_without_the_header_check_another_blocks_object_is_kv(
         pytest.skip("one configuration suffices")
     from kvpool.connector import worker_side
 
-    prefix, donor = setup.prefix(UNCHECKED), setup.prefix(DONOR)
-    seed(setup, UNCHECKED)
-    setup.engine.serve((donor, 0))
-    setup.engine.wait_unstuck()
-    client = setup.client()
-    try:
-        for mine, theirs in zip(setup.keys(prefix, TAMPERED), setup.keys(donor, TAMPERED), strict=True):
-            assert client._store.upsert(mine, client._store.get(theirs)) == 0
-    finally:
-        client.close()
+    prefix = replace_from_donor(setup, UNCHECKED, lambda own, other: other)
     monkeypatch.setattr(worker_side, "mismatch", lambda data, expected: None)
     served = setup.engine.serve((prefix, 1))
     monkeypatch.undo()
@@ -494,18 +503,7 @@ def test_a_payload_not_as_its_header_states_is_recomputed_and_without_the_check_
         pytest.skip("a kv_both engine stores the prefix whose payloads the test replaces")
     from kvpool.connector import worker_side
 
-    prefix, donor = setup.prefix(STALE), setup.prefix(DONOR)
-    seed(setup, STALE)
-    setup.engine.serve((donor, 0))
-    setup.engine.wait_unstuck()
-    client = setup.client()
-    try:
-        for mine, theirs in zip(setup.keys(prefix, TAMPERED), setup.keys(donor, TAMPERED), strict=True):
-            own, other = client._store.get(mine), client._store.get(theirs)
-            assert len(own) == len(other) > HEADER_BYTES, "both prefixes are stored"
-            assert client._store.upsert(mine, own[:HEADER_BYTES] + other[HEADER_BYTES:]) == 0
-    finally:
-        client.close()
+    prefix = replace_from_donor(setup, STALE, lambda own, other: own[:HEADER_BYTES] + other[HEADER_BYTES:])
     with monkeypatch.context() as unchecked:
         unchecked.setattr(worker_side, "payload_matches", lambda header, crc: True)
         served = setup.engine.serve((prefix, 1))
