@@ -14,6 +14,7 @@ the pool moves whole blocks).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -67,6 +68,33 @@ class HybridHit:
 
 _NONE: Mapping[bytes, int] = {}
 
+
+class _Markers:
+    """Shared, read-only "cached block" markers: the one for index ``i`` has ``block_id`` ``i``.
+
+    vLLM's managers only read the blocks a lookup hands them, so one marker per index
+    serves every lookup on every thread; building one per block read cost ~0.5 µs each.
+    """
+
+    def __init__(self) -> None:
+        self._table: list[KVCacheBlock] = []
+        self._grow = threading.Lock()
+
+    def upto(self, count: int) -> list[KVCacheBlock]:
+        """A table holding at least ``count`` markers (never shrinks; grown under a lock)."""
+        table = self._table
+        if len(table) < count:
+            with self._grow:
+                table = self._table
+                if len(table) < count:
+                    size = max(count, 2 * len(table), 1024)
+                    table = table + [KVCacheBlock(block_id=i) for i in range(len(table), size)]
+                    self._table = table
+        return table
+
+
+_MARKERS = _Markers()
+
 #: Rounds of questions before a lookup asks about every block left.
 MAX_ASK_ROUNDS = 3
 
@@ -90,13 +118,13 @@ class PresenceBlockPool:
     def get_cached_block(
         self, block_hash: Any, kv_cache_group_ids: Sequence[int]
     ) -> list[KVCacheBlock] | None:
-        key = bytes(block_hash)
+        key = block_hash if type(block_hash) is bytes else bytes(block_hash)
         blocks: list[KVCacheBlock] = []
         for group_id in kv_cache_group_ids:
             index = self._present.get(group_id, _NONE).get(key)
             if index is None:
                 return None
-            blocks.append(KVCacheBlock(block_id=index))
+            blocks.append(_MARKERS.upto(index + 1)[index])
         return blocks
 
 
@@ -121,14 +149,14 @@ class AskingBlockPool:
         self._known = known
         self._assume_present = assume_present
         self.read_unknown: dict[int, dict[int, None]] = {}  # group -> indices, in order read
-        self._markers: dict[int, KVCacheBlock] = {}  # one marker per index: only read
+        self._markers = _MARKERS.upto(max((len(m) for m in index_of.values()), default=0))
 
     def get_cached_block(
         self, block_hash: Any, kv_cache_group_ids: Sequence[int]
     ) -> list[KVCacheBlock] | None:
         key = block_hash if type(block_hash) is bytes else bytes(block_hash)
-        blocks: list[KVCacheBlock] = []
-        for group_id in kv_cache_group_ids:
+        if len(kv_cache_group_ids) == 1:  # the common case, without the list built per group
+            group_id = kv_cache_group_ids[0]
             index = self._index_of.get(group_id, _NONE).get(key)
             if index is None:
                 return None  # past what the lookup may use
@@ -136,17 +164,30 @@ class AskingBlockPool:
             if held is None:
                 if not self._assume_present:
                     return None
-                unknown = self.read_unknown.get(group_id)
-                if unknown is None:
-                    unknown = self.read_unknown[group_id] = {}
-                unknown[index] = None
+                self._note_unknown(group_id, index)
             elif not held:
                 return None
-            marker = self._markers.get(index)
-            if marker is None:
-                marker = self._markers[index] = KVCacheBlock(block_id=index)
-            blocks.append(marker)
+            return [self._markers[index]]
+        blocks: list[KVCacheBlock] = []
+        for group_id in kv_cache_group_ids:
+            index = self._index_of.get(group_id, _NONE).get(key)
+            if index is None:
+                return None
+            held = self._known[group_id].get(index)
+            if held is None:
+                if not self._assume_present:
+                    return None
+                self._note_unknown(group_id, index)
+            elif not held:
+                return None
+            blocks.append(self._markers[index])
         return blocks
+
+    def _note_unknown(self, group_id: int, index: int) -> None:
+        unknown = self.read_unknown.get(group_id)
+        if unknown is None:
+            unknown = self.read_unknown[group_id] = {}
+        unknown[index] = None
 
 
 class HybridHitCoordinator:

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
-from kvpool.connector.contract.keys import hash_digest
+from kvpool.connector.contract.keys import hash_digests
 from kvpool.connector.hybrid_hit import HybridHit, HybridHitCoordinator
 from kvpool.connector.logs import get_logger
 from kvpool.connector.lookup_statistics import read_by_position
@@ -87,7 +87,6 @@ class Lookup:
         self.result: tuple[HybridHit, dict[int, dict[int, bool]]] | None = None
         self._rank_prefixes = rank_prefixes
         self._ranks = ranks
-        self._digest_of: dict[bytes, str] = {}  # groups of one block size share their hashes
         self._answered: dict[int, dict[int, bool]] = defaultdict(dict)
 
     @cached_property
@@ -99,14 +98,8 @@ class Lookup:
         """The keys of ``questions``: per group, per rank, per block (read back by position)."""
         keys: list[str] = []
         for group_id, indices in questions.items():
-            hashes, group_digests = self.wanted[group_id], self.digests[group_id]
-            for index in indices:
-                block_hash = hashes[index]
-                digest = self._digest_of.get(block_hash)
-                if digest is None:
-                    digest = self._digest_of[block_hash] = hash_digest(block_hash)
-                group_digests[index] = digest
-            ordered = [group_digests[i] for i in indices]
+            ordered = hash_digests(self.wanted[group_id], indices)
+            self.digests[group_id].update(zip(indices, ordered))
             for prefix in self._rank_prefixes(group_id):
                 keys += [prefix + digest for digest in ordered]
         return keys

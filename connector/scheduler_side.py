@@ -307,9 +307,16 @@ class SchedulerSide:
         the thread that has it, or when read if they are read first (never past the
         lookup deadline).
         """
-        rest = {g: [i for i in range(len(hashes)) if i not in known[g]] for g, hashes in wanted.items()}
-        rest = {g: indices for g, indices in rest.items() if indices}
-        backfill = None if failed or not rest else self._backfill.submit(lambda: keys_of(rest))
+        rest: dict[int, list[int]] = {}  # the blocks not asked about: found on the backfill's thread
+
+        def rest_keys() -> list[str]:
+            for g, hashes in wanted.items():
+                asked = known[g]
+                if indices := [i for i in range(len(hashes)) if i not in asked]:
+                    rest[g] = indices
+            return keys_of(rest)
+
+        backfill = None if failed else self._backfill.submit(rest_keys)
         memo: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
 
         def compute() -> tuple[tuple[int, ...], tuple[int, ...]]:

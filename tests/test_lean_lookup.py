@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import hashlib
 import os
 import threading
 import time
@@ -12,7 +13,7 @@ import pytest
 from opentelemetry import trace
 
 from kvpool.connector import tracing
-from kvpool.connector.contract.keys import KeySpace, hash_digest
+from kvpool.connector.contract.keys import KeySpace, hash_digest, hash_digests
 from kvpool.connector.hybrid_hit import HybridHitCoordinator
 from kvpool.connector.lookup_statistics import PresenceBackfill
 from kvpool.connector.records import Deferred, LookupRecord
@@ -80,6 +81,35 @@ def test_rank_prefix_plus_digest_is_the_key() -> None:
         keyspace.key(2, tp, pp, digest) for pp in range(2) for tp in range(2)
     ]
     assert keyspace.rank_keys(2, 2, 2, digest) == [p + digest for p in prefixes]
+
+
+def test_a_block_hash_is_named_by_its_hex_and_a_merged_one_by_its_blake2b() -> None:
+    sha = hashlib.sha256(b"prefix").digest()  # vLLM's default block hash: 32 bytes
+    assert hash_digest(sha) == sha.hex()
+    assert hash_digest(bytearray(sha)) == sha.hex()  # any bytes-like hash
+    merged = sha + hashlib.sha256(b"next").digest()  # a group spanning two hash blocks
+    assert hash_digest(merged) == hashlib.blake2b(merged, digest_size=32).hexdigest()
+    assert len(hash_digest(merged)) == len(hash_digest(sha)) == 64
+    assert hash_digest(merged) != hash_digest(merged[:32]) != hash_digest(merged[32:])
+    hashes = [sha, merged, hashlib.sha256(b"x").digest()]
+    assert hash_digests(hashes, [2, 0, 1]) == [hash_digest(hashes[i]) for i in (2, 0, 1)]
+
+
+def test_lookups_share_one_read_only_marker_per_block_index() -> None:
+    from kvpool.connector.hybrid_hit import AskingBlockPool
+
+    known = {0: {0: True, 1: False}}
+    index_of = {0: {b"a": 0, b"b": 1, b"c": 2}}
+    first = AskingBlockPool(32, index_of, known, assume_present=True)
+    second = AskingBlockPool(32, index_of, known, assume_present=False)
+    [marker] = first.get_cached_block(b"a", [0])
+    assert marker.block_id == 0 and not marker.is_null
+    assert second.get_cached_block(b"a", [0])[0] is marker
+    assert first.get_cached_block(b"b", [0]) is None  # asked: absent
+    assert first.get_cached_block(b"c", [0])[0].block_id == 2  # not asked: taken as present, noted
+    assert first.read_unknown == {0: {2: None}}
+    assert second.get_cached_block(b"c", [0]) is None and second.read_unknown == {}
+    assert first.get_cached_block(b"a", [0, 0]) == [marker, marker]  # groups sharing a spec
 
 
 # --- statistics over every looked-up block, asked about off the lookup's path ------------
