@@ -155,8 +155,8 @@ class AskingBlockPool:
         self, block_hash: Any, kv_cache_group_ids: Sequence[int]
     ) -> list[KVCacheBlock] | None:
         key = block_hash if type(block_hash) is bytes else bytes(block_hash)
-        if len(kv_cache_group_ids) == 1:  # the common case, without the list built per group
-            group_id = kv_cache_group_ids[0]
+        blocks: list[KVCacheBlock] = []
+        for group_id in kv_cache_group_ids:
             index = self._index_of.get(group_id, _NONE).get(key)
             if index is None:
                 return None  # past what the lookup may use
@@ -164,30 +164,11 @@ class AskingBlockPool:
             if held is None:
                 if not self._assume_present:
                     return None
-                self._note_unknown(group_id, index)
-            elif not held:
-                return None
-            return [self._markers[index]]
-        blocks: list[KVCacheBlock] = []
-        for group_id in kv_cache_group_ids:
-            index = self._index_of.get(group_id, _NONE).get(key)
-            if index is None:
-                return None
-            held = self._known[group_id].get(index)
-            if held is None:
-                if not self._assume_present:
-                    return None
-                self._note_unknown(group_id, index)
+                self.read_unknown.setdefault(group_id, {})[index] = None
             elif not held:
                 return None
             blocks.append(self._markers[index])
         return blocks
-
-    def _note_unknown(self, group_id: int, index: int) -> None:
-        unknown = self.read_unknown.get(group_id)
-        if unknown is None:
-            unknown = self.read_unknown[group_id] = {}
-        unknown[index] = None
 
 
 class HybridHitCoordinator:
