@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpool.connector.block_regions import LayerBlocks
-from kvpool.connector.contract.object_header import HEADER_BYTES, payload_crc
+from kvpool.connector.contract.object_header import HEADER_BYTES, payload_crc, payload_matches
 
 
 @dataclass(frozen=True)
@@ -115,6 +115,36 @@ class GroupCopier:
         for run, view in zip(self.runs, self._block_views()):
             view.index_copy_(0, index, objects[:, run.offset : run.offset + run.size])
         slot.synchronize()
+
+    def to_blocks_if_intact(
+        self, slot: StagingSlot, pairs: Sequence[tuple[int, int]], headers: Sequence[bytes]
+    ) -> list[int]:
+        """Like :meth:`to_blocks`, but only objects whose payload is as header ``headers[k]`` states.
+
+        Returns the positions ``k`` in ``pairs`` whose payload did not match its header's
+        CRC-32C (nothing of them is copied). On the CPU each object is checked and copied
+        before the next one is read, so the copy reads the payload from the cache the check
+        just filled.
+        """
+        if not self.use_memmove:
+            crcs = slot.payload_crcs([i for i, _ in pairs], self.object_bytes)
+            matches = map(payload_matches, headers, crcs)
+            bad = [k for k, match in enumerate(matches) if not match]
+            rejected = set(bad)
+            self.to_blocks(slot, [pair for k, pair in enumerate(pairs) if k not in rejected])
+            return bad
+        self.check([b for _, b in pairs])
+        move = ctypes.memmove
+        payload = ctypes.c_char * self.payload_bytes
+        bad = []
+        for k, ((i, block), header) in enumerate(zip(pairs, headers, strict=True)):
+            obj = slot.ptr + i * self.object_bytes
+            if not payload_matches(header, payload_crc(payload.from_address(obj + HEADER_BYTES))):
+                bad.append(k)
+                continue
+            for run in self.runs:
+                move(run.base + block * run.block_stride, obj + run.offset, run.size)
+        return bad
 
     def _block_views(self) -> list[Any]:
         """Per run: a ``(num_blocks, size)`` byte view of the layer's cache (device copies)."""

@@ -34,7 +34,7 @@ from kvpool.connector import tracing
 from kvpool.connector.block_regions import LayerBlocks, describe_layer, storage_span
 from kvpool.connector.contract.keys import KeySpace
 from kvpool.connector.contract.metric_names import REMOVE, SKIP_COMPUTED_ON_FAILED_LOAD
-from kvpool.connector.contract.object_header import ObjectIdentity, mismatch, pack_header, payload_matches
+from kvpool.connector.contract.object_header import ObjectIdentity, mismatch, pack_header
 from kvpool.connector.contract.settings import ConnectorSettings
 from kvpool.connector.contract.shards import shard_of, writes_shard
 from kvpool.connector.cpu_affinity import unpin_this_thread
@@ -66,11 +66,13 @@ RETIRED_MAX = 4
 SIZE_PROBES_PER_CALL = 16
 
 # A load reads batches of about this many bytes, one into each half of its staging buffer
-# while the other half is copied into the blocks, when its client holds a segment of the
-# pool (most hits local copies). Measured (benchmarks.transfer, 2 x 48 MiB, 2 cores):
-# co-located loads 1.09-1.10x faster than one read a group; over TCP 0.92-0.95x (smaller
-# calls cost more than the overlap saves), so a client without a segment reads at once.
-LOAD_BATCH_BYTES = 16 << 20
+# while the other half is checked and copied into the blocks, when its client holds a
+# segment of the pool (most hits local copies). Both halves fit in a last-level cache
+# (32 MiB here), so the check and the copy read what Mooncake's copy just wrote from the
+# cache. Measured (co-located, 2 x 48 MiB, 2 cores, paired in one run): 4 MiB batches
+# 0.54x memcpy, 2 MiB 0.49x, 16 MiB 0.41x, one read a group 0.38x. Over TCP smaller calls
+# cost more than the overlap saves, so a client without a segment reads at once.
+LOAD_BATCH_BYTES = 4 << 20
 
 _DEFAULTS = ConnectorSettings.model_fields
 
@@ -600,16 +602,6 @@ class WorkerSide:
                 result.fail([block], outcome)
                 if outcome is Outcome.CORRUPT:
                     result.corrupt_keys.append(batch_keys[i])
-        # A payload not as its header states: corrupt, or read before its write landed.
-        crcs = part.payload_crcs([i for i, _ in good], copier.object_bytes)
-        intact = []
-        for (i, block), crc in zip(good, crcs, strict=True):
-            if payload_matches(headers[i], crc):
-                intact.append((i, block))
-            else:
-                result.fail([block], Outcome.CORRUPT)
-                result.corrupt_keys.append(batch_keys[i])
-        good = intact
         wrong_size = self._wrong_sizes([batch_keys[i] for i in unexplained], copier.object_bytes)
         for i in unexplained:
             if batch_keys[i] in wrong_size:
@@ -622,7 +614,14 @@ class WorkerSide:
             result.fail([b for _, b in good], Outcome.TIMEOUT)
             return False
         try:
-            copier.to_blocks(part, good)
+            # A payload not as its header states (corrupt, or read before its write landed)
+            # is checked object by object just before its copy, and never copied.
+            rejected = set(copier.to_blocks_if_intact(part, good, [headers[i] for i, _ in good]))
+            for k in sorted(rejected):
+                i, block = good[k]
+                result.fail([block], Outcome.CORRUPT)
+                result.corrupt_keys.append(batch_keys[i])
+            good = [pair for k, pair in enumerate(good) if k not in rejected]
             job.copied.update((transfer.group_id, b) for _, b in good)
         finally:
             job.end_touch()

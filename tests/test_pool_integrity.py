@@ -258,11 +258,11 @@ def test_a_load_failing_midway_returns_only_after_its_read_ahead(
     stall.install(monkeypatch)
     copies: list[int] = []
 
-    def failing_copy(self: GroupCopier, slot: Any, pairs: Any) -> None:
+    def failing_copy(self: GroupCopier, slot: Any, pairs: Any, headers: Any) -> list[int]:
         copies.append(len(pairs))
         raise RuntimeError("copy failed")
 
-    monkeypatch.setattr(GroupCopier, "to_blocks", failing_copy)
+    monkeypatch.setattr(GroupCopier, "to_blocks_if_intact", failing_copy)
     load(worker, ["a", "b"], [5, 6], req="midway", is_async=True)
     until(lambda: copies and stall.in_flight == 1, "the first copy failed with the next read in flight")
     future = worker._async_loads["midway"]

@@ -63,6 +63,30 @@ def test_staged_objects_fill_exactly_their_blocks(use_memmove: bool, device_slot
         assert torch.equal(t[:, untouched], old[:, untouched])
 
 
+@pytest.mark.parametrize("use_memmove", [True, False])
+def test_only_payloads_as_their_headers_state_reach_the_blocks(
+    use_memmove: bool, device_slot: StagingSlot
+) -> None:
+    """The load's check and copy, object by object on the CPU: a payload whose CRC-32C is not
+    its header's is reported and leaves its block as it was; the others are copied."""
+    from kvpool.connector.contract.object_header import ObjectIdentity, pack_header, payload_crc
+
+    tensors = caches()
+    slot = StagingSlot(1 << 20, torch.device("cpu")) if use_memmove else device_slot
+    group = copier(tensors, use_memmove=use_memmove)
+    group.from_blocks(slot, [1, 2, 3])
+    size = group.object_bytes
+    payloads = [slot.tensor[i * size + HEADER_BYTES : (i + 1) * size].numpy().tobytes() for i in range(3)]
+    identity = ObjectIdentity("f" * 16, "d" * 64, 0, 0, 0, payload_bytes=size - HEADER_BYTES)
+    headers = [pack_header(identity, payload_crc(p)) for p in payloads]
+    slot.tensor[1 * size + HEADER_BYTES + 5] += 1  # object 1's payload after its header was written
+    before = [t.clone() for t in tensors]
+    assert group.to_blocks_if_intact(slot, [(0, 9), (1, 10), (2, 11)], headers) == [1]
+    for t, old in zip(tensors, before, strict=True):
+        assert torch.equal(t[:, 9], old[:, 1]) and torch.equal(t[:, 11], old[:, 3])
+        assert torch.equal(t[:, 10], old[:, 10]), "a payload not as stated is never copied"
+
+
 def test_headers_round_trip_on_both_paths(device_slot: StagingSlot) -> None:
     headers = [bytes([i]) * HEADER_BYTES for i in range(3)]
     for slot in (StagingSlot(1 << 20, torch.device("cpu")), device_slot):

@@ -501,11 +501,11 @@ def test_a_payload_not_as_its_header_states_is_recomputed_and_without_the_check_
     changes; with it they are recomputed (and removed)."""
     if setup.role != "kv_both":
         pytest.skip("a kv_both engine stores the prefix whose payloads the test replaces")
-    from kvpool.connector import worker_side
+    from kvpool.connector import staging
 
     prefix = replace_from_donor(setup, STALE, lambda own, other: own[:HEADER_BYTES] + other[HEADER_BYTES:])
     with monkeypatch.context() as unchecked:
-        unchecked.setattr(worker_side, "payload_matches", lambda header, crc: True)
+        unchecked.setattr(staging, "payload_matches", lambda header, crc: True)
         served = setup.engine.serve((prefix, 1))
     assert served.cached >= PREFIX_TOKENS, "the stale payloads were loaded"
     with pytest.raises(AssertionError):
