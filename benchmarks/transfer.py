@@ -20,9 +20,10 @@ with one scatter entry per K and V run. The header's own cost per block (the
 payload's CRC-32C, packing and writing the header for a save; reading and checking
 both for a load; its bytes) is measured apart and set against the connector's
 run-to-run spread. The load's read-ahead
-(the next batch read into one half of the staging buffer while the other half is copied
-into the blocks, which the connector does when its client holds a segment of the pool) is
-set against one read a group, paired, at the largest size, in both placements.
+(the next batch read into one half of the staging buffer while the other half is checked
+and copied into the blocks, which the connector does when its client holds a segment of
+the pool) is set against batches four times larger and against one read a group, paired,
+at the largest size, in both placements.
 
 Saves write fresh keys every repetition (a second put of a key is a no-op), removed afterwards.
 """
@@ -235,9 +236,15 @@ def _measure(rig: Rig, n: int, reps: int) -> dict[str, Any]:
     return {"blocks_per_group": n, "bytes": total, "seconds": seconds, "header": _header_cost(rig, n, reps)}
 
 
+# Read-ahead batches compared with the connector's (``LOAD_BATCH_BYTES``): this many times it.
+READ_AHEAD_ALTERNATIVE = 4
+ONE_READ = "one read a group"
+
+
 def _read_ahead(rig: Rig, n: int, reps: int) -> dict[str, Any]:
-    """Seconds of the connector's load of ``n`` blocks per group reading ahead (``LOAD_BATCH_BYTES``
-    batches) and with one read a group (no overlap), paired; whichever the placement uses."""
+    """Seconds of the connector's load of ``n`` blocks per group reading ahead in ``LOAD_BATCH_BYTES``
+    batches, in batches ``READ_AHEAD_ALTERNATIVE`` times larger, and with one read a group (no
+    overlap), paired; and which of them the placement uses."""
     from kvpool.connector import worker_side
     from kvpool.connector.metadata import GroupTransfer, PoolConnectorMetadata, RequestLoad, RequestSave
 
@@ -250,7 +257,9 @@ def _read_ahead(rig: Rig, n: int, reps: int) -> dict[str, Any]:
     worker.before_forward()
     worker.wait_for_saves()
     used = worker.load_batch_bytes
-    batch_bytes = {"read-ahead": worker_side.LOAD_BATCH_BYTES, "one read a group": None}
+    default = worker_side.LOAD_BATCH_BYTES
+    larger = READ_AHEAD_ALTERNATIVE * default
+    batch_bytes = {common.mib(default): default, common.mib(larger): larger, ONE_READ: None}
     seconds: dict[str, list[float]] = {v: [] for v in batch_bytes}
     try:
         for rep in range(-1, reps):  # -1: warm-up, untimed
@@ -270,23 +279,25 @@ def _read_ahead(rig: Rig, n: int, reps: int) -> dict[str, Any]:
     worker.stats.drain()
     return {
         "blocks_per_group": n,
-        "batch_bytes": worker_side.LOAD_BATCH_BYTES,
-        "used": "read-ahead" if used is not None else "one read a group",
+        "batch_bytes": default,
+        "used": common.mib(used) if used is not None else ONE_READ,
         "seconds": seconds,
     }
 
 
 def _read_ahead_table(rows: list[dict[str, Any]], reps: int) -> Table:
+    variants = list(rows[0]["read_ahead"]["seconds"]) if rows else []
+    reads_ahead = [v for v in variants if v != ONE_READ]
     table = Table(
-        f"the load's read-ahead: connector load ms with it and with one read a group, median (min..max) "
-        f"of {reps}; speed-up = one read a group / read-ahead, paired per repetition",
+        f"the load's read-ahead: connector load ms reading ahead in batches of each size and with one "
+        f"read a group, median (min..max) of {reps}; speed-up = one read a group / read-ahead, paired "
+        "per repetition",
         [
             "placement",
             "blocks/group",
-            "batch",
-            "read-ahead ms",
-            "one read a group ms",
-            "speed-up",
+            *(f"read-ahead {v} ms" for v in reads_ahead),
+            f"{ONE_READ} ms",
+            *(f"speed-up {v}" for v in reads_ahead),
             "connector uses",
         ],
     )
@@ -295,10 +306,9 @@ def _read_ahead_table(rows: list[dict[str, Any]], reps: int) -> Table:
         table.add(
             r["placement"],
             r["blocks_per_group"],
-            common.mib(r["read_ahead"]["batch_bytes"]),
-            Stat.of([1e3 * s for s in sec["read-ahead"]]).fmt(),
-            Stat.of([1e3 * s for s in sec["one read a group"]]).fmt(),
-            ratios(sec["one read a group"], sec["read-ahead"]).ratio(),
+            *(Stat.of([1e3 * s for s in sec[v]]).fmt() for v in reads_ahead),
+            Stat.of([1e3 * s for s in sec[ONE_READ]]).fmt(),
+            *(ratios(sec[ONE_READ], sec[v]).ratio() for v in reads_ahead),
             r["read_ahead"]["used"],
         )
     return table
@@ -590,10 +600,10 @@ def _report(rows: list[dict[str, Any]], reps: int, opts: Options) -> Report:
         "its own segment (an embedded pool) and keeps its saves there, so Mooncake copies them "
         "locally; the connector still moves each object through its staging buffer (two copies a "
         "load: segment to staging, staging to the blocks), overlapped batch by batch: the next "
-        "batch is read into one half of the buffer while the other is copied into the blocks. "
-        "The read-ahead table sets that against one read a group: it pays where reads are local "
-        "copies and not over TCP, so the connector reads ahead only when its client holds a "
-        "segment."
+        "batch is read into one half of the buffer while the other is checked and copied into the "
+        "blocks, each object's check just before its copy. The read-ahead table sets that against "
+        "larger batches and against one read a group: it pays where reads are local copies and not "
+        "over TCP, so the connector reads ahead only when its client holds a segment."
     )
     report.data["rows"] = rows
     path = common.plot_path("transfer", opts)
