@@ -93,6 +93,26 @@ class GroupCopier:
             objects[:, run.offset : run.offset + run.size].copy_(view.index_select(0, index))
         slot.synchronize()
 
+    def stage(self, slot: StagingSlot, block_ids: Sequence[int]) -> list[int]:
+        """:meth:`from_blocks`, returning each staged payload's CRC-32C.
+
+        On the CPU each object's CRC is taken right after its copy, while its payload
+        is still in the core's cache.
+        """
+        if not self.use_memmove:
+            self.from_blocks(slot, block_ids)
+            return slot.payload_crcs(range(len(block_ids)), self.object_bytes)
+        self.check(block_ids)
+        move = ctypes.memmove
+        payload = ctypes.c_char * self.payload_bytes
+        crcs = []
+        for i, block in enumerate(block_ids):
+            obj = slot.ptr + i * self.object_bytes
+            for run in self.runs:
+                move(obj + run.offset, run.base + block * run.block_stride, run.size)
+            crcs.append(payload_crc(payload.from_address(obj + HEADER_BYTES)))
+        return crcs
+
     # --- staging -> blocks (loads) ---------------------------------------------
     def to_blocks(self, slot: StagingSlot, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy object ``i`` of ``slot`` into block ``b`` for each ``(i, b)`` of ``pairs``."""

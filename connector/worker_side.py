@@ -716,11 +716,10 @@ class WorkerSide:
                 result.fail(transfer.block_ids[start:], Outcome.TIMEOUT)
                 break
             try:
-                copier.from_blocks(slot, part_blocks)
+                crcs = copier.stage(slot, part_blocks)
             finally:
                 job.end_touch(last=last and start + per_call >= len(keys))
             identities = [self._identity(transfer, start + i, copier) for i in range(len(part_keys))]
-            crcs = slot.payload_crcs(range(len(part_keys)), size)
             slot.write_headers([pack_header(h, crc) for h, crc in zip(identities, crcs)], size)
             if start < replacing:
                 self.client.remove(part_keys[: replacing - start])

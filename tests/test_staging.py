@@ -50,6 +50,26 @@ def test_both_paths_stage_the_same_bytes(device_slot: StagingSlot) -> None:
 
 
 @pytest.mark.parametrize("use_memmove", [True, False])
+def test_staging_returns_each_payloads_crc(use_memmove: bool, device_slot: StagingSlot) -> None:
+    """A save's copy into staging and its CRCs (taken object by object on the CPU): the same
+    bytes as :meth:`GroupCopier.from_blocks` stages, and the CRC-32C of each payload."""
+    import google_crc32c
+
+    tensors = caches()
+    slot = StagingSlot(1 << 20, torch.device("cpu")) if use_memmove else device_slot
+    reference = StagingSlot(1 << 20, torch.device("cpu"))
+    group = copier(tensors, use_memmove=use_memmove)
+    crcs = group.stage(slot, [4, 0, 9])
+    copier(tensors, use_memmove=True).from_blocks(reference, [4, 0, 9])
+    size = group.object_bytes
+    for i, crc in enumerate(crcs):
+        payload = slot.tensor[i * size + HEADER_BYTES : (i + 1) * size]
+        assert torch.equal(payload, reference.tensor[i * size + HEADER_BYTES : (i + 1) * size])
+        assert crc == google_crc32c.value(payload.numpy().tobytes())
+    assert len(set(crcs)) == 3
+
+
+@pytest.mark.parametrize("use_memmove", [True, False])
 def test_staged_objects_fill_exactly_their_blocks(use_memmove: bool, device_slot: StagingSlot) -> None:
     tensors = caches()
     slot = StagingSlot(1 << 20, torch.device("cpu")) if use_memmove else device_slot
