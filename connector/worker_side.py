@@ -70,7 +70,8 @@ SIZE_PROBES_PER_CALL = 16
 # segment of the pool (most hits local copies). Both halves fit in a last-level cache
 # (32 MiB here), so the check and the copy read what Mooncake's copy just wrote from the
 # cache. Measured (co-located, 2 x 48 MiB, 2 cores, paired in one run): 4 MiB batches
-# 0.54x memcpy, 2 MiB 0.49x, 16 MiB 0.41x, one read a group 0.38x. Over TCP smaller calls
+# 0.54x memcpy, 2 MiB 0.49-0.52x, 16 MiB 0.41-0.43x; against one read a group 1.15-1.38x
+# faster with 4 MiB, 1.10-1.14x with 16 MiB (benchmarks.transfer). Over TCP smaller calls
 # cost more than the overlap saves, so a client without a segment reads at once.
 LOAD_BATCH_BYTES = 4 << 20
 
