@@ -79,11 +79,8 @@ class GroupCopier:
         """Copy each block's payload into object ``i`` of ``slot``."""
         self.check(block_ids)
         if self.use_memmove:
-            move = ctypes.memmove
             for i, block in enumerate(block_ids):
-                obj = slot.ptr + i * self.object_bytes
-                for run in self.runs:
-                    move(obj + run.offset, run.base + block * run.block_stride, run.size)
+                self._block_into_object(block, slot.ptr + i * self.object_bytes)
             return
         import torch
 
@@ -103,13 +100,11 @@ class GroupCopier:
             self.from_blocks(slot, block_ids)
             return slot.payload_crcs(range(len(block_ids)), self.object_bytes)
         self.check(block_ids)
-        move = ctypes.memmove
         payload = ctypes.c_char * self.payload_bytes
         crcs = []
         for i, block in enumerate(block_ids):
             obj = slot.ptr + i * self.object_bytes
-            for run in self.runs:
-                move(obj + run.offset, run.base + block * run.block_stride, run.size)
+            self._block_into_object(block, obj)
             crcs.append(payload_crc(payload.from_address(obj + HEADER_BYTES)))
         return crcs
 
@@ -120,11 +115,8 @@ class GroupCopier:
             return
         self.check([b for _, b in pairs])
         if self.use_memmove:
-            move = ctypes.memmove
             for i, block in pairs:
-                obj = slot.ptr + i * self.object_bytes
-                for run in self.runs:
-                    move(run.base + block * run.block_stride, obj + run.offset, run.size)
+                self._object_into_block(slot.ptr + i * self.object_bytes, block)
             return
         import torch
 
@@ -148,23 +140,32 @@ class GroupCopier:
         """
         if not self.use_memmove:
             crcs = slot.payload_crcs([i for i, _ in pairs], self.object_bytes)
-            matches = map(payload_matches, headers, crcs)
-            bad = [k for k, match in enumerate(matches) if not match]
+            checked = enumerate(zip(headers, crcs, strict=True))
+            bad = [k for k, (header, crc) in checked if not payload_matches(header, crc)]
             rejected = set(bad)
             self.to_blocks(slot, [pair for k, pair in enumerate(pairs) if k not in rejected])
             return bad
         self.check([b for _, b in pairs])
-        move = ctypes.memmove
         payload = ctypes.c_char * self.payload_bytes
         bad = []
         for k, ((i, block), header) in enumerate(zip(pairs, headers, strict=True)):
             obj = slot.ptr + i * self.object_bytes
-            if not payload_matches(header, payload_crc(payload.from_address(obj + HEADER_BYTES))):
+            if payload_matches(header, payload_crc(payload.from_address(obj + HEADER_BYTES))):
+                self._object_into_block(obj, block)
+            else:
                 bad.append(k)
-                continue
-            for run in self.runs:
-                move(run.base + block * run.block_stride, obj + run.offset, run.size)
         return bad
+
+    # --- one object on the CPU: a memmove per run --------------------------------
+    def _block_into_object(self, block: int, obj: int) -> None:
+        move = ctypes.memmove
+        for run in self.runs:
+            move(obj + run.offset, run.base + block * run.block_stride, run.size)
+
+    def _object_into_block(self, obj: int, block: int) -> None:
+        move = ctypes.memmove
+        for run in self.runs:
+            move(run.base + block * run.block_stride, obj + run.offset, run.size)
 
     def _block_views(self) -> list[Any]:
         """Per run: a ``(num_blocks, size)`` byte view of the layer's cache (device copies)."""

@@ -617,11 +617,12 @@ class WorkerSide:
         try:
             # A payload not as its header states (corrupt, or read before its write landed)
             # is checked object by object just before its copy, and never copied.
-            rejected = set(copier.to_blocks_if_intact(part, good, [headers[i] for i, _ in good]))
-            for k in sorted(rejected):
+            bad = copier.to_blocks_if_intact(part, good, [headers[i] for i, _ in good])
+            for k in bad:
                 i, block = good[k]
                 result.fail([block], Outcome.CORRUPT)
                 result.corrupt_keys.append(batch_keys[i])
+            rejected = set(bad)
             good = [pair for k, pair in enumerate(good) if k not in rejected]
             job.copied.update((transfer.group_id, b) for _, b in good)
         finally:
