@@ -75,7 +75,9 @@ def test_leader_killed_mid_stream(
     # The outage cost failed transfers, each counted by reason, and the metrics agree.
     failures = failures_by_reason(transfers)
     assert failures, "the outage shows in the failure counts"
-    assert set(failures) <= {"rpc_failed", "store_full", "missing", "transfer_failed"}
+    # A transfer in flight when the leader died either gets Mooncake's code back or passes the
+    # connector's deadline (then it is recomputed, counted as a timeout): both end in bounded time.
+    assert set(failures) <= {"rpc_failed", "store_full", "missing", "transfer_failed", "timeout"}
     # The series counts lookups that failed too (a lookup in flight when the leader died
     # passes its deadline: a miss, counted as a timeout).
     assert set(failures_by_reason(lookups)) <= {"rpc_failed", "timeout"}
