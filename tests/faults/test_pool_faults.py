@@ -174,10 +174,12 @@ def test_master_killed_and_restarted_mid_load(
 
     (load, *later) = window.transfers("load", since=mark)
     assert load.failures and load.recomputed, "the failed load sent its request to recompute"
-    assert set(load.failures) <= {"rpc_failed", "missing"}
+    # A call to the dead or restarting master fails, or passes the load's deadline on a
+    # loaded machine (a timeout): each ends in bounded time and recomputes.
+    assert set(load.failures) <= {"rpc_failed", "missing", "timeout"}
     assert all(not t.failures for t in later)
     failures = window.check_counted()
-    assert failures["rpc_failed"] + failures["missing"] >= sum(load.failures.values())
+    assert failures["rpc_failed"] + failures["missing"] + failures["timeout"] >= sum(load.failures.values())
     print(
         f"mid-load restart: failed load {dict(load.failures)}, faulted request {faulted.seconds:.2f}s, "
         f"no hits for {refill[-1].finished - fault.killed_at:.2f}s, failures {dict(failures)}"
@@ -208,7 +210,7 @@ def test_master_killed_and_restarted_mid_save(
     check_outputs([*warm, faulted, *refill], references)
     assert refill[-1].hit, "the pool refilled and hits resumed"
     failures = window.check_counted()
-    assert set(failures) <= {"rpc_failed", "store_full"}
+    assert set(failures) <= {"rpc_failed", "store_full", "timeout"}
     print(
         f"mid-save restart: faulted request {faulted.seconds:.2f}s, "
         f"no hits for {refill[-1].finished - fault.killed_at:.2f}s, failures {dict(failures)}"
@@ -248,7 +250,7 @@ def test_store_process_lost(
     assert first_load.failures and first_load.recomputed
     failures = window.check_counted()
     assert failures["transfer_failed"] > 0, "reads from the dead store failed as transfers"
-    assert set(failures) <= {"transfer_failed", "store_full", "missing", "rpc_failed"}
+    assert set(failures) <= {"transfer_failed", "store_full", "missing", "rpc_failed", "timeout"}
     print(
         f"store lost: faulted request {faulted.seconds:.2f}s, new store after "
         f"{replaced_at - lost['at']:.2f}s, no hits for {refill[-1].finished - lost['at']:.2f}s, "
