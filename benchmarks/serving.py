@@ -668,17 +668,16 @@ class Summary:
 
 
 def summarise(run: FleetRun, cohort: int | None = None) -> Summary:
-    """Headline numbers of ``cohort``'s requests (None: every request; throughput per cohort)."""
+    """Headline numbers of ``cohort``'s requests (None: every request; throughput is over the
+    time each cohort ran, since every cohort's times count from its own start)."""
     records = [r for r in run.records if cohort is None or r.cohort == cohort]
     ok = [r for r in records if r.error is None and r.ttft is not None]
     ttfts = [r.ttft for r in ok if r.ttft is not None]
     gaps = [g for r in ok for g in r.gaps]
-    spans = {
-        c: max((r.done or 0.0) for r in records if r.cohort == c)
-        - min(r.scheduled for r in records if r.cohort == c)
-        for c in {r.cohort for r in records}
-    }
-    span = sum(spans.values())
+    span = sum(
+        max((r.done or 0.0) for r in of) - min(r.scheduled for r in of)
+        for of in ([r for r in records if r.cohort == c] for c in {r.cohort for r in records})
+    )
     return Summary(
         percentile(ttfts, 50),
         percentile(ttfts, 90),
@@ -691,6 +690,7 @@ def summarise(run: FleetRun, cohort: int | None = None) -> Summary:
 
 
 def cohort_label(cohort: int) -> str:
+    """How the report names ``cohort``."""
     return "first users (cold fleet)" if cohort == 0 else f"later users (cohort {cohort + 1}, warm fleet)"
 
 
@@ -773,14 +773,10 @@ def _report(wl: Workload, model: Path, runs: dict[str, FleetRun], problems: list
         ["users", "turn", "prompt tokens", *(f.label for f in FLEETS)],
     )
     for cohort, turn in ((c, t) for c in cohorts for t in range(wl.turns)):
-
-        def of_turn(run: FleetRun) -> list[Sent]:
-            return [r for r in run.records if r.cohort == cohort and r.turn == turn]  # noqa: B023
-
         cells = []
-        lengths = sorted({r.prompt_len for r in of_turn(runs["none"])})
+        lengths = sorted({r.prompt_len for r in _of_turn(runs["none"], cohort, turn)})
         for fleet in FLEETS:
-            values = [r.ttft for r in of_turn(runs[fleet.name]) if r.ttft is not None]
+            values = [r.ttft for r in _of_turn(runs[fleet.name], cohort, turn) if r.ttft is not None]
             cells.append(Stat.of(values).fmt(digits=3) if values else "-")
         by_turn.add(
             cohort_label(cohort), turn + 1, f"{lengths[0]}..{lengths[-1]}" if lengths else "-", *cells
@@ -906,6 +902,10 @@ def _report(wl: Workload, model: Path, runs: dict[str, FleetRun], problems: list
         }
     )
     return report
+
+
+def _of_turn(run: FleetRun, cohort: int, turn: int) -> list[Sent]:
+    return [r for r in run.records if r.cohort == cohort and r.turn == turn]
 
 
 def _tree_state() -> str:
