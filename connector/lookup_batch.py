@@ -230,6 +230,8 @@ class LookupQueue:
 
     def flush(self) -> None:
         """Hand the queued lookups to the thread."""
+        if not self._queued:  # most steps queue none (put and flush share the scheduler thread)
+            return
         with self._cond:
             if not self._queued or self._closed:
                 return

@@ -693,11 +693,12 @@ def _new_blocks(coord: HybridHitCoordinator, scheduler_output: Any) -> list[list
     cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
     if cached is not None:
         for req_id, new_ids in zip(cached.req_ids, cached.new_block_ids):
-            # A resumed request's list is all its blocks, cached ones included.
-            if new_ids is None or req_id in cached.resumed_req_ids:
+            # A resumed request's list is all its blocks, cached ones included. A decode
+            # step allocates none for most requests: those cost one any().
+            if new_ids is None or not any(new_ids) or req_id in cached.resumed_req_ids:
                 continue
             for group in coord.groups:
                 ids = new_ids[group.group_id]
-                if ids:  # a decode step allocates none for most requests
+                if ids:
                     out[group.group_id].extend(b for b in ids if b > 0)
     return out
