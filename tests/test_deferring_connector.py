@@ -1,0 +1,43 @@
+"""The benchmarks' deferring connector (the floor of asynchronous lookups) defers each request
+exactly one step, in a real vLLM scheduler, and keeps nothing of finished requests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.support.kv_cache import GroupDesc
+
+FULL_SWA = [GroupDesc("full", 32), GroupDesc("sliding_window", 32, window=64)]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from kvpool.connector.local.tiny_model import build_gemma3
+
+    return build_gemma3(tmp_path_factory.mktemp("gemma3-deferring"))
+
+
+def test_each_request_waits_one_step_then_is_admitted_with_no_hit(model_dir: Path) -> None:
+    from vllm.v1.request import RequestStatus
+
+    from benchmarks.deferring_connector import TRANSFER, DeferringConnector
+    from tests.support.scheduler import make_request, make_scheduler
+
+    scheduler = make_scheduler(model_dir, FULL_SWA, dict(TRANSFER))
+    try:
+        connector = scheduler.connector
+        assert isinstance(connector, DeferringConnector)
+        assert len(scheduler.kv_cache_config.kv_cache_groups) == 2, "the hybrid layout is kept (HMA)"
+        requests = [make_request(scheduler, list(range(n * 1000, n * 1000 + 3 * 32 + 1))) for n in range(4)]
+        for request in requests:
+            scheduler.add_request(request)
+        assert not scheduler.schedule().num_scheduled_tokens, "every request is deferred in its first step"
+        admitted = scheduler.schedule().num_scheduled_tokens
+        assert admitted == {r.request_id: 3 * 32 + 1 for r in requests}, "then admitted, computing all"
+        scheduler.finish_requests([r.request_id for r in requests], RequestStatus.FINISHED_ABORTED)
+        scheduler.schedule()
+        assert connector._deferred == set(), "finished requests are forgotten"
+    finally:
+        scheduler.shutdown()
