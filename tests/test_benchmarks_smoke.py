@@ -47,7 +47,7 @@ def _run(*args: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:
 
 def test_every_module_is_listed() -> None:
     modules = {p.stem for p in (ROOT / "benchmarks").glob("*.py")}
-    helpers = {"__init__", "__main__", "common", "deferring_connector", "intree", "pool", "vllm_env"}
+    helpers = {"__init__", "__main__", "common", "intree", "pool", "vllm_env"}
     assert modules - helpers == set(_benchmarks())
 
 

@@ -3,6 +3,8 @@ exactly one step, in a real vLLM scheduler, and keeps nothing of finished reques
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -22,10 +24,15 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_each_request_waits_one_step_then_is_admitted_with_no_hit(model_dir: Path) -> None:
     from vllm.v1.request import RequestStatus
 
-    from benchmarks.deferring_connector import TRANSFER, DeferringConnector
+    from tests.support.deferring_connector import TRANSFER, DeferringConnector
     from tests.support.scheduler import make_request, make_scheduler
 
+    environment = dict(os.environ)
     scheduler = make_scheduler(model_dir, FULL_SWA, dict(TRANSFER))
+    # Loading it sets nothing that engines started later by other tests would inherit
+    # (the benchmarks package, for one, quiets vLLM's logs).
+    assert os.environ.get("VLLM_LOGGING_LEVEL") == environment.get("VLLM_LOGGING_LEVEL")
+    assert "benchmarks" not in sys.modules
     try:
         connector = scheduler.connector
         assert isinstance(connector, DeferringConnector)
