@@ -27,13 +27,13 @@ def test_each_request_waits_one_step_then_is_admitted_with_no_hit(model_dir: Pat
     from tests.support.deferring_connector import TRANSFER, DeferringConnector
     from tests.support.scheduler import make_request, make_scheduler
 
-    environment = dict(os.environ)
+    logging_level = os.environ.get("VLLM_LOGGING_LEVEL")
     scheduler = make_scheduler(model_dir, FULL_SWA, dict(TRANSFER))
-    # Loading it sets nothing that engines started later by other tests would inherit
-    # (the benchmarks package, for one, quiets vLLM's logs).
-    assert os.environ.get("VLLM_LOGGING_LEVEL") == environment.get("VLLM_LOGGING_LEVEL")
-    assert "benchmarks" not in sys.modules
     try:
+        # Loading it sets nothing that engines started later by other tests would inherit
+        # (the benchmarks package, for one, quiets vLLM's logs).
+        assert os.environ.get("VLLM_LOGGING_LEVEL") == logging_level
+        assert "benchmarks" not in sys.modules
         connector = scheduler.connector
         assert isinstance(connector, DeferringConnector)
         assert len(scheduler.kv_cache_config.kv_cache_groups) == 2, "the hybrid layout is kept (HMA)"
