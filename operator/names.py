@@ -53,10 +53,20 @@ CONFIGMAPS = ApiResource("", "v1", "configmaps", "ConfigMap")
 NETWORK_POLICIES = ApiResource("networking.k8s.io", "v1", "networkpolicies", "NetworkPolicy")
 POD_DISRUPTION_BUDGETS = ApiResource("policy", "v1", "poddisruptionbudgets", "PodDisruptionBudget")
 EVENTS = ApiResource("", "v1", "events", "Event")
+PODS = ApiResource("", "v1", "pods", "Pod")
 
 _BY_KIND: dict[tuple[str, str], ApiResource] = {
     (r.api_version, r.kind): r
-    for r in (POOLS, DEPLOYMENTS, SERVICES, CONFIGMAPS, NETWORK_POLICIES, POD_DISRUPTION_BUDGETS, EVENTS)
+    for r in (
+        POOLS,
+        DEPLOYMENTS,
+        SERVICES,
+        CONFIGMAPS,
+        NETWORK_POLICIES,
+        POD_DISRUPTION_BUDGETS,
+        EVENTS,
+        PODS,
+    )
 }
 
 

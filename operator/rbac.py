@@ -23,6 +23,7 @@ from kvpool.operator.names import (
     EVENTS,
     NETWORK_POLICIES,
     POD_DISRUPTION_BUDGETS,
+    PODS,
     POOLS,
     SERVICES,
     api_resource_of,
@@ -65,6 +66,8 @@ RULES: tuple[Rule, ...] = (
     Rule(
         POD_DISRUPTION_BUDGETS.group, (POD_DISRUPTION_BUDGETS.plural,), ("get", "create", "patch", "delete")
     ),
+    # An HA pool's master pods: their IPs are the only addresses a leader check may ask.
+    Rule(PODS.group, (PODS.plural,), ("list",)),
     # Events posted by kopf about pools.
     Rule(EVENTS.group, (EVENTS.plural,), ("create",)),
 )

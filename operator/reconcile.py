@@ -33,10 +33,17 @@ from kvpool.operator.consumers import (
     restore_patch,
 )
 from kvpool.operator.kube import ApiError, KubeClient, ensure, ensure_absent
-from kvpool.operator.leader import SERVICE_HEALTH_URL, LeaderView, check_leader, health_url
+from kvpool.operator.leader import (
+    SERVICE_HEALTH_URL,
+    LeaderView,
+    check_leader,
+    health_url,
+    master_pods_selector,
+    pod_ips,
+)
 from kvpool.operator.merge_patch import diff
 from kvpool.operator.metrics import OperatorMetrics
-from kvpool.operator.names import DEPLOYMENTS, POOLS
+from kvpool.operator.names import DEPLOYMENTS, PODS, POOLS
 from kvpool.operator.plan import Plan, build_plan, children_names
 from kvpool.operator.policy import OperatorPolicy
 from kvpool.operator.status import (
@@ -46,6 +53,9 @@ from kvpool.operator.status import (
     conflicts_of,
     deployment_progress,
     invalid_status,
+    master_condition,
+    pool_serves,
+    store_condition,
     valid_status,
 )
 
@@ -68,7 +78,8 @@ def error_reason(exc: BaseException) -> str:
 
 def announce(old: Mapping[str, Any], new: Mapping[str, Any], notify: Notify) -> None:
     """Post an Event when the spec turns invalid (or its problems change), or valid again;
-    for each refusal and each warning the status did not name before."""
+    when the consumers' rollout stops at a Deployment; for each refusal and each warning the
+    status did not name before."""
     before = condition_of(old, "ConfigValid") or {}
     after = condition_of(new, "ConfigValid") or {}
     if after.get("status") == "False":
@@ -76,6 +87,10 @@ def announce(old: Mapping[str, Any], new: Mapping[str, Any], notify: Notify) -> 
             notify("Warning", after.get("reason", "InvalidSpec"), after.get("message", ""))
     elif after.get("status") == "True" and before.get("status") == "False":
         notify("Normal", "ConfigValid", after.get("message", ""))
+    rollout_before = condition_of(old, "ConsumersRolledOut") or {}
+    rollout = condition_of(new, "ConsumersRolledOut") or {}
+    if rollout.get("reason") == "RolloutStalled" and rollout.get("message") != rollout_before.get("message"):
+        notify("Warning", "ConsumerRolloutStalled", rollout.get("message", ""))
     known = set(conflicts_of(old))
     for conflict in conflicts_of(new):
         if conflict not in known:
@@ -85,15 +100,16 @@ def announce(old: Mapping[str, Any], new: Mapping[str, Any], notify: Notify) -> 
             notify("Warning", "PoolWarning", warning)
 
 
-def held_back(injection: Injection) -> ConsumerState:
-    """A consumer left as it is while some child of the pool is not the pool's."""
+def not_rolled(injection: Injection, message: str) -> ConsumerState:
+    """A consumer left as it is this pass, and why."""
     return ConsumerState(
-        injection.deployment,
-        injection.config_hash,
-        injection.layout_fingerprint,
-        False,
-        "held back: not every object of the pool is its own (see the Conflict condition)",
+        injection.deployment, injection.config_hash, injection.layout_fingerprint, False, message
     )
+
+
+HELD_BACK = "held back: not every object of the pool is its own (see the Conflict condition)"
+MISSING = "the Deployment does not exist"
+NOT_SERVING = "not rolled: the pool does not serve yet (MasterReady and StoreReady must be True)"
 
 
 async def roll_consumer(
@@ -102,7 +118,9 @@ async def roll_consumer(
     """Patch one consumer (with its consent) when its settings differ; report whether it is
     rolled out, or why it was refused."""
 
-    def state(rolled_out: bool, message: str, refused: str | None = None) -> ConsumerState:
+    def state(
+        rolled_out: bool, message: str, refused: str | None = None, stalled: bool = False
+    ) -> ConsumerState:
         return ConsumerState(
             injection.deployment,
             injection.config_hash,
@@ -110,11 +128,12 @@ async def roll_consumer(
             rolled_out,
             message,
             refused,
+            stalled,
         )
 
     deployment = await kube.get(DEPLOYMENTS, namespace, injection.deployment)
     if deployment is None:
-        return state(False, "the Deployment does not exist")
+        return state(False, MISSING)
     refused = refusal(deployment, injection.pool)
     if refused is not None:
         return state(False, str(refused), str(refused))
@@ -132,7 +151,32 @@ async def roll_consumer(
     if config_hash_of(deployment) != injection.config_hash:
         return state(False, "the Deployment does not carry the current settings")
     progress = deployment_progress(deployment)
-    return state(progress.done, progress.message)
+    return state(progress.done, progress.message, stalled=progress.stalled)
+
+
+async def roll_consumers(
+    kube: KubeClient, namespace: str, injections: list[Injection], notify: Notify
+) -> list[ConsumerState]:
+    """Roll consumers one Deployment at a time, in the spec's order: the next one is patched
+    only once the one before is available with the current settings; the rollout stops at
+    the first that does not become available (its progress deadline passed). Refused and
+    missing Deployments are skipped (there is nothing to wait for)."""
+    states: list[ConsumerState] = []
+    waiting_for: str | None = None
+    for injection in injections:
+        if waiting_for is not None:
+            states.append(not_rolled(injection, f"waiting: {waiting_for}"))
+            continue
+        state = await roll_consumer(kube, namespace, injection, notify)
+        states.append(state)
+        if state.rolled_out or state.refused or state.message == MISSING:
+            continue
+        waiting_for = (
+            f"the rollout stopped at {injection.deployment}, which did not become available"
+            if state.stalled
+            else f"{injection.deployment} is rolling out first"
+        )
+    return states
 
 
 async def release_consumers(
@@ -179,24 +223,33 @@ async def converge(
             live[key] = applied.live
     for resource, child_name in plan.absent:
         await ensure_absent(kube, resource, namespace, child_name, uid)
-    if refused:
-        # A consumer pointed at a Service or ConfigMap that is not the pool's would send its
-        # KV elsewhere: no consumer is changed until every child is the pool's own.
-        consumers = [held_back(c) for c in plan.consumers]
-    else:
-        consumers = [await roll_consumer(kube, namespace, c, notify) for c in plan.consumers]
-    conflicts += [c.refused for c in consumers if c.refused]
-    await release_consumers(kube, namespace, name, {c.deployment for c in plan.consumers}, notify)
     blocked = frozenset(
         component
         for component in (names.MASTER, names.STORE)
         if f"Deployment/{names.component_name(name, component)}" in refused
     )
     leader = await leader_check(plan) if plan.ha and leader_check is not None else None
+    master = live.get(f"Deployment/{names.master_name(name)}")
+    store = live.get(f"Deployment/{names.store_name(name)}")
+    serves = pool_serves(
+        master_condition(master, names.MASTER in blocked, plan.ha, leader),
+        store_condition(store, names.STORE in blocked, plan.embedded),
+    )
+    if refused:
+        # A consumer pointed at a Service or ConfigMap that is not the pool's would send its
+        # KV elsewhere: no consumer is changed until every child is the pool's own.
+        consumers = [not_rolled(c, HELD_BACK) for c in plan.consumers]
+    elif not serves:
+        # A connector that cannot reach its pool fails vLLM's start: roll only onto a pool that serves.
+        consumers = [not_rolled(c, NOT_SERVING) for c in plan.consumers]
+    else:
+        consumers = await roll_consumers(kube, namespace, plan.consumers, notify)
+    conflicts += [c.refused for c in consumers if c.refused]
+    await release_consumers(kube, namespace, name, {c.deployment for c in plan.consumers}, notify)
     return valid_status(
         master_address=plan.master_address,
-        master=live.get(f"Deployment/{names.master_name(name)}"),
-        store=live.get(f"Deployment/{names.store_name(name)}"),
+        master=master,
+        store=store,
         embedded=plan.embedded,
         consumers=consumers,
         old=pool.get("status") or {},
@@ -230,9 +283,11 @@ class Reconciler:
         self._locks: dict[tuple[str, str], asyncio.Lock] = {}
 
     async def check_leader(self, plan: Plan) -> LeaderView:
-        """Ask the pool's masters whether their leader serves."""
+        """Ask the pool's masters whether their leader serves (a leader only at one of the
+        pool's own master pods' IPs)."""
         url = health_url(self.master_health_url, plan.pool, plan.namespace, plan.metrics_port)
-        return await check_leader(url, plan.metrics_port, self.leader_timeout)
+        pods = await self.kube.list(PODS, plan.namespace, label_selector=master_pods_selector(plan.pool))
+        return await check_leader(url, plan.metrics_port, pod_ips(pods), self.leader_timeout)
 
     def _lock(self, namespace: str, name: str) -> asyncio.Lock:
         return self._locks.setdefault((namespace, name), asyncio.Lock())
