@@ -320,11 +320,24 @@ def store_deployment(
     )
 
 
-def pod_disruption_budget(pool: str, namespace: str, component: str) -> dict[str, Any]:
-    """At most one of a component's pods evicted at a time (a drain waits for the rest)."""
+def pod_disruption_budget(
+    pool: str, namespace: str, component: str, *, only_pod: bool = False
+) -> dict[str, Any]:
+    """How many of a component's pods a drain may evict at once.
+
+    ``only_pod``: the component's one pod holds what nothing else has (a single master holds
+    the whole pool's metadata), so no voluntary eviction at all (``maxUnavailable: 0``): a
+    drain waits until someone moves that pod deliberately. Otherwise one pod at a time (an HA
+    master set keeps N-1; a store pod's loss is the cache it held). A pod that is not Ready
+    serves nothing, so it never blocks a drain (``unhealthyPodEvictionPolicy: AlwaysAllow``).
+    """
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
         "metadata": names.child_metadata(pool, namespace, names.component_name(pool, component), component),
-        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": names.selector(pool, component)}},
+        "spec": {
+            "maxUnavailable": 0 if only_pod else 1,
+            "selector": {"matchLabels": names.selector(pool, component)},
+            "unhealthyPodEvictionPolicy": "AlwaysAllow",
+        },
     }

@@ -22,6 +22,16 @@ class Progress:
     message: str
     observed: bool = False  # the controller saw this generation
     available: int = 0
+    stalled: bool = False  # the controller gave up: its progress deadline passed
+
+
+def stall_of(deployment: Mapping[str, Any]) -> str | None:
+    """Why the Deployment controller gave up on the current rollout (``Progressing=False``,
+    ``ProgressDeadlineExceeded``), or None."""
+    for item in (deployment.get("status") or {}).get("conditions") or []:
+        if item.get("type") == "Progressing" and item.get("reason") == "ProgressDeadlineExceeded":
+            return str(item.get("message") or "its progress deadline was exceeded")
+    return None
 
 
 def deployment_progress(deployment: Mapping[str, Any] | None) -> Progress:
@@ -36,6 +46,7 @@ def deployment_progress(deployment: Mapping[str, Any] | None) -> Progress:
     desired = deployment.get("spec", {}).get("replicas", 1)
     if generation is not None and (observed is None or observed < generation):
         return Progress(False, f"generation {generation} not yet observed (at {observed})")
+    stalled = stall_of(deployment)
     updated = status.get("updatedReplicas", 0)
     available = status.get("availableReplicas", 0)
     # The API leaves out a zero count: no replicas at all, which means none updated either.
@@ -46,7 +57,10 @@ def deployment_progress(deployment: Mapping[str, Any] | None) -> Progress:
         )
     if updated == available == desired:
         return Progress(True, f"{available}/{desired} replicas updated and available", True, available)
-    return Progress(False, f"{updated} updated, {available} available of {desired} replicas", True, available)
+    message = f"{updated} updated, {available} available of {desired} replicas"
+    if stalled is not None:
+        return Progress(False, f"{message}; stalled: {stalled}", True, available, stalled=True)
+    return Progress(False, message, True, available)
 
 
 @dataclass(frozen=True)
@@ -59,6 +73,7 @@ class ConsumerState:
     rolled_out: bool
     message: str
     refused: str | None = None  # why the pool left it alone (no consent, another pool's, ...)
+    stalled: bool = False  # its rollout did not become available: the rollout stops here
 
 
 def condition(kind: str, ok: bool | None, reason: str, message: str) -> Condition:
@@ -175,6 +190,48 @@ def master_condition(
     return condition("MasterReady", True, "LeaderServes", f"{leader.message}; masters: {progress.message}")
 
 
+def store_condition(store: Mapping[str, Any] | None, blocked: bool, embedded: bool) -> Condition:
+    """``StoreReady``: every store pod of the current generation is available, and there is one
+    at least (a store scaled to 0 holds no memory: "0/0" is not ready)."""
+    if embedded:
+        return condition("StoreReady", True, "Embedded", "vLLM ranks contribute the pool's memory")
+    if blocked:
+        return condition("StoreReady", False, "Conflict", "the store Deployment is not this pool's")
+    progress = deployment_progress(store)
+    if progress.done and progress.available < 1:
+        return condition("StoreReady", False, "NoStorePods", "no store pod runs (0 replicas)")
+    return condition(
+        "StoreReady", progress.done, "Available" if progress.done else "Progressing", progress.message
+    )
+
+
+def pool_serves(master: Condition, store: Condition) -> bool:
+    """Whether consumers may be rolled onto the pool: its master and its store serve."""
+    return master.status == "True" and store.status == "True"
+
+
+def consumers_condition(consumers: Sequence[ConsumerState]) -> Condition:
+    """``ConsumersRolledOut``: every consumer runs the current settings; or which one the
+    rollout waits for, or stopped at."""
+    if not consumers:
+        return condition("ConsumersRolledOut", True, "NoConsumers", "no consumers declared")
+    stalled = [c for c in consumers if c.stalled]
+    if stalled:
+        first = stalled[0]
+        return condition(
+            "ConsumersRolledOut",
+            False,
+            "RolloutStalled",
+            f"{first.name} did not become available ({first.message}); the rollout stops there",
+        )
+    pending = [c.name for c in consumers if not c.rolled_out]
+    if pending:
+        return condition("ConsumersRolledOut", False, "RollingOut", "waiting for: " + ", ".join(pending))
+    return condition(
+        "ConsumersRolledOut", True, "RolledOut", f"{len(consumers)} consumer(s) run the current settings"
+    )
+
+
 def valid_status(
     *,
     master_address: str,
@@ -201,40 +258,9 @@ def valid_status(
             "spec, connector settings and consumer layouts pass the connector's checks",
         ),
         master_condition(master, "master" in blocked, ha, leader),
+        store_condition(store, "store" in blocked, embedded),
+        consumers_condition(consumers),
     ]
-    if embedded:
-        conditions.append(
-            condition("StoreReady", True, "Embedded", "vLLM ranks contribute the pool's memory")
-        )
-    elif "store" in blocked:
-        blocked_store = "the store Deployment is not this pool's"
-        conditions.append(condition("StoreReady", False, "Conflict", blocked_store))
-    else:
-        store_progress = deployment_progress(store)
-        conditions.append(
-            condition(
-                "StoreReady",
-                store_progress.done,
-                "Available" if store_progress.done else "Progressing",
-                store_progress.message,
-            )
-        )
-    pending = [c.name for c in consumers if not c.rolled_out]
-    if not consumers:
-        conditions.append(condition("ConsumersRolledOut", True, "NoConsumers", "no consumers declared"))
-    elif pending:
-        conditions.append(
-            condition("ConsumersRolledOut", False, "RollingOut", "waiting for: " + ", ".join(pending))
-        )
-    else:
-        conditions.append(
-            condition(
-                "ConsumersRolledOut",
-                True,
-                "RolledOut",
-                f"{len(consumers)} consumer(s) run the current settings",
-            )
-        )
     conditions.append(conflict_condition(conflicts))
     merged = _merge(old.get("conditions") or [], conditions, now, generation)
     return _dump(

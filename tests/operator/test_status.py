@@ -176,3 +176,31 @@ def test_conflicts_name_each_object_and_block_ready() -> None:
     assert conflicts_of(status) == refusals
     assert condition_of(status, "MasterReady")["reason"] == "Conflict"
     assert [conflict_reason(r) for r in refusals] == ["NotOwned", "ConsumerRefused"]
+
+
+def test_a_store_scaled_to_zero_is_not_ready() -> None:
+    """A store "0/0 updated and available" is no store at all: the pool holds no memory."""
+    status = valid([], store=deployment(replicas=0, updated=0, available=0))
+    store = condition_of(status, "StoreReady")
+    assert (store["status"], store["reason"]) == ("False", "NoStorePods")
+    assert status["phase"] == "Progressing"
+
+
+def test_a_rollout_past_its_progress_deadline_is_stalled() -> None:
+    stuck = deployment(updated=2, available=0)
+    assert not deployment_progress(stuck).stalled
+    stuck["status"]["conditions"] = [
+        {
+            "type": "Progressing",
+            "status": "False",
+            "reason": "ProgressDeadlineExceeded",
+            "message": "timed out",
+        }
+    ]
+    progress = deployment_progress(stuck)
+    assert progress.stalled and not progress.done and "timed out" in progress.message
+    status = valid([ConsumerState("llm", "h", "f", False, progress.message, stalled=True)])
+    rollout = condition_of(status, "ConsumersRolledOut")
+    assert rollout["reason"] == "RolloutStalled" and rollout["message"].startswith(
+        "llm did not become available"
+    )
