@@ -16,8 +16,8 @@ from __future__ import annotations
 import os
 
 from kvpool.connector.contract import mooncake_env
-from kvpool.connector.local.engine import apply_engine_env
 from kvpool.connector.local.pool import LOOPBACK
+from testing.engine import apply_engine_env
 
 #: Set (without overriding) on top of the engine environment: tables, not logs.
 BENCH_ENV: dict[str, str] = {

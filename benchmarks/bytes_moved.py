@@ -25,8 +25,8 @@ from typing import Any
 from benchmarks import common, pool
 from benchmarks.common import Options, Report, Stat, Table, Target, ratios, rotate, stopwatch
 from benchmarks.vllm_env import bench_scheduler, ours_transfer, tiny_long_model
-from tests.support.kv_cache import GroupDesc
-from tests.support.scheduler import admit, make_request
+from testing.kv_cache import GroupDesc
+from testing.scheduler import admit, make_request
 
 PREFIXES = (1024, 2048, 4096, 8192, 16384)
 SMOKE_PREFIXES = (512,)

@@ -26,7 +26,7 @@ from typing import Any
 
 from benchmarks.vllm_env import bench_engine_config
 from kvpool.connector.contract.mooncake_env import CONFIG_PATH_ENV
-from tests.support.kv_cache import GroupDesc, make_kv_cache_config
+from testing.kv_cache import GroupDesc, make_kv_cache_config
 
 _dist_ready = False
 

@@ -27,8 +27,8 @@ from typing import Any
 from benchmarks import common, intree, pool
 from benchmarks.common import Options, Report, Stat, Table, Target, ratios, rotate, stopwatch
 from benchmarks.vllm_env import bench_scheduler, ours_transfer, tiny_long_model
-from tests.support.kv_cache import GroupDesc
-from tests.support.scheduler import make_request
+from testing.kv_cache import GroupDesc
+from testing.scheduler import make_request
 
 LENGTHS = (1024, 8192, 32768)
 SMOKE_LENGTHS = (1024,)

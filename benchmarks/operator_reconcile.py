@@ -1,7 +1,7 @@
 """Operator: time from creating a MooncakeKVPool to its children, and 100 pools in steady state.
 
 The real operator (kopf, its handlers, its Kubernetes client; ``kvpool.operator.app.run``)
-runs in a thread against the tests' emulated cluster (``tests.support.kube_api``): kmock,
+runs in a thread against the tests' emulated cluster (``testing.kube_api``): kmock,
 a stateful Kubernetes API emulator over HTTP on 127.0.0.1 (no kube-apiserver can be had
 here), behaving like an API server where the operator depends on it (server-side
 defaults, CRD pruning, the status subresource, 409s, generation) and a stand-in
@@ -38,7 +38,7 @@ FAST_POLL = 0.005  # seconds: how closely "every child exists" is watched
 
 def _pool_manifest(name: str, consumer_name: str | None) -> dict[str, Any]:
     """A pool with one hybrid-model consumer (or none), as the operator tests declare it."""
-    from tests.operator.harness import consumer, pool_manifest, pool_spec
+    from testing.operator_objects import consumer, pool_manifest, pool_spec
 
     consumers = [consumer(consumer_name)] if consumer_name is not None else []
     return pool_manifest(name, pool_spec(connector={"cache_prefix": name}, consumers=consumers))
@@ -48,7 +48,7 @@ def _children_present(cluster: Any, name: str) -> bool:
     """Every child the pure ``build_plan`` wants for pool ``name`` exists on the API server."""
     from kvpool.operator.names import api_resource_of
     from kvpool.operator.plan import build_plan
-    from tests.support.kube_api import NAMESPACE, POOLS_PATH
+    from testing.kube_api import NAMESPACE, POOLS_PATH
 
     pool = cluster.get(POOLS_PATH, name)
     if pool is None:
@@ -71,7 +71,7 @@ async def _bench(reps: int, pools: int, resync: float) -> dict[str, Any]:
     import kmock
 
     from kvpool.operator.app import OperatorOptions
-    from tests.support.kube_api import (
+    from testing.kube_api import (
         NAMESPACE,
         Cluster,
         LeanApiServer,
@@ -123,8 +123,8 @@ async def _bench(reps: int, pools: int, resync: float) -> dict[str, Any]:
 
 async def _measure(cluster: Any, api: Any, reps: int, pools: int, resync: float) -> dict[str, Any]:
     from kvpool.operator.names import POOLS
-    from tests.operator.harness import vllm_deployment
-    from tests.support.kube_api import WRITE_METHODS, eventually
+    from testing.kube_api import WRITE_METHODS, eventually
+    from testing.operator_objects import vllm_deployment
 
     loop = asyncio.get_running_loop()
     to_children = []

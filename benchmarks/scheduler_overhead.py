@@ -3,7 +3,7 @@
 Three real vLLM ``Scheduler`` objects, identical but for the connector (full
 attention + a sliding window): KVPoolConnector (the pool is empty, so every
 lookup misses and every computed block is planned for saving), none, and
-``tests.support.deferring_connector`` (a connector that only answers each request's
+``testing.deferring_connector`` (a connector that only answers each request's
 first lookup ``None`` and finds nothing: what vLLM itself spends on asynchronous
 lookups, the floor of any connector that makes them). Each repetition adds N waiting
 requests (fresh 128-token prompts) to each and runs steps (``schedule`` +
@@ -34,9 +34,9 @@ from typing import Any
 from benchmarks import common
 from benchmarks.common import Options, Report, Stat, Table, Target, ratios, rotate, stopwatch
 from benchmarks.vllm_env import bench_scheduler, ours_transfer, tiny_long_model
-from tests.support.deferring_connector import TRANSFER as DEFERRING_TRANSFER
-from tests.support.kv_cache import GroupDesc
-from tests.support.scheduler import make_request
+from testing.deferring_connector import TRANSFER as DEFERRING_TRANSFER
+from testing.kv_cache import GroupDesc
+from testing.scheduler import make_request
 
 WAITING = (64, 256)
 SMOKE_WAITING = (8,)
@@ -348,7 +348,7 @@ def _report(rows: list[dict[str, Any]], reps: int, opts: Options) -> Report:
         "admitted request; decode steps include the per-step save planning."
     )
     report.notes.append(
-        "'deferring only' (tests/support/deferring_connector.py) is the protocol alone: vLLM skips each "
+        "'deferring only' (testing/deferring_connector.py) is the protocol alone: vLLM skips each "
         "request in the step that first sees it and runs its local prefix lookup again in the next. "
         "No connector that answers lookups a step later can admit faster than it on this vLLM, so its "
         "ratio bounds from below what the admission target can reach with asynchronous lookups."

@@ -209,7 +209,7 @@ class Conversations:
 
 # --- the servers -------------------------------------------------------------------------
 def _model(smoke: bool) -> Path:
-    from kvpool.connector.local.tiny_model import build_gemma3
+    from testing.models import build_gemma3
 
     if smoke:
         return build_gemma3(MODELS_DIR / "bench-gemma3-tiny")

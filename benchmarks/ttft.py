@@ -39,8 +39,7 @@ BLOCKS = 2  # engines alternate: no connector, connector, no connector, connecto
 
 
 def _model(smoke: bool) -> Path:
-    from kvpool.connector.local.tiny_model import build_gemma3
-    from tests.support.models import GEMMA3_LARGE
+    from testing.models import GEMMA3_LARGE, build_gemma3
 
     if smoke:
         return build_gemma3(MODELS_DIR / "bench-gemma3-tiny")
@@ -48,7 +47,7 @@ def _model(smoke: bool) -> Path:
 
 
 def _engine(model: Path, transfer: dict[str, Any] | None, prefix_len: int) -> Any:
-    from kvpool.connector.local.engine import EngineOptions, create_llm
+    from testing.engine import EngineOptions, create_llm
 
     return create_llm(
         EngineOptions(
@@ -63,7 +62,7 @@ def _engine(model: Path, transfer: dict[str, Any] | None, prefix_len: int) -> An
 
 
 def _ttft(llm: Any, prompt: list[int]) -> tuple[float, int]:
-    from kvpool.connector.local.engine import generate
+    from testing.engine import generate
 
     results, seconds = timed(lambda: generate(llm, [prompt], max_tokens=1))
     return seconds, int(results[0].num_cached_tokens or 0)
@@ -71,7 +70,7 @@ def _ttft(llm: Any, prompt: list[int]) -> tuple[float, int]:
 
 def _wait_for_saves() -> None:
     """Every save started so far has published its blocks (or was abandoned at its deadline)."""
-    from kvpool.connector.local.engine import worker_connector
+    from testing.engine import worker_connector
 
     connector = worker_connector()
     if connector is not None:
@@ -80,7 +79,7 @@ def _wait_for_saves() -> None:
 
 def _records(llm: Any) -> dict[str, list[float]]:
     """The recording connector's records of the pool hits: lookup and load seconds, bytes loaded."""
-    from kvpool.connector.local.engine import connector_records
+    from testing.engine import connector_records
 
     lookups, transfers = connector_records(llm)
     loads = [t for t in transfers if t["operation"] == "load"]
@@ -122,9 +121,9 @@ def _run_prefix(
     opts: Options, model: Path, prefix_len: int, reps: int
 ) -> tuple[dict[str, list[float]], list[int], dict[str, list[float]]]:
     """``reps`` (recompute, hit) pairs and no-connector runs of fresh ``prefix_len``-token prefixes."""
-    from kvpool.connector.local.engine import shutdown_llm
     from kvpool.connector.local.pool import LocalPool
     from kvpool.connector.local.recording import recording_transfer_config
+    from testing.engine import shutdown_llm
 
     rng = random.Random(11 + prefix_len)
     vocab = SMOKE_VOCAB if opts.smoke else VOCAB

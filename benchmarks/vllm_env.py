@@ -1,4 +1,4 @@
-"""The benchmarks' vLLM schedulers: ``tests.support.scheduler`` at benchmark sizes.
+"""The benchmarks' vLLM schedulers: ``testing.scheduler`` at benchmark sizes.
 
 A ``Scheduler`` is vLLM's own, built from a tiny Gemma3 checkpoint with a long
 context and a KV-cache config made from compact group descriptions, with any
@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import MODELS_DIR
-from tests.support.kv_cache import GroupDesc
-from tests.support.scheduler import make_scheduler, pool_transfer
+from testing.kv_cache import GroupDesc
+from testing.scheduler import make_scheduler, pool_transfer
 
 #: Longest prompt the lookup benchmark asks about, plus room.
 LONG_CONTEXT = 40_000
@@ -20,7 +20,7 @@ LONG_CONTEXT = 40_000
 
 def tiny_long_model() -> Path:
     """A tiny random Gemma3 checkpoint whose context fits the longest benchmark prompt."""
-    from kvpool.connector.local.tiny_model import build_gemma3
+    from testing.models import build_gemma3
 
     return build_gemma3(MODELS_DIR / "bench-gemma3-tiny-64k", max_position_embeddings=65536)
 
@@ -54,7 +54,7 @@ def bench_scheduler(
 
 def bench_engine_config(model_dir: Path, transfer: dict[str, Any] | None) -> Any:
     """vLLM's config of a benchmark scheduler (for connector halves built outside one)."""
-    from tests.support.scheduler import engine_config
+    from testing.scheduler import engine_config
 
     return engine_config(
         model_dir, transfer, max_model_len=LONG_CONTEXT, max_num_seqs=256, max_num_batched_tokens=LONG_CONTEXT

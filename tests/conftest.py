@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvpool.connector.local.engine import apply_engine_env
+from testing.engine import apply_engine_env
 
 # Before any test imports vLLM: a CPU engine in this process, no hub access.
 apply_engine_env()

@@ -16,7 +16,7 @@ from vllm.v1.request import RequestStatus
 
 from kvpool.connector.contract.keys import hash_digest
 from kvpool.connector.lookup_batch import Lookup, LookupQuery, answer_together
-from tests.support.kv_cache import GroupDesc
+from testing.kv_cache import GroupDesc
 from tests.test_hybrid_hit import EXAMPLES, _drawn_case, layouts
 
 FULL = [GroupDesc("full", 32)]
@@ -87,7 +87,7 @@ def test_batched_lookups_find_the_synchronous_hits(
 
 def test_a_round_the_pool_cannot_answer_is_a_miss_for_every_lookup_in_it() -> None:
     from kvpool.connector.hybrid_hit import HybridHitCoordinator
-    from tests.support.kv_cache import make_coordinator
+    from testing.kv_cache import make_coordinator
 
     ours = HybridHitCoordinator.from_vllm_coordinator(make_coordinator(FULL_SWA))
     lookups = [
@@ -125,7 +125,7 @@ def _store(pool_client, scheduler, request, blocks: range) -> None:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory):
-    from kvpool.connector.local.tiny_model import build_gemma3
+    from testing.models import build_gemma3
 
     return build_gemma3(tmp_path_factory.mktemp("gemma3-batched"))
 
@@ -134,7 +134,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory):
 def test_a_steps_waiting_requests_are_looked_up_in_one_call(
     model_dir, pool_settings, pool_client, local_pool
 ) -> None:
-    from tests.support.scheduler import local_pool_transfer, make_request, make_scheduler, schedule_answered
+    from testing.scheduler import local_pool_transfer, make_request, make_scheduler, schedule_answered
 
     scheduler = make_scheduler(model_dir, FULL, local_pool_transfer(pool_settings))
     try:
@@ -168,7 +168,7 @@ def test_lookup_statistics_are_computed_before_vllm_exports_them(
     """Per-group statistics are computed on the connector's threads once the master has
     answered, so the scheduler step that exports them only reads them."""
     from kvpool.connector.records import Deferred
-    from tests.support.scheduler import local_pool_transfer, make_request, make_scheduler, schedule_answered
+    from testing.scheduler import local_pool_transfer, make_request, make_scheduler, schedule_answered
 
     scheduler = make_scheduler(model_dir, FULL_SWA, local_pool_transfer(pool_settings))
     try:
@@ -199,7 +199,7 @@ def test_lookup_statistics_are_computed_before_vllm_exports_them(
 def test_a_request_that_leaves_while_its_lookup_is_in_flight_is_forgotten(
     model_dir, pool_settings, pool_client
 ) -> None:
-    from tests.support.scheduler import local_pool_transfer, make_request, make_scheduler
+    from testing.scheduler import local_pool_transfer, make_request, make_scheduler
 
     scheduler = make_scheduler(model_dir, FULL_SWA, local_pool_transfer(pool_settings))
     side = scheduler.connector._sched()
@@ -238,7 +238,7 @@ def test_a_request_that_leaves_while_its_lookup_is_in_flight_is_forgotten(
 def test_a_lookup_past_its_deadline_is_a_miss_with_the_master_frozen(
     model_dir, pool_settings, pool_client, local_pool
 ) -> None:
-    from tests.support.scheduler import local_pool_transfer, make_request, make_scheduler
+    from testing.scheduler import local_pool_transfer, make_request, make_scheduler
 
     scheduler = make_scheduler(model_dir, FULL, local_pool_transfer(pool_settings, lookup_timeout_s=0.3))
     master = local_pool.master.process

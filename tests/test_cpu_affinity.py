@@ -18,7 +18,7 @@ import pytest
 
 from kvpool.connector.cpu_affinity import allowed_cpus
 from kvpool.connector.pool_client import open_client
-from tests.support.worker import single_group_worker
+from testing.worker import single_group_worker
 
 pytestmark = [
     pytest.mark.mooncake,

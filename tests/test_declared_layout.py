@@ -17,7 +17,7 @@ from kvpool.connector.contract.settings import ConnectorSettings, SettingsError
 from kvpool.operator import names
 from kvpool.operator.plan import build_plan
 from kvpool.operator.spec import PoolSpec
-from tests.operator.harness import pool_spec
+from testing.operator_objects import pool_spec
 
 BUILT = KVLayout(
     model="org/model",

@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
-from kvpool.connector.local.tiny_model import build_gemma3
 from kvpool.connector.metadata import PoolConnectorMetadata
-from tests.support.kv_cache import GroupDesc
-from tests.support.scheduler import local_pool_transfer, make_request, make_scheduler, schedule_answered
+from testing.kv_cache import GroupDesc
+from testing.models import build_gemma3
+from testing.scheduler import local_pool_transfer, make_request, make_scheduler, schedule_answered
 
 pytestmark = pytest.mark.mooncake
 

@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.kv_cache import GroupDesc
+from testing.kv_cache import GroupDesc
 
 FULL_SWA = [GroupDesc("full", 32), GroupDesc("sliding_window", 32, window=64)]
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from kvpool.connector.local.tiny_model import build_gemma3
+    from testing.models import build_gemma3
 
     return build_gemma3(tmp_path_factory.mktemp("gemma3-deferring"))
 
@@ -24,8 +24,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_each_request_waits_one_step_then_is_admitted_with_no_hit(model_dir: Path) -> None:
     from vllm.v1.request import RequestStatus
 
-    from tests.support.deferring_connector import TRANSFER, DeferringConnector
-    from tests.support.scheduler import make_request, make_scheduler
+    from testing.deferring_connector import TRANSFER, DeferringConnector
+    from testing.scheduler import make_request, make_scheduler
 
     logging_level = os.environ.get("VLLM_LOGGING_LEVEL")
     scheduler = make_scheduler(model_dir, FULL_SWA, dict(TRANSFER))

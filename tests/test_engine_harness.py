@@ -16,9 +16,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvpool.connector.local.engine import EngineOptions
-from kvpool.connector.local.tiny_model import STAMP_FILE, build_gemma3
-from tests.support.engine import run_engine, run_engine_subprocess
+from testing.engine import EngineOptions, run_engine, run_engine_subprocess
+from testing.models import STAMP_FILE, build_gemma3
 
 pytestmark = pytest.mark.engine
 

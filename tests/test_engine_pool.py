@@ -14,19 +14,19 @@ from typing import Any
 
 import pytest
 
-from kvpool.connector.local.engine import (
+from testing.engine import (
     EngineOptions,
     create_llm,
     generate,
+    run_engine_subprocess,
     scheduler_connector,
     shutdown_llm,
+    transfer_config,
     worker_connector,
 )
-from kvpool.connector.local.tiny_model import build_gemma3
-from tests.support.engine import run_engine_subprocess, transfer_config
-from tests.support.models import build_gpt_oss
-from tests.support.objects import over_payload
-from tests.support.prompts import MAX_TOKENS, P1, P2, PREFIX, PREFIX_HIT, pool_keys
+from testing.models import build_gemma3, build_gpt_oss
+from testing.objects import over_payload
+from testing.prompts import MAX_TOKENS, P1, P2, PREFIX, PREFIX_HIT, pool_keys
 
 pytestmark = [pytest.mark.engine, pytest.mark.mooncake]
 

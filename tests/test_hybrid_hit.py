@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from vllm.utils.math_utils import cdiv
 
 from kvpool.connector.hybrid_hit import HybridHitCoordinator
-from tests.support.kv_cache import GroupDesc, block_sizes, fill_block_pool, make_coordinator
+from testing.kv_cache import GroupDesc, block_sizes, fill_block_pool, make_coordinator
 
 EXAMPLES = int(os.environ.get("KVPOOL_HYPOTHESIS_EXAMPLES", "150"))
 

@@ -15,7 +15,7 @@ import pytest
 from kvpool.connector import worker_side
 from kvpool.connector.deadlines import IDLE_STEP_WAIT_S
 from kvpool.connector.metadata import PoolConnectorMetadata
-from tests.support.worker import single_group_worker
+from testing.worker import single_group_worker
 
 
 @pytest.fixture

@@ -24,12 +24,11 @@ import pytest
 
 from kvpool.connector.contract.layout import KVLayout, fingerprint
 from kvpool.connector.contract.settings import ConnectorSettings
-from kvpool.connector.local.engine import EngineOptions
-from kvpool.connector.local.tiny_model import build_gemma3
 from kvpool.operator.plan import build_plan
-from tests.operator.harness import pool_spec
-from tests.support.engine import run_engine_subprocess, transfer_config
-from tests.support.prompts import BLOCK, MAX_TOKENS, P1, P2, PREFIX_HIT
+from testing.engine import EngineOptions, run_engine_subprocess, transfer_config
+from testing.models import build_gemma3
+from testing.operator_objects import pool_spec
+from testing.prompts import BLOCK, MAX_TOKENS, P1, P2, PREFIX_HIT
 
 pytestmark = [pytest.mark.engine, pytest.mark.mooncake]
 

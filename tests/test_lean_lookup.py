@@ -17,7 +17,7 @@ from kvpool.connector.contract.keys import KeySpace, hash_digest, hash_digests
 from kvpool.connector.hybrid_hit import HybridHitCoordinator
 from kvpool.connector.lookup_statistics import PresenceBackfill
 from kvpool.connector.records import Deferred, LookupRecord
-from tests.support.kv_cache import GroupDesc, make_coordinator
+from testing.kv_cache import GroupDesc, make_coordinator
 
 
 def test_span_is_a_shared_no_op_without_a_tracer_provider(monkeypatch) -> None:
@@ -119,8 +119,8 @@ def test_lookups_share_one_read_only_marker_per_block_index() -> None:
 def test_statistics_count_blocks_the_lookup_did_not_ask_about(
     tmp_path_factory, pool_settings, pool_client
 ) -> None:
-    from kvpool.connector.local.tiny_model import build_gemma3
-    from tests.support.scheduler import local_pool_transfer, make_request, make_scheduler, matched_tokens
+    from testing.models import build_gemma3
+    from testing.scheduler import local_pool_transfer, make_request, make_scheduler, matched_tokens
 
     groups = [GroupDesc("full", 32), GroupDesc("sliding_window", 32, window=64)]
     transfer = local_pool_transfer(pool_settings)
@@ -231,8 +231,8 @@ def test_a_request_retried_under_memory_pressure_is_looked_up_and_counted_once(
 ) -> None:
     from vllm.v1.request import RequestStatus
 
-    from kvpool.connector.local.tiny_model import build_gemma3
-    from tests.support.scheduler import local_pool_transfer, make_request, make_scheduler, schedule_answered
+    from testing.models import build_gemma3
+    from testing.scheduler import local_pool_transfer, make_request, make_scheduler, schedule_answered
 
     groups = [GroupDesc("full", 32), GroupDesc("sliding_window", 32, window=64)]
     transfer = local_pool_transfer(pool_settings)

@@ -21,10 +21,16 @@ from dataclasses import dataclass
 import psutil
 import pytest
 
-from kvpool.connector.local.engine import EngineOptions, create_llm, generate, shutdown_llm
-from kvpool.connector.local.tiny_model import build_gemma3
-from tests.support.engine import run_engine_subprocess, transfer_config
-from tests.support.prompts import MAX_TOKENS, P1, P2, PREFIX_HIT
+from testing.engine import (
+    EngineOptions,
+    create_llm,
+    generate,
+    run_engine_subprocess,
+    shutdown_llm,
+    transfer_config,
+)
+from testing.models import build_gemma3
+from testing.prompts import MAX_TOKENS, P1, P2, PREFIX_HIT
 
 pytestmark = [pytest.mark.engine, pytest.mark.mooncake]
 

@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 
 from kvpool.connector.contract.keys import hash_digest
-from kvpool.connector.local.tiny_model import build_gemma3
-from tests.support.kv_cache import GroupDesc
-from tests.support.scheduler import local_pool_transfer, make_request, make_scheduler
+from testing.kv_cache import GroupDesc
+from testing.models import build_gemma3
+from testing.scheduler import local_pool_transfer, make_request, make_scheduler
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(300)]
 

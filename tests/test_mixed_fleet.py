@@ -12,10 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from kvpool.connector.local.engine import EngineOptions
-from kvpool.connector.local.tiny_model import build_gemma3
-from tests.support.engine import run_engine_subprocess, transfer_config
-from tests.support.prompts import MAX_TOKENS, P1, P2, PREFIX_HIT
+from testing.engine import EngineOptions, run_engine_subprocess, transfer_config
+from testing.models import build_gemma3
+from testing.prompts import MAX_TOKENS, P1, P2, PREFIX_HIT
 
 pytestmark = [pytest.mark.engine, pytest.mark.mooncake]
 

@@ -29,22 +29,24 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvpool.connector.contract import metric_names as m
 from kvpool.connector.contract.keys import KeySpace
-from kvpool.connector.local.engine import (
-    EngineOptions,
-    create_llm,
-    engine_core,
-    shutdown_llm,
-    worker_connector,
-)
 from kvpool.connector.local.pool import LOOPBACK, free_port
-from kvpool.connector.local.tiny_model import build_gemma3
 from kvpool.connector.metadata import GroupTransfer, PoolConnectorMetadata, RequestLoad, RequestSave
 from kvpool.connector.records import LookupRecord, StatsCollector, TransferRecord
 from kvpool.connector.vllm_metrics import PoolConnectorStats, PoolPromMetrics, parse_key, records_to_data
 from kvpool.connector.worker_side import WorkerSide
-from tests.support.engine import generate, run_engine_subprocess, transfer_config
-from tests.support.prompts import MAX_TOKENS, P1, P2, PREFIX_HIT
-from tests.support.services import OTLPReceiver, PrometheusServer
+from testing.engine import (
+    EngineOptions,
+    create_llm,
+    engine_core,
+    generate,
+    run_engine_subprocess,
+    shutdown_llm,
+    transfer_config,
+    worker_connector,
+)
+from testing.models import build_gemma3
+from testing.prompts import MAX_TOKENS, P1, P2, PREFIX_HIT
+from testing.services import OTLPReceiver, PrometheusServer
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_SPAN = "00f067aa0ba902b7"
@@ -202,8 +204,8 @@ def test_worker_spans_join_the_request_trace(spans, pool_client, cache_prefix) -
 
 
 def test_lookup_span_joins_the_request_trace(spans, pool_settings, tmp_path_factory) -> None:
-    from tests.support.kv_cache import GroupDesc
-    from tests.support.scheduler import admit, make_request, make_scheduler, pool_transfer
+    from testing.kv_cache import GroupDesc
+    from testing.scheduler import admit, make_request, make_scheduler, pool_transfer
 
     model = build_gemma3(tmp_path_factory.mktemp("gemma3-span"))
     scheduler = make_scheduler(

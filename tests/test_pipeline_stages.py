@@ -23,8 +23,8 @@ from typing import Any
 
 import pytest
 
-from tests.support.prompts import hashed_request
-from tests.support.scheduler import local_pool_transfer, scheduler_over
+from testing.prompts import hashed_request
+from testing.scheduler import local_pool_transfer, scheduler_over
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(600)]
 
@@ -40,7 +40,7 @@ _ids = itertools.count()
 def stage_configs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, list[Any], Any]]:
     """vLLM's config, each stage's ``KVCacheConfig`` and the scheduler's, for PP=2."""
     from kvpool.connector.local.layout_probe import kv_cache_configs
-    from kvpool.connector.local.tiny_model import build_gemma3
+    from testing.models import build_gemma3
 
     model = build_gemma3(tmp_path_factory.mktemp("pp") / "gemma3-6", num_hidden_layers=6)
     args = {

@@ -21,8 +21,8 @@ from kvpool.connector.pool_events import (
     WorkerReports,
 )
 from kvpool.connector.records import StatsCollector
-from tests.support.kv_cache import GroupDesc, make_coordinator, make_kv_cache_config
-from tests.support.prompts import hashed_request
+from testing.kv_cache import GroupDesc, make_coordinator, make_kv_cache_config
+from testing.prompts import hashed_request
 
 BLOCK = 32
 TOKENS = [(7 * i + 3) % 500 for i in range(3 * BLOCK + 5)]  # three full blocks

@@ -4,7 +4,7 @@
   longer, random bytes of the right size, another block's object under this key) are
   failed loads: no byte reaches the blocks, the object is removed, the failure is
   counted ``corrupt``.
-* **Deadlines.** Mooncake calls stalled at the client boundary (``tests.support.stalls``):
+* **Deadlines.** Mooncake calls stalled at the client boundary (``testing.mooncake_faults``):
   a load past its deadline is failed and recomputed, and the stalled call, returning
   later and scribbling over what it was given, never writes a block; a save past its
   deadline publishes nothing; the save barrier and shutdown return; a lookup past its
@@ -26,7 +26,7 @@ from kvpool.connector.metadata import GroupTransfer, PoolConnectorMetadata, Requ
 from kvpool.connector.records import StatsCollector
 from kvpool.connector.scheduler_side import SchedulerSide
 from kvpool.connector.worker_side import Deadlines, WorkerSide
-from tests.support.stalls import Stall
+from testing.mooncake_faults import Stall
 
 pytestmark = pytest.mark.mooncake
 

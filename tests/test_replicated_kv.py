@@ -25,11 +25,10 @@ import pytest
 from kvpool.connector.contract.keys import hash_digest
 from kvpool.connector.contract.object_header import HEADER_BYTES
 from kvpool.connector.contract.settings import ConnectorSettings
-from kvpool.connector.local.engine import EngineOptions
-from tests.support.engine import EngineReport, run_engine_subprocess, transfer_config
-from tests.support.models import build_gemma3_one_kv_head
-from tests.support.objects import over_payload
-from tests.support.prompts import BLOCK, block_hashes
+from testing.engine import EngineOptions, EngineReport, run_engine_subprocess, transfer_config
+from testing.models import build_gemma3_one_kv_head
+from testing.objects import over_payload
+from testing.prompts import BLOCK, block_hashes
 from tests.test_tensor_parallel import (
     FOLLOWERS,
     LONG,

@@ -13,10 +13,10 @@ import pytest
 from vllm.v1.request import RequestStatus
 
 from kvpool.connector.contract.keys import hash_digest
-from kvpool.connector.local.tiny_model import build_gemma3
 from kvpool.connector.metadata import PoolConnectorMetadata
-from tests.support.kv_cache import GroupDesc
-from tests.support.scheduler import (
+from testing.kv_cache import GroupDesc
+from testing.models import build_gemma3
+from testing.scheduler import (
     admit,
     local_pool_transfer,
     make_request,

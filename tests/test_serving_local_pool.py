@@ -42,8 +42,8 @@ from kvpool.connector.contract import metric_names as m
 from kvpool.connector.contract.keys import KeySpace
 from kvpool.connector.contract.mooncake_env import client_env
 from kvpool.connector.local.pool import LOOPBACK, free_port, port_open
-from kvpool.connector.local.tiny_model import build_gemma3
-from tests.support.prompts import BLOCK, P1, P2, PREFIX_HIT
+from testing.models import build_gemma3
+from testing.prompts import BLOCK, P1, P2, PREFIX_HIT
 
 pytestmark = [pytest.mark.engine, pytest.mark.mooncake]
 
@@ -410,7 +410,7 @@ def _block_hashes(tokens: list[int]) -> dict[tuple[int, ...], Any]:
     """Each full block's tokens -> its hash, as vLLM publishes it in KV events."""
     from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
-    from tests.support.prompts import block_hashes
+    from testing.prompts import block_hashes
 
     hashes = block_hashes(tokens)
     return {

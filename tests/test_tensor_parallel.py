@@ -37,12 +37,10 @@ import pytest
 from kvpool.connector.contract.keys import KeySpace, hash_digest
 from kvpool.connector.contract.object_header import HEADER_BYTES
 from kvpool.connector.contract.settings import ConnectorSettings
-from kvpool.connector.local.engine import EngineOptions
-from kvpool.connector.local.tiny_model import build_gemma3
-from tests.support.engine import EngineReport, run_engine_subprocess, transfer_config
-from tests.support.models import build_gemma3_full
-from tests.support.objects import over_payload
-from tests.support.prompts import BLOCK, block_hashes
+from testing.engine import EngineOptions, EngineReport, run_engine_subprocess, transfer_config
+from testing.models import build_gemma3, build_gemma3_full
+from testing.objects import over_payload
+from testing.prompts import BLOCK, block_hashes
 
 pytestmark = [pytest.mark.engine, pytest.mark.mooncake]
 

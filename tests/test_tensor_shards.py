@@ -104,8 +104,8 @@ def test_a_block_of_a_replicated_group_is_announced_once_its_one_key_is_stored()
     from kvpool.connector.contract.keys import hash_digest
     from kvpool.connector.hybrid_hit import HybridHitCoordinator
     from kvpool.connector.pool_events import STORED, PoolKeyReports, SchedulerEvents
-    from tests.support.kv_cache import GroupDesc, make_coordinator, make_kv_cache_config
-    from tests.support.prompts import hashed_request
+    from testing.kv_cache import GroupDesc, make_coordinator, make_kv_cache_config
+    from testing.prompts import hashed_request
 
     groups = [GroupDesc("full")]
     events = SchedulerEvents(make_kv_cache_config(groups), (1,))  # TP=2, one shard

@@ -17,7 +17,7 @@ from kvpool.connector.metadata import GroupTransfer, PoolConnectorMetadata, Requ
 from kvpool.connector.pool_client import Outcome, classify
 from kvpool.connector.records import StatsCollector
 from kvpool.connector.worker_side import WorkerSide
-from tests.support.worker import single_group_worker
+from testing.worker import single_group_worker
 
 pytestmark = pytest.mark.mooncake
 

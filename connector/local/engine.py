@@ -1,17 +1,17 @@
-"""Run a vLLM CPU engine on token-id prompts, in this process or in a fresh one.
+"""The demo's engine runner: a vLLM CPU engine on token-id prompts, in a fresh process.
 
-* in this process: :func:`create_llm`, :func:`generate`, :func:`shutdown_llm`
-  (or :func:`run_engine`, which does all three); engines can be created one
-  after another in one process;
-* in a fresh Python process: :func:`run_engine_subprocess` runs
-  ``python -m kvpool.connector.local.engine SPEC.json RESULT.json`` and reads
-  the result back (its own vLLM, connector and Mooncake client).
+``kvpool-demo`` runs each engine with :func:`run_engine_subprocess`, which runs
+``python -m kvpool.connector.local.engine SPEC.json RESULT.json`` (its own vLLM,
+connector and Mooncake client) and reads the result back; in that process
+:func:`run_engine` creates the engine (:func:`create_llm`), runs the batches
+(:func:`generate`) and shuts it down (:func:`shutdown_llm`).
 
 Generation is greedy (temperature 0, ``ignore_eos``, a fixed ``max_tokens``),
 so runs are deterministic and comparable. With the recording connector
 (:mod:`kvpool.connector.local.recording`) a run also returns the connector's
 lookup and transfer records. vLLM is imported lazily; engines run with
-:data:`ENGINE_ENV`.
+:data:`ENGINE_ENV`. The test harness (``testing.engine``, not shipped) builds
+on this module.
 """
 
 from __future__ import annotations
@@ -85,8 +85,6 @@ class RequestResult:
     token_ids: list[int]
     num_cached_tokens: int | None
     finish_reason: str | None
-    logprobs: list[float] | None = None
-    """Log-probability of each generated token (only if asked for)."""
 
 
 @dataclass
@@ -143,80 +141,32 @@ def create_llm(opts: EngineOptions) -> Any:
     return LLM(**kwargs)
 
 
-def sampling_params(max_tokens: int, *, logprobs: bool = False) -> Any:
-    """Greedy sampling of exactly ``max_tokens`` tokens (with each one's log-probability if asked)."""
+def generate(llm: Any, prompts: list[Prompt], max_tokens: int = 16) -> list[RequestResult]:
+    """Greedy-generate exactly ``max_tokens`` tokens for each token-id prompt."""
     from vllm import SamplingParams
 
-    return SamplingParams(
-        temperature=0.0,
-        max_tokens=max_tokens,
-        ignore_eos=True,
-        detokenize=False,
-        logprobs=0 if logprobs else None,
-    )
-
-
-def generate(
-    llm: Any, prompts: list[Prompt], max_tokens: int = 16, *, logprobs: bool = False
-) -> list[RequestResult]:
-    """Greedy-generate exactly ``max_tokens`` tokens for each token-id prompt.
-
-    With ``logprobs`` the log-probability of each chosen token is returned too
-    (a finer check than token ids that KV loaded from a pool is bit-exact).
-    """
-    params = sampling_params(max_tokens, logprobs=logprobs)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
     outputs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
-    return request_results(prompts, outputs, logprobs=logprobs)
-
-
-def request_results(
-    prompts: list[Prompt], outputs: list[Any], *, logprobs: bool = False
-) -> list[RequestResult]:
-    """``RequestResult`` of each vLLM ``RequestOutput``, in the order of ``prompts``."""
-    results = []
-    for prompt, out in zip(prompts, outputs, strict=True):
-        completion = out.outputs[0]
-        chosen = None
-        if logprobs and completion.logprobs is not None:
-            chosen = [
-                float(step[token].logprob)
-                for token, step in zip(completion.token_ids, completion.logprobs, strict=True)
-            ]
-        results.append(
-            RequestResult(
-                prompt_len=len(prompt),
-                token_ids=list(completion.token_ids),
-                num_cached_tokens=out.num_cached_tokens,
-                finish_reason=completion.finish_reason,
-                logprobs=chosen,
-            )
+    return [
+        RequestResult(
+            prompt_len=len(prompt),
+            token_ids=list(out.outputs[0].token_ids),
+            num_cached_tokens=out.num_cached_tokens,
+            finish_reason=out.outputs[0].finish_reason,
         )
-    return results
-
-
-def engine_core(llm: Any) -> Any | None:
-    """The in-process ``EngineCore`` (scheduler, executor), or None if multiprocess."""
-    client = llm.llm_engine.engine_core
-    return getattr(client, "engine_core", None)
-
-
-def scheduler_connector(llm: Any) -> Any | None:
-    """The scheduler-side KV connector of an in-process engine, if any."""
-    core = engine_core(llm)
-    return None if core is None else core.scheduler.get_kv_connector()
-
-
-def worker_connector() -> Any | None:
-    """The worker-side KV connector of the (in-process) engine, if any."""
-    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
-
-    return get_kv_transfer_group() if has_kv_transfer_group() else None
+        for prompt, out in zip(prompts, outputs, strict=True)
+    ]
 
 
 def connector_records(llm: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The recording connector's lookups (scheduler) and transfers (worker), as dicts."""
-    lookups = getattr(getattr(scheduler_connector(llm), "recording", None), "lookups", ())
-    transfers = getattr(getattr(worker_connector(), "recording", None), "transfers", ())
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+    scheduler = None if core is None else core.scheduler.get_kv_connector()
+    worker = get_kv_transfer_group() if has_kv_transfer_group() else None
+    lookups = getattr(getattr(scheduler, "recording", None), "lookups", ())
+    transfers = getattr(getattr(worker, "recording", None), "transfers", ())
     return [asdict(r) for r in lookups], [asdict(r) for r in transfers]
 
 

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from testing.operator_objects import NAMESPACE as SCENARIO_NAMESPACE
 from tests.chart.helm import CHART, ROOT, Helm, HelmUnavailable, extract_helm
 from tests.chart.recorder import NAMESPACES_ENV, RECORD_ENV
-from tests.operator.harness import NAMESPACE as SCENARIO_NAMESPACE
 
 # The operator's integration scenarios, run once per RBAC mode in a pytest of their own.
 SCENARIOS = ROOT / "tests" / "operator"

@@ -23,8 +23,8 @@ from kvpool.operator import names
 from kvpool.operator.consumers import injected
 from kvpool.operator.metrics import METRICS_PATH
 from kvpool.operator.plan import build_plan
+from testing.operator_objects import vllm_deployment
 from tests.chart.helm import CHART, EXAMPLES, NAMESPACE, Helm, of_kind, one
-from tests.operator.harness import vllm_deployment
 
 MONITORING = EXAMPLES / "monitoring-values.yaml"
 DASHBOARDS = "files/dashboards"

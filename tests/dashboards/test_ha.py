@@ -30,8 +30,8 @@ from kvpool.connector.local.pool import (
     stop_process,
     wait_for_port,
 )
+from testing.services import PrometheusServer
 from tests.dashboards.queries import panel_queries, substitute
-from tests.support.services import PrometheusServer
 
 pytestmark = pytest.mark.mooncake
 

@@ -29,10 +29,10 @@ import pytest
 from dashboards import alerts, connector_board, generate, operator_board
 from dashboards.conventions import MASTER_JOB, OPERATOR_JOB, VAR_ENGINE, VAR_MODEL, VAR_NAMESPACE, VAR_POOL
 from kvpool.connector.local.pool import LOOPBACK, free_port
+from testing.kube_api import NAMESPACE, Cluster, Fault
+from testing.operator_objects import Operator, converge, pool_manifest, vllm_deployment
+from testing.services import PrometheusServer
 from tests.dashboards.queries import PanelQuery, finite, panel_queries, positive, substitute, variable_queries
-from tests.operator.harness import Operator, converge, pool_manifest, vllm_deployment
-from tests.support.kube_api import NAMESPACE, Cluster, Fault
-from tests.support.services import PrometheusServer
 
 pytestmark = [pytest.mark.engine, pytest.mark.mooncake]
 
@@ -54,7 +54,7 @@ class Run:
 
 def fresh_prompt(seed: int) -> list[int]:
     """The shared prefix, then 50 tokens of its own: the pool holds at most its first 9 blocks."""
-    from tests.support.prompts import PREFIX
+    from testing.prompts import PREFIX
 
     rng = random.Random(seed)
     return PREFIX + [rng.randrange(3, 500) for _ in range(50)]
@@ -70,15 +70,15 @@ def _rounds(
     removes them) between its lookup and its load, or None, and which of the two.
     """
     from kvpool.connector import scheduler_side
-    from kvpool.connector.local.engine import (
+    from testing.engine import (
         EngineOptions,
         create_llm,
         generate,
         scheduler_connector,
         shutdown_llm,
+        transfer_config,
     )
-    from tests.support.engine import transfer_config
-    from tests.support.prompts import MAX_TOKENS, PREFIX, pool_keys
+    from testing.prompts import MAX_TOKENS, PREFIX, pool_keys
 
     llm = create_llm(
         EngineOptions(model=str(model), kv_transfer_config=transfer_config(settings), disable_log_stats=False)
@@ -118,9 +118,9 @@ def _rounds(
 def run(local_pool, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
     from kvpool.connector.contract.layout import fingerprint
     from kvpool.connector.contract.settings import ConnectorSettings
-    from kvpool.connector.local.tiny_model import build_gemma3
     from kvpool.connector.pool_client import open_client
-    from tests.support.prompts import P1, P2
+    from testing.models import build_gemma3
+    from testing.prompts import P1, P2
 
     single = build_gemma3(
         tmp_path_factory.mktemp("gemma3-full"), num_hidden_layers=3, layer_types=["full_attention"] * 3

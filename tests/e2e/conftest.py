@@ -22,12 +22,12 @@ from typing import Any
 import pytest
 
 from kvpool.operator.app import OperatorOptions
+from testing.kube_api import OperatorThread, quick_options, write_kubeconfig
+from testing.node import Node, PodInfo
+from testing.node.sandbox import unavailable
+from testing.prompts import MAX_TOKENS, P1, P2
 from tests.e2e import harness
 from tests.e2e.harness import ApiThread, Completion, Kube, wait_for
-from tests.support.kube_api import OperatorThread, quick_options, write_kubeconfig
-from tests.support.node import Node, PodInfo
-from tests.support.node.sandbox import unavailable
-from tests.support.prompts import MAX_TOKENS, P1, P2
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MODEL_DIR = REPO_ROOT / ".models" / "e2e-gemma3-tiny"
@@ -114,7 +114,7 @@ def e2e(request: pytest.FixtureRequest) -> Iterator[E2E]:
 @pytest.fixture(scope="session")
 def model() -> Path:
     """The tiny hybrid Gemma3 (random weights, built once and kept in ``.models``)."""
-    from kvpool.connector.local.tiny_model import build_gemma3
+    from testing.models import build_gemma3
 
     return build_gemma3(MODEL_DIR)
 

@@ -25,7 +25,7 @@ import kmock
 from kvpool.operator import names
 from kvpool.operator.names import POOLS
 from kvpool.operator.rbac import allowed, implied_permissions, request_permission
-from tests.support.kube_api import WRITE_METHODS, ApiServer, by_operator, declare_resources
+from testing.kube_api import WRITE_METHODS, ApiServer, by_operator, declare_resources
 
 NAMESPACE = "team-a"
 T = TypeVar("T")

@@ -23,11 +23,11 @@ import pytest
 
 from kvpool.operator import names
 from kvpool.operator.names import POOLS
+from testing.node import PodInfo
+from testing.prompts import MAX_TOKENS, PREFIX_HIT
 from tests.e2e import harness
 from tests.e2e.conftest import E2E, PROMPTS
 from tests.e2e.harness import Completion, complete, path, wait_for
-from tests.support.node import PodInfo
-from tests.support.prompts import MAX_TOKENS, PREFIX_HIT
 
 pytestmark = [
     pytest.mark.e2e,

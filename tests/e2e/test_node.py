@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from testing.node import podspec, workloads
+from testing.node.podspec import Mount, PodIdentity, PodSpecError
+from testing.node.workloads import PodView
 from tests.e2e.conftest import E2E
 from tests.e2e.harness import NAMESPACE, path, wait_for
-from tests.support.node import podspec, workloads
-from tests.support.node.podspec import Mount, PodIdentity, PodSpecError
-from tests.support.node.workloads import PodView
 
 POD = PodIdentity(
     name="web-1", namespace=NAMESPACE, uid="u1", ip="127.0.0.9", node_name="n", labels={"app": "web"}

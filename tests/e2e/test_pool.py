@@ -18,11 +18,11 @@ import pytest
 
 from kvpool.operator import names
 from kvpool.operator.names import POOLS
+from testing.node import PodInfo
+from testing.prompts import MAX_TOKENS, PREFIX_HIT
 from tests.e2e import harness
 from tests.e2e.conftest import E2E, PROMPTS, VLLM_START_S
 from tests.e2e.harness import Completion, complete, metric_total, path, wait_for
-from tests.support.node import PodInfo
-from tests.support.prompts import MAX_TOKENS, PREFIX_HIT
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(3600)]
 

@@ -11,10 +11,10 @@ import pytest
 
 from kvpool.operator import names
 from kvpool.operator.names import POOLS
+from testing.prompts import MAX_TOKENS
 from tests.e2e import harness
 from tests.e2e.conftest import E2E, PROMPTS
 from tests.e2e.harness import Completion, complete, metric_total, path, wait_for
-from tests.support.prompts import MAX_TOKENS
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(3600)]
 

@@ -33,7 +33,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session")
 def gemma_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from kvpool.connector.local.tiny_model import build_gemma3
+    from testing.models import build_gemma3
 
     return build_gemma3(tmp_path_factory.mktemp("faults-gemma3"))
 

@@ -265,7 +265,7 @@ class Engine:
     """
 
     def __init__(self, model: Path, kv_transfer_config: dict[str, Any] | None, *, log_stats: bool = False):
-        from kvpool.connector.local.engine import EngineOptions, create_llm
+        from testing.engine import EngineOptions, create_llm
 
         self.llm = create_llm(
             EngineOptions(
@@ -278,7 +278,7 @@ class Engine:
         self._ids = 0
 
     def serve(self, key: tuple[int, int], *, deadline_s: float = 60.0) -> Served:
-        from kvpool.connector.local.engine import sampling_params
+        from testing.engine import sampling_params
 
         engine = self.llm.llm_engine
         self._reset_local_cache(engine, deadline_s)
@@ -315,21 +315,21 @@ class Engine:
             time.sleep(0.01)
 
     def transfers(self) -> list[Any]:
-        from kvpool.connector.local.engine import worker_connector
+        from testing.engine import worker_connector
 
         worker = worker_connector()
         return list(worker.recording.transfers) if worker is not None else []
 
     def lookups(self) -> list[Any]:
-        from kvpool.connector.local.engine import scheduler_connector
+        from testing.engine import scheduler_connector
 
         sched = scheduler_connector(self.llm)
         return list(sched.recording.lookups) if sched is not None else []
 
     def stored_prefix_keys(self, key: tuple[int, int]) -> int:
         """How many keys of ``key``'s shared prefix the pool holds (asked through the engine's client)."""
-        from kvpool.connector.local.engine import scheduler_connector
-        from tests.support.prompts import pool_keys
+        from testing.engine import scheduler_connector
+        from testing.prompts import pool_keys
 
         sched = scheduler_connector(self.llm)
         keys = pool_keys(sched.keyspace, prompt(*key), len(sched.layout.groups), range(PREFIX_BLOCKS))
@@ -339,7 +339,7 @@ class Engine:
         """Failures recorded but not yet handed to vLLM's metrics (after in-flight saves end)."""
         from concurrent.futures import wait
 
-        from kvpool.connector.local.engine import worker_connector
+        from testing.engine import worker_connector
 
         worker = worker_connector()
         if worker is None:
@@ -360,7 +360,7 @@ class Engine:
         return out
 
     def close(self) -> None:
-        from kvpool.connector.local.engine import shutdown_llm
+        from testing.engine import shutdown_llm
 
         shutdown_llm(self.llm)
 

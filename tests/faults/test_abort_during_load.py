@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from kvpool.connector.worker_side import WorkerSide
+from testing.engine import transfer_config
 from tests.faults.helpers import PREFIX_TOKENS, Engine, prompt
-from tests.support.engine import transfer_config
 
 pytestmark = [pytest.mark.faults, pytest.mark.engine, pytest.mark.mooncake, pytest.mark.timeout(180)]
 

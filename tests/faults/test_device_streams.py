@@ -23,7 +23,7 @@ from kvpool.connector.device_order import forward_marker
 from kvpool.connector.metadata import GroupTransfer, PoolConnectorMetadata, RequestLoad, RequestSave
 from kvpool.connector.save_integrity import SaveIntegrity
 from kvpool.connector.worker_side import WorkerSide
-from tests.support.worker import single_group_worker
+from testing.worker import single_group_worker
 
 pytestmark = [pytest.mark.faults, pytest.mark.mooncake]
 

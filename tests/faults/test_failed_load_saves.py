@@ -26,20 +26,19 @@ from typing import Any
 
 import pytest
 
-from kvpool.connector.local.engine import (
+from testing.engine import (
     EngineOptions,
     RequestResult,
     create_llm,
     generate,
     scheduler_connector,
     shutdown_llm,
+    transfer_config,
     worker_connector,
 )
-from kvpool.connector.local.tiny_model import build_gemma3
-from tests.faults.store_faults import FailingReads, digests_of
-from tests.support.engine import transfer_config
-from tests.support.models import build_gemma3_full
-from tests.support.prompts import BLOCK, P1, P2, pool_keys
+from testing.models import build_gemma3, build_gemma3_full
+from testing.mooncake_faults import FailingReads, digests_of
+from testing.prompts import BLOCK, P1, P2, pool_keys
 
 pytestmark = [pytest.mark.faults, pytest.mark.engine, pytest.mark.mooncake, pytest.mark.timeout(600)]
 

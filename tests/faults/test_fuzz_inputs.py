@@ -34,7 +34,7 @@ from kvpool.connector.contract.settings import CONFIG_PATH_ENV, ConnectorSetting
 from kvpool.operator.plan import build_plan
 from kvpool.operator.spec import PoolSpec
 from kvpool.operator.validation import admission_problems, validate
-from tests.operator.harness import pool_manifest, pool_spec
+from testing.operator_objects import pool_manifest, pool_spec
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(120)]
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from kvpool.connector.contract.settings import ConnectorSettings
+from testing.engine import transfer_config
 from tests.faults.helpers import (
     PREFIX_TOKENS,
     Engine,
@@ -25,7 +26,6 @@ from tests.faults.helpers import (
     failures_by_reason,
     stream,
 )
-from tests.support.engine import transfer_config
 
 pytestmark = [pytest.mark.faults, pytest.mark.engine, pytest.mark.mooncake, pytest.mark.timeout(900)]
 

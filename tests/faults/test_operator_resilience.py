@@ -29,18 +29,7 @@ from kvpool.operator.app import OperatorOptions
 from kvpool.operator.consumers import FLAG, injected
 from kvpool.operator.names import POOLS
 from kvpool.operator.plan import build_plan
-from tests.operator.harness import (
-    as_created,
-    converge,
-    kv_flags,
-    path_of,
-    pool_manifest,
-    pool_spec,
-    stored,
-    template,
-    vllm_deployment,
-)
-from tests.support.kube_api import (
+from testing.kube_api import (
     DEPLOYMENTS_PATH,
     NAMESPACE,
     ApiServer,
@@ -53,6 +42,17 @@ from tests.support.kube_api import (
     quick_options,
     running_operator,
     write_kubeconfig,
+)
+from testing.operator_objects import (
+    as_created,
+    converge,
+    kv_flags,
+    path_of,
+    pool_manifest,
+    pool_spec,
+    stored,
+    template,
+    vllm_deployment,
 )
 
 pytestmark = [pytest.mark.faults, pytest.mark.asyncio, pytest.mark.timeout(180)]

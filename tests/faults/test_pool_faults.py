@@ -25,6 +25,7 @@ from kvpool.connector.contract.settings import ConnectorSettings
 from kvpool.connector.local.pool import wait_for_capacity
 from kvpool.connector.pool_client import PoolClient, open_client
 from kvpool.connector.worker_side import WorkerSide
+from testing.engine import transfer_config
 from tests.faults.helpers import (
     PREFIX_TOKENS,
     Engine,
@@ -34,7 +35,6 @@ from tests.faults.helpers import (
     outlast_fail_fast,
     serve_until_hits,
 )
-from tests.support.engine import transfer_config
 
 pytestmark = [pytest.mark.faults, pytest.mark.engine, pytest.mark.mooncake, pytest.mark.timeout(240)]
 

@@ -42,9 +42,9 @@ from kvpool.connector.contract.object_header import HEADER_BYTES, ObjectIdentity
 from kvpool.connector.contract.settings import ConnectorSettings
 from kvpool.connector.local.pool import LOOPBACK, LocalPool, free_port
 from kvpool.connector.pool_client import PoolClient, open_client
+from testing.engine import transfer_config
+from testing.prompts import block_hashes
 from tests.faults.helpers import PREFIX_BLOCKS, PREFIX_TOKENS, prompt
-from tests.support.engine import transfer_config
-from tests.support.prompts import block_hashes
 
 pytestmark = [pytest.mark.faults, pytest.mark.engine, pytest.mark.mooncake, pytest.mark.timeout(900)]
 
@@ -140,7 +140,7 @@ class PoolEngine:
     _ids: int = 0
 
     def start(self) -> PoolEngine:
-        from kvpool.connector.local.engine import EngineOptions, create_llm
+        from testing.engine import EngineOptions, create_llm
 
         self.llm = create_llm(
             EngineOptions(
@@ -155,7 +155,7 @@ class PoolEngine:
 
     def serve(self, key: tuple[int, int], on_step: Callable[[int], None] | None = None) -> Served:
         """Serve one request with an empty local cache; ``on_step(tokens so far)`` after each step."""
-        from kvpool.connector.local.engine import sampling_params
+        from testing.engine import sampling_params
 
         engine = self.llm.llm_engine
         deadline = time.monotonic() + SERVE_DEADLINE_S
@@ -186,7 +186,7 @@ class PoolEngine:
 
     @property
     def worker(self) -> Any:
-        from kvpool.connector.local.engine import worker_connector
+        from testing.engine import worker_connector
 
         return worker_connector()
 
@@ -195,12 +195,12 @@ class PoolEngine:
         return [t for t in transfers if operation is None or t.operation == operation]
 
     def lookups(self) -> list[Any]:
-        from kvpool.connector.local.engine import scheduler_connector
+        from testing.engine import scheduler_connector
 
         return list(scheduler_connector(self.llm).recording.lookups)
 
     def keyspace(self) -> Any:
-        from kvpool.connector.local.engine import scheduler_connector
+        from testing.engine import scheduler_connector
 
         return scheduler_connector(self.llm).keyspace
 
@@ -214,7 +214,7 @@ class PoolEngine:
         side.wait_for_saves()
 
     def close(self) -> None:
-        from kvpool.connector.local.engine import shutdown_llm
+        from testing.engine import shutdown_llm
 
         if not self.closed:
             self.closed = True
@@ -253,8 +253,7 @@ class Models:
 
     def __getitem__(self, load_path: str) -> Model:
         if load_path not in self._built:
-            from kvpool.connector.local.tiny_model import build_gemma3
-            from tests.support.models import build_gemma3_full
+            from testing.models import build_gemma3, build_gemma3_full
 
             if load_path == "sync":
                 self._built[load_path] = _model(build_gemma3_full(self.root / "full"), 1)
@@ -289,7 +288,7 @@ class Setup:
 
     def full_group(self) -> int:
         """The full-attention group (it loads every block of a hit; window groups only the last)."""
-        from kvpool.connector.local.engine import scheduler_connector
+        from testing.engine import scheduler_connector
 
         groups = scheduler_connector(self.engine.llm).layout.groups
         return next(i for i, g in enumerate(groups) if g.kind.value == "full")
@@ -641,7 +640,7 @@ def test_shutdown_with_a_save_in_the_pool_returns_and_leaves_nothing_half_writte
     monkeypatch.setattr(MooncakeDistributedStore, "batch_put_from_multi_buffer_ranges", freeze_then_write)
     engine = setup.engine.llm.llm_engine
     side = setup.engine.worker._worker
-    from kvpool.connector.local.engine import sampling_params
+    from testing.engine import sampling_params
 
     try:
         assert engine.reset_prefix_cache()

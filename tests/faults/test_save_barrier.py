@@ -24,10 +24,16 @@ from typing import Any
 
 import pytest
 
-from kvpool.connector.local.engine import EngineOptions, create_llm, generate, shutdown_llm, worker_connector
-from tests.support.engine import transfer_config
-from tests.support.models import build_gemma3_full
-from tests.support.prompts import P1, P2
+from testing.engine import (
+    EngineOptions,
+    create_llm,
+    generate,
+    shutdown_llm,
+    transfer_config,
+    worker_connector,
+)
+from testing.models import build_gemma3_full
+from testing.prompts import P1, P2
 
 pytestmark = [pytest.mark.faults, pytest.mark.engine, pytest.mark.mooncake, pytest.mark.timeout(300)]
 
@@ -140,7 +146,7 @@ def test_under_a_runner_that_writes_blocks_first_saves_read_theirs_within_the_st
 
     from kvpool.connector.metadata import GroupTransfer, PoolConnectorMetadata, RequestSave
     from kvpool.connector.save_integrity import SaveIntegrity
-    from tests.support.worker import single_group_worker
+    from testing.worker import single_group_worker
 
     landed = threading.Event()
 

@@ -25,7 +25,7 @@ from kvpool.connector.local.pool import LocalPool
 from kvpool.connector.pool_client import open_client
 from kvpool.operator import names
 from kvpool.operator.plan import build_plan
-from tests.operator.harness import pool_spec
+from testing.operator_objects import pool_spec
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(120)]
 

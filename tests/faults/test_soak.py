@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 
 from kvpool.connector.contract.settings import ConnectorSettings
+from testing.engine import transfer_config
 from tests.faults.helpers import (
     PREFIXES,
     UNIVERSE,
@@ -32,7 +33,6 @@ from tests.faults.helpers import (
     failures_by_reason,
     sample,
 )
-from tests.support.engine import transfer_config
 
 SOAK_SECONDS = float(os.environ.get("KVPOOL_SOAK_SECONDS", "180"))
 pytestmark = [

@@ -206,7 +206,7 @@ def test_mooncake_image_installs_and_runs(tmp_path: Path, wheel: Path) -> None:
 
 def _commands_of(builder) -> set[str]:
     from kvpool.operator.spec import PoolSpec
-    from tests.operator.harness import pool_spec
+    from testing.operator_objects import pool_spec
 
     spec = PoolSpec.model_validate(pool_spec())
     try:

@@ -11,8 +11,7 @@ import pytest
 import pytest_asyncio
 
 from kvpool.operator.app import OperatorOptions, WebhookOptions
-from tests.operator.harness import Operator
-from tests.support.kube_api import (
+from testing.kube_api import (
     ApiServer,
     Cluster,
     declare_resources,
@@ -21,6 +20,7 @@ from tests.support.kube_api import (
     running_operator,
     write_kubeconfig,
 )
+from testing.operator_objects import Operator
 
 
 @pytest_asyncio.fixture

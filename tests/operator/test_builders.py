@@ -11,7 +11,7 @@ from kvpool.operator.connector_settings import pool_connector_settings
 from kvpool.operator.names import DEPLOYMENTS, NETWORK_POLICIES
 from kvpool.operator.plan import build_plan
 from kvpool.operator.spec import PoolSpec
-from tests.operator.harness import pool_spec
+from testing.operator_objects import pool_spec
 
 NS = "team-a"
 

@@ -11,7 +11,8 @@ import pytest
 
 from kvpool.operator import names
 from kvpool.operator.consumers import refusal
-from tests.operator.harness import (
+from testing.kube_api import DEPLOYMENTS_PATH, NAMESPACE, Cluster, eventually
+from testing.operator_objects import (
     Operator,
     consumer,
     converge,
@@ -20,7 +21,6 @@ from tests.operator.harness import (
     pool_spec,
     vllm_deployment,
 )
-from tests.support.kube_api import DEPLOYMENTS_PATH, NAMESPACE, Cluster, eventually
 
 pytestmark = pytest.mark.asyncio
 

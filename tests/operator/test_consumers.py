@@ -23,7 +23,7 @@ from kvpool.operator.consumers import (
 )
 from kvpool.operator.merge_patch import apply_merge_patch
 from kvpool.operator.plan import build_plan
-from tests.operator.harness import ORIGINAL_KV_CONFIG, pool_spec, stored, vllm_deployment
+from testing.operator_objects import ORIGINAL_KV_CONFIG, pool_spec, stored, vllm_deployment
 
 
 def injection(**overrides: Any) -> Injection:

@@ -10,7 +10,7 @@ import yaml
 from kvpool.operator.cli import main
 from kvpool.operator.crd import build_crd, render_crd
 from kvpool.operator.generated import CRD_PATH, generated_files
-from tests.operator.harness import pool_spec
+from testing.operator_objects import pool_spec
 
 
 def schema() -> dict[str, Any]:

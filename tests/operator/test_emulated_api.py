@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from kvpool.operator.names import POOLS
-from tests.operator.harness import pool_manifest, pool_spec, vllm_deployment
-from tests.support.kube_api import DEPLOYMENTS_PATH, NAMESPACE, Cluster
+from testing.kube_api import DEPLOYMENTS_PATH, NAMESPACE, Cluster
+from testing.operator_objects import pool_manifest, pool_spec, vllm_deployment
 
 pytestmark = pytest.mark.asyncio
 DEPLOYMENT_URL = f"/apis/apps/v1/namespaces/{NAMESPACE}/deployments"

@@ -11,7 +11,14 @@ import pytest
 from kvpool.operator import names
 from kvpool.operator.consumers import FLAG, injected
 from kvpool.operator.plan import build_plan
-from tests.operator.harness import (
+from testing.kube_api import (
+    DEPLOYMENTS_PATH,
+    NAMESPACE,
+    POOLS_PATH,
+    Cluster,
+    eventually,
+)
+from testing.operator_objects import (
     Operator,
     as_created,
     converge,
@@ -24,13 +31,6 @@ from tests.operator.harness import (
     stored,
     template,
     vllm_deployment,
-)
-from tests.support.kube_api import (
-    DEPLOYMENTS_PATH,
-    NAMESPACE,
-    POOLS_PATH,
-    Cluster,
-    eventually,
 )
 
 pytestmark = pytest.mark.asyncio

@@ -15,19 +15,19 @@ import pytest
 from kvpool.operator import metric_names as names
 from kvpool.operator.app import VALIDATE_ID
 from kvpool.operator.names import POOLS
-from tests.operator.harness import (
-    Operator,
-    converge,
-    pool_manifest,
-    pool_spec,
-    vllm_deployment,
-)
-from tests.support.kube_api import (
+from testing.kube_api import (
     NAMESPACE,
     Cluster,
     eventually,
     free_port,
     write_kubeconfig,
+)
+from testing.operator_objects import (
+    Operator,
+    converge,
+    pool_manifest,
+    pool_spec,
+    vllm_deployment,
 )
 
 pytestmark = pytest.mark.asyncio

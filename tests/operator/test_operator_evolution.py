@@ -6,7 +6,14 @@ import pytest
 
 from kvpool.operator import names
 from kvpool.operator.rbac import RULES, implied_permissions, request_permission
-from tests.operator.harness import (
+from testing.kube_api import (
+    DEPLOYMENTS_PATH,
+    NAMESPACE,
+    POOLS_PATH,
+    Cluster,
+    eventually,
+)
+from testing.operator_objects import (
     Operator,
     as_created,
     converge,
@@ -14,13 +21,6 @@ from tests.operator.harness import (
     pool_manifest,
     template,
     vllm_deployment,
-)
-from tests.support.kube_api import (
-    DEPLOYMENTS_PATH,
-    NAMESPACE,
-    POOLS_PATH,
-    Cluster,
-    eventually,
 )
 
 pytestmark = pytest.mark.asyncio

@@ -13,7 +13,15 @@ from kvpool.operator.consumers import FLAG, injected
 from kvpool.operator.metric_names import RECONCILE_ERRORS
 from kvpool.operator.names import POOLS
 from kvpool.operator.plan import build_plan
-from tests.operator.harness import (
+from testing.kube_api import (
+    DEPLOYMENTS_PATH,
+    NAMESPACE,
+    POOLS_PATH,
+    Cluster,
+    Fault,
+    eventually,
+)
+from testing.operator_objects import (
     Operator,
     as_created,
     converge,
@@ -24,14 +32,6 @@ from tests.operator.harness import (
     stored,
     template,
     vllm_deployment,
-)
-from tests.support.kube_api import (
-    DEPLOYMENTS_PATH,
-    NAMESPACE,
-    POOLS_PATH,
-    Cluster,
-    Fault,
-    eventually,
 )
 
 pytestmark = pytest.mark.asyncio

@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 
 from kvpool.operator.plan import build_plan
-from tests.operator.harness import (
+from testing.kube_api import DEPLOYMENTS_PATH, NAMESPACE, POOLS_PATH, Cluster, eventually
+from testing.operator_objects import (
     Operator,
     converge,
     path_of,
@@ -16,7 +17,6 @@ from tests.operator.harness import (
     pool_spec,
     vllm_deployment,
 )
-from tests.support.kube_api import DEPLOYMENTS_PATH, NAMESPACE, POOLS_PATH, Cluster, eventually
 
 pytestmark = pytest.mark.asyncio
 CONFIGMAPS = "v1/configmaps"

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from kvpool.operator.policy import OperatorPolicy
-from tests.operator.harness import Operator, converge, pool_manifest, pool_spec, vllm_deployment
+from testing.kube_api import Cluster, eventually
+from testing.operator_objects import Operator, converge, pool_manifest, pool_spec, vllm_deployment
 from tests.operator.test_operator_endpoints import admit
-from tests.support.kube_api import Cluster, eventually
 
 pytestmark = pytest.mark.asyncio
 POLICY = OperatorPolicy(image_prefixes=("registry.internal/",), max_store_replicas=2)

@@ -38,8 +38,8 @@ from kvpool.connector.local.pool import find_binary, free_port, start_logged, st
 from kvpool.operator.leader import check_leader
 from kvpool.operator.network import TRANSFER_PORT_ENV, TRANSFER_PORT_MAX, TRANSFER_PORT_MIN
 from kvpool.operator.plan import Plan, build_plan
-from tests.operator.harness import Operator, pool_manifest, pool_spec
-from tests.support.kube_api import NAMESPACE, Cluster, eventually
+from testing.kube_api import NAMESPACE, Cluster, eventually
+from testing.operator_objects import Operator, pool_manifest, pool_spec
 
 pytestmark = pytest.mark.mooncake
 

@@ -9,7 +9,7 @@ import pytest
 from kvpool.connector.contract.layout import KVLayout, check
 from kvpool.operator.plan import build_plan
 from kvpool.operator.validation import admission_problems
-from tests.operator.harness import full_group, layout, pool_manifest, pool_spec
+from testing.operator_objects import full_group, layout, pool_manifest, pool_spec
 
 
 def problems(raw: dict[str, Any], pool: str = "pool") -> list[tuple[str, str]]:

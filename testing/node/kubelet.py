@@ -25,7 +25,7 @@ from typing import Any
 
 import aiohttp
 
-from tests.support.node import podspec, sandbox
+from testing.node import podspec, sandbox
 
 ConfigMaps = Callable[[str], Mapping[str, Mapping[str, Any]]]  # namespace -> name -> ConfigMap
 BACKOFF_START_S = 10.0

@@ -33,8 +33,8 @@ from typing import Any
 
 import aiohttp
 
-from tests.support.node import kubelet, services, workloads
-from tests.support.node.podspec import Mount, PodIdentity, container_mounts, rewrite, volume_dirs
+from testing.node import kubelet, services, workloads
+from testing.node.podspec import Mount, PodIdentity, container_mounts, rewrite, volume_dirs
 
 NODE_NAME = "kvpool-test-node"
 # A node takes the loopback block 127.<block>.0.0/16, <block> drawn from these (127.0.0.1

@@ -1,7 +1,7 @@
 """An emulated Kubernetes API with the real operator running against it (tests and benchmarks).
 
 ``ApiServer`` is kmock's stateful emulator behaving like a real API server wherever the
-operator depends on it (``tests.support.server_side``: uid, resourceVersion and 409s on
+operator depends on it (``testing.server_side``: uid, resourceVersion and 409s on
 stale writes, generation, server-side defaults, CRD pruning and defaults, the status
 subresource, label selectors) and one-shot fault injection;
 ``LeanApiServer`` keeps a compact log instead of kmock's full request history, for
@@ -30,7 +30,7 @@ from kvpool.operator.app import OperatorOptions, run
 from kvpool.operator.crd import build_crd
 from kvpool.operator.names import DEPLOYMENTS, POOL_SHORT_NAMES, POOL_SINGULAR, POOLS, api_resource_of
 from kvpool.operator.rbac import allowed, implied_permissions, request_permission
-from tests.support import server_side
+from testing import server_side
 
 NAMESPACE = "team-a"
 WRITE_METHODS = {"POST", "PUT", "PATCH", "DELETE"}
@@ -82,7 +82,7 @@ class Fault:
 
 class ApiServer(kmock.KubernetesEmulator):
     """kmock's emulator made to behave like a real API server where the operator depends on
-    it (``tests.support.server_side``: defaults, pruning, the status subresource, 409s on
+    it (``testing.server_side``: defaults, pruning, the status subresource, 409s on
     stale writes, generation, label selectors), plus one-shot fault injection."""
 
     faults: list[Fault]

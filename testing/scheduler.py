@@ -7,8 +7,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from tests.support.kv_cache import GroupDesc, block_sizes, ensure_registry, make_kv_cache_config
-from tests.support.prompts import hashed_request
+from testing.kv_cache import GroupDesc, block_sizes, ensure_registry, make_kv_cache_config
+from testing.prompts import hashed_request
 
 _ids = itertools.count()
 

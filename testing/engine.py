@@ -1,10 +1,12 @@
-"""Engine runs for the tests and benchmarks: the local runner plus what they check.
+"""Engine runs for the tests and the benchmarks, and public ways into an engine's connector.
 
-On top of :mod:`kvpool.connector.local.engine` (engines, greedy generation,
-fresh processes): requests carrying W3C trace headers, vLLM's own metrics, a
-summary of the KV-cache layout, and the recording connector's records.
-:func:`run_engine_subprocess` runs ``python -m tests.support.engine`` in a
-fresh process.
+On top of the demo's runner (:mod:`kvpool.connector.local.engine`: engines, greedy
+generation, fresh processes): the log-probability of each generated token, requests
+carrying W3C trace headers, vLLM's own metrics, a summary of the KV-cache layout, the
+recording connector's records, and accessors to an in-process engine's connector
+(:func:`scheduler_connector`, :func:`worker_connector`) and to the connector's two sides
+(:func:`scheduler_of`, :func:`worker_of`), so tests need no private names to reach them.
+:func:`run_engine_subprocess` runs ``python -m testing.engine`` in a fresh process.
 """
 
 from __future__ import annotations
@@ -13,29 +15,128 @@ import os
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from kvpool.connector.local.engine import (
+    ENGINE_ENV,
     EngineOptions,
     EngineRun,
     Prompt,
-    RequestResult,
+    apply_engine_env,
     connector_records,
     create_llm,
-    engine_core,
-    request_results,
     run_module,
-    sampling_params,
     serve_module,
     shutdown_llm,
 )
-from kvpool.connector.local.engine import generate as generate_greedy
+from kvpool.connector.local.engine import RequestResult as GreedyResult
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-MODULE = "tests.support.engine"
+__all__ = [
+    "ENGINE_ENV",
+    "EngineOptions",
+    "EngineReport",
+    "EngineRun",
+    "Prompt",
+    "RequestResult",
+    "apply_engine_env",
+    "create_llm",
+    "engine_core",
+    "generate",
+    "run_engine",
+    "run_engine_subprocess",
+    "sampling_params",
+    "scheduler_connector",
+    "scheduler_of",
+    "shutdown_llm",
+    "transfer_config",
+    "worker_connector",
+    "worker_of",
+]
 
-#: Labels dropped from metric keys (the same for every series of one engine).
-_ENGINE_LABELS = frozenset({"model_name", "engine"})
+REPO_ROOT = Path(__file__).resolve().parents[1]
+MODULE = "testing.engine"
+
+
+@dataclass
+class RequestResult(GreedyResult):
+    """One finished request, with the log-probability of each generated token if asked for."""
+
+    logprobs: list[float] | None = None
+
+
+def engine_core(llm: Any) -> Any | None:
+    """The in-process ``EngineCore`` (scheduler, executor), or None if multiprocess."""
+    client = llm.llm_engine.engine_core
+    return getattr(client, "engine_core", None)
+
+
+def scheduler_connector(llm: Any) -> Any | None:
+    """The scheduler-side KV connector of an in-process engine, if any."""
+    core = engine_core(llm)
+    return None if core is None else core.scheduler.get_kv_connector()
+
+
+def worker_connector(llm: Any = None) -> Any | None:
+    """The worker-side KV connector of the in-process engine, if any (vLLM keeps one per process)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    return get_kv_transfer_group() if has_kv_transfer_group() else None
+
+
+def scheduler_of(target: Any) -> Any:
+    """The connector's scheduler side (``SchedulerSide``) of an in-process engine or of a connector."""
+    from kvpool.connector.connector import KVPoolConnector
+
+    connector = target if isinstance(target, KVPoolConnector) else scheduler_connector(target)
+    assert connector is not None, "the engine has no KV connector"
+    return connector._sched()
+
+
+def worker_of(target: Any = None) -> Any:
+    """The connector's worker side (``WorkerSide``) of a connector, else of this process's engine."""
+    from kvpool.connector.connector import KVPoolConnector
+
+    connector = target if isinstance(target, KVPoolConnector) else worker_connector()
+    assert connector is not None and connector._worker is not None, "no worker-side KV connector"
+    return connector._worker
+
+
+def sampling_params(max_tokens: int, *, logprobs: bool = False) -> Any:
+    """Greedy sampling of exactly ``max_tokens`` tokens (with each one's log-probability if asked)."""
+    from vllm import SamplingParams
+
+    return SamplingParams(
+        temperature=0.0,
+        max_tokens=max_tokens,
+        ignore_eos=True,
+        detokenize=False,
+        logprobs=0 if logprobs else None,
+    )
+
+
+def request_results(
+    prompts: list[Prompt], outputs: list[Any], *, logprobs: bool = False
+) -> list[RequestResult]:
+    """``RequestResult`` of each vLLM ``RequestOutput``, in the order of ``prompts``."""
+    results = []
+    for prompt, out in zip(prompts, outputs, strict=True):
+        completion = out.outputs[0]
+        chosen = None
+        if logprobs and completion.logprobs is not None:
+            chosen = [
+                float(step[token].logprob)
+                for token, step in zip(completion.token_ids, completion.logprobs, strict=True)
+            ]
+        results.append(
+            RequestResult(
+                prompt_len=len(prompt),
+                token_ids=list(completion.token_ids),
+                num_cached_tokens=out.num_cached_tokens,
+                finish_reason=completion.finish_reason,
+                logprobs=chosen,
+            )
+        )
+    return results
 
 
 def transfer_config(settings: Any, kv_role: str = "kv_both", **extra: Any) -> dict[str, Any]:
@@ -54,6 +155,16 @@ class EngineReport(EngineRun):
     metrics: dict[str, float] | None = None
     kv_cache_config: dict[str, Any] | None = None
 
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Self:
+        fields = dict(data)
+        fields["batches"] = [[RequestResult(**r) for r in batch] for batch in data["batches"]]
+        return cls(**fields)
+
+
+#: Labels dropped from metric keys (the same for every series of one engine).
+_ENGINE_LABELS = frozenset({"model_name", "engine"})
+
 
 def generate(
     llm: Any,
@@ -64,10 +175,11 @@ def generate(
     trace_headers: dict[str, str] | None = None,
 ) -> list[RequestResult]:
     """Greedy generation; with ``trace_headers`` every request carries them, as an API server passes them."""
-    if not trace_headers:
-        return generate_greedy(llm, prompts, max_tokens, logprobs=logprobs)
-    engine = llm.llm_engine
     params = sampling_params(max_tokens, logprobs=logprobs)
+    if not trace_headers:
+        outputs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+        return request_results(prompts, outputs, logprobs=logprobs)
+    engine = llm.llm_engine
     ids = [f"traced-{i}" for i in range(len(prompts))]
     for request_id, prompt in zip(ids, prompts, strict=True):
         engine.add_request(
@@ -209,7 +321,7 @@ def _run_spec(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m tests.support.engine SPEC.json RESULT.json``."""
+    """``python -m testing.engine SPEC.json RESULT.json``."""
     return serve_module(argv, _run_spec)
 
 

@@ -1,6 +1,6 @@
 """What a real Kubernetes API server does to an object on write, as pure functions.
 
-The emulated API (``tests.support.kube_api``) applies these so that the operator meets
+The emulated API (``testing.kube_api``) applies these so that the operator meets
 what it would meet on a real cluster:
 
 * built-in defaults: Deployments (strategy, revisionHistoryLimit, ...), pod templates

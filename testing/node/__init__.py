@@ -8,6 +8,6 @@ never part of the product: see ``tests/e2e/README.md`` for what it emulates and 
 real cluster shows.
 """
 
-from tests.support.node.node import ContainerInfo, Node, NodeError, PodInfo
+from testing.node.node import ContainerInfo, Node, NodeError, PodInfo
 
 __all__ = ["ContainerInfo", "Node", "NodeError", "PodInfo"]

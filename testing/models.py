@@ -1,5 +1,6 @@
-"""Random-weight models beyond the demo's tiny Gemma3: an all-full-attention Gemma3 (and one with
-a single KV head), a larger Gemma3, gpt-oss.
+"""Random-weight models for the tests and benchmarks: the demo's tiny hybrid Gemma3
+(:func:`build_gemma3`, from :mod:`kvpool.connector.local.tiny_model`), an all-full-attention
+Gemma3 (and one with a single KV head), a larger Gemma3, gpt-oss.
 
 Built with :func:`kvpool.connector.local.tiny_model.build_random_model`, so they
 are idempotent and deterministic in the same way.
@@ -11,7 +12,18 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from kvpool.connector.local.tiny_model import SPECIAL_TOKENS, build_gemma3, build_random_model
+from kvpool.connector.local.tiny_model import SPECIAL_TOKENS, STAMP_FILE, build_gemma3, build_random_model
+
+__all__ = [
+    "GEMMA3_FULL_LAYERS",
+    "GEMMA3_LARGE",
+    "STAMP_FILE",
+    "build_gemma3",
+    "build_gemma3_full",
+    "build_gemma3_one_kv_head",
+    "build_gpt_oss",
+    "gpt_oss_config",
+]
 
 #: Layers of :func:`build_gemma3_full`: all full attention, so one KV-cache group.
 GEMMA3_FULL_LAYERS = 6

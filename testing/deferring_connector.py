@@ -10,7 +10,7 @@ with the connector's own Python next to nothing. ``benchmarks.scheduler_overhead
 runs it beside KVPoolConnector and no connector, so the admission a connector with
 asynchronous lookups can reach on this vLLM is measured, not derived.
 
-Benchmarks and tests only. It lives in ``tests.support``, not in ``benchmarks``,
+Benchmarks and tests only. It lives in ``testing``, not in ``benchmarks``,
 because importing the ``benchmarks`` package sets the benchmarks' environment
 (quiet vLLM logs, among others), which engines started later would inherit.
 """
@@ -29,7 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 #: ``KVTransferConfig`` fields that load this connector by module path.
 TRANSFER: dict[str, Any] = {
     "kv_connector": "DeferringConnector",
-    "kv_connector_module_path": "tests.support.deferring_connector",
+    "kv_connector_module_path": "testing.deferring_connector",
     "kv_role": "kv_both",
 }
 

@@ -1,6 +1,6 @@
 """Operator test data and helpers: sample pools and vLLM Deployments, and what tests ask of them.
 
-The emulated cluster and the operator running against it live in ``tests.support.kube_api``.
+The emulated cluster and the operator running against it live in ``testing.kube_api``.
 """
 
 from __future__ import annotations
@@ -12,14 +12,14 @@ from typing import Any
 from kvpool.operator import names
 from kvpool.operator.consumers import FLAG
 from kvpool.operator.names import POOLS, api_resource_of
-from tests.support.kube_api import (
+from testing.kube_api import (
     DEPLOYMENTS_PATH,
     NAMESPACE,
     Cluster,
     OperatorThread,
     eventually,
 )
-from tests.support.server_side import builtin_defaults
+from testing.server_side import builtin_defaults
 
 
 @dataclass
