@@ -25,6 +25,7 @@ from typing import Any
 from benchmarks import common, pool
 from benchmarks.common import Options, Report, Stat, Table, Target, ratios, rotate, stopwatch
 from benchmarks.vllm_env import bench_scheduler, ours_transfer, tiny_long_model
+from testing.engine import scheduler_of
 from testing.kv_cache import GroupDesc
 from testing.scheduler import admit, make_request
 
@@ -92,7 +93,7 @@ def _measure(address: str, model: Path, prefix: int, window: int, reps: int) -> 
         block_bytes = [worker.group_block_bytes(g) for g in range(2)]
         rng = random.Random(prefix)
         prompt = [rng.randrange(3, 500) for _ in range(prefix + 16)]
-        coord = scheduler.connector._sched().coordinator
+        coord = scheduler_of(scheduler.connector).coordinator
 
         # The pool holds every block of the prefix in both groups (saved through the worker).
         seed = make_request(scheduler, prompt)

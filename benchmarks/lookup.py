@@ -27,6 +27,7 @@ from typing import Any
 from benchmarks import common, intree, pool
 from benchmarks.common import Options, Report, Stat, Table, Target, ratios, rotate, stopwatch
 from benchmarks.vllm_env import bench_scheduler, ours_transfer, tiny_long_model
+from testing.engine import scheduler_of
 from testing.kv_cache import GroupDesc
 from testing.scheduler import make_request
 
@@ -57,7 +58,7 @@ def _ours_keys(scheduler: Any, request: Any, counts: list[int]) -> list[str]:
     from kvpool.connector.contract.keys import hash_digest
 
     connector = scheduler.connector
-    coord = connector._sched().coordinator
+    coord = scheduler_of(connector).coordinator
     keys = []
     for g, count in enumerate(counts):
         view = coord.group_block_hashes(g, request.block_hashes)
@@ -94,7 +95,7 @@ def _diagnose(scheduler: Any, request: Any, reps: int) -> dict[str, list[float]]
     from kvpool.connector.contract.keys import hash_digest
 
     connector = scheduler.connector
-    side = connector._sched()
+    side = scheduler_of(connector)
     coord, keyspace, client = side.coordinator, connector.keyspace, side.client
     max_hit = request.num_tokens - 1
     hashes = request.block_hashes
@@ -137,7 +138,7 @@ def _settle(scheduler: Any, request: Any) -> None:
     from kvpool.connector.connector import KVPoolConnector
 
     if isinstance(scheduler.connector, KVPoolConnector):
-        side = scheduler.connector._sched()
+        side = scheduler_of(scheduler.connector)
         side.settle_statistics(5.0)
         side.forget_lookup(request.request_id)
 
@@ -167,7 +168,7 @@ def _measure_layout(
         "intree_process": bench_scheduler(model, groups, it_transfer[1], num_blocks=NUM_BLOCKS),
     }
     # One request's lookup, asked and answered within the call (see the module docstring).
-    schedulers["ours"].connector._sched().batch_lookups = False
+    scheduler_of(schedulers["ours"].connector).batch_lookups = False
     worker = intree.start_worker(model, groups, it_transfer[0], NUM_BLOCKS, config_path)
     rows: list[dict[str, Any]] = []
     rng = random.Random(1000 + index)

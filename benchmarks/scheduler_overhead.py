@@ -35,6 +35,7 @@ from benchmarks import common
 from benchmarks.common import Options, Report, Stat, Table, Target, ratios, rotate, stopwatch
 from benchmarks.vllm_env import bench_scheduler, ours_transfer, tiny_long_model
 from testing.deferring_connector import TRANSFER as DEFERRING_TRANSFER
+from testing.engine import scheduler_of
 from testing.kv_cache import GroupDesc
 from testing.scheduler import make_request
 
@@ -82,7 +83,7 @@ def _pool_side(scheduler: Any) -> Any:
     from kvpool.connector.connector import KVPoolConnector
 
     connector = scheduler.connector
-    return connector._sched() if isinstance(connector, KVPoolConnector) else None
+    return scheduler_of(connector) if isinstance(connector, KVPoolConnector) else None
 
 
 def _admit(scheduler: Any, count: int) -> tuple[float, float, int, int]:
@@ -141,7 +142,7 @@ class HookTimer:
 def _breakdown(schedulers: dict[str, Any], timer: HookTimer, n: int, rng: random.Random) -> dict[str, float]:
     """Per admitted request, µs: each hook's time over admission, and the rest of the difference
     (vLLM's own work for the connector: the skipped step, its local lookup asked again)."""
-    side = schedulers["with"].connector._sched()
+    side = scheduler_of(schedulers["with"].connector)
     per_hook = dict.fromkeys(HOOKS, 0.0)
     admit = {v: 0.0 for v in BREAKDOWN_VARIANTS}
     for _ in range(BREAKDOWN_CYCLES):

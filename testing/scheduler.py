@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from testing.engine import scheduler_of
 from testing.kv_cache import GroupDesc, block_sizes, ensure_registry, make_kv_cache_config
 from testing.prompts import hashed_request
 
@@ -120,7 +121,7 @@ def matched_tokens(connector: Any, request: Any, num_computed_tokens: int = 0) -
     the first call queues the lookup (None), the second, once it is answered, takes the hit."""
     got = connector.get_num_new_matched_tokens(request, num_computed_tokens)
     if got[0] is None:
-        assert connector._sched().wait_lookups(30), "the lookup was never answered"
+        assert scheduler_of(connector).wait_lookups(30), "the lookup was never answered"
         got = connector.get_num_new_matched_tokens(request, num_computed_tokens)
     assert got[0] is not None
     return got
@@ -132,7 +133,7 @@ def schedule_answered(scheduler: Any) -> Any:
     output = scheduler.schedule()
     connector = scheduler.connector
     if connector is not None:
-        assert connector._sched().wait_lookups(30), "the lookups were never answered"
+        assert scheduler_of(connector).wait_lookups(30), "the lookups were never answered"
     return output
 
 

@@ -16,6 +16,7 @@ from vllm.v1.request import RequestStatus
 
 from kvpool.connector.contract.keys import hash_digest
 from kvpool.connector.lookup_batch import Lookup, LookupQuery, answer_together
+from testing.engine import scheduler_of
 from testing.kv_cache import GroupDesc
 from tests.test_hybrid_hit import EXAMPLES, _drawn_case, layouts
 
@@ -117,7 +118,7 @@ def _master_counter(local_pool: Any, name: str) -> float:
 
 def _store(pool_client, scheduler, request, blocks: range) -> None:
     connector = scheduler.connector
-    view = connector._sched().coordinator.group_block_hashes(0, request.block_hashes)
+    view = scheduler_of(connector).coordinator.group_block_hashes(0, request.block_hashes)
     for i in blocks:
         key = connector.keyspace.key(0, 0, 0, hash_digest(bytes(view[i])))
         assert pool_client.put_bytes(key, b"kv" * 8) == 0
@@ -179,7 +180,7 @@ def test_lookup_statistics_are_computed_before_vllm_exports_them(
             scheduler.add_request(request)
         schedule_answered(scheduler)
         scheduler.schedule()
-        side = scheduler.connector._sched()
+        side = scheduler_of(scheduler.connector)
         assert side.settle_statistics(30)
         lookups = scheduler.connector.stats.lookups
         assert len(lookups) == 4
@@ -202,7 +203,7 @@ def test_a_request_that_leaves_while_its_lookup_is_in_flight_is_forgotten(
     from testing.scheduler import local_pool_transfer, make_request, make_scheduler
 
     scheduler = make_scheduler(model_dir, FULL_SWA, local_pool_transfer(pool_settings))
-    side = scheduler.connector._sched()
+    side = scheduler_of(scheduler.connector)
     real_exists, gate, asked = side.client.exists, threading.Event(), threading.Event()
 
     def held_exists(keys: list[str]) -> list[bool]:

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from kvpool.connector.metadata import PoolConnectorMetadata
+from testing.engine import scheduler_of
 from testing.kv_cache import GroupDesc
 from testing.models import build_gemma3
 from testing.scheduler import local_pool_transfer, make_request, make_scheduler, schedule_answered
@@ -92,7 +93,7 @@ def test_decode_steps_plan_no_save_once_the_prompt_is_planned(model_dir, pool_se
     prompt whose blocks are all planned costs the connector no save planning at all."""
     scheduler = make_scheduler(model_dir, FULL, local_pool_transfer(pool_settings))
     try:
-        side = scheduler.connector._sched()
+        side = scheduler_of(scheduler.connector)
         planned: list[str] = []
         plan_save = side._plan_save
 

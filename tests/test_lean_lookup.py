@@ -17,6 +17,7 @@ from kvpool.connector.contract.keys import KeySpace, hash_digest, hash_digests
 from kvpool.connector.hybrid_hit import HybridHitCoordinator
 from kvpool.connector.lookup_statistics import PresenceBackfill
 from kvpool.connector.records import Deferred, LookupRecord
+from testing.engine import scheduler_of
 from testing.kv_cache import GroupDesc, make_coordinator
 
 
@@ -128,7 +129,7 @@ def test_statistics_count_blocks_the_lookup_did_not_ask_about(
     try:
         connector = scheduler.connector
         request = make_request(scheduler, list(range(10, 10 + 12 * 32 + 5)))
-        coord = connector._sched().coordinator
+        coord = scheduler_of(connector).coordinator
         # Full attention holds 4 blocks, the window group all 12.
         for group_id, count in ((0, 4), (1, 12)):
             view = coord.group_block_hashes(group_id, request.block_hashes)
@@ -240,7 +241,7 @@ def test_a_request_retried_under_memory_pressure_is_looked_up_and_counted_once(
     scheduler = make_scheduler(model, groups, transfer, num_blocks=24)
     try:
         connector = scheduler.connector
-        coord = connector._sched().coordinator
+        coord = scheduler_of(connector).coordinator
         # A occupies most of the blocks; B's prompt is in the pool but does not fit yet.
         first = make_request(scheduler, [1] * (7 * 32), max_tokens=64)
         second = make_request(scheduler, list(range(10, 10 + 8 * 32 + 5)))
@@ -266,6 +267,6 @@ def test_a_request_retried_under_memory_pressure_is_looked_up_and_counted_once(
         assert load.hit_tokens == 8 * 32 and len(load.groups[0].block_ids) == 8
         assert len([r for r in connector.stats.lookups if r.query_tokens == second.num_tokens]) == 1
         # Allocated: a later lookup of it would ask the master again.
-        assert second.request_id not in connector._sched()._looked_up
+        assert second.request_id not in scheduler_of(connector)._looked_up
     finally:
         scheduler.shutdown()

@@ -28,6 +28,7 @@ from kvpool.connector.local.pool import (
     wait_for_capacity,
     wait_for_port,
 )
+from testing.engine import worker_of
 
 BLOCK = 32
 PREFIX_BLOCKS = 9
@@ -344,7 +345,7 @@ class Engine:
         worker = worker_connector()
         if worker is None:
             return Counter()
-        side = worker._worker
+        side = worker_of(worker)
         with side._lock:
             pending = list(side._saves_in_flight) + list(side._async_loads.values())
         wait(pending, timeout=timeout)

@@ -42,7 +42,7 @@ from kvpool.connector.contract.object_header import HEADER_BYTES, ObjectIdentity
 from kvpool.connector.contract.settings import ConnectorSettings
 from kvpool.connector.local.pool import LOOPBACK, LocalPool, free_port
 from kvpool.connector.pool_client import PoolClient, open_client
-from testing.engine import transfer_config
+from testing.engine import transfer_config, worker_of
 from testing.prompts import block_hashes
 from tests.faults.helpers import PREFIX_BLOCKS, PREFIX_TOKENS, prompt
 
@@ -206,7 +206,7 @@ class PoolEngine:
 
     def wait_unstuck(self) -> None:
         """Until no call the connector gave up on is still in flight."""
-        side = self.worker._worker
+        side = worker_of(self.worker)
         deadline = time.monotonic() + SERVE_DEADLINE_S
         while side._jobs.stalled:
             assert time.monotonic() < deadline, "a stuck call never returned"
@@ -281,7 +281,7 @@ class Setup:
 
     def stalled(self) -> bool:
         """Whether the connector gave up on a call that is still in the pool."""
-        return bool(self.engine.worker._worker._jobs.stalled)
+        return bool(worker_of(self.engine.worker)._jobs.stalled)
 
     def client(self) -> PoolClient:
         return open_client(self.settings, global_segment_size=0)
@@ -639,7 +639,7 @@ def test_shutdown_with_a_save_in_the_pool_returns_and_leaves_nothing_half_writte
 
     monkeypatch.setattr(MooncakeDistributedStore, "batch_put_from_multi_buffer_ranges", freeze_then_write)
     engine = setup.engine.llm.llm_engine
-    side = setup.engine.worker._worker
+    side = worker_of(setup.engine.worker)
     from testing.engine import sampling_params
 
     try:
