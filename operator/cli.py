@@ -18,6 +18,7 @@ from kvpool.operator.rbac import RULES, WEBHOOK_RULES, render_rules
 
 if TYPE_CHECKING:
     from kvpool.operator.app import OperatorOptions
+    from kvpool.operator.policy import OperatorPolicy
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -66,10 +67,42 @@ def _parser() -> argparse.ArgumentParser:
         help="name of a ValidatingWebhookConfiguration for the operator to keep up to date",
     )
     run.add_argument(
-        "--allowed-image-prefix",
+        "--allowed-registry",
         action="append",
         default=[],
-        help="a pool's image must start with one of these (repeatable; default: any image)",
+        metavar="HOST[:PORT][/PATH]",
+        help="a pool's image must come from this registry (and path below it); repeatable; "
+        "default: any image",
+    )
+    run.add_argument(
+        "--allowed-priority-class",
+        action="append",
+        default=[],
+        help="a priority class pools may use (repeatable; default: any but the system- ones)",
+    )
+    run.add_argument(
+        "--allowed-toleration-key",
+        action="append",
+        default=[],
+        help="a taint key pools may tolerate (repeatable; default: any but the protected ones)",
+    )
+    run.add_argument(
+        "--protected-node-key",
+        action="append",
+        default=[],
+        help="a taint key pools may not tolerate and a node label they may not select, beyond "
+        "the control plane's (repeatable)",
+    )
+    run.add_argument(
+        "--allow-network-policy-opt-out",
+        action="store_true",
+        help="let pools set networkPolicy.enabled: false",
+    )
+    run.add_argument(
+        "--no-network-policy-end-port",
+        dest="network_policy_end_port",
+        action="store_false",
+        help="the network plugin ignores endPort: write no consumer NetworkPolicy",
     )
     run.add_argument("--max-master-replicas", type=int, help="most masters a pool may ask for")
     run.add_argument("--max-store-replicas", type=int, help="most store pods a pool may ask for")
@@ -104,10 +137,29 @@ def _labels(pairs: list[str]) -> tuple[tuple[str, str], ...]:
     return tuple(out)
 
 
+def _policy(args: argparse.Namespace) -> OperatorPolicy:
+    from kvpool.operator.policy import OperatorPolicy
+
+    try:
+        return OperatorPolicy(
+            allowed_registries=tuple(args.allowed_registry),
+            max_master_replicas=args.max_master_replicas,
+            max_store_replicas=args.max_store_replicas,
+            allowed_priority_classes=tuple(args.allowed_priority_class),
+            allowed_toleration_keys=tuple(args.allowed_toleration_key),
+            protected_node_keys=tuple(args.protected_node_key),
+            allow_network_policy_opt_out=args.allow_network_policy_opt_out,
+            network_policy_end_port=args.network_policy_end_port,
+            operator_namespace=args.operator_namespace,
+            operator_pod_labels=_labels(args.operator_pod_label),
+        )
+    except ValueError as exc:
+        raise SystemExit(f"--allowed-registry {exc}") from None
+
+
 def options_from_args(args: argparse.Namespace) -> OperatorOptions:
     """The run options a parsed ``run`` command line sets."""
     from kvpool.operator.app import OperatorOptions, WebhookOptions
-    from kvpool.operator.policy import OperatorPolicy
 
     webhook = None
     if args.webhook_port is not None:
@@ -128,13 +180,7 @@ def options_from_args(args: argparse.Namespace) -> OperatorOptions:
         retry_delay=args.retry_delay,
         webhook=webhook,
         log_level=logging.DEBUG if args.verbose else logging.INFO,
-        policy=OperatorPolicy(
-            image_prefixes=tuple(args.allowed_image_prefix),
-            max_master_replicas=args.max_master_replicas,
-            max_store_replicas=args.max_store_replicas,
-            operator_namespace=args.operator_namespace,
-            operator_pod_labels=_labels(args.operator_pod_label),
-        ),
+        policy=_policy(args),
         master_health_url=args.master_health_url,
     )
 

@@ -1,5 +1,6 @@
 """The NetworkPolicies around a pool: who may reach its masters and stores, its consumers'
-transfer ports, and (when its pods are named) etcd. Pure: a spec in, manifests out.
+transfer ports, and (when its pods are named) etcd. Pure: a spec in, manifests out (the
+namespace's own policies are read by ``read_namespace_network``).
 
 What listens where:
 
@@ -11,15 +12,37 @@ What listens where:
 * store and consumer pods: Mooncake's transfer engine, on ports in
   ``[TRANSFER_PORT_MIN, TRANSFER_PORT_MAX]`` (pinned in consumers with ``MC_MIN_RPC_PORT``
   and ``MC_MAX_RPC_PORT``); whoever reaches them reads and writes the registered memory,
-  i.e. the pool's KV. Only the pool's pods reach them; a consumer's other ports (vLLM's
-  API) stay open.
+  i.e. the pool's KV.
+
+Masters and stores are the pool's own pods: their policy is the whole truth about them.
+Consumers are the tenant's pods, and ingress policies add up: a pod selected by any policy
+admits only what some policy selecting it allows, and one selected by none admits all. So
+an operator-made policy on consumers may only take away, never add:
+
+* no policy of the namespace selects a consumer (all is open): the consumers' policy admits
+  the pool's pods on every port and everyone on every port outside the transfer range
+  (``endPort`` ranges). Only the transfer ports close, to everyone but the pool's pods.
+* the namespace's own policies select a consumer (a default-deny, a gateway allow): any rule
+  the operator added would widen what they admit, so it adds none; the transfer ports are
+  as open as those policies make them (an embedded pool, whose consumers reach each other's
+  transfer ports, needs the namespace's admin to let the pool's pods in).
+* a network plugin without ``endPort`` (the admin's ``OperatorPolicy``) reads each range as
+  its first port only, which would cut the consumers' other ports (vLLM's API) off: no
+  policy, and the transfer ports stay open as before.
+
+The pool says which applies (``status.warnings``), and the next pass follows a change of
+the namespace's policies.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
+from kvpool.connector.contract.layout import Problem
 from kvpool.operator import names
+from kvpool.operator.names import DEPLOYMENTS, NETWORK_POLICIES
 from kvpool.operator.policy import OperatorPolicy
 from kvpool.operator.spec import PoolSpec
 
@@ -28,6 +51,9 @@ TRANSFER_PORT_MIN = 15000
 TRANSFER_PORT_MAX = 17000
 TRANSFER_PORT_ENV = (("MC_MIN_RPC_PORT", str(TRANSFER_PORT_MIN)), ("MC_MAX_RPC_PORT", str(TRANSFER_PORT_MAX)))
 NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
+
+if TYPE_CHECKING:
+    from kvpool.operator.kube import KubeClient
 
 
 def pool_pods(pool: str) -> dict[str, Any]:
@@ -79,22 +105,138 @@ def network_policy(
     return _policy(pool, namespace, names.network_policy_name(pool), pods, rules)
 
 
-def consumers_network_policy(pool: str, namespace: str) -> dict[str, Any]:
-    """Ingress to the consumers' pods: their transfer ports from the pool's pods only.
+def consumers_pods(pool: str) -> dict[str, Any]:
+    """The pool's consumers' pods: the pool's label, no component."""
+    return {
+        "matchLabels": {names.LABEL_POOL: pool},
+        "matchExpressions": [{"key": names.LABEL_COMPONENT, "operator": "DoesNotExist"}],
+    }
 
-    Every other port (vLLM's API, UDP) stays open to all, as it was without the pool.
-    """
+
+def consumers_network_policy(pool: str, namespace: str) -> dict[str, Any]:
+    """Ingress to the consumers' pods where nothing else selects them: the transfer ports from
+    the pool's pods only; every other port (vLLM's API, UDP) to all, as it was without the pool.
+    Needs a network plugin that reads ``endPort``."""
     everyone_else = [
         {"protocol": "TCP", "port": 1, "endPort": TRANSFER_PORT_MIN - 1},
         {"protocol": "TCP", "port": TRANSFER_PORT_MAX + 1, "endPort": 65535},
         {"protocol": "UDP", "port": 1, "endPort": 65535},
+        {"protocol": "SCTP", "port": 1, "endPort": 65535},
     ]
-    pods = {
-        "matchLabels": {names.LABEL_POOL: pool},
-        "matchExpressions": [{"key": names.LABEL_COMPONENT, "operator": "DoesNotExist"}],
-    }
     rules = [{"from": [pool_pods(pool)]}, {"ports": everyone_else}]
-    return _policy(pool, namespace, names.consumers_network_policy_name(pool), pods, rules)
+    return _policy(pool, namespace, names.consumers_network_policy_name(pool), consumers_pods(pool), rules)
+
+
+@dataclass(frozen=True)
+class NamespaceNetwork:
+    """What the namespace's own NetworkPolicies do to a pool's consumers: the names of those
+    that select a consumer's pods for ingress (empty: none does, all is open to them)."""
+
+    guarding: tuple[str, ...] = ()
+
+
+def selects(selector: Mapping[str, Any] | None, labels: Mapping[str, str]) -> bool:
+    """Whether a LabelSelector selects ``labels`` (an empty or missing selector selects all)."""
+    selector = selector or {}
+    if any(labels.get(k) != v for k, v in (selector.get("matchLabels") or {}).items()):
+        return False
+    for expression in selector.get("matchExpressions") or []:
+        key, operator, values = expression.get("key"), expression.get("operator"), expression.get("values")
+        present = key in labels
+        if operator == "In" and not (present and labels[key] in (values or [])):
+            return False
+        if operator == "NotIn" and present and labels[key] in (values or []):
+            return False
+        if operator == "Exists" and not present:
+            return False
+        if operator == "DoesNotExist" and present:
+            return False
+        if operator not in ("In", "NotIn", "Exists", "DoesNotExist"):
+            return False
+    return True
+
+
+def governs_ingress(policy: Mapping[str, Any]) -> bool:
+    """Whether a NetworkPolicy restricts ingress (``policyTypes`` absent: it always does)."""
+    types = (policy.get("spec") or {}).get("policyTypes")
+    return not types or "Ingress" in types
+
+
+def guarding_policies(
+    policies: Iterable[Mapping[str, Any]], consumer_pod_labels: Iterable[Mapping[str, str]], pool_uid: str
+) -> tuple[str, ...]:
+    """The namespace's ingress policies (not this pool's own) that select a consumer's pods."""
+    labels = list(consumer_pod_labels)
+    found = []
+    for policy in policies:
+        meta = policy.get("metadata") or {}
+        if any(ref.get("uid") == pool_uid for ref in meta.get("ownerReferences") or []):
+            continue
+        if not governs_ingress(policy):
+            continue
+        selector = (policy.get("spec") or {}).get("podSelector")
+        if any(selects(selector, pod) for pod in labels):
+            found.append(str(meta.get("name")))
+    return tuple(sorted(found))
+
+
+def consumer_names(raw_spec: Mapping[str, Any] | None) -> list[str]:
+    """The consumer Deployments a raw pool spec names (whatever else is wrong with it)."""
+    consumers = (raw_spec or {}).get("consumers")
+    if not isinstance(consumers, list):
+        return []
+    return [c["name"] for c in consumers if isinstance(c, Mapping) and isinstance(c.get("name"), str)]
+
+
+async def read_namespace_network(kube: KubeClient, pool: Mapping[str, Any]) -> NamespaceNetwork:
+    """The namespace's NetworkPolicies that select the pool's consumers (their pods' labels:
+    the Deployment's pod template's, plus the pool's label the operator adds)."""
+    meta = pool.get("metadata") or {}
+    namespace, name, uid = meta["namespace"], meta["name"], meta.get("uid", "")
+    policies = [
+        p
+        for p in await kube.list(NETWORK_POLICIES, namespace)
+        if not any(ref.get("uid") == uid for ref in (p.get("metadata") or {}).get("ownerReferences") or [])
+    ]
+    if not policies:
+        return NamespaceNetwork()
+    pods = []
+    for consumer in consumer_names(pool.get("spec")):
+        deployment = await kube.get(DEPLOYMENTS, namespace, consumer)
+        if deployment is None:
+            continue
+        template = ((deployment.get("spec") or {}).get("template") or {}).get("metadata") or {}
+        pods.append({**(template.get("labels") or {}), names.LABEL_POOL: name})
+    return NamespaceNetwork(guarding_policies(policies, pods, uid))
+
+
+def consumers_protection(
+    pool: str, namespace: str, network: NamespaceNetwork, end_port: bool
+) -> tuple[dict[str, Any] | None, list[Problem]]:
+    """The consumers' policy where one only takes away, or None and what stays open."""
+    where = "spec.networkPolicy"
+    if network.guarding:
+        named = ", ".join(network.guarding)
+        return None, [
+            Problem(
+                field=where,
+                rule="consumers-namespace-policy",
+                message=f"the namespace's NetworkPolicies ({named}) select the consumers: the operator "
+                "adds no policy to them (it would widen what those admit); their transfer ports "
+                f"{TRANSFER_PORT_MIN}-{TRANSFER_PORT_MAX} are as open as those policies make them",
+            )
+        ]
+    if not end_port:
+        return None, [
+            Problem(
+                field=where,
+                rule="consumers-no-end-port",
+                message="the network plugin reads no endPort (operator policy): the consumers get no "
+                f"policy, and their transfer ports {TRANSFER_PORT_MIN}-{TRANSFER_PORT_MAX} stay open "
+                "to every pod that reaches them",
+            )
+        ]
+    return consumers_network_policy(pool, namespace), []
 
 
 def etcd_client_ports(endpoints: list[str]) -> list[int]:

@@ -25,7 +25,12 @@ from kvpool.operator.names import (
     SERVICES,
     ApiResource,
 )
-from kvpool.operator.network import consumers_network_policy, etcd_network_policy, network_policy
+from kvpool.operator.network import (
+    NamespaceNetwork,
+    consumers_protection,
+    etcd_network_policy,
+    network_policy,
+)
 from kvpool.operator.policy import OperatorPolicy
 from kvpool.operator.validation import validate, warnings
 
@@ -67,9 +72,15 @@ def children_names(pool: str) -> list[tuple[ApiResource, str]]:
 
 
 def build_plan(
-    pool: str, namespace: str, raw_spec: Mapping[str, Any] | None, policy: OperatorPolicy | None = None
+    pool: str,
+    namespace: str,
+    raw_spec: Mapping[str, Any] | None,
+    policy: OperatorPolicy | None = None,
+    network: NamespaceNetwork | None = None,
 ) -> Plan:
-    """Validate the spec and build every desired object from it."""
+    """Validate the spec and build every desired object from it (``network``: what the
+    namespace's own NetworkPolicies do to the consumers; default: none selects them)."""
+    policy = policy or OperatorPolicy()
     spec, settings, problems = validate(pool, namespace, raw_spec, policy)
     if problems or spec is None or settings is None:
         return Plan(pool=pool, namespace=namespace, problems=problems)
@@ -90,9 +101,14 @@ def build_plan(
         children.append(pod_disruption_budget(pool, namespace, names.STORE))
     enabled = spec.network_policy.enabled
     guard_etcd = enabled and spec.master.ha.enabled and bool(spec.master.ha.etcd_pod_selector)
+    consumers_policy, network_warnings = (
+        consumers_protection(pool, namespace, network or NamespaceNetwork(), policy.network_policy_end_port)
+        if enabled
+        else (None, [])
+    )
     policies = [
         (names.network_policy_name(pool), enabled and network_policy(pool, namespace, spec, policy)),
-        (names.consumers_network_policy_name(pool), enabled and consumers_network_policy(pool, namespace)),
+        (names.consumers_network_policy_name(pool), consumers_policy),
         (names.etcd_network_policy_name(pool), guard_etcd and etcd_network_policy(pool, namespace, spec)),
     ]
     for name, obj in policies:
@@ -103,7 +119,7 @@ def build_plan(
     return Plan(
         pool=pool,
         namespace=namespace,
-        warnings=warnings(spec),
+        warnings=warnings(spec) + network_warnings,
         master_address=address,
         embedded=embedded,
         ha=spec.master.ha.enabled,

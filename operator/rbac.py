@@ -62,7 +62,8 @@ RULES: tuple[Rule, ...] = (
     # Children (master, store) and consumers (list: release the ones no longer declared).
     Rule(DEPLOYMENTS.group, (DEPLOYMENTS.plural,), ("get", "list", "create", "patch", "delete")),
     Rule(SERVICES.group, (SERVICES.plural, CONFIGMAPS.plural), ("get", "create", "patch", "delete")),
-    Rule(NETWORK_POLICIES.group, (NETWORK_POLICIES.plural,), ("get", "create", "patch", "delete")),
+    # The pool's own policies; list: the namespace's policies that select its consumers.
+    Rule(NETWORK_POLICIES.group, (NETWORK_POLICIES.plural,), ("get", "list", "create", "patch", "delete")),
     Rule(
         POD_DISRUPTION_BUDGETS.group, (POD_DISRUPTION_BUDGETS.plural,), ("get", "create", "patch", "delete")
     ),

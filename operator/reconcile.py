@@ -44,6 +44,7 @@ from kvpool.operator.leader import (
 from kvpool.operator.merge_patch import diff
 from kvpool.operator.metrics import OperatorMetrics
 from kvpool.operator.names import DEPLOYMENTS, PODS, POOLS
+from kvpool.operator.network import read_namespace_network
 from kvpool.operator.plan import Plan, build_plan, children_names
 from kvpool.operator.policy import OperatorPolicy
 from kvpool.operator.status import (
@@ -319,7 +320,8 @@ class Reconciler:
         pool = await self.kube.get(POOLS, namespace, name)
         if pool is None or pool.get("metadata", {}).get("deletionTimestamp"):
             return None
-        plan = build_plan(name, namespace, pool.get("spec"), self.policy)
+        network = await read_namespace_network(self.kube, pool)
+        plan = build_plan(name, namespace, pool.get("spec"), self.policy, network)
         old = dict(pool.get("status") or {})
         if plan.valid:
             status = await converge(self.kube, pool, plan, notify, utcnow(), self.check_leader)

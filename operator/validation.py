@@ -17,7 +17,7 @@ from kvpool.connector.contract.settings import ConnectorSettings, SettingsError
 from kvpool.operator import names
 from kvpool.operator.components import STORE_MEMORY_OVERHEAD, store_memory_limit
 from kvpool.operator.connector_settings import pool_connector_settings, spec_field_of
-from kvpool.operator.policy import OperatorPolicy
+from kvpool.operator.policy import OperatorPolicy, policy_problems
 from kvpool.operator.spec import ComputeResources, PoolSpec, format_bytes, parse_quantity
 
 
@@ -136,26 +136,8 @@ def _requests_within_limits(where: str, resources: ComputeResources) -> list[Pro
 
 
 def check_policy(spec: PoolSpec, policy: OperatorPolicy) -> list[Problem]:
-    """What the operator's settings allow: image prefixes, replica caps."""
-    problems = []
-    if policy.image_prefixes and not spec.image.startswith(policy.image_prefixes):
-        allowed = ", ".join(repr(p) for p in policy.image_prefixes)
-        problems.append(
-            _problem(
-                "spec.image",
-                "image-allowlist",
-                f"image {spec.image!r} starts with none of the allowed prefixes ({allowed})",
-            )
-        )
-    for field, replicas, cap in (
-        ("spec.master.replicas", spec.master.replicas, policy.max_master_replicas),
-        ("spec.store.replicas", spec.store.replicas, policy.max_store_replicas),
-    ):
-        if cap is not None and replicas > cap:
-            problems.append(
-                _problem(field, "replica-cap", f"{replicas} replicas are above the operator's cap of {cap}")
-            )
-    return problems
+    """What the admin's policy allows (``policy.policy_problems``)."""
+    return policy_problems(spec, policy)
 
 
 def warnings(spec: PoolSpec) -> list[Problem]:

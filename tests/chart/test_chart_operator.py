@@ -15,6 +15,7 @@ from kvpool.operator.cli import _parser, options_from_args
 from kvpool.operator.consumers import refusal
 from kvpool.operator.metrics import METRICS_PATH
 from kvpool.operator.names import POOLS
+from kvpool.operator.policy import OperatorPolicy
 from tests.chart.helm import CHART, EXAMPLES, NAMESPACE, Helm, of_kind, one
 
 
@@ -200,18 +201,34 @@ def test_the_operator_knows_its_own_pods_and_is_never_a_consumer(helm: Helm) -> 
 
 def test_the_policy_values_reach_the_operator(helm: Helm) -> None:
     default = operator_options(operator_container(helm.template())[1]).policy
-    assert default.image_prefixes == ()
-    assert default.max_master_replicas is None and default.max_store_replicas is None
+    assert default == OperatorPolicy(
+        operator_namespace=default.operator_namespace, operator_pod_labels=default.operator_pod_labels
+    )
+    assert not default.allow_network_policy_opt_out and default.network_policy_end_port
     objects = helm.template(
         sets=[
-            "operator.policy.allowedImagePrefixes={registry.internal/mooncake/,mirror.internal/}",
+            "operator.policy.allowedRegistries={registry.internal/mooncake,mirror.internal:5000}",
             "operator.policy.maxMasterReplicas=3",
             "operator.policy.maxStoreReplicas=8",
+            "operator.policy.allowedPriorityClasses={kv-cache}",
+            "operator.policy.allowedTolerationKeys={nvidia.com/gpu}",
+            "operator.policy.protectedNodeKeys={example.com/infra}",
+            "operator.policy.allowNetworkPolicyOptOut=true",
+            "operator.policy.networkPolicyEndPort=false",
         ]
     )
     policy = operator_options(operator_container(objects)[1]).policy
-    assert policy.image_prefixes == ("registry.internal/mooncake/", "mirror.internal/")
+    assert policy.allowed_registries == ("registry.internal/mooncake", "mirror.internal:5000")
     assert (policy.max_master_replicas, policy.max_store_replicas) == (3, 8)
+    assert policy.allowed_priority_classes == ("kv-cache",)
+    assert policy.allowed_toleration_keys == ("nvidia.com/gpu",)
+    assert policy.protected_node_keys == ("example.com/infra",)
+    assert policy.allow_network_policy_opt_out and not policy.network_policy_end_port
+
+
+def test_a_registry_that_is_not_one_fails_the_render(helm: Helm) -> None:
+    with pytest.raises(AssertionError, match="allowedRegistries"):
+        helm.template(sets=["operator.policy.allowedRegistries={registry.internal/x:1}"])
 
 
 def test_the_operators_network_policy(helm: Helm) -> None:

@@ -10,6 +10,7 @@ from kvpool.operator import names
 from kvpool.operator.connector_settings import pool_connector_settings
 from kvpool.operator.names import DEPLOYMENTS, NETWORK_POLICIES
 from kvpool.operator.plan import build_plan
+from kvpool.operator.policy import OperatorPolicy
 from kvpool.operator.spec import PoolSpec
 from testing.operator_objects import pool_spec
 
@@ -193,7 +194,8 @@ def test_network_policy_admits_only_the_pool_and_named_scraper_pods() -> None:
             "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}},
         }
     ]
-    disabled = build_plan("pool", NS, pool_spec(networkPolicy={"enabled": False}))
+    opt_out = OperatorPolicy(allow_network_policy_opt_out=True)
+    disabled = build_plan("pool", NS, pool_spec(networkPolicy={"enabled": False}), opt_out)
     assert (NETWORK_POLICIES, "pool-kvpool") in disabled.absent
     assert (NETWORK_POLICIES, "pool-consumers") in disabled.absent
 

@@ -8,6 +8,7 @@ import yaml
 from kvpool.operator import metric_names, metrics
 from kvpool.operator.cli import _parser, main, options_from_args
 from kvpool.operator.generated import RBAC_RULES_PATH, generated_files
+from kvpool.operator.policy import CONTROL_PLANE_KEYS
 from kvpool.operator.rbac import RULES, WEBHOOK_RULES, Permission, allowed, request_permission
 from kvpool.operator.spec import format_bytes, parse_quantity
 
@@ -170,8 +171,16 @@ def test_cli_policy_options() -> None:
     args = _parser().parse_args(
         [
             "run",
-            "--allowed-image-prefix",
-            "registry.internal/",
+            "--allowed-registry",
+            "registry.internal/mooncake",
+            "--allowed-priority-class",
+            "kv-cache",
+            "--allowed-toleration-key",
+            "gpu",
+            "--protected-node-key",
+            "example.com/infra",
+            "--allow-network-policy-opt-out",
+            "--no-network-policy-end-port",
             "--max-store-replicas",
             "8",
             "--operator-namespace",
@@ -183,7 +192,15 @@ def test_cli_policy_options() -> None:
         ]
     )
     config = options_from_args(args)
-    assert config.policy.image_prefixes == ("registry.internal/",)
+    assert config.policy.allowed_registries == ("registry.internal/mooncake",)
+    assert config.policy.allowed_priority_classes == ("kv-cache",)
+    assert config.policy.allowed_toleration_keys == ("gpu",)
+    assert config.policy.protected_keys == (*CONTROL_PLANE_KEYS, "example.com/infra")
+    assert config.policy.allow_network_policy_opt_out and not config.policy.network_policy_end_port
+    default = options_from_args(_parser().parse_args(["run"])).policy
+    assert not default.allow_network_policy_opt_out and default.network_policy_end_port
+    with pytest.raises(SystemExit, match="not a registry"):
+        options_from_args(_parser().parse_args(["run", "--allowed-registry", "registry.internal/x:1"]))
     assert (config.policy.max_store_replicas, config.policy.max_master_replicas) == (8, None)
     assert config.policy.operator_namespace == "kvpool-system"
     assert config.policy.operator_pod_labels == (("app.kubernetes.io/name", "mooncake-kvpool"),)

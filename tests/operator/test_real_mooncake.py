@@ -18,6 +18,7 @@ on their own IPs.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import os
 import shutil
@@ -35,6 +36,7 @@ import pytest
 
 from kvpool.connector.contract.mooncake_env import client_env
 from kvpool.connector.local.pool import find_binary, free_port, start_logged, stop_process
+from kvpool.operator import names
 from kvpool.operator.leader import check_leader
 from kvpool.operator.network import TRANSFER_PORT_ENV, TRANSFER_PORT_MAX, TRANSFER_PORT_MIN
 from kvpool.operator.plan import Plan, build_plan
@@ -44,6 +46,7 @@ from testing.operator_objects import Operator, pool_manifest, pool_spec
 pytestmark = pytest.mark.mooncake
 
 MASTER_HOSTS = ("127.0.0.2", "127.0.0.3")
+MASTER_IPS = frozenset(ipaddress.ip_address(host) for host in MASTER_HOSTS)
 STORE_HOST = "127.0.0.4"
 SEGMENT = 64 << 20
 
@@ -218,6 +221,22 @@ def rendered(plan: Plan, deployment: str, pod_ip: str) -> list[str]:
     return [binary, *(arg.replace("$(POD_IP)", pod_ip) for arg in container["args"])]
 
 
+def master_pod(host: str) -> dict[str, Any]:
+    """The Pod object of the master at ``host``, as the API would hold it (the leader check
+    asks only the pool's master pods' IPs)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": f"pool-master-{host.replace('.', '-')}",
+            "namespace": NAMESPACE,
+            "labels": {names.LABEL_POOL: "pool", names.LABEL_COMPONENT: names.MASTER},
+        },
+        "spec": {"containers": [{"name": "master", "image": "mooncake"}]},
+        "status": {"podIP": host},
+    }
+
+
 def start_masters(processes: Processes, plan: Plan) -> None:
     for host in MASTER_HOSTS:
         # On loopback every address shares one machine: keep the master's HTTP servers on its own.
@@ -241,7 +260,7 @@ async def serving_leader(
 
     async def ask() -> str | None:
         for host in hosts:
-            view = await check_leader(health_url(host, metrics_port), metrics_port)
+            view = await check_leader(health_url(host, metrics_port), metrics_port, MASTER_IPS)
             if view.serves:
                 return view.message
         return None
@@ -293,6 +312,8 @@ async def test_an_ha_pool_runs_as_rendered_and_is_ready_once_a_leader_serves(
     rpc_port, metrics_port = free_port(), free_port()
     plan = ha_plan(etcd.endpoints, rpc_port, metrics_port)
     assert plan.master_address == "etcd://" + ",".join(etcd.endpoints)
+    for host in MASTER_HOSTS:
+        await cluster.create(master_pod(host))
     await cluster.create(pool_manifest(spec=ha_spec(etcd.endpoints, rpc_port, metrics_port)))
 
     # The Deployments are rolled out, but no master runs: no leader serves.

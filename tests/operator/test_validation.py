@@ -169,7 +169,7 @@ def test_the_operators_policy_caps_images_and_replicas() -> None:
     from kvpool.operator.policy import OperatorPolicy
 
     policy = OperatorPolicy(
-        image_prefixes=("registry.internal/",), max_master_replicas=3, max_store_replicas=4
+        allowed_registries=("registry.internal",), max_master_replicas=3, max_store_replicas=4
     )
     raw = pool_spec(
         image="docker.io/someone/mooncake:1",
@@ -178,11 +178,11 @@ def test_the_operators_policy_caps_images_and_replicas() -> None:
     )
     found = {(p.field, p.rule): str(p) for p in build_plan("pool", "ns", raw, policy).problems}
     assert set(found) == {
-        ("spec.image", "image-allowlist"),
+        ("spec.image", "image-registry"),
         ("spec.master.replicas", "replica-cap"),
         ("spec.store.replicas", "replica-cap"),
     }
-    assert "'registry.internal/'" in found[("spec.image", "image-allowlist")]
+    assert "'registry.internal'" in found[("spec.image", "image-registry")]
     assert "8 replicas are above the operator's cap of 4" in found[("spec.store.replicas", "replica-cap")]
     assert admission_problems(pool_manifest(spec=raw), policy) is not None
     allowed = pool_spec(image="registry.internal/mooncake:1")

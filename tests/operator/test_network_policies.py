@@ -1,0 +1,171 @@
+"""The pool's NetworkPolicies never widen access: checked against a NetworkPolicy model
+(``network_policy_model``) in a namespace that is open and in one that denies by default,
+with network plugins that read ``endPort`` and ones that do not.
+
+Rule: for every source pod, every pod that existed before the pool (its consumers
+included) and every port, what the namespace admits with the pool's policies it admitted
+without them. Where protection applies, the consumers' transfer ports admit only the pool's
+pods, and no other port of a consumer is cut off.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kvpool.operator import names
+from kvpool.operator.names import NETWORK_POLICIES
+from kvpool.operator.network import (
+    TRANSFER_PORT_MAX,
+    TRANSFER_PORT_MIN,
+    NamespaceNetwork,
+    consumers_network_policy,
+    guarding_policies,
+)
+from kvpool.operator.plan import build_plan
+from kvpool.operator.policy import OperatorPolicy
+from testing.kube_api import NAMESPACE, Cluster, eventually
+from testing.operator_objects import Operator, converge, pool_manifest, pool_spec, vllm_deployment
+from tests.operator.network_policy_model import Cluster as Network
+from tests.operator.network_policy_model import Pod
+
+OTHER = "other-team"
+NAMESPACES = {ns: {"kubernetes.io/metadata.name": ns} for ns in (NAMESPACE, OTHER)}
+POOL_UID = "uid-of-the-pool"
+CONSUMER = Pod("llm-0", NAMESPACE, {"app": "llm", names.LABEL_POOL: "pool"})
+GATEWAY = Pod("gateway-0", NAMESPACE, {"app": "gateway"})
+NEIGHBOUR = Pod("batch-0", NAMESPACE, {"app": "batch"})
+OUTSIDER = Pod("scanner-0", OTHER, {"app": "scanner"})
+MASTER = Pod("pool-master-0", NAMESPACE, names.selector("pool", names.MASTER))
+STORE = Pod("pool-store-0", NAMESPACE, names.selector("pool", names.STORE))
+SOURCES = (CONSUMER, GATEWAY, NEIGHBOUR, OUTSIDER, MASTER, STORE)
+TENANT_PODS = (CONSUMER, GATEWAY, NEIGHBOUR)  # pods that were there before the pool
+TRANSFER = (TRANSFER_PORT_MIN, 16000, TRANSFER_PORT_MAX)
+OTHER_PORTS = ((8000, "TCP"), (1, "TCP"), (TRANSFER_PORT_MIN - 1, "TCP"), (TRANSFER_PORT_MAX + 1, "TCP"),
+               (65535, "TCP"), (53, "UDP"), (9, "SCTP"))  # fmt: skip
+PORTS = tuple((port, "TCP") for port in TRANSFER) + OTHER_PORTS
+
+
+def admin_policy(name: str, selector: dict[str, Any], ingress: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {"name": name, "namespace": NAMESPACE},
+        "spec": {"podSelector": selector, "policyTypes": ["Ingress"], "ingress": ingress},
+    }
+
+
+DEFAULT_DENY = admin_policy("default-deny", {}, [])
+GATEWAY_ONLY = admin_policy(
+    "llm-from-gateway",
+    {"matchLabels": {"app": "llm"}},
+    [{"from": [{"podSelector": {"matchLabels": {"app": "gateway"}}}], "ports": [{"port": 8000}]}],
+)
+EGRESS_ONLY = {**admin_policy("egress", {}, []), "spec": {"podSelector": {}, "policyTypes": ["Egress"]}}
+KINDS = {
+    "open": (),
+    "open, egress rules only": (EGRESS_ONLY,),
+    "default-deny": (DEFAULT_DENY, GATEWAY_ONLY),
+    "gateway policy only": (GATEWAY_ONLY,),
+}
+
+
+def rendered(admin: tuple[dict[str, Any], ...], end_port: bool) -> tuple[list[dict[str, Any]], list[str]]:
+    """The pool's NetworkPolicies (and its warnings' rules) in a namespace with ``admin``."""
+    network = NamespaceNetwork(guarding_policies(admin, [dict(CONSUMER.labels)], POOL_UID))
+    plan = build_plan(
+        "pool", NAMESPACE, pool_spec(), OperatorPolicy(network_policy_end_port=end_port), network
+    )
+    assert plan.valid, plan.problems
+    policies = [c for c in plan.children if c["kind"] == "NetworkPolicy"]
+    return policies, [w.rule for w in plan.warnings]
+
+
+def widened(before: Network, after: Network) -> list[str]:
+    return [
+        f"{source.name} -> {target.name}:{port}/{protocol}"
+        for source in SOURCES
+        for target in TENANT_PODS
+        for port, protocol in PORTS
+        if after.admits(source, target, port, protocol) and not before.admits(source, target, port, protocol)
+    ]
+
+
+@pytest.mark.parametrize("end_port", [True, False], ids=["endPort", "no endPort"])
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_the_pools_policies_never_widen_access(kind: str, end_port: bool) -> None:
+    admin = KINDS[kind]
+    policies, _ = rendered(admin, end_port)
+    before = Network(NAMESPACES, admin, end_port)
+    after = before.with_policies(policies)
+    assert widened(before, after) == []
+    # ...and cut off no port of the tenant's pods but the consumers' transfer ports.
+    cut = [
+        f"{source.name} -> {target.name}:{port}/{protocol}"
+        for source in SOURCES
+        for target in TENANT_PODS
+        for port, protocol in OTHER_PORTS
+        if before.admits(source, target, port, protocol) and not after.admits(source, target, port, protocol)
+    ]
+    assert cut == []
+
+
+def test_an_open_namespace_keeps_the_transfer_ports_to_the_pool() -> None:
+    policies, warnings = rendered((), end_port=True)
+    assert warnings == []
+    after = Network(NAMESPACES, (), True).with_policies(policies)
+    for port in TRANSFER:
+        assert after.admits(MASTER, CONSUMER, port) and after.admits(STORE, CONSUMER, port)
+        for outsider in (GATEWAY, NEIGHBOUR, OUTSIDER):
+            assert not after.admits(outsider, CONSUMER, port), (outsider.name, port)
+    # The masters and stores admit the pool's pods only (the scraper and operator rules aside).
+    assert not after.admits(NEIGHBOUR, MASTER, 9003) and after.admits(CONSUMER, MASTER, 50051)
+
+
+@pytest.mark.parametrize(
+    ("kind", "end_port", "rule"),
+    [
+        ("open", False, "consumers-no-end-port"),
+        ("default-deny", True, "consumers-namespace-policy"),
+        ("gateway policy only", True, "consumers-namespace-policy"),
+    ],
+)
+def test_where_protection_would_widen_there_is_none_and_the_pool_says_so(
+    kind: str, end_port: bool, rule: str
+) -> None:
+    policies, warnings = rendered(KINDS[kind], end_port)
+    assert names.consumers_network_policy_name("pool") not in {p["metadata"]["name"] for p in policies}
+    assert warnings == [rule]
+
+
+def test_the_model_bites_the_unconditional_consumer_policy() -> None:
+    """The policy the operator used to add everywhere: in a default-deny namespace it opens
+    vLLM's API to every pod of the cluster; on a plugin without endPort it cuts it off."""
+    unconditional = consumers_network_policy("pool", NAMESPACE)
+    guarded = Network(NAMESPACES, KINDS["default-deny"], True)
+    assert "scanner-0 -> llm-0:8000/TCP" in widened(guarded, guarded.with_policies([unconditional]))
+    open_without_end_port = Network(NAMESPACES, (), False).with_policies([unconditional])
+    assert not open_without_end_port.admits(GATEWAY, CONSUMER, 8000)
+
+
+NETPOL = "networking.k8s.io/v1/networkpolicies"
+
+
+@pytest.mark.asyncio
+async def test_the_operator_follows_the_namespaces_policies(cluster: Cluster, operator: Operator) -> None:
+    """A default-deny in the pool's namespace: the operator adds no consumer policy and says
+    why; once it is gone, the consumers' policy protects their transfer ports."""
+    await cluster.create(vllm_deployment())
+    await cluster.create(DEFAULT_DENY)
+    await cluster.create(pool_manifest())
+    status = await converge(cluster, generation=1)
+    (warning,) = status["warnings"]
+    assert "default-deny" in warning and warning.endswith("[consumers-namespace-policy]")
+    assert cluster.get(NETPOL, "pool-consumers") is None
+    assert cluster.get(NETPOL, "pool-kvpool") is not None
+
+    response = await cluster.api.delete(NETWORK_POLICIES.path(NAMESPACE, "default-deny"))
+    assert response.status == 200
+    await eventually(lambda: cluster.get(NETPOL, "pool-consumers") is not None, what="consumers' policy")
+    await eventually(lambda: cluster.pool_status("pool").get("warnings") in (None, []), what="warning gone")
