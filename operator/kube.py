@@ -3,10 +3,14 @@
 Objects stay plain dicts; updates are JSON merge patches. One configuration (in-cluster
 or kubeconfig) serves both this client and kopf's own login.
 
-Apply brings a child to its desired state, writing only when it differs: each child
-carries the JSON it was last applied with (an annotation). Equal JSON means no write;
-otherwise a merge patch sets the desired state and removes the fields the operator
-stopped setting (the ``kubectl apply`` way), leaving others' fields alone.
+Apply brings a child to its desired state, writing only when it differs, compared field by
+field on what the operator sets (server defaults and others' fields do not count; values
+the operator owns whole, such as selectors and NetworkPolicy rules, count entirely). A hand
+edit of an owned field (``kubectl scale``, an edited policy) is put back; a new operator
+release whose rendering differs only where the server already holds the same value writes
+nothing. Each child also carries the JSON it was last applied with (an annotation), which
+says which fields the operator stopped setting: a patch sets the desired state and removes
+those (the ``kubectl apply`` way), leaving others' fields alone.
 
 Apply touches only what the pool owns: an object that exists without the pool's
 ownerReference (its UID) is never patched or deleted; it is reported instead. Every
@@ -32,6 +36,7 @@ from kubernetes_asyncio.config import ConfigException, load_incluster_config, lo
 from kvpool.connector.contract.version import package_version
 from kvpool.operator.merge_patch import canonical_json, overlay
 from kvpool.operator.names import ANNOTATION_LAST_APPLIED, ApiResource, api_resource_of
+from kvpool.operator.spec import parse_quantity
 
 MERGE_PATCH = "application/merge-patch+json"
 USER_AGENT = f"kvpool-operator/{package_version()}"
@@ -175,7 +180,7 @@ async def load_configuration(kubeconfig: str | None = None) -> Configuration:
 
 async def connection_info(configuration: Configuration) -> kopf.ConnectionInfo:
     """The same credentials, for kopf."""
-    header = configuration.get_api_key_with_prefix("BearerToken")
+    header: Any = configuration.get_api_key_with_prefix("BearerToken")
     if inspect.isawaitable(header):
         header = await header
     scheme, token = None, None
@@ -183,7 +188,7 @@ async def connection_info(configuration: Configuration) -> kopf.ConnectionInfo:
         parts = str(header).split(" ", 1)
         scheme, token = (parts[0], parts[1]) if len(parts) == 2 else (None, parts[0])
     return kopf.ConnectionInfo(
-        server=configuration.host,
+        server=configuration.host,  # type: ignore[arg-type]  # set by either loader
         ca_path=configuration.ssl_ca_cert,
         insecure=not configuration.verify_ssl,
         username=configuration.username or None,
@@ -219,13 +224,154 @@ def last_applied(live: Mapping[str, Any]) -> tuple[str | None, dict[str, Any]]:
     return raw, parsed if isinstance(parsed, dict) else {}
 
 
+# Values the operator owns as a whole: a key someone adds there changes what they select or
+# carry, so it is drift too (elsewhere a key the operator does not set is someone else's, or
+# a server default, and is left alone).
+WHOLE_VALUES = frozenset(
+    {
+        "matchLabels",
+        "matchExpressions",
+        "nodeSelector",
+        "selector",
+        "podSelector",
+        "namespaceSelector",
+        "data",
+    }
+)
+# Kinds whose whole spec is the operator's (inside it the server adds only ``protocol``).
+WHOLE_SPEC_KINDS = frozenset({"NetworkPolicy", "PodDisruptionBudget"})
+SERVER_DEFAULTED = frozenset({"protocol"})
+# Keys whose values are Kubernetes quantities: "0.5" and "500m" are the same request.
+QUANTITY_PARENTS = frozenset({"limits", "requests"})
+
+
+def _same_quantity(live: Any, desired: Any) -> bool:
+    try:
+        return parse_quantity(live) == parse_quantity(desired)
+    except (ValueError, TypeError):
+        return live == desired
+
+
+def drift(
+    live: Any, desired: Any, path: str = "", whole: bool = False, quantities: bool = False
+) -> list[str]:
+    """Where ``live`` differs from ``desired`` on what the operator sets (field paths).
+
+    Every value the operator sets must be there as set (lists: the same length, each item
+    compared the same way); keys it does not set are someone else's or the server's defaults
+    and count only inside a value the operator owns ``whole`` (selectors, a ConfigMap's data,
+    NetworkPolicy rules), where only ``protocol`` may be added by the server.
+    """
+    if isinstance(desired, Mapping):
+        if not isinstance(live, Mapping):
+            return [path or "."]
+        out = []
+        for key, value in desired.items():
+            if key not in live:
+                out.append(f"{path}.{key}".lstrip("."))
+                continue
+            whole_key = whole or key in WHOLE_VALUES
+            out += drift(
+                live[key],
+                value,
+                f"{path}.{key}".lstrip("."),
+                whole_key,
+                quantities or key in QUANTITY_PARENTS,
+            )
+        if whole:
+            out += [
+                f"{path}.{key}".lstrip(".")
+                for key in live
+                if key not in desired and key not in SERVER_DEFAULTED
+            ]
+        return out
+    if isinstance(desired, list):
+        if not isinstance(live, list) or len(live) != len(desired):
+            return [path]
+        out = []
+        for index, (live_item, desired_item) in enumerate(zip(live, desired)):
+            out += drift(live_item, desired_item, f"{path}[{index}]", whole)
+        return out
+    if quantities:
+        return [] if _same_quantity(live, desired) else [path]
+    return [] if live == desired else [path]
+
+
+def owned_fields(obj: Mapping[str, Any]) -> dict[str, Any]:
+    """What apply compares of a child: everything but the server's metadata, and of the
+    metadata only the labels (ownership is checked on its own)."""
+    out = {
+        key: value for key, value in obj.items() if key not in ("metadata", "status", "apiVersion", "kind")
+    }
+    labels = (obj.get("metadata") or {}).get("labels")
+    if labels:
+        out["metadata"] = {"labels": labels}
+    return out
+
+
+def _whole_spec(desired: Mapping[str, Any]) -> bool:
+    return desired.get("kind") in WHOLE_SPEC_KINDS
+
+
+def leftovers(previous: Mapping[str, Any], desired: Mapping[str, Any], live: Mapping[str, Any]) -> list[str]:
+    """Keys the operator set before (its last-applied record) and no longer sets, still live."""
+    out = []
+    for key, value in previous.items():
+        if key not in live:
+            continue
+        if key not in desired:
+            out.append(key)
+        elif (
+            isinstance(value, Mapping)
+            and isinstance(desired[key], Mapping)
+            and isinstance(live[key], Mapping)
+        ):
+            out += [f"{key}.{sub}" for sub in leftovers(value, desired[key], live[key])]
+    return out
+
+
+def changed_fields(live: Mapping[str, Any], desired: Mapping[str, Any]) -> list[str]:
+    """The owned fields where ``live`` is not as ``desired`` (empty: nothing to write)."""
+    _, previous = last_applied(live)
+    live_fields, desired_fields = owned_fields(live), owned_fields(desired)
+    if _whole_spec(desired):
+        found = drift(live_fields.get("spec"), desired_fields.pop("spec", None), "spec", whole=True)
+    else:
+        found = []
+    found += drift(live_fields, desired_fields)
+    return found + leftovers(owned_fields(previous), owned_fields(desired), live_fields)
+
+
 def desired_patch(live: Mapping[str, Any], desired: Mapping[str, Any]) -> dict[str, Any]:
-    """The merge patch from ``live`` to ``desired``; empty when already applied."""
-    desired, applied = with_last_applied(desired)
-    raw, previous = last_applied(live)
-    if raw == applied:
+    """The merge patch from ``live`` to ``desired``; empty when every owned field is as desired.
+
+    Compared field by field on what the operator sets (``drift``), never on the record as a
+    whole: a release whose record differs (a new field the server already defaults the same
+    way) writes nothing. The record still says which fields the operator stopped setting.
+    """
+    if not changed_fields(live, desired):
         return {}
-    return overlay(previous, desired)
+    _, previous = last_applied(live)
+    desired, _ = with_last_applied(desired)
+    patch = overlay(previous, desired)
+    _clear_foreign(patch, live, desired)
+    if _whole_spec(desired) and isinstance(patch.get("spec"), dict):
+        _clear_foreign(patch["spec"], live.get("spec"), desired.get("spec"), whole=True)
+    return patch
+
+
+def _clear_foreign(patch: dict[str, Any], live: Any, desired: Any, whole: bool = False) -> None:
+    """In maps the operator owns whole, a merge patch must also remove the keys someone added."""
+    if not isinstance(live, Mapping) or not isinstance(desired, Mapping):
+        return
+    for key, value in desired.items():
+        sub = patch.get(key)
+        if isinstance(sub, dict):
+            _clear_foreign(sub, live.get(key), value, whole or key in WHOLE_VALUES)
+    if whole:
+        for key in live:
+            if key not in desired and key not in SERVER_DEFAULTED:
+                patch[key] = None
 
 
 def describe(obj: Mapping[str, Any]) -> str:
@@ -257,6 +403,10 @@ class Applied:
 
     live: dict[str, Any] | None
     conflict: str | None = None
+    # The owned fields a patch put right (empty when nothing was written, or on create).
+    changed: tuple[str, ...] = ()
+    # Whether they were changed by someone else (the record says the operator set them as desired).
+    edited: bool = False
 
 
 async def ensure(kube: KubeClient, obj: Mapping[str, Any], owner_uid: str) -> Applied:
@@ -276,11 +426,14 @@ async def ensure(kube: KubeClient, obj: Mapping[str, Any], owner_uid: str) -> Ap
                 raise
     if not owned_by(live, owner_uid):
         return Applied(None, not_owned(live))
-    patch = desired_patch(live, obj)
-    if not patch:
+    changed = changed_fields(live, obj)
+    if not changed:
         return Applied(live)
+    patch = desired_patch(live, obj)
     patch.setdefault("metadata", {}).update(preconditions(live))
-    return Applied(await kube.patch(resource, namespace, name, patch))
+    raw, _ = last_applied(live)
+    edited = raw == with_last_applied(obj)[1]
+    return Applied(await kube.patch(resource, namespace, name, patch), changed=tuple(changed), edited=edited)
 
 
 async def ensure_absent(

@@ -90,7 +90,7 @@ def build_plan(
         configmap,
         master_deployment(pool, namespace, spec),
         master_service(pool, namespace, spec),
-        pod_disruption_budget(pool, namespace, names.MASTER),
+        pod_disruption_budget(pool, namespace, names.MASTER, only_pod=not spec.master.ha.enabled),
     ]
     absent: list[tuple[ApiResource, str]] = []
     embedded = spec.store.mode == "embedded"

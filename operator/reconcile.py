@@ -32,7 +32,7 @@ from kvpool.operator.consumers import (
     refusal,
     restore_patch,
 )
-from kvpool.operator.kube import ApiError, KubeClient, ensure, ensure_absent
+from kvpool.operator.kube import ApiError, Applied, KubeClient, ensure, ensure_absent
 from kvpool.operator.leader import (
     SERVICE_HEALTH_URL,
     LeaderView,
@@ -88,6 +88,10 @@ def announce(old: Mapping[str, Any], new: Mapping[str, Any], notify: Notify) -> 
             notify("Warning", after.get("reason", "InvalidSpec"), after.get("message", ""))
     elif after.get("status") == "True" and before.get("status") == "False":
         notify("Normal", "ConfigValid", after.get("message", ""))
+    master_before = condition_of(old, "MasterReady") or {}
+    master = condition_of(new, "MasterReady") or {}
+    if master.get("reason") == "NotProtected" and master_before.get("reason") != "NotProtected":
+        notify("Warning", "NotStarted", "master and store " + master.get("message", ""))
     rollout_before = condition_of(old, "ConsumersRolledOut") or {}
     rollout = condition_of(new, "ConsumersRolledOut") or {}
     if rollout.get("reason") == "RolloutStalled" and rollout.get("message") != rollout_before.get("message"):
@@ -99,6 +103,15 @@ def announce(old: Mapping[str, Any], new: Mapping[str, Any], notify: Notify) -> 
     for warning in new.get("warnings") or []:
         if warning not in (old.get("warnings") or []):
             notify("Warning", "PoolWarning", warning)
+
+
+def announce_change(child: str, applied: Applied, notify: Notify) -> None:
+    """Say which owned fields of a child a patch set, and whether someone else had changed them."""
+    fields = ", ".join(applied.changed[:5]) + (" ..." if len(applied.changed) > 5 else "")
+    if applied.edited:
+        notify("Warning", "DriftCorrected", f"{child}: {fields} edited outside the operator, put back")
+    else:
+        notify("Normal", "ChildUpdated", f"{child}: {fields} updated")
 
 
 def not_rolled(injection: Injection, message: str) -> ConsumerState:
@@ -153,6 +166,24 @@ async def roll_consumer(
         return state(False, "the Deployment does not carry the current settings")
     progress = deployment_progress(deployment)
     return state(progress.done, progress.message, stalled=progress.stalled)
+
+
+async def check_consumer(kube: KubeClient, namespace: str, injection: Injection) -> ConsumerState:
+    """A consumer not rolled while the pool does not serve; a refusal is said already."""
+    deployment = await kube.get(DEPLOYMENTS, namespace, injection.deployment)
+    if deployment is None:
+        return not_rolled(injection, MISSING)
+    refused = refusal(deployment, injection.pool)
+    if refused is not None:
+        return ConsumerState(
+            injection.deployment,
+            injection.config_hash,
+            injection.layout_fingerprint,
+            False,
+            str(refused),
+            str(refused),
+        )
+    return not_rolled(injection, NOT_SERVING)
 
 
 async def roll_consumers(
@@ -212,16 +243,25 @@ async def converge(
     live: dict[str, dict[str, Any]] = {}
     refused: set[str] = set()
     conflicts: list[str] = []
-    for child in plan.children:
+    components = {f"Deployment/{names.component_name(name, c)}" for c in (names.MASTER, names.STORE)}
+    guard = f"NetworkPolicy/{names.network_policy_name(name)}"
+    unprotected = False
+    # NetworkPolicies first: while the pool's cannot be applied, master and store do not run.
+    for child in sorted(plan.children, key=lambda c: c["kind"] != "NetworkPolicy"):
         obj = copy.deepcopy(child)
+        key = f"{obj['kind']}/{obj['metadata']['name']}"
+        if unprotected and key in components:
+            obj["spec"]["replicas"] = 0
         kopf.adopt(obj, owner=dict(pool))
         applied = await ensure(kube, obj, uid)
-        key = f"{obj['kind']}/{obj['metadata']['name']}"
         if applied.conflict is not None:
             conflicts.append(applied.conflict)
             refused.add(key)
+            unprotected = unprotected or key == guard
         elif applied.live is not None:
             live[key] = applied.live
+        if applied.changed:
+            announce_change(key, applied, notify)
     for resource, child_name in plan.absent:
         await ensure_absent(kube, resource, namespace, child_name, uid)
     blocked = frozenset(
@@ -233,8 +273,8 @@ async def converge(
     master = live.get(f"Deployment/{names.master_name(name)}")
     store = live.get(f"Deployment/{names.store_name(name)}")
     serves = pool_serves(
-        master_condition(master, names.MASTER in blocked, plan.ha, leader),
-        store_condition(store, names.STORE in blocked, plan.embedded),
+        master_condition(master, names.MASTER in blocked, plan.ha, leader, unprotected),
+        store_condition(store, names.STORE in blocked, plan.embedded, unprotected),
     )
     if refused:
         # A consumer pointed at a Service or ConfigMap that is not the pool's would send its
@@ -242,7 +282,7 @@ async def converge(
         consumers = [not_rolled(c, HELD_BACK) for c in plan.consumers]
     elif not serves:
         # A connector that cannot reach its pool fails vLLM's start: roll only onto a pool that serves.
-        consumers = [not_rolled(c, NOT_SERVING) for c in plan.consumers]
+        consumers = [await check_consumer(kube, namespace, c) for c in plan.consumers]
     else:
         consumers = await roll_consumers(kube, namespace, plan.consumers, notify)
     conflicts += [c.refused for c in consumers if c.refused]
@@ -261,6 +301,7 @@ async def converge(
         conflicts=conflicts,
         blocked=blocked,
         warnings=[str(w) for w in plan.warnings],
+        unprotected=unprotected,
     )
 
 

@@ -170,11 +170,24 @@ def conflicts_of(status: Mapping[str, Any]) -> list[str]:
     return [c for c in str(item.get("message", "")).split(CONFLICT_SEPARATOR) if c]
 
 
+NOT_PROTECTED = (
+    "not started: the pool's NetworkPolicy cannot be applied (see the Conflict condition), "
+    "and Mooncake's admin API and the pool's memory must not be reachable without it"
+)
+
+
 def master_condition(
-    master: Mapping[str, Any] | None, blocked: bool, ha: bool, leader: LeaderView | None
+    master: Mapping[str, Any] | None,
+    blocked: bool,
+    ha: bool,
+    leader: LeaderView | None,
+    unprotected: bool = False,
 ) -> Condition:
     """``MasterReady``: a leader serves. A single master serves once its Deployment is rolled
-    out; an HA pool needs its masters' own word that the leader serves."""
+    out; an HA pool needs its masters' own word that the leader serves. ``unprotected``: the
+    master is kept at 0 replicas, its NetworkPolicy cannot be applied."""
+    if unprotected:
+        return condition("MasterReady", False, "NotProtected", NOT_PROTECTED)
     if blocked:
         return condition("MasterReady", False, "Conflict", "the master Deployment is not this pool's")
     progress = deployment_progress(master)
@@ -190,11 +203,15 @@ def master_condition(
     return condition("MasterReady", True, "LeaderServes", f"{leader.message}; masters: {progress.message}")
 
 
-def store_condition(store: Mapping[str, Any] | None, blocked: bool, embedded: bool) -> Condition:
+def store_condition(
+    store: Mapping[str, Any] | None, blocked: bool, embedded: bool, unprotected: bool = False
+) -> Condition:
     """``StoreReady``: every store pod of the current generation is available, and there is one
     at least (a store scaled to 0 holds no memory: "0/0" is not ready)."""
     if embedded:
         return condition("StoreReady", True, "Embedded", "vLLM ranks contribute the pool's memory")
+    if unprotected:
+        return condition("StoreReady", False, "NotProtected", NOT_PROTECTED)
     if blocked:
         return condition("StoreReady", False, "Conflict", "the store Deployment is not this pool's")
     progress = deployment_progress(store)
@@ -247,9 +264,11 @@ def valid_status(
     conflicts: Sequence[str] = (),
     blocked: frozenset[str] = frozenset(),
     warnings: Sequence[str] = (),
+    unprotected: bool = False,
 ) -> dict[str, Any]:
     """Status after a successful reconcile; ``blocked`` names the components ("master",
-    "store") whose Deployment is not the pool's."""
+    "store") whose Deployment is not the pool's; ``unprotected``: master and store are not
+    started, as the pool's NetworkPolicy cannot be applied."""
     conditions = [
         condition(
             "ConfigValid",
@@ -257,8 +276,8 @@ def valid_status(
             "Valid",
             "spec, connector settings and consumer layouts pass the connector's checks",
         ),
-        master_condition(master, "master" in blocked, ha, leader),
-        store_condition(store, "store" in blocked, embedded),
+        master_condition(master, "master" in blocked, ha, leader, unprotected),
+        store_condition(store, "store" in blocked, embedded, unprotected),
         consumers_condition(consumers),
     ]
     conditions.append(conflict_condition(conflicts))

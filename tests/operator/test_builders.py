@@ -143,14 +143,14 @@ def test_every_pod_runs_as_non_root() -> None:
 
 
 def test_configmap_is_the_contracts_rendering() -> None:
-    raw = pool_spec(connector={"cache_prefix": "team-a", "batch_size": 64, "load_async": True})
+    raw = pool_spec(connector={"cache_prefix": "team-a", "batch_size": 64, "save_decode_cache": True})
     configmap = children(raw)["ConfigMap/pool-connector"]
     settings = ConnectorSettings.parse(
         {
             "master_server_address": "pool-master.team-a.svc:50051",
             "cache_prefix": "team-a",
             "batch_size": 64,
-            "load_async": True,
+            "save_decode_cache": True,
         }
     )
     assert configmap["data"][names.MOONCAKE_CONFIG_FILE] == (
@@ -242,7 +242,11 @@ def test_disruption_budgets_spreading_and_priority() -> None:
         pdb = objs[f"PodDisruptionBudget/pool-{component}"]
         assert pdb["apiVersion"] == "policy/v1"
         selector = {"matchLabels": names.selector("pool", component)}
-        assert pdb["spec"] == {"maxUnavailable": 1, "selector": selector}
+        assert pdb["spec"] == {
+            "maxUnavailable": 1,
+            "selector": selector,
+            "unhealthyPodEvictionPolicy": "AlwaysAllow",
+        }
         pod = objs[f"Deployment/pool-{component}"]["spec"]["template"]["spec"]
         assert pod["priorityClassName"] == f"kv-{'critical' if component == 'master' else 'store'}"
         (spread,) = pod["topologySpreadConstraints"]
@@ -251,6 +255,11 @@ def test_disruption_budgets_spreading_and_priority() -> None:
     assert store_pod["topologySpreadConstraints"][0]["whenUnsatisfiable"] == "ScheduleAnyway"
     # One store and one master: nothing to spread; no priority class unless asked.
     single = children(pool_spec(store={"segmentSize": "1GB", "replicas": 1}))
+    # A drain never evicts the only master (it holds the pool's metadata); one that is not
+    # Ready serves nothing and never blocks a drain.
+    only_master = single["PodDisruptionBudget/pool-master"]["spec"]
+    assert only_master["maxUnavailable"] == 0
+    assert only_master["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
     for component in ("master", "store"):
         pod = single[f"Deployment/pool-{component}"]["spec"]["template"]["spec"]
         assert "topologySpreadConstraints" not in pod and "priorityClassName" not in pod
