@@ -22,7 +22,7 @@ from typing import Any
 
 from vllm.utils.math_utils import cdiv
 from vllm.v1.core.kv_cache_utils import KVCacheBlock, eagle_proof_margin, resolve_block_hashes
-from vllm.v1.core.single_type_kv_cache_manager import MambaManager
+from vllm.v1.core.single_type_kv_cache_manager import MambaManager, SingleTypeKVCacheManager
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec, MambaSpec
 
 
@@ -32,7 +32,7 @@ class GroupLookup:
 
     group_id: int
     spec: KVCacheSpec
-    manager_cls: type
+    manager_cls: type[SingleTypeKVCacheManager]
     block_size: int  # the manager's effective block size (DCP-scaled)
     dcp_world_size: int
     pcp_world_size: int
@@ -46,7 +46,7 @@ class SpecGroup:
 
     spec: KVCacheSpec
     group_ids: tuple[int, ...]
-    manager_cls: type
+    manager_cls: type[SingleTypeKVCacheManager]
     use_eagle: bool
 
 
@@ -232,7 +232,12 @@ class HybridHitCoordinator:
     # --- keys --------------------------------------------------------------
     def group_block_hashes(self, group_id: int, block_hashes: Sequence[Any]) -> Sequence[Any]:
         """The request's block hashes viewed at ``group_id``'s block size."""
-        return resolve_block_hashes(block_hashes, self.hash_block_size, self.groups[group_id].block_size)
+        # vLLM types the hashes as its list or its block-size view; both index like a sequence.
+        return resolve_block_hashes(  # type: ignore[return-value]
+            block_hashes,  # type: ignore[arg-type]
+            self.hash_block_size,
+            self.groups[group_id].block_size,
+        )
 
     def lookup_blocks(self, block_hashes: Sequence[Any], max_hit_tokens: int) -> dict[int, list[bytes]]:
         """Per cacheable group, the hashes of blocks a hit up to ``max_hit_tokens`` may use.
@@ -445,7 +450,7 @@ class HybridHitCoordinator:
         """vLLM's own manager of ``sg``'s spec, asked for its longest hit in ``pool``."""
         first = self.groups[sg.group_ids[0]]
         return sg.manager_cls.find_longest_cache_hit(
-            block_hashes=block_hashes,
+            block_hashes=block_hashes,  # type: ignore[arg-type]  # vLLM's list or its view
             max_length=max_length,
             kv_cache_group_ids=list(sg.group_ids),
             block_pool=pool,

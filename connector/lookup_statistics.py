@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 
 from kvpool.connector.logs import get_logger
 
@@ -149,7 +149,7 @@ class PresenceBackfill:
 
 
 def read_by_position(
-    questions: dict[int, list[int]], flags: list[bool], ranks: Callable[[int], int]
+    questions: Mapping[int, Sequence[int]], flags: list[bool], ranks: Callable[[int], int]
 ) -> dict[int, list[bool]]:
     """Per group, whether every rank holds each block, from flags in key order (per group,
     per rank, per block)."""

@@ -104,7 +104,7 @@ def notifier(body: Mapping[str, Any]) -> Notify:
     """Post Kubernetes Events about the pool ``body``."""
 
     def notify(type_: str, reason: str, message: str) -> None:
-        kopf.event(dict(body), type=type_, reason=reason, message=message)
+        kopf.event(dict(body), type=type_, reason=reason, message=message)  # type: ignore[arg-type]
 
     return notify
 
@@ -124,7 +124,7 @@ def make_registry(
 ) -> kopf.OperatorRegistry:
     """All handlers of one operator run."""
     registry = kopf.OperatorRegistry()
-    retry = {"errors": kopf.ErrorsMode.TEMPORARY, "backoff": options.retry_delay}
+    retry: dict[str, Any] = {"errors": kopf.ErrorsMode.TEMPORARY, "backoff": options.retry_delay}
 
     def temporary(trigger: str, exc: BaseException) -> kopf.TemporaryError:
         return kopf.TemporaryError(f"{trigger}: {exc}", delay=options.retry_delay)

@@ -66,6 +66,9 @@ def _rank_specs(engine_args: dict[str, Any], rank: int, port: int, out: Any) -> 
         config = engine_config(engine_args)
         parallel = config.parallel_config
         world = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
+        # vLLM's CPU communicator names its shared-memory segments after this; vLLM's CPU
+        # worker sets it from the init method's port before it joins the group.
+        os.environ["VLLM_DIST_IDENT"] = str(port)
         with set_current_vllm_config(config):
             init_distributed_environment(
                 world_size=world,
@@ -78,7 +81,8 @@ def _rank_specs(engine_args: dict[str, Any], rank: int, port: int, out: Any) -> 
             with torch.device("meta"):
                 initialize_model(vllm_config=config)
             specs: dict[str, Any] = {}
-            for name, layer in get_layers_from_vllm_config(config, AttentionLayerBase).items():
+            layers = get_layers_from_vllm_config(config, AttentionLayerBase)  # type: ignore[type-abstract]
+            for name, layer in layers.items():
                 if isinstance(layer, Attention) and layer.kv_sharing_target_layer_name:
                     continue  # shares another layer's KV cache: no cache of its own
                 spec = layer.get_kv_cache_spec(config)
