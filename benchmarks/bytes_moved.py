@@ -28,6 +28,7 @@ from benchmarks.vllm_env import bench_scheduler, ours_transfer, tiny_long_model
 from testing.engine import scheduler_of
 from testing.kv_cache import GroupDesc
 from testing.scheduler import admit, make_request
+from testing.worker import run_loads
 
 PREFIXES = (1024, 2048, 4096, 8192, 16384)
 SMOKE_PREFIXES = (512,)
@@ -125,20 +126,19 @@ def _measure(address: str, model: Path, prefix: int, window: int, reps: int) -> 
             "unmasked",
             [load.groups[0], GroupTransfer(1, list(digests[1]), list(load.groups[0].block_ids))],
             hit_tokens=load.hit_tokens,
-            is_async=False,
         )
-        masked = RequestLoad("masked", list(load.groups), hit_tokens=load.hit_tokens, is_async=False)
+        masked = RequestLoad("masked", list(load.groups), hit_tokens=load.hit_tokens)
         variants = {"masked": masked, "unmasked": unmasked}
         moved: dict[str, int] = {}
         seconds: dict[str, list[float]] = {v: [] for v in variants}
         for v, plan in variants.items():  # warm-up; bytes
-            worker.start_loads(PoolConnectorMetadata(loads=[plan]))
+            run_loads(worker, [plan])
             _, recs = worker.stats.drain()
             moved[v] = sum(recs[0].bytes)
         for rep in range(reps):
             for v in rotate(list(variants), rep):
                 with stopwatch() as t:
-                    worker.start_loads(PoolConnectorMetadata(loads=[variants[v]]))
+                    run_loads(worker, [variants[v]])
                 seconds[v].append(t[0])
         if worker.take_load_errors():
             raise RuntimeError("loads reported errors")

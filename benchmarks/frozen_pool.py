@@ -28,6 +28,7 @@ from typing import Any
 
 from benchmarks import common
 from benchmarks.common import Options, Report, Stat, Table, Target, stopwatch
+from testing.worker import run_loads
 
 BLOCKS = 16
 LAYERS = 6
@@ -93,7 +94,6 @@ def _make_rig(address: str, store_timeout_s: int) -> Rig:
         keyspace=keyspace,
         tp_size=1,
         pp_size=1,
-        load_async=False,
         can_load=True,
         can_save=True,
         stats=StatsCollector(),
@@ -125,8 +125,8 @@ def _connector_step(rig: Rig, step: int) -> None:
     worker = rig.worker
     worker.before_forward()
     dst = list(range(BLOCKS + 1, 2 * BLOCKS + 1))
-    load = RequestLoad(f"l{step}", [GroupTransfer(0, list(rig.load_digests), dst)], BLOCKS * 32, False)
-    worker.start_loads(PoolConnectorMetadata(loads=[load]))
+    load = RequestLoad(f"l{step}", [GroupTransfer(0, list(rig.load_digests), dst)], BLOCKS * 32)
+    run_loads(worker, [load])
     worker.take_load_errors()
     fresh = [f"save-{time.monotonic_ns()}-{i}" for i in range(BLOCKS)]
     src = list(range(2 * BLOCKS + 1, 3 * BLOCKS + 1))

@@ -5,7 +5,7 @@ One ``WorkerSide`` (the connector's worker half) with vLLM-shaped KV tensors
 layers sharing each layer tensor as vLLM's hybrid allocator does) registered
 with a Mooncake client. The same blocks move three ways:
 
-* **connector** — ``start_loads`` (a synchronous load) / ``start_saves`` + the
+* **connector** — ``start_loads`` (until the load is reported) / ``start_saves`` + the
   ``before_forward`` barrier, exactly what vLLM calls, then ``wait_for_saves``
   (until the objects are published);
 * **raw** — ``batch_get_into_multi_buffers`` / ``batch_put_from_multi_buffers``
@@ -38,6 +38,7 @@ from typing import Any
 
 from benchmarks import common, pool
 from benchmarks.common import Options, Report, Stat, Table, Target, ratios, rotate, stopwatch
+from testing.worker import run_loads
 
 SIZES = (8, 32, 128)
 SMOKE_SIZES = (4,)
@@ -162,11 +163,7 @@ def _measure(rig: Rig, n: int, reps: int) -> dict[str, Any]:
 
     def connector_load(rep: int) -> None:
         groups = [GroupTransfer(g, list(load_digests[g]), list(dst[g])) for g in range(2)]
-        worker.start_loads(
-            PoolConnectorMetadata(
-                loads=[RequestLoad(f"load-{n}-{rep}", groups, hit_tokens=n * 32, is_async=False)]
-            )
-        )
+        run_loads(worker, [RequestLoad(f"load-{n}-{rep}", groups, hit_tokens=n * 32)])
         if worker.take_load_errors():
             raise RuntimeError("connector load reported errors")
 
@@ -266,9 +263,9 @@ def _read_ahead(rig: Rig, n: int, reps: int) -> dict[str, Any]:
             for variant in rotate(list(batch_bytes), max(rep, 0)):
                 worker.load_batch_bytes = batch_bytes[variant]
                 groups = [GroupTransfer(g, list(digests[g]), list(dst[g])) for g in range(2)]
-                request = RequestLoad(f"ahead-{n}-{rep}-{variant}", groups, hit_tokens=n * 32, is_async=False)
+                request = RequestLoad(f"ahead-{n}-{rep}-{variant}", groups, hit_tokens=n * 32)
                 with stopwatch() as t:
-                    worker.start_loads(PoolConnectorMetadata(loads=[request]))
+                    run_loads(worker, [request])
                 if worker.take_load_errors():
                     raise RuntimeError(f"connector load ({variant}) reported errors")
                 if rep >= 0:
@@ -435,9 +432,9 @@ def _probe_one_call(rig: Rig, n: int) -> list[dict[str, Any]]:
     saved = sum(r.blocks[0] for r in worker.stats.drain()[1])
     if saved != n:
         raise RuntimeError(f"storing {n} blocks in halves stored only {saved}")
-    load = RequestLoad("probe", [GroupTransfer(0, stored, dst)], hit_tokens=n * 32, is_async=False)
+    load = RequestLoad("probe", [GroupTransfer(0, stored, dst)], hit_tokens=n * 32)
     with stopwatch() as t:
-        worker.start_loads(PoolConnectorMetadata(loads=[load]))
+        run_loads(worker, [load])
     rec = record()
     worker.take_load_errors()
     out.append(

@@ -30,15 +30,14 @@ from kvpool.connector.contract.metric_names import LOAD
 from kvpool.connector.contract.object_header import payload_crc_in_hardware
 from kvpool.connector.contract.settings import ConnectorSettings
 from kvpool.connector.contract.shards import group_shards
+from kvpool.connector.device_order import TransferOrder
 from kvpool.connector.layout_verdict import OutOfPool, add_counters, verify_declared_layout
 from kvpool.connector.logs import get_logger
 from kvpool.connector.metadata import PoolConnectorMetadata
 from kvpool.connector.pool_client import acquire_client, release_client
 from kvpool.connector.pool_events import PoolEvents
 from kvpool.connector.pool_reset import LayoutReset
-from kvpool.connector.rank_agreement import rank_agreement
 from kvpool.connector.records import StatsCollector, TransferRecord
-from kvpool.connector.save_integrity import SaveIntegrity
 from kvpool.connector.scheduler_side import SchedulerSide
 from kvpool.connector.vllm_layout import key_fingerprint_inputs_from_vllm, layout_from_vllm
 from kvpool.connector.vllm_metrics import (
@@ -188,7 +187,6 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
                 tp_size=self.layout.tp_size,
                 pp_size=self.layout.pp_size,
                 group_shards=shards,
-                load_async=self.settings.load_async,
                 save_decode_cache=self.settings.save_decode_cache,
                 can_load=transfer.is_kv_consumer and in_pool,
                 can_save=transfer.is_kv_producer and in_pool,
@@ -222,10 +220,7 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
                 deadlines=Deadlines.of(self.settings),
                 staging_bytes=self.settings.staging_buffer_size,
                 load_batch_bytes=read_ahead_bytes(self.settings.global_segment_size),
-                integrity=SaveIntegrity(
-                    agree_failures=rank_agreement(),
-                    drain_saves=_zeroes_before_preemptions(vllm_config),
-                ),
+                order=TransferOrder(drain_saves=_zeroes_before_preemptions(vllm_config)),
             )
         # layout= is the layout's fingerprint (the operator's layoutFingerprint of a declared one);
         # keys= the one in this engine's pool keys (the layout and what else makes KV the same).
@@ -361,7 +356,7 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         self._work().start_loads(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        # Synchronous loads complete in start_load_kv, before the forward.
+        # Loads are asynchronous: a loading request is not in the forward.
         return
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
@@ -378,8 +373,12 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         return KVConnectorTransferResults(finished_recving=recving, failed_recving=failed)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        recving, _ = self._work().transfer_results(idle=self._idle_step())
-        return None, recving or None
+        # This older API has no way to say a load failed: answering it would report a failed
+        # hybrid load as a success, and not answering would leave its request waiting forever.
+        raise NotImplementedError(
+            "KVPoolConnector reports finished and failed loads through get_transfer_results "
+            "(vLLM >= 0.32); a caller of get_finished cannot learn that a load failed"
+        )
 
     def _idle_step(self) -> bool:
         """Whether the bound step runs no forward (the engine only waits, e.g. for loads)."""

@@ -11,7 +11,7 @@ no event, no wait.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 
@@ -41,3 +41,26 @@ def wait_for(marker: Marker | None) -> None:
     """Return once the work before ``marker`` is done (at once without one)."""
     if marker is not None:
         marker.synchronize()
+
+
+class TransferOrder:
+    """Where a worker's transfers wait for device work, at fixed points of a step.
+
+    ``record_marker`` records a marker after the work queued so far (``forward_marker``);
+    ``drain_saves``: a step's saves must have read their blocks before the step ends (a
+    model runner that writes blocks before vLLM's first connector call of the next step).
+    """
+
+    def __init__(self, *, record_marker: RecordMarker = forward_marker, drain_saves: bool = False):
+        self.record_marker = record_marker
+        self.drain_saves = drain_saves
+
+    def before_loads(self, loads: Sequence[Any]) -> None:
+        """At the start of ``start_loads``: loads write blocks only after the device work
+        queued before them (vLLM zeroing and copying this step's blocks) is done."""
+        if loads:
+            wait_for(self.record_marker())
+
+    def forward_done(self) -> Marker | None:
+        """In ``start_saves``, before starting them: a marker after the step's forward."""
+        return self.record_marker()

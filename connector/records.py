@@ -91,8 +91,6 @@ class TransferRecord:
     load_error_blocks: int = 0  # blocks handed back to vLLM to recompute
     recomputed: bool = False  # the whole request was sent back to recompute
     reason: str = ""  # operation "remove": why the objects (``blocks`` per group) were removed
-    skipped: tuple[int, ...] = ()  # per group: blocks kept out of the pool (a save only)
-    skip_reason: str = ""  # why (``metric_names.SKIP_*``)
     # The worker's rank in its engine (tensor and pipeline); None: not one rank's view. Every
     # rank moves the same blocks of a request: only rank 0 counts them (and their failures,
     # skips, latencies), every rank its bytes; the scheduler counts what vLLM recomputes.

@@ -34,7 +34,6 @@ from kvpool.connector.metadata import (
     PoolConnectorMetadata,
     RequestLoad,
     RequestSave,
-    SaveLineage,
 )
 from kvpool.connector.pool_client import Outcome, PoolClient
 from kvpool.connector.records import Deferred, LookupRecord, StatsCollector
@@ -55,11 +54,12 @@ class _Plan:
 
 @dataclass
 class _LookedUp:
-    """A request's lookup, kept until vLLM allocates the request's blocks."""
+    """A request's lookup, kept until vLLM allocates the request's blocks (or it grows stale)."""
 
     hit: HybridHit
     digests: dict[int, dict[int, str]]  # group -> block index -> digest (of the blocks asked)
     num_tokens: int  # the request's length when it was looked up
+    answered_at: float = field(default_factory=time.perf_counter)
 
 
 @dataclass
@@ -69,8 +69,6 @@ class _Tracked:
     request: Any
     saved_upto: list[int]  # per group: block index below which nothing is left to save
     trace_context: dict[str, str] = field(default_factory=dict)
-    # The step of its previous save plan (or of its admission).
-    since_step: int = 0
     # Per group: blocks below this index that are saved again after a failed load
     # replace whatever the pool holds under their keys.
     replace_upto: list[int] = field(default_factory=list)
@@ -94,7 +92,6 @@ class SchedulerSide:
         tp_size: int,
         pp_size: int,
         group_shards: Sequence[int] = (),
-        load_async: bool,
         save_decode_cache: bool = False,
         can_load: bool,
         can_save: bool,
@@ -108,7 +105,6 @@ class SchedulerSide:
         self.pp_size = pp_size
         # Per group: the objects of a block per pipeline stage (contract.shards); tp_size if unset.
         self.group_shards = tuple(group_shards)
-        self.load_async = load_async
         # Prompts are what requests share; blocks a request completes while decoding
         # are saved only when asked for.
         self.save_decode_cache = save_decode_cache
@@ -137,8 +133,6 @@ class SchedulerSide:
         # those recompute and never take the pool's word for them again.
         self._loaded_blocks: dict[str, set[int]] = {}
         self._load_failed: set[str] = set()
-        # Steps counted by the metadata built, so workers can tell when a block was wrong.
-        self._step = 0
         self._key_prefixes: dict[int, tuple[str, ...]] = {}
 
     def bind(self, vllm_coordinator: Any) -> None:
@@ -154,6 +148,8 @@ class SchedulerSide:
         # A request vLLM could not allocate yet comes back: its lookup stands until
         # its blocks are allocated, without asking the master or counting it again.
         looked_up = self._looked_up.get(req_id)
+        if looked_up is not None and self._stale(looked_up):
+            looked_up = None  # the pool may have changed since: ask again
         if looked_up is None or looked_up.num_tokens != request.num_tokens:
             if self.batch_lookups:
                 answered = self._take_answer(coord, request, num_computed_tokens)
@@ -174,7 +170,15 @@ class SchedulerSide:
             self._plans.pop(req_id, None)
             return 0, False
         self._plans[req_id] = _Plan(looked_up.hit, num_computed_tokens, looked_up.digests)
-        return num_external, self._is_async()
+        # Always asynchronous: vLLM then caches the request's blocks only once the load
+        # is reported finished, and only those it delivered. A block of a failed load
+        # never becomes a local prefix hit, whatever happens to the request meanwhile.
+        return num_external, True
+
+    def _stale(self, looked_up: _LookedUp) -> bool:
+        """Whether a kept answer is older than ``lookup_timeout_s`` (memory pressure kept the
+        request waiting): its blocks may have left the pool since."""
+        return time.perf_counter() - looked_up.answered_at > self.lookup_timeout_s
 
     def _take_answer(
         self, coord: HybridHitCoordinator, request: Any, num_computed_tokens: int
@@ -390,13 +394,6 @@ class SchedulerSide:
         self._lookups.close()
         self._backfill.close()
 
-    def _is_async(self) -> bool:
-        # vLLM reports block-level load failures only for single-group layouts;
-        # hybrid layouts recover failed loads through failed_recving, which
-        # needs the asynchronous load path.
-        assert self.coordinator is not None
-        return self.load_async or len(self.coordinator.groups) > 1
-
     # --- allocation ------------------------------------------------------------
     def update_state_after_alloc(
         self, request: Any, block_ids: Sequence[list[int]], num_external: int
@@ -417,42 +414,53 @@ class SchedulerSide:
                     request=request,
                     saved_upto=start,
                     trace_context=self.stats.trace_context(request),
-                    since_step=self._step,
                 )
             elif req_id in self._load_failed:
                 _rewind(tracked, start)
                 self._saving[req_id] = tracked
-        if num_external == 0 or plan is None:
+        if num_external == 0 and plan is None:
             return
-        assert self.coordinator is not None
-        first_new = plan.local_tokens
-        groups: list[GroupTransfer] = []
-        for group in self.coordinator.groups:
-            gid = group.group_id
-            transfer = GroupTransfer(group_id=gid)
-            needed = plan.hit.needed_blocks[gid]
-            covered = cdiv(plan.hit.hit_tokens, group.block_size)
-            first_block = first_new // group.block_size
-            for index in needed:
-                if index < first_block:
-                    continue
-                transfer.digests.append(plan.digests[gid][index])
-                transfer.block_ids.append(block_ids[gid][index])
-            transfer.masked = max(0, covered - first_block) - len(transfer.block_ids)
-            groups.append(transfer)
-        load = RequestLoad(
-            req_id=req_id,
-            groups=groups,
-            hit_tokens=plan.hit.hit_tokens,
-            is_async=self._is_async(),
-            trace_context=self.stats.trace_context(request),
-        )
+        load = self._load_plan(request, block_ids, num_external, plan)
         self._pending_loads.append(load)
-        if load.is_async:
-            # A synchronous load's request keeps running after a failure (vLLM
-            # trims it); an asynchronous one comes back to lookup: remember it.
-            self._loaded_blocks[req_id] = {b for g in groups for b in g.block_ids}
-            self._loading.add(req_id)
+        # Its request comes back to lookup after a failure: remember what it loads.
+        self._loaded_blocks[req_id] = {b for g in load.groups for b in g.block_ids}
+        self._loading.add(req_id)
+        if load.refused:
+            self._load_failed.add(req_id)
+
+    def _load_plan(
+        self, request: Any, block_ids: Sequence[list[int]], num_external: int, plan: _Plan | None
+    ) -> RequestLoad:
+        """The load of exactly the ``num_external`` tokens vLLM allocated blocks for.
+
+        Should vLLM's count and the lookup's plan ever differ (or the blocks not be where the
+        plan expects them), nothing is loaded: the load is refused, the workers report it
+        failed, and vLLM recomputes the request. A wrong plan never stops the engine.
+        """
+        req_id = request.request_id
+        trace_context = self.stats.trace_context(request)
+        problem = None
+        coord = self.coordinator
+        if plan is None or coord is None:
+            problem = "no lookup planned it"
+        elif num_external != plan.hit.hit_tokens - plan.local_tokens:
+            problem = f"the lookup planned {plan.hit.hit_tokens - plan.local_tokens}"
+        else:
+            try:
+                return RequestLoad(
+                    req_id=req_id,
+                    groups=[_group_load(group, plan, block_ids[group.group_id]) for group in coord.groups],
+                    hit_tokens=plan.hit.hit_tokens,
+                    trace_context=trace_context,
+                )
+            except (IndexError, KeyError):
+                problem = "its blocks are not where the lookup planned them"
+        logger.warning(
+            "KVPoolConnector refused a load of %d tokens vLLM allocated (%s): the request recomputes",
+            num_external,
+            problem,
+        )
+        return RequestLoad(req_id=req_id, groups=[], hit_tokens=0, trace_context=trace_context, refused=True)
 
     # --- per step ---------------------------------------------------------------
     def build_connector_meta(
@@ -460,12 +468,10 @@ class SchedulerSide:
     ) -> PoolConnectorMetadata:
         meta = PoolConnectorMetadata(
             loads=self._pending_loads,
-            step=self._step,
             forward_tokens=scheduler_output.total_num_scheduled_tokens,
         )
         self._pending_loads = []
         if self.can_save and self.coordinator is not None:
-            meta.new_blocks = _new_blocks(self.coordinator, scheduler_output)
             offers = boundary_state_offers(scheduler_output)
             scheduled = scheduler_output.num_scheduled_tokens
             save_decode = self.save_decode_cache
@@ -482,7 +488,6 @@ class SchedulerSide:
                         meta.saves.append(save)
                 if not save_decode and request.num_prompt_tokens < tracked.next_save_at:
                     del self._saving[req_id]  # its prompt's blocks are all planned
-        self._step += 1
         # The lookups vLLM asked for during this schedule() go to the master together.
         self._queue.flush()
         if meta.forward_tokens == 0:
@@ -530,7 +535,7 @@ class SchedulerSide:
             view = coord.group_block_hashes(gid, block_hashes)
             end = min(computed_after // group.block_size, len(view), len(block_ids[gid]))
             start = tracked.saved_upto[gid]
-            transfer = GroupTransfer(group_id=gid, lineage=_lineage(tracked, group, block_ids[gid], num_new))
+            transfer = GroupTransfer(group_id=gid)
             if end > start:
                 mask = group.manager_cls.reachable_block_mask(
                     start,
@@ -566,10 +571,7 @@ class SchedulerSide:
         tracked.note_saved(block_sizes)
         if not any(len(g) for g in groups) and not any(g.masked for g in groups):
             return None
-        since, tracked.since_step = tracked.since_step, self._step
-        return RequestSave(
-            req_id=req_id, groups=groups, trace_context=tracked.trace_context, since_step=since
-        )
+        return RequestSave(req_id=req_id, groups=groups, trace_context=tracked.trace_context)
 
     # --- completion ---------------------------------------------------------------
     def on_worker_output(
@@ -598,9 +600,8 @@ class SchedulerSide:
 
         vLLM has already moved each affected request back (``num_computed_tokens``) to
         before its first failed block; its blocks from there on are recomputed and must be
-        saved then, replacing anything the pool holds for them. Workers dropped what was
-        computed from the failed blocks. Block ids name blocks across requests only in a
-        single-group layout, the only one vLLM reports failed blocks for.
+        saved then, replacing anything the pool holds for them. Block ids name blocks across
+        requests only in a single-group layout, the only one vLLM reports failed blocks for.
         """
         coord = self.coordinator
         if coord is None or len(coord.groups) != 1:
@@ -672,33 +673,17 @@ def _replay_boundaries(cache: dict[bool, Any], request: Any, coord: Any, use_eag
     return cache[use_eagle]
 
 
-def _lineage(tracked: _Tracked, group: Any, block_ids: Sequence[int], num_new: int) -> SaveLineage:
-    """What one group's save plan read and wrote (see ``SaveLineage``)."""
-    request = tracked.request
-    computed_after = min(request.num_computed_tokens + num_new, request.num_tokens)
-    return SaveLineage(
-        prefix=list(block_ids[: cdiv(computed_after, group.block_size)]),
-        computed_from=cdiv(request.num_computed_tokens, group.block_size),
-        unsaved_from=tracked.saved_upto[group.group_id],
-    )
-
-
-def _new_blocks(coord: HybridHitCoordinator, scheduler_output: Any) -> list[list[int]]:
-    """Per group, the blocks vLLM allocated this step that hold no computed tokens yet."""
-    out: list[list[int]] = [[] for _ in coord.groups]
-    for req in getattr(scheduler_output, "scheduled_new_reqs", ()):
-        for group in coord.groups:
-            first_new = cdiv(req.num_computed_tokens, group.block_size)
-            out[group.group_id].extend(b for b in req.block_ids[group.group_id][first_new:] if b > 0)
-    cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
-    if cached is not None:
-        for req_id, new_ids in zip(cached.req_ids, cached.new_block_ids):
-            # A resumed request's list is all its blocks, cached ones included. A decode
-            # step allocates none for most requests: those cost one any().
-            if new_ids is None or not any(new_ids) or req_id in cached.resumed_req_ids:
-                continue
-            for group in coord.groups:
-                ids = new_ids[group.group_id]
-                if ids:
-                    out[group.group_id].extend(b for b in ids if b > 0)
-    return out
+def _group_load(group: Any, plan: _Plan, block_ids: Sequence[int]) -> GroupTransfer:
+    """One group's part of a load: the blocks its mask needs past the local hit, and how
+    many the hit covers without moving them."""
+    gid = group.group_id
+    transfer = GroupTransfer(group_id=gid)
+    first_block = plan.local_tokens // group.block_size
+    for index in plan.hit.needed_blocks[gid]:
+        if index < first_block:
+            continue
+        transfer.digests.append(plan.digests[gid][index])
+        transfer.block_ids.append(block_ids[index])
+    covered = cdiv(plan.hit.hit_tokens, group.block_size)
+    transfer.masked = max(0, covered - first_block) - len(transfer.block_ids)
+    return transfer

@@ -85,8 +85,6 @@ def records_to_data(lookups: Iterable[LookupRecord], transfers: Iterable[Transfe
             out.inc(m.MASKED_BLOCKS, t.masked[g], **labels)
             for reason, count in t.group_failures[g].items():
                 out.inc(m.FAILURES, count, reason=reason, **labels)
-            if t.skipped:
-                out.inc(m.SKIPPED_BLOCKS, t.skipped[g], reason=t.skip_reason, **labels)
             if t.group_attempted[g]:
                 out.observe(m.OPERATION_SECONDS, t.group_seconds[g], operation=op, group_kind=kind)
         if any(t.group_attempted):

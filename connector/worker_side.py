@@ -33,13 +33,13 @@ from typing import Any
 from kvpool.connector import tracing
 from kvpool.connector.block_regions import LayerBlocks, describe_layer, storage_span
 from kvpool.connector.contract.keys import KeySpace
-from kvpool.connector.contract.metric_names import REMOVE, SKIP_COMPUTED_ON_FAILED_LOAD
+from kvpool.connector.contract.metric_names import REMOVE
 from kvpool.connector.contract.object_header import ObjectIdentity, mismatch, pack_header
 from kvpool.connector.contract.settings import ConnectorSettings
 from kvpool.connector.contract.shards import shard_of, writes_shard
 from kvpool.connector.cpu_affinity import unpin_this_thread
 from kvpool.connector.deadlines import IDLE_STEP_WAIT_S, Job, JobBoard
-from kvpool.connector.device_order import Marker, wait_for
+from kvpool.connector.device_order import Marker, TransferOrder, wait_for
 from kvpool.connector.logs import get_logger
 from kvpool.connector.metadata import GroupTransfer, PoolConnectorMetadata, RequestLoad, RequestSave
 from kvpool.connector.pool_client import (
@@ -51,7 +51,6 @@ from kvpool.connector.pool_client import (
     classify,
 )
 from kvpool.connector.records import StatsCollector, TransferRecord
-from kvpool.connector.save_integrity import SaveIntegrity
 from kvpool.connector.staging import GroupCopier, StagingSlot
 
 logger = get_logger(__name__)
@@ -144,7 +143,7 @@ class WorkerSide:
         stats: StatsCollector,
         deadlines: Deadlines | None = None,
         staging_bytes: int = _DEFAULTS["staging_buffer_size"].default,
-        integrity: SaveIntegrity | None = None,
+        order: TransferOrder | None = None,
         load_batch_bytes: int | None = None,
     ):
         self.client = client
@@ -190,8 +189,8 @@ class WorkerSide:
         # The KV caches' memory registered with the client: unregistered at shutdown with
         # the staging buffers, as the client may outlive this engine in the process.
         self._kv_spans: list[tuple[int, int]] = []
-        # No save of KV computed from a failed load; device work ordered before transfers.
-        self.integrity = integrity or SaveIntegrity()
+        # Transfers touch blocks only after the device work queued before them.
+        self.order = order or TransferOrder()
 
     # --- registration --------------------------------------------------------
     def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
@@ -301,38 +300,31 @@ class WorkerSide:
                 job.abandon()
 
     def start_loads(self, meta: PoolConnectorMetadata) -> None:
-        """Run synchronous loads now (each bounded by its deadline); start asynchronous ones."""
-        self.integrity.before_loads(meta)
-        sync_jobs: list[tuple[RequestLoad, Job]] = []
+        """Start this step's loads; each is reported by ``transfer_results`` once it returned
+        or passed its deadline. The forward never waits for a load: its request is not
+        scheduled (and its blocks are not cached) until the load is reported."""
+        self.order.before_loads(meta.loads)
         stalled = self._jobs.stalled
         for load in meta.loads:
             job = Job("load", self.deadlines.load_s)
-            if stalled:
+            with self._lock:
+                self._async_jobs[load.req_id] = (load, job)
+            if load.refused:
+                job.finish(False)  # reported failed: the request recomputes
+            elif stalled:
                 # A call the connector gave up on is still stuck: do not queue behind it.
                 job.abandon()
                 self._load_abandoned(load, job)
-                if load.is_async:
-                    with self._lock:
-                        self._async_jobs[load.req_id] = (load, job)
-                continue
-            future = self._submit(job, load, self._load_request)
-            if load.is_async:
+            else:
+                future = self._submit(job, load, self._load_request)
                 with self._lock:
                     self._async_loads[load.req_id] = future
-                    self._async_jobs[load.req_id] = (load, job)
-            else:
-                sync_jobs.append((load, job))
-        for load, job in sync_jobs:
-            if not job.wait() and job.abandon():
-                self._load_abandoned(load, job)
-        self._agree_on_failed_loads(meta)
 
     def start_saves(self, meta: PoolConnectorMetadata) -> None:
         """Start this step's saves; they copy their blocks, then complete off the forward path."""
         stalled = self._jobs.stalled
-        saves = self._saves_not_computed_from_failed_loads(meta)
-        save_after_forward = partial(self._save_after_forward, forward_done=self.integrity.forward_done())
-        for save in saves:
+        save_after_forward = partial(self._save_after_forward, forward_done=self.order.forward_done())
+        for save in meta.saves:
             job = Job("save", self.deadlines.save_s)
             if stalled:
                 job.abandon()
@@ -342,48 +334,13 @@ class WorkerSide:
             with self._lock:
                 self._saves_in_flight.append(future)
                 self._unreleased_saves.append(job)
-        if self.integrity.drain_saves:
+        if self.order.drain_saves:
             self.before_forward()
-
-    # --- integrity (see kvpool.connector.save_integrity) ---------------------------------
-    def _agree_on_failed_loads(self, meta: PoolConnectorMetadata) -> None:
-        """After the synchronous loads: every rank reports (and taints) what failed on any."""
-        with self._lock:
-            failed_here = set(self._load_errors)
-        failed = self.integrity.after_sync_loads(meta, failed_here.__contains__)
-        if failed:
-            with self._lock:
-                self._load_errors.update(failed)
-
-    def _saves_not_computed_from_failed_loads(self, meta: PoolConnectorMetadata) -> list[RequestSave]:
-        kept, dropped = self.integrity.screen(meta)
-        for save in dropped:
-            self._record_skipped(save, SKIP_COMPUTED_ON_FAILED_LOAD)
-        return kept
 
     def _save_after_forward(self, save: RequestSave, forward_done: Marker | None) -> None:
         """A save that reads its blocks only once the forward that computed them is done."""
         wait_for(forward_done)
         self._save_request(save)
-
-    def _record_skipped(self, save: RequestSave, reason: str) -> None:
-        groups = save.groups
-        self.stats.record_transfer(
-            TransferRecord(
-                operation="save",
-                group_kinds=self.stats.group_kinds,
-                blocks=tuple(0 for _ in groups),
-                masked=tuple(t.masked for t in groups),
-                bytes=tuple(0 for _ in groups),
-                failures={},
-                seconds=0.0,
-                group_failures=tuple({} for _ in groups),
-                group_seconds=tuple(0.0 for _ in groups),
-                group_attempted=tuple(False for _ in groups),
-                skipped=tuple(len(t) for t in groups),
-                skip_reason=reason,
-            )
-        )
 
     def transfer_results(self, *, idle: bool = False) -> tuple[set[str], set[str]]:
         """(finished receiving, failed receiving) since the last call.

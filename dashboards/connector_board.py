@@ -220,17 +220,6 @@ def build() -> Board:
         ],
     )
     board.timeseries(
-        "Blocks kept out of the pool",
-        "Blocks a save did not store because their KV may be wrong, by reason "
-        "(computed_on_failed_load: computed from blocks whose load failed, on any rank).",
-        [
-            Target(
-                sum_rate(m.SKIPPED_BLOCKS.exported, SEL, ["reason", "group_kind"]),
-                "{{reason}} ({{group_kind}})",
-            )
-        ],
-    )
-    board.timeseries(
         "Objects removed from the pool",
         "Objects the connector removed, by reason (corrupt: a loaded object whose header named "
         "another layout, block, group or rank, whose size was wrong, or whose payload was not "

@@ -189,7 +189,6 @@ class StoreSpec(_Model):
 # segment sizes are not here: the operator derives them from the pool.
 CONNECTOR_FIELDS = (
     "cache_prefix",
-    "load_async",
     "save_decode_cache",
     "batch_size",
     "local_buffer_size",

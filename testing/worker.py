@@ -23,3 +23,29 @@ def single_group_worker(
         stats=StatsCollector(group_kinds=("full",)),
         **options,
     )
+
+
+def run_loads(worker: WorkerSide, loads: Any, timeout_s: float = 120.0) -> tuple[set[str], set[str]]:
+    """Start ``loads`` (a ``PoolConnectorMetadata`` or a list of ``RequestLoad``) and step
+    ``transfer_results`` until every one is reported; (finished, failed) receiving.
+
+    Every load is asynchronous; this is what vLLM's steps do for a request waiting for its
+    load. Bounded: past ``timeout_s`` it raises.
+    """
+    import time
+
+    from kvpool.connector.metadata import PoolConnectorMetadata
+
+    meta = loads if isinstance(loads, PoolConnectorMetadata) else PoolConnectorMetadata(loads=list(loads))
+    wanted = {load.req_id for load in meta.loads}
+    worker.start_loads(meta)
+    finished: set[str] = set()
+    failed: set[str] = set()
+    deadline = time.monotonic() + timeout_s
+    while not wanted <= finished:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"loads {sorted(wanted - finished)} not reported in {timeout_s} s")
+        done, bad = worker.transfer_results(idle=True)
+        finished |= done
+        failed |= bad
+    return finished, failed

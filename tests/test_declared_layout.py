@@ -163,7 +163,6 @@ def test_a_scheduler_out_of_the_pool_starts_without_calling_its_client() -> None
         keyspace=KeySpace("p", "0123456789abcdef"),
         tp_size=1,
         pp_size=1,
-        load_async=False,
         can_load=False,
         can_save=False,
         stats=StatsCollector(group_kinds=("full",)),

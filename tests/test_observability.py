@@ -47,6 +47,7 @@ from testing.engine import (
 from testing.models import build_gemma3
 from testing.prompts import MAX_TOKENS, P1, P2, PREFIX_HIT
 from testing.services import OTLPReceiver, PrometheusServer
+from testing.worker import run_loads
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_SPAN = "00f067aa0ba902b7"
@@ -183,10 +184,9 @@ def test_worker_spans_join_the_request_trace(spans, pool_client, cache_prefix) -
             "req-l",
             [GroupTransfer(0, ["x"], [3], masked=4), GroupTransfer(1, ["y", "gone"], [4, 5])],
             hit_tokens=64,
-            is_async=False,
             trace_context=TRACEPARENT,
         )
-        worker.start_loads(PoolConnectorMetadata(loads=[load]))
+        run_loads(worker, [load])
     finally:
         worker.shutdown()
     finished = spans.get_finished_spans()

@@ -27,6 +27,7 @@ from kvpool.connector.records import StatsCollector
 from kvpool.connector.scheduler_side import SchedulerSide
 from kvpool.connector.worker_side import Deadlines, WorkerSide
 from testing.mooncake_faults import Stall
+from testing.worker import run_loads
 
 pytestmark = pytest.mark.mooncake
 
@@ -78,11 +79,15 @@ def save(w: WorkerSide, digests: list[str], block_ids: list[int], req: str = "s"
 
 
 def load(
-    w: WorkerSide, digests: list[str], block_ids: list[int], req: str = "l", *, is_async: bool = False
+    w: WorkerSide, digests: list[str], block_ids: list[int], req: str = "l", *, wait: bool = True
 ) -> None:
+    """Load ``digests`` into ``block_ids`` of every group; ``wait``: until it is reported."""
     groups = [GroupTransfer(g, list(digests), list(block_ids)) for g in range(len(w.groups))]
-    request = RequestLoad(req, groups, hit_tokens=32 * len(digests), is_async=is_async)
-    w.start_loads(PoolConnectorMetadata(loads=[request]))
+    request = RequestLoad(req, groups, hit_tokens=32 * len(digests))
+    if wait:
+        run_loads(w, [request])
+    else:
+        w.start_loads(PoolConnectorMetadata(loads=[request]))
 
 
 def zero(w: WorkerSide, block_id: int) -> None:
@@ -263,7 +268,7 @@ def test_a_load_failing_midway_returns_only_after_its_read_ahead(
         raise RuntimeError("copy failed")
 
     monkeypatch.setattr(GroupCopier, "to_blocks_if_intact", failing_copy)
-    load(worker, ["a", "b"], [5, 6], req="midway", is_async=True)
+    load(worker, ["a", "b"], [5, 6], req="midway", wait=False)
     until(lambda: copies and stall.in_flight == 1, "the first copy failed with the next read in flight")
     future = worker._async_loads["midway"]
     time.sleep(0.5)  # room for a load that did not wait to return
@@ -283,7 +288,7 @@ def test_an_async_load_past_its_deadline_is_reported_failed(
         stall.install(monkeypatch)
         zero(w, 7)
         before = block(w, 7)
-        load(w, ["a"], [7], req="hybrid", is_async=True)
+        load(w, ["a"], [7], req="hybrid", wait=False)
         finished: set[str] = set()
         failed: set[str] = set()
 
@@ -307,13 +312,13 @@ def test_an_async_load_past_its_deadline_is_reported_failed(
 def test_a_single_group_async_load_past_its_deadline_hands_back_its_blocks(
     worker: WorkerSide, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``load_async`` on a single-group layout: finished, not failed; vLLM gets the block ids."""
+    """A single-group layout: finished, not failed; vLLM gets the block ids."""
     save(worker, ["a"], [1])
     stall = Stall("batch_get_into_multi_buffers", {worker.keyspace.key(0, 0, 0, "a")}, scribble=True)
     stall.install(monkeypatch)
     zero(worker, 8)
     before = block(worker, 8)
-    load(worker, ["a"], [8], req="single", is_async=True)
+    load(worker, ["a"], [8], req="single", wait=False)
     reported: list[tuple[set[str], set[str]]] = []
     until(lambda: reported.append(worker.transfer_results()) or "single" in reported[-1][0], "reported")
     assert "single" not in reported[-1][1]
@@ -396,7 +401,6 @@ def test_a_lookup_past_its_deadline_is_a_miss_and_lookups_do_not_pile_up(
         keyspace=KeySpace(cache_prefix, "fp"),
         tp_size=1,
         pp_size=1,
-        load_async=False,
         can_load=True,
         can_save=True,
         stats=StatsCollector(),

@@ -70,7 +70,7 @@ def test_hybrid_hit_loads_window_only(model_dir, pool_settings, pool_client) -> 
         assert second.status == RequestStatus.WAITING_FOR_REMOTE_KVS
         assert second.num_computed_tokens == 8 * 32
         load = _load_of(output, second.request_id)
-        assert load is not None and load.is_async and load.hit_tokens == 8 * 32
+        assert load is not None and load.hit_tokens == 8 * 32
         full, window = load.groups
         assert len(full.block_ids) == 8 and full.masked == 0
         # A 64-token window needs the last two blocks; six are masked out.
@@ -105,18 +105,28 @@ def test_window_group_missing_blocks_cuts_the_hit(model_dir, pool_settings, pool
         scheduler.shutdown()
 
 
-def test_single_group_loads_synchronously(model_dir, pool_settings, pool_client) -> None:
+def test_single_group_loads_asynchronously_and_nothing_is_cached_before_it_lands(
+    model_dir, pool_settings, pool_client
+) -> None:
+    """Every load is asynchronous: until the workers report it, vLLM caches none of its blocks,
+    so a request with the same prefix cannot take them as a local hit (a failed load's
+    blocks hold whatever was there before)."""
     scheduler = make_scheduler(model_dir, [GroupDesc("full", 32)], local_pool_transfer(pool_settings))
     try:
-        request = make_request(scheduler, list(range(1, 1 + 6 * 32 + 3)))
+        prompt = list(range(1, 1 + 6 * 32 + 3))
+        request = make_request(scheduler, prompt)
         store_blocks(pool_client, scheduler, request, {0: range(4)})
         scheduler.add_request(request)
         output = admit(scheduler)
-        assert request.status == RequestStatus.RUNNING
-        assert output.num_scheduled_tokens[request.request_id] == 6 * 32 + 3 - 4 * 32
+        assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        assert request.num_computed_tokens == 4 * 32
+        assert request.request_id not in output.num_scheduled_tokens
         load = _load_of(output, request.request_id)
-        assert load is not None and not load.is_async and len(load.groups[0].block_ids) == 4
-        assert output.has_sync_kv_loads
+        assert load is not None and len(load.groups[0].block_ids) == 4
+        assert not output.has_sync_kv_loads
+        sharer = make_request(scheduler, prompt)
+        _, local_hit, _ = scheduler.kv_cache_manager.get_computed_blocks(sharer)
+        assert local_hit == 0, "blocks of a load in flight are no local prefix hit"
     finally:
         scheduler.shutdown()
 

@@ -21,6 +21,7 @@ from kvpool.connector.contract.shards import (
 )
 from kvpool.connector.metadata import GroupTransfer, PoolConnectorMetadata, RequestLoad, RequestSave
 from kvpool.connector.records import StatsCollector
+from testing.worker import run_loads
 
 BLOCK = 32
 FULL = KVGroup(kind=GroupKind.FULL, block_size=BLOCK, page_size_bytes=8192)
@@ -166,9 +167,8 @@ def test_the_second_rank_of_a_shard_saves_nothing_and_loads_the_first_ranks_obje
         assert [r.bytes for r in saved] == [(0,)]  # its bytes are not counted: it moved none
         # Rank 1 loads rank 0's object (header naming shard 0) into its own blocks.
         load = RequestLoad(
-            "r", [GroupTransfer(0, ["d0", "d1"], [5, 6])], hit_tokens=2 * BLOCK, is_async=False
-        )
-        second.start_loads(PoolConnectorMetadata(loads=[load]))
+            "r", [GroupTransfer(0, ["d0", "d1"], [5, 6])], hit_tokens=2 * BLOCK)
+        run_loads(second, [load])
         assert second.take_load_errors() == set()
         assert torch.equal(caches[1][:, 5:7], caches[0][:, 1:3])
     finally:

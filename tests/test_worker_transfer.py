@@ -17,7 +17,7 @@ from kvpool.connector.metadata import GroupTransfer, PoolConnectorMetadata, Requ
 from kvpool.connector.pool_client import Outcome, classify
 from kvpool.connector.records import StatsCollector
 from kvpool.connector.worker_side import WorkerSide
-from testing.worker import single_group_worker
+from testing.worker import run_loads, single_group_worker
 
 pytestmark = pytest.mark.mooncake
 
@@ -95,11 +95,10 @@ def test_save_then_load_moves_exact_bytes(worker) -> None:
         "r2",
         [GroupTransfer(0, ["a", "b"], [5, 6]), GroupTransfer(1, ["c"], [7])],
         hit_tokens=64,
-        is_async=False,
     )
     for name in ("l0", "l2", "l3"):
         caches[name][:, 5:8] = 0
-    w.start_loads(PoolConnectorMetadata(loads=[load]))
+    run_loads(w, [load])
     assert w.take_load_errors() == set()
     for name in ("l0", "l2"):
         assert torch.equal(caches[name][:, 5], caches[name][:, 1])
@@ -116,7 +115,7 @@ def test_save_then_load_moves_exact_bytes(worker) -> None:
 def test_empty_load_finishes_at_once(worker) -> None:
     """Regression: a request whose every block is masked out must not hang."""
     w, _ = worker
-    load = RequestLoad("empty", [GroupTransfer(0), GroupTransfer(1)], hit_tokens=32, is_async=True)
+    load = RequestLoad("empty", [GroupTransfer(0), GroupTransfer(1)], hit_tokens=32)
     w.start_loads(PoolConnectorMetadata(loads=[load]))
     recving, failed = wait_results(w, "empty")
     assert "empty" in recving and not failed
@@ -126,8 +125,7 @@ def test_missing_keys_fail_the_hybrid_load(worker) -> None:
     w, caches = worker
     before = caches["l2"][:, 9].clone()
     load = RequestLoad(
-        "gone", [GroupTransfer(0, ["never-saved"], [9]), GroupTransfer(1)], hit_tokens=32, is_async=True
-    )
+        "gone", [GroupTransfer(0, ["never-saved"], [9]), GroupTransfer(1)], hit_tokens=32)
     w.start_loads(PoolConnectorMetadata(loads=[load]))
     recving, failed = wait_results(w, "gone")
     assert "gone" in recving and "gone" in failed
@@ -144,8 +142,8 @@ def test_single_group_reports_failed_block_ids(pool_client, cache_prefix) -> Non
         w.start_saves(PoolConnectorMetadata(saves=[RequestSave("s", [GroupTransfer(0, ["x"], [1])])]))
         w.before_forward()
         w.wait_for_saves()
-        load = RequestLoad("r", [GroupTransfer(0, ["x", "missing"], [4, 5])], hit_tokens=64, is_async=False)
-        w.start_loads(PoolConnectorMetadata(loads=[load]))
+        load = RequestLoad("r", [GroupTransfer(0, ["x", "missing"], [4, 5])], hit_tokens=64)
+        run_loads(w, [load])
         assert w.take_load_errors() == {5}
         assert torch.equal(caches["l0"][:, 4], caches["l0"][:, 1])
     finally:
@@ -155,7 +153,7 @@ def test_single_group_reports_failed_block_ids(pool_client, cache_prefix) -> Non
 def test_a_load_is_reported_once(worker) -> None:
     """Finished receiving exactly once: for an aborted request that is what frees its blocks."""
     w, _ = worker
-    load = RequestLoad("once", [GroupTransfer(0), GroupTransfer(1)], hit_tokens=32, is_async=True)
+    load = RequestLoad("once", [GroupTransfer(0), GroupTransfer(1)], hit_tokens=32)
     w.start_loads(PoolConnectorMetadata(loads=[load]))
     wait_results(w, "once")
     assert w.transfer_results() == (set(), set())
@@ -182,8 +180,8 @@ def test_a_broken_transfer_is_a_failure_not_an_exception(pool_client, cache_pref
     try:
         w.register_kv_caches({"l0": torch.randn(SHAPE)})
         # Block 999 does not exist: addressing it raises inside the worker.
-        load = RequestLoad("r", [GroupTransfer(0, ["x"], [999])], hit_tokens=32, is_async=False)
-        w.start_loads(PoolConnectorMetadata(loads=[load]))
+        load = RequestLoad("r", [GroupTransfer(0, ["x"], [999])], hit_tokens=32)
+        run_loads(w, [load])
         assert w.take_load_errors() == {999}
         (record,) = w.stats.transfers  # nothing drains it here
         assert record.failures == {"other_error": 1}
@@ -213,8 +211,8 @@ def test_an_engine_after_another_on_the_same_client_registers_its_memory(pool_cl
     second = single_group_worker(pool_client, cache_prefix, num_blocks=NUM_BLOCKS, fingerprint="fp3")
     try:
         second.register_kv_caches({"l0": second_cache})
-        load = RequestLoad("r", [GroupTransfer(0, ["y"], [3])], hit_tokens=32, is_async=False)
-        second.start_loads(PoolConnectorMetadata(loads=[load]))
+        load = RequestLoad("r", [GroupTransfer(0, ["y"], [3])], hit_tokens=32)
+        run_loads(second, [load])
         assert second.take_load_errors() == set()
         assert torch.equal(second_cache[:, 3], stored)
     finally:

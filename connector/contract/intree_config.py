@@ -42,6 +42,8 @@ INTREE_EXTRA_KEYS: dict[str, str] = {
     "prefill_tp_sizes": "each tensor shard is stored once (ranks holding copies share it); nothing to set",
     "store_tp_size": "each tensor shard is stored once (ranks holding copies share it); nothing to set",
     "lookup_rpc_port": "the scheduler asks the master itself; no lookup server to place",
+    "load_async": "every load is asynchronous (vLLM caches a loaded block only once its load "
+    "succeeded); nothing to set",
 }
 
 

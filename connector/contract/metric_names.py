@@ -78,12 +78,6 @@ FAILURES = _counter(
     "past its deadline counts as a timeout of group all.",
     (*GROUP_LABELS, "operation", "reason"),
 )
-SKIPPED_BLOCKS = _counter(
-    "skipped_blocks",
-    "Blocks a save kept out of the pool because their KV may be wrong, by reason "
-    "(computed_on_failed_load: computed from blocks whose load failed, on any rank).",
-    (*GROUP_LABELS, "operation", "reason"),
-)
 REMOVED_OBJECTS = _counter(
     "removed_objects",
     "Pool objects the connector removed, by reason (corrupt: a loaded object that failed its header "
@@ -154,7 +148,6 @@ ALL: tuple[MetricSpec, ...] = (
     TRANSFER_BLOCKS,
     TRANSFER_BYTES,
     FAILURES,
-    SKIPPED_BLOCKS,
     REMOVED_OBJECTS,
     LOAD_ERROR_BLOCKS,
     RECOMPUTED_REQUESTS,
@@ -167,8 +160,6 @@ BY_NAME = {spec.name: spec for spec in ALL}
 
 # Operations and failure reasons, as label values.
 LOOKUP, LOAD, SAVE, REMOVE = "lookup", "load", "save", "remove"
-# Why a save kept blocks out of the pool (``SKIPPED_BLOCKS``' reason).
-SKIP_COMPUTED_ON_FAILED_LOAD = "computed_on_failed_load"
 ALL_GROUPS_KIND = "all"
 
 # prometheus_client >= 0.22 writes ``vllm:x`` samples as ``vllm_x`` when a scraper

@@ -120,9 +120,6 @@ class ConnectorSettings(BaseModel):
     cache_prefix: str = Field(
         default="kvpool", pattern=r"^[A-Za-z0-9_.-]{1,64}$", description="Namespace of every key."
     )
-    load_async: bool = Field(
-        default=False, description="Load between scheduler steps instead of before the forward."
-    )
     save_decode_cache: bool = Field(
         default=False,
         description="Also save blocks completed while decoding (off: a request saves its prompt's blocks).",

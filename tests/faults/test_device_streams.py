@@ -19,11 +19,10 @@ from typing import Any
 import pytest
 import torch
 
-from kvpool.connector.device_order import forward_marker
+from kvpool.connector.device_order import TransferOrder, forward_marker
 from kvpool.connector.metadata import GroupTransfer, PoolConnectorMetadata, RequestLoad, RequestSave
-from kvpool.connector.save_integrity import SaveIntegrity
 from kvpool.connector.worker_side import WorkerSide
-from testing.worker import single_group_worker
+from testing.worker import run_loads, single_group_worker
 
 pytestmark = [pytest.mark.faults, pytest.mark.mooncake]
 
@@ -55,7 +54,7 @@ def rig(pool_client: Any, cache_prefix: str) -> Iterator[tuple[WorkerSide, torch
         pool_client,
         cache_prefix,
         num_blocks=NUM_BLOCKS,
-        integrity=SaveIntegrity(record_marker=lambda: markers.pop(0) if markers else None),
+        order=TransferOrder(record_marker=lambda: markers.pop(0) if markers else None),
     )
     cache = torch.zeros(SHAPE)
     worker.register_kv_caches({"l0": cache})
@@ -74,9 +73,7 @@ def test_a_save_reads_its_blocks_only_after_the_forward_is_done(rig) -> None:
     worker.wait_for_saves()
     assert forward.landed and all(name.startswith("kvpool-xfer") for name in forward.threads)
 
-    worker.start_loads(
-        PoolConnectorMetadata(loads=[RequestLoad("l", [GroupTransfer(0, ["b1"], [5])], 32, is_async=False)])
-    )
+    run_loads(worker, [RequestLoad("l", [GroupTransfer(0, ["b1"], [5])], 32)])
     assert worker.take_load_errors() == set()
     assert torch.equal(cache[:, 5], computed), "the stored block is the forward's, not the stale one"
 
@@ -92,9 +89,7 @@ def test_a_load_writes_its_blocks_only_after_the_queued_zeroing(rig) -> None:
     cache[:, 6].fill_(7.0)
     zeroing = QueuedWork(lambda: cache[:, 6].zero_())
     markers.append(zeroing)
-    worker.start_loads(
-        PoolConnectorMetadata(loads=[RequestLoad("l", [GroupTransfer(0, ["b2"], [6])], 32, is_async=False)])
-    )
+    run_loads(worker, [RequestLoad("l", [GroupTransfer(0, ["b2"], [6])], 32)])
     assert zeroing.landed
     assert worker.take_load_errors() == set()
     assert torch.equal(cache[:, 6], stored), "the load landed after the zeroing, not under it"

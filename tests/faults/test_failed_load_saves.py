@@ -1,21 +1,22 @@
 """Nothing computed on top of a failed load reaches the pool.
 
 Engine A stores P1. Engine B serves P2, which shares 300 tokens (9 whole blocks) with P1,
-while B's reads of blocks 4..8 fail; in the same step B serves a second request (the
-sharer) that reuses P2's first 10 blocks through B's local prefix cache. vLLM recovers
-B's own outputs (it recomputes), but B's forward of that step ran on blocks that were
-never written: nothing it computed may be stored. Then a fresh engine D, a pure consumer,
-serves each prompt from the pool: its tokens and log-probabilities must equal a run
-without any pool, and it must still take the good prefix from the pool (all of P2's 10
-blocks when B saves: B's recompute replaced what it had to).
+while B's reads of blocks 4..8 fail; in the same batch B serves a second request (the
+sharer) that shares P2's first 10 blocks. Every load is asynchronous: vLLM caches none of
+P2's blocks until the load is reported, and then only those that loaded, so neither P2's
+recompute nor the sharer ever reads a block the load left unwritten, and nothing B
+stores is computed from one. Then a fresh engine D, a pure consumer, serves each prompt
+from the pool: its tokens and log-probabilities must equal a run without any pool, and
+it must still take the good prefix from the pool (all of P2's 10 blocks when B saves:
+B's recompute replaced what it had to).
 
-The matrix: both load paths (the all-full-attention Gemma3 has one KV-cache group: its
-loads run synchronously before the forward and fail per block; the hybrid Gemma3 loads
-asynchronously and fails per request), B as ``kv_both`` and as ``kv_consumer``, and two
-faults: reads that answer -800 without writing a byte (at the Mooncake client), and A's
-objects swapped for 1-byte objects through Mooncake's own ``upsert`` (black box). The
-negative control turns the guards off: the same scenario then poisons the pool, and D's
-output is wrong (so the loaded KV is used, and the scenario is sensitive).
+The matrix: both layouts (the all-full-attention Gemma3 has one KV-cache group: its loads
+fail per block; the hybrid Gemma3 fails per request), B as ``kv_both`` and as
+``kv_consumer``, and two faults: reads that answer -800 without writing a byte (at the
+Mooncake client), and A's objects swapped for 1-byte objects through Mooncake's own
+``upsert`` (black box). The negative control hides the failure from vLLM: the same
+scenario then poisons the pool, and D's output is wrong (so the loaded KV is used, and
+the scenario is sensitive).
 """
 
 from __future__ import annotations
@@ -118,7 +119,15 @@ class Outcome:
     reads: FailingReads
 
 
-def _scenario(model: Model, role: str, settings: Any, monkeypatch: pytest.MonkeyPatch, fault: str) -> Outcome:
+def _scenario(
+    model: Model,
+    role: str,
+    settings: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    fault: str,
+    *,
+    b_recovers: bool = True,
+) -> Outcome:
     """A stores P1; B serves P2 and the sharer in one batch under ``fault``; D reads the pool."""
     a = _run(model.path, transfer_config(settings), [[P1]])
     reads = FailingReads(digests_of(P2, FAILED_BLOCKS))
@@ -137,27 +146,24 @@ def _scenario(model: Model, role: str, settings: Any, monkeypatch: pytest.Monkey
             client.close()
     b = _run(model.path, transfer_config(settings, role), [PROMPTS])
     monkeypatch.undo()
-    assert [r.token_ids for r in b.results] == [r.token_ids for r in model.references], "vLLM recovered B"
+    if b_recovers:
+        assert [r.token_ids for r in b.results] == [r.token_ids for r in model.references], "vLLM recovered B"
     if fault == "read_fails":
         assert reads.failed, "B's reads of blocks 4..8 failed"
     d = _run(model.path, transfer_config(settings, "kv_consumer"), [[p] for p in PROMPTS])
     return Outcome(b, d, reads)
 
 
-def skipped_blocks(transfers: list[Any]) -> int:
-    return sum(sum(t.skipped) for t in transfers if t.operation == "save")
-
-
 @pytest.mark.parametrize("role", ["kv_both", "kv_consumer"])
-@pytest.mark.parametrize("load_path", ["sync", "async"])
+@pytest.mark.parametrize("layout", ["single_group", "hybrid"])
 def test_no_block_computed_on_a_failed_load_is_stored(
     request: pytest.FixtureRequest,
-    load_path: str,
+    layout: str,
     role: str,
     pool_settings: Any,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    model: Model = request.getfixturevalue("single_group" if load_path == "sync" else "hybrid")
+    model: Model = request.getfixturevalue(layout)
     out = _scenario(model, role, pool_settings, monkeypatch, "read_fails")
     assert not mismatches(out.d.results, model.references)
     cached = [r.num_cached_tokens or 0 for r in out.d.results]
@@ -167,10 +173,6 @@ def test_no_block_computed_on_a_failed_load_is_stored(
         assert cached[0] == P2_BLOCKS, cached
     else:
         assert not [t for t in out.b.transfers if t.operation == "save"], "a consumer saves nothing"
-    if load_path == "sync" and role == "kv_both":
-        # The step that read the failed blocks computed P2's block 9 and the sharer's block 10:
-        # both kept out of the pool, and counted.
-        assert skipped_blocks(out.b.transfers) >= 2
 
 
 def test_objects_swapped_for_one_byte_objects(
@@ -180,22 +182,19 @@ def test_objects_swapped_for_one_byte_objects(
     assert not mismatches(out.d.results, single_group.references)
     cached = [r.num_cached_tokens or 0 for r in out.d.results]
     assert cached[0] == P2_BLOCKS and min(cached) >= GOOD_PREFIX, cached
-    assert skipped_blocks(out.b.transfers) >= 2
 
 
 def test_negative_control_without_the_guards_the_pool_is_poisoned(
     single_group: Model, pool_settings: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The same scenario with the guards off (saves not screened, nothing saved again): D loads
-    B's blocks computed on the failed ones, and answers wrong."""
-    from kvpool.connector.scheduler_side import SchedulerSide
-    from kvpool.connector.taint import BlockTaint
+    """The same scenario with the failed blocks kept from vLLM: it takes the load for a success
+    and caches the unwritten blocks; D loads B's blocks computed on them, and answers wrong."""
+    from kvpool.connector.worker_side import WorkerSide
 
     guards = pytest.MonkeyPatch()
-    guards.setattr(BlockTaint, "screen", lambda self, saves, step: [])
-    guards.setattr(SchedulerSide, "_rewind_over_failed_blocks", lambda self, *args: None)
+    guards.setattr(WorkerSide, "take_load_errors", lambda self: set())
     try:
-        out = _scenario(single_group, "kv_both", pool_settings, monkeypatch, "read_fails")
+        out = _scenario(single_group, "kv_both", pool_settings, monkeypatch, "read_fails", b_recovers=False)
     finally:
         guards.undo()
     assert (out.d.results[0].num_cached_tokens or 0) == P2_BLOCKS

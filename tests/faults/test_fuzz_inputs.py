@@ -100,7 +100,7 @@ FIELD_VALUES: dict[str, st.SearchStrategy[Any]] = {
     "global_segment_size": st.one_of(size_strings, numbers, json_values),
     "local_buffer_size": st.one_of(size_strings, numbers, json_values),
     "cache_prefix": st.one_of(st.from_regex(r"[A-Za-z0-9_.-]{1,70}", fullmatch=True), texts),
-    "load_async": st.one_of(st.booleans(), json_values),
+    "save_decode_cache": st.one_of(st.booleans(), json_values),
     "batch_size": st.one_of(st.integers(-5, 2000), json_values),
     "model_id": st.one_of(texts, json_values),
     "lookup_timeout_s": st.one_of(numbers, json_values),

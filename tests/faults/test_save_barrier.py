@@ -111,8 +111,8 @@ def _serve(model: Path, settings: Any, watch: Watch) -> None:
     llm = create_llm(EngineOptions(model=str(model), kv_transfer_config=transfer_config(settings)))
     try:
         worker = worker_connector()._worker
-        assert not worker.integrity.drain_saves, "the V1 runner: saves overlap the next step"
-        worker.integrity.record_marker = watch.marker
+        assert not worker.order.drain_saves, "the V1 runner: saves overlap the next step"
+        worker.order.record_marker = watch.marker
         generate(llm, [P1], 4)  # a 10-block prefill, then decode steps
         generate(llm, [P2], 4)
     finally:
@@ -144,8 +144,8 @@ def test_under_a_runner_that_writes_blocks_first_saves_read_theirs_within_the_st
     until the save thread synchronizes."""
     import torch
 
+    from kvpool.connector.device_order import TransferOrder
     from kvpool.connector.metadata import GroupTransfer, PoolConnectorMetadata, RequestSave
-    from kvpool.connector.save_integrity import SaveIntegrity
     from testing.worker import single_group_worker
 
     landed = threading.Event()
@@ -159,7 +159,7 @@ def test_under_a_runner_that_writes_blocks_first_saves_read_theirs_within_the_st
         pool_client,
         cache_prefix,
         num_blocks=4,
-        integrity=SaveIntegrity(record_marker=Forward, drain_saves=True),
+        order=TransferOrder(record_marker=Forward, drain_saves=True),
     )
     try:
         worker.register_kv_caches({"l0": torch.zeros((2, 4, 32, 2, 16))})

@@ -86,7 +86,6 @@ def test_field_names_and_contract_blocks() -> None:
     # Contract blocks keep the contract's names.
     assert set(spec["connector"]["properties"]) == {
         "cache_prefix",
-        "load_async",
         "save_decode_cache",
         "batch_size",
         "local_buffer_size",
