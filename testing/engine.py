@@ -11,6 +11,7 @@ recording connector's records, and accessors to an in-process engine's connector
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from dataclasses import asdict, dataclass
@@ -42,6 +43,7 @@ __all__ = [
     "create_llm",
     "engine_core",
     "generate",
+    "reference_tokens",
     "run_engine",
     "run_engine_subprocess",
     "sampling_params",
@@ -306,6 +308,29 @@ def run_engine_subprocess(
     child_env = {"PYTHONPATH": path, **(env or {})}
     data = run_module(MODULE, spec, env=child_env, timeout=timeout, log_path=log_path)
     return EngineReport.from_json(data)
+
+
+#: Reference outputs already computed in this process, by what determines them.
+_REFERENCES: dict[str, list[list[int]]] = {}
+
+
+def reference_tokens(
+    model: str | os.PathLike[str], prompts: list[Prompt], max_tokens: int = 16, **llm_kwargs: Any
+) -> list[list[int]]:
+    """Each prompt's greedy output from an engine without any connector, in a fresh process.
+
+    Computed once per test session for each model build (its stamp: family, config, seed,
+    dtype, so two directories built alike share it), prompt list, length and engine option:
+    the run is deterministic, so a later caller gets the first run's tokens.
+    """
+    from kvpool.connector.local.tiny_model import STAMP_FILE
+
+    stamp = json.loads((Path(model) / STAMP_FILE).read_text())["sha256"]
+    key = json.dumps([stamp, prompts, max_tokens, llm_kwargs], sort_keys=True)
+    if key not in _REFERENCES:
+        opts = EngineOptions(model=str(model), llm_kwargs=dict(llm_kwargs))
+        _REFERENCES[key] = run_engine_subprocess(opts, [prompts], max_tokens).token_ids
+    return [list(tokens) for tokens in _REFERENCES[key]]
 
 
 def _run_spec(spec: dict[str, Any]) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from testing.engine import (
     EngineOptions,
     create_llm,
     generate,
+    reference_tokens,
     run_engine_subprocess,
     scheduler_connector,
     shutdown_llm,
@@ -39,8 +40,7 @@ def gemma_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def gemma_reference(gemma_dir: Path) -> list[int]:
     """P2's output from an engine without any connector (its own process)."""
-    run = run_engine_subprocess(EngineOptions(model=str(gemma_dir)), [[P2]], MAX_TOKENS)
-    return run.token_ids[0]
+    return reference_tokens(gemma_dir, [P2], MAX_TOKENS)[0]
 
 
 def run_in_process(model: Path, config: dict[str, Any], prompts: list[list[int]]) -> tuple[Any, Any]:
@@ -203,7 +203,7 @@ def test_master_killed_during_load(gemma_dir, gemma_reference, cache_prefix, mon
 
 def test_gpt_oss_layout_shares_prefixes(tmp_path_factory, pool_settings) -> None:
     model = build_gpt_oss(tmp_path_factory.mktemp("gpt_oss"))
-    reference = run_engine_subprocess(EngineOptions(model=str(model)), [[P2]], MAX_TOKENS).token_ids[0]
+    reference = reference_tokens(model, [P2], MAX_TOKENS)[0]
     config = transfer_config(pool_settings)
     run_in_process(model, config, [P1])
     b = run_engine_subprocess(EngineOptions(model=str(model), kv_transfer_config=config), [[P2]], MAX_TOKENS)
@@ -234,7 +234,7 @@ def test_single_group_model_loads_before_the_forward(
     model = build_gemma3(
         tmp_path_factory.mktemp("gemma3-full"), layer_types=["full_attention"] * 4, num_hidden_layers=4
     )
-    reference = run_engine_subprocess(EngineOptions(model=str(model)), [[P2]], MAX_TOKENS).token_ids[0]
+    reference = reference_tokens(model, [P2], MAX_TOKENS)[0]
     config = transfer_config(pool_settings)
     run_in_process(model, config, [P1])
     results, (keyspace, num_groups, transfers) = run_in_process(model, config, [P2])

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from testing.engine import EngineOptions, run_engine_subprocess, transfer_config
+from testing.engine import EngineOptions, reference_tokens, run_engine_subprocess, transfer_config
 from testing.models import build_gemma3
 from testing.prompts import MAX_TOKENS, P1, P2, PREFIX_HIT
 
@@ -25,7 +25,7 @@ def gemma_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_other_seed_or_revision_gets_no_hit_and_right_output(gemma_dir, pool_settings) -> None:
-    reference = run_engine_subprocess(EngineOptions(model=str(gemma_dir)), [[P2]], MAX_TOKENS).token_ids[0]
+    reference = reference_tokens(gemma_dir, [P2], MAX_TOKENS)[0]
     config = transfer_config(pool_settings)
     seed_a = {"PYTHONHASHSEED": "11"}
     run_engine_subprocess(
