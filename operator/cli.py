@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from kvpool.operator.crd import render_crd
 from kvpool.operator.leader import SERVICE_HEALTH_URL
-from kvpool.operator.rbac import RULES, WEBHOOK_RULES, render_rules
+from kvpool.operator.rbac import RULES, TENANT_RULES, WEBHOOK_RULES, render_rules
 
 if TYPE_CHECKING:
     from kvpool.operator.app import OperatorOptions
@@ -33,6 +33,11 @@ def _parser() -> argparse.ArgumentParser:
         "--webhook-managed",
         action="store_true",
         help="include the rules for a kopf-managed webhook configuration",
+    )
+    rbac.add_argument(
+        "--tenant",
+        choices=sorted(TENANT_RULES),
+        help="print instead what tenants get on pools through the aggregated edit or view role",
     )
     run = sub.add_parser("run", help="run the operator")
     run.add_argument(
@@ -189,6 +194,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "crd":
         sys.stdout.write(render_crd())
+        return 0
+    if args.command == "rbac" and args.tenant:
+        command = f"kvpool-operator rbac --tenant {args.tenant}"
+        sys.stdout.write(render_rules(TENANT_RULES[args.tenant], command))
         return 0
     if args.command == "rbac":
         sys.stdout.write(render_rules(RULES + (WEBHOOK_RULES if args.webhook_managed else ())))

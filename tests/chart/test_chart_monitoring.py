@@ -131,7 +131,11 @@ def test_the_pool_masters_service_monitor(helm: Helm, pool: dict[str, Any]) -> N
     assert pool_label["sourceLabels"] == [meta_label("pod", names.LABEL_POOL)]
     assert pool_label["targetLabel"] == "pool"
     assert job == {"targetLabel": "job", "replacement": MASTER_JOB, "action": "replace"}
-    assert monitor["spec"]["namespaceSelector"] == {"any": True}
+    assert monitor["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}  # the watched ones
+    everywhere = one(
+        helm.template(MONITORING, sets=["clusterWide=true"]), "ServiceMonitor", monitor["metadata"]["name"]
+    )
+    assert everywhere["spec"]["namespaceSelector"] == {"any": True}
 
 
 def test_the_consumers_pod_monitor(helm: Helm, pool: dict[str, Any]) -> None:

@@ -8,7 +8,8 @@ from tests.chart.helm import EXAMPLES, NAMESPACE, Helm
 def test_notes_after_a_default_install(helm: Helm) -> None:
     notes = helm.notes()
     assert f"kubectl -n {NAMESPACE} rollout status deployment/kvpool-mooncake-kvpool" in notes
-    assert "every namespace" in notes
+    assert f"It watches MooncakeKVPools in: {NAMESPACE}." in notes  # least privilege by default
+    assert "every namespace" in helm.notes(sets=["clusterWide=true"])
     assert "kubectl apply" in notes and "examples/pool.yaml" in notes
     assert "kubectl get mooncakekvpools -A" in notes
     assert "ConfigValid=False" in notes

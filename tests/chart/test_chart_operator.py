@@ -94,9 +94,9 @@ def test_the_other_flags_reach_the_operator(helm: Helm) -> None:
 @pytest.mark.parametrize(
     ("sets", "namespaces"),
     [
-        ([], ()),
-        (["clusterWide=false"], (NAMESPACE,)),
-        (["clusterWide=false", "watchNamespaces={team-a,team-b}"], ("team-a", "team-b")),
+        ([], (NAMESPACE,)),
+        (["clusterWide=true"], ()),
+        (["watchNamespaces={team-a,team-b}"], ("team-a", "team-b")),
     ],
 )
 def test_the_operator_watches_what_rbac_allows(
@@ -160,7 +160,10 @@ def test_the_webhook_with_cert_manager(helm: Helm) -> None:
         [POOLS.plural],
     )
     assert rule["operations"] == ["CREATE", "UPDATE"]
-    assert "namespaceSelector" not in webhook  # cluster-wide: every namespace
+    # Namespaced (the default): only the watched namespaces' pools are sent to it.
+    assert webhook["namespaceSelector"]["matchExpressions"] == [
+        {"key": "kubernetes.io/metadata.name", "operator": "In", "values": [NAMESPACE]}
+    ]
     assert webhook["sideEffects"] == "None" and webhook["failurePolicy"] == "Fail"
 
 
@@ -232,7 +235,11 @@ def test_a_registry_that_is_not_one_fails_the_render(helm: Helm) -> None:
 
 
 def test_the_operators_network_policy(helm: Helm) -> None:
-    assert of_kind(helm.template(), "NetworkPolicy") == []
+    # On by default: the metrics, which name every watched pool, reach no one until scrapers
+    # are named; the probes still reach the health port.
+    default = one(helm.template(), "NetworkPolicy")
+    assert default["spec"]["ingress"] == [{"ports": [{"port": "health", "protocol": "TCP"}]}]
+    assert of_kind(helm.template(sets=["networkPolicy.enabled=false"]), "NetworkPolicy") == []
     webhook = EXAMPLES / "webhook-cert-manager-values.yaml"
     objects = helm.template(EXAMPLES / "monitoring-values.yaml", webhook)
     policy = one(objects, "NetworkPolicy")

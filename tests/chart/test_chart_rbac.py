@@ -10,8 +10,6 @@ and every verb on every resource the chart grants must have been used.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -19,78 +17,19 @@ from urllib.parse import urlsplit
 import pytest
 
 from kvpool.operator.generated import RBAC_RULES_PATH
-from kvpool.operator.rbac import RULES, Permission, request_permission
-from tests.chart.conftest import Recording, Request
+from kvpool.operator.rbac import RULES, Permission
+from tests.chart.conftest import Recording
+from tests.chart.grants import Grant, allows, grants, needed_by, rendered_grants
 from tests.chart.helm import CHART, NAMESPACE, ROOT, Helm, of_kind, one
 
 # Discovery: readable by every authenticated user (the default system:discovery ClusterRole).
 DISCOVERY = re.compile(r"^/(api|apis)(/v1|/[a-z0-9.-]+/v[0-9a-z]+)?/?$")
 
 
-@dataclass(frozen=True)
-class Grant:
-    """One (group, resource, verb) a rule grants, and where: None is every namespace."""
-
-    api_group: str
-    resource: str
-    verb: str
-    namespace: str | None
-
-
-def grants(rules: Iterable[dict[str, Any]], namespace: str | None) -> set[Grant]:
-    return {
-        Grant(group, resource, verb, namespace)
-        for rule in rules
-        for group in rule["apiGroups"]
-        for resource in rule["resources"]
-        for verb in rule["verbs"]
-    }
-
-
-def rendered_grants(objects: list[dict[str, Any]]) -> set[Grant]:
-    """What the chart gives its ServiceAccount: roles resolved through their bindings."""
-    account = one(objects, "ServiceAccount")["metadata"]
-    subject = {"kind": "ServiceAccount", "name": account["name"], "namespace": account["namespace"]}
-    roles = {("ClusterRole", r["metadata"]["name"], None): r for r in of_kind(objects, "ClusterRole")}
-    roles |= {
-        ("Role", r["metadata"]["name"], r["metadata"]["namespace"]): r for r in of_kind(objects, "Role")
-    }
-    out: set[Grant] = set()
-    for binding in of_kind(objects, "ClusterRoleBinding") + of_kind(objects, "RoleBinding"):
-        assert binding["subjects"] == [subject], binding["metadata"]["name"]
-        ref = binding["roleRef"]
-        assert ref["apiGroup"] == "rbac.authorization.k8s.io"
-        where = binding["metadata"].get("namespace") if binding["kind"] == "RoleBinding" else None
-        role = roles[(ref["kind"], ref["name"], where if ref["kind"] == "Role" else None)]
-        out |= grants(role["rules"], where)
-    return out
-
-
-def needed(request: Request) -> tuple[Permission | None, str | None]:
-    path = urlsplit(request.url).path
-    permission = request_permission(request.method, request.url)
-    # ".../namespaces/<ns>/<plural>..." is namespaced; a plain list or watch is cluster-wide.
-    segments = [s for s in path.split("/") if s]
-    namespace = None
-    if "namespaces" in segments:
-        index = segments.index("namespaces")
-        if len(segments) > index + 2:
-            namespace = segments[index + 1]
-    return permission, namespace
-
-
-def allows(grant: Grant, permission: Permission, namespace: str | None) -> bool:
-    return (grant.api_group, grant.resource, grant.verb) == (
-        permission.api_group,
-        permission.resource,
-        permission.verb,
-    ) and (grant.namespace is None or grant.namespace == namespace)
-
-
 def check(recording: Recording, granted: set[Grant]) -> None:
     refused, used = [], set()
     for request in recording.requests:
-        permission, namespace = needed(request)
+        permission, namespace = needed_by(request.method, request.url)
         if permission is None:
             assert request.method == "GET" and DISCOVERY.match(urlsplit(request.url).path), request
             continue
@@ -103,15 +42,25 @@ def check(recording: Recording, granted: set[Grant]) -> None:
     assert granted - used == set(), f"granted but never used: {sorted(granted - used, key=str)}"
 
 
+AGGREGATE = "rbac.authorization.k8s.io/aggregate-to-"
+
+
+def operator_roles(objects: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    """The (Cluster)Roles of ``kind`` but the tenants' aggregated ones."""
+    return [
+        o for o in of_kind(objects, kind) if not any(k.startswith(AGGREGATE) for k in o["metadata"]["labels"])
+    ]
+
+
 @pytest.fixture(scope="module")
 def cluster_objects(helm: Helm) -> list[dict[str, Any]]:
-    return helm.template()
+    return helm.template(sets=["clusterWide=true"])
 
 
 @pytest.fixture(scope="module")
 def namespaced_objects(helm: Helm, recordings: dict[str, Recording]) -> list[dict[str, Any]]:
     (watched,) = recordings["namespaced"].namespaces
-    return helm.template(sets=["clusterWide=false", f"watchNamespaces[0]={watched}"])
+    return helm.template(sets=[f"watchNamespaces[0]={watched}"])
 
 
 def test_the_scenarios_ran_in_both_modes(recordings: dict[str, Recording]) -> None:
@@ -136,7 +85,7 @@ def test_namespaced_rbac_allows_every_request_and_no_more(
     namespaced_objects: list[dict[str, Any]], recordings: dict[str, Recording]
 ) -> None:
     objects = namespaced_objects
-    assert of_kind(objects, "ClusterRole") == of_kind(objects, "ClusterRoleBinding") == []
+    assert operator_roles(objects, "ClusterRole") == of_kind(objects, "ClusterRoleBinding") == []
     granted = rendered_grants(objects)
     assert {g.namespace for g in granted} == set(recordings["namespaced"].namespaces)
     check(recordings["namespaced"], granted)
@@ -147,7 +96,7 @@ def test_namespaced_rbac_allows_every_request_and_no_more(
 
 def test_the_rules_are_the_operators_own(cluster_objects: list[dict[str, Any]]) -> None:
     """The chart grants exactly ``kvpool-operator rbac`` (kvpool.operator.rbac.RULES)."""
-    (role,) = of_kind(cluster_objects, "ClusterRole")
+    (role,) = operator_roles(cluster_objects, "ClusterRole")
     assert grants(role["rules"], None) == grants((r.as_dict() for r in RULES), None)
 
 
@@ -158,7 +107,7 @@ def test_a_missing_rules_file_fails_the_render(helm: Helm, chart_copy: Path) -> 
 
 
 def test_no_wildcards_and_no_secrets(helm: Helm) -> None:
-    for sets in ([], ["clusterWide=false", "watchNamespaces={a,b}"]):
+    for sets in ([], ["clusterWide=true"], ["watchNamespaces={a,b}"]):
         objects = helm.template(sets=sets)
         for role in of_kind(objects, "ClusterRole") + of_kind(objects, "Role"):
             for rule in role["rules"]:
@@ -169,10 +118,10 @@ def test_no_wildcards_and_no_secrets(helm: Helm) -> None:
 
 
 def test_namespaced_mode_binds_a_role_in_each_watched_namespace(helm: Helm) -> None:
-    objects = helm.template(sets=["clusterWide=false", "watchNamespaces={team-a,team-b,team-a}"])
+    objects = helm.template(sets=["watchNamespaces={team-a,team-b,team-a}"])
     assert sorted(r["metadata"]["namespace"] for r in of_kind(objects, "Role")) == ["team-a", "team-b"]
     assert sorted(r["metadata"]["namespace"] for r in of_kind(objects, "RoleBinding")) == ["team-a", "team-b"]
-    default = helm.template(sets=["clusterWide=false"])
+    default = helm.template()
     assert [r["metadata"]["namespace"] for r in of_kind(default, "Role")] == [NAMESPACE]
 
 
@@ -182,6 +131,8 @@ def test_rbac_and_account_can_be_left_out(helm: Helm) -> None:
     )
     kinds = {o["kind"] for o in objects}
     assert not kinds & {"ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding", "ServiceAccount"}
+    aggregated = helm.template(sets=["rbac.aggregateToDefaultRoles=false"])
+    assert of_kind(aggregated, "ClusterRole") == []
     assert one(objects, "Deployment")["spec"]["template"]["spec"]["serviceAccountName"] == "ops"
 
 
@@ -192,3 +143,41 @@ def test_the_proof_bites(cluster_objects: list[dict[str, Any]], recordings: dict
         check(recordings["cluster"], fewer)
     with pytest.raises(AssertionError, match="never used"):
         check(recordings["cluster"], granted | {Grant("", "secrets", "get", None)})
+
+
+def test_the_least_privileged_install_is_the_default(helm: Helm) -> None:
+    """Namespaced unless asked: a Role and RoleBinding in the release namespace, no
+    cluster-wide rights for the operator (kube-system untouchable), the operator told so."""
+    objects = helm.template()
+    assert operator_roles(objects, "ClusterRole") == of_kind(objects, "ClusterRoleBinding") == []
+    granted = rendered_grants(objects)
+    assert granted and {g.namespace for g in granted} == {NAMESPACE}
+    args = one(objects, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert f"--namespace={NAMESPACE}" in args
+
+
+def test_tenants_get_pools_through_the_aggregated_edit_and_view_roles(helm: Helm) -> None:
+    from kvpool.operator.rbac import TENANT_EDIT_RULES, TENANT_VIEW_RULES
+
+    for sets in ([], ["clusterWide=true"]):
+        objects = helm.template(sets=sets)
+        roles = {r["metadata"]["name"]: r for r in of_kind(objects, "ClusterRole")}
+        edit, view = roles["kvpool-mooncake-kvpool-edit"], roles["kvpool-mooncake-kvpool-view"]
+        assert {k: v for k, v in edit["metadata"]["labels"].items() if k.startswith(AGGREGATE)} == {
+            f"{AGGREGATE}edit": "true",
+            f"{AGGREGATE}admin": "true",
+        }
+        assert {k: v for k, v in view["metadata"]["labels"].items() if k.startswith(AGGREGATE)} == {
+            f"{AGGREGATE}view": "true"
+        }
+        assert edit["rules"] == [r.as_dict() for r in TENANT_EDIT_RULES]
+        assert view["rules"] == [r.as_dict() for r in TENANT_VIEW_RULES]
+        # Only on pools, bound to nobody: they grant through edit/admin/view bindings alone.
+        for role in (edit, view):
+            assert {g for rule in role["rules"] for g in rule["apiGroups"]} == {"kvpool.mooncake.io"}
+        bound = {
+            b["roleRef"]["name"]
+            for b in of_kind(objects, "ClusterRoleBinding") + of_kind(objects, "RoleBinding")
+        }
+        assert not bound & set(roles) - {"kvpool-mooncake-kvpool"}
+    assert {v for rule in view["rules"] for v in rule["verbs"]} == {"get", "list", "watch"}

@@ -1,19 +1,22 @@
 """The end-to-end cluster of the session: the emulated API, the real operator and the test node.
 
-Every scenario shares one cluster (one operator watching every namespace, one node) and
-uses pools and Deployments of its own names; ``reference`` runs the tiny model once
-without any pool, for the outputs every pooled answer must equal.
+Every scenario shares one cluster (one node, and one operator run as the chart's default,
+namespaced install renders it: watching the scenarios' namespace, its every request checked
+against the rendered Role) and uses pools and Deployments of its own names; ``reference``
+runs the tiny model once without any pool, for the outputs every pooled answer must equal.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,16 +25,20 @@ from typing import Any
 import pytest
 
 from kvpool.operator.app import OperatorOptions
+from kvpool.operator.cli import _parser, options_from_args
 from testing.kube_api import OperatorThread, quick_options, write_kubeconfig
 from testing.node import Node, PodInfo
 from testing.node.sandbox import unavailable
 from testing.prompts import MAX_TOKENS, P1, P2
+from tests.chart.grants import Grant, rendered_grants
+from tests.chart.helm import Helm, extract_helm, one
 from tests.e2e import harness
 from tests.e2e.harness import ApiThread, Completion, Kube, wait_for
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MODEL_DIR = REPO_ROOT / ".models" / "e2e-gemma3-tiny"
 VLLM_START_S = 900.0  # a vLLM server's start-up on two busy cores, with room to spare
+OPERATOR_NAMESPACE = "kvpool-system"  # the release namespace
 RESYNC_S = 1.0  # the operator's level checks: quick, yet no load on two cores over a long session
 # Prompts every scenario may send: two sharing a 288-token prefix, and two more sharing another.
 PROMPTS: dict[str, list[int]] = {
@@ -72,6 +79,76 @@ class E2E:
             self.kube.delete(item)
 
 
+@dataclass
+class Install:
+    """The operator as ``helm install`` renders it by default (namespaced, watching the
+    scenarios' namespace): its run options and what its roles grant."""
+
+    options: OperatorOptions
+    granted: set[Grant]
+
+
+def chart_install(kubeconfig: Path) -> Install:
+    """Render the chart's defaults (``watchNamespaces`` the scenarios' namespace) and run its
+    operator with the rendered flags; only its endpoints move to loopback and its timings
+    quicken (the kubeconfig stands in for the in-cluster account)."""
+    objects = Helm(extract_helm(), kubeconfig.parent / "helm").template(
+        sets=[f"watchNamespaces[0]={harness.NAMESPACE}"], namespace=OPERATOR_NAMESPACE
+    )
+    (container,) = one(objects, "Deployment")["spec"]["template"]["spec"]["containers"]
+    rendered = options_from_args(_parser().parse_args(container["args"]))
+    assert rendered.namespaces == (harness.NAMESPACE,), rendered.namespaces
+    options = dataclasses.replace(rendered, **quick_options(kubeconfig, resync_interval=RESYNC_S))
+    return Install(options, rendered_grants(objects))
+
+
+class PodMirror:
+    """Writes the node's pods into the API as Pod objects (name, labels, ``status.podIP``), as
+    the kubelet would: the operator reads an HA pool's master pods from there."""
+
+    def __init__(self, node: Node, kube: Kube):
+        self.node, self.kube = node, kube
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="pod-mirror", daemon=True)
+        self._mirrored: dict[str, str] = {}  # name -> IP
+
+    def start(self) -> PodMirror:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.5):
+            try:
+                self.sync()
+            except OSError:
+                continue  # the API is stopping
+
+    def sync(self) -> None:
+        pods = {p.name: p for p in self.node.pods(harness.NAMESPACE) if not p.stopped and not p.terminating}
+        for name in set(self._mirrored) - set(pods):
+            self.kube.delete(harness.path("v1", "Pod", name))
+            del self._mirrored[name]
+        for name, pod in pods.items():
+            if self._mirrored.get(name) == pod.ip:
+                continue
+            if name in self._mirrored:
+                self.kube.delete(harness.path("v1", "Pod", name))
+            self.kube.create(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Pod",
+                    "metadata": {"name": name, "namespace": harness.NAMESPACE, "labels": dict(pod.labels)},
+                    "spec": {"containers": [{"name": c.name, "image": "node"} for c in pod.containers]},
+                    "status": {"podIP": pod.ip, "podIPs": [{"ip": pod.ip}]},
+                }
+            )
+            self._mirrored[name] = pod.ip
+
+
 @pytest.fixture(scope="session")
 def e2e(request: pytest.FixtureRequest) -> Iterator[E2E]:
     """The cluster for the session; everything it started is stopped (by PID) at the end.
@@ -89,14 +166,16 @@ def e2e(request: pytest.FixtureRequest) -> Iterator[E2E]:
     api = ApiThread().start()
     node = Node(api.url, root / "node").start()
     kubeconfig = write_kubeconfig(root / "kubeconfig", api.url)
-    options = OperatorOptions(**quick_options(kubeconfig, resync_interval=RESYNC_S))
-    operator = OperatorThread(options)
+    install = chart_install(kubeconfig)
+    operator = OperatorThread(install.options)
+    mirror = PodMirror(node, Kube(api.url)).start()
     try:
         with node.resolving():
             operator.start()
             yield E2E(api, Kube(api.url), node, operator)
     finally:
         asyncio.run(operator.stop())
+        mirror.stop()
         try:
             node.stop()
         finally:
@@ -108,7 +187,7 @@ def e2e(request: pytest.FixtureRequest) -> Iterator[E2E]:
     else:
         shutil.rmtree(root, ignore_errors=True)
     assert operator.error is None, repr(operator.error)
-    assert api.api is not None and api.api.unauthorised() == []
+    assert api.api is not None and api.api.unauthorised(install.granted) == []
 
 
 @pytest.fixture(scope="session")

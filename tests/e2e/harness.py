@@ -24,8 +24,9 @@ import kmock
 
 from kvpool.operator import names
 from kvpool.operator.names import POOLS
-from kvpool.operator.rbac import allowed, implied_permissions, request_permission
+from kvpool.operator.rbac import implied_permissions
 from testing.kube_api import WRITE_METHODS, ApiServer, by_operator, declare_resources
+from tests.chart.grants import Grant, refused
 
 NAMESPACE = "team-a"
 T = TypeVar("T")
@@ -35,6 +36,7 @@ PATHS = {
     ("apps/v1", "StatefulSet"): ("/apis/apps/v1", "statefulsets"),
     ("v1", "Service"): ("/api/v1", "services"),
     ("v1", "ConfigMap"): ("/api/v1", "configmaps"),
+    ("v1", "Pod"): ("/api/v1", "pods"),
     (POOLS.api_version, POOLS.kind): (f"/apis/{POOLS.group}/{POOLS.version}", POOLS.plural),
 }
 
@@ -98,16 +100,11 @@ class SessionApiServer(ApiServer):
         del self._requests[:-1]
         return await super()._handle(request)
 
-    def unauthorised(self) -> list[str]:
-        """The operator's requests that its RBAC rules (and the admission checks on them) would refuse."""
-        refused = []
-        for method, url, body in self.operator_requests:
-            permission = request_permission(method, url)
-            needed = [permission] if permission is not None else []
-            needed += implied_permissions(method, body)
-            if any(allowed(p) is None for p in needed):
-                refused.append(f"{method} {url}")
-        return refused
+    def unauthorised(self, granted: set[Grant]) -> list[str]:
+        """The operator's requests that ``granted`` (what the chart's rendered roles give its
+        ServiceAccount, namespace by namespace) and the admission checks on them would refuse."""
+        requests = [(m, url, implied_permissions(m, body)) for m, url, body in self.operator_requests]
+        return refused(requests, granted)
 
 
 class ApiThread:

@@ -7,7 +7,7 @@ import yaml
 
 from kvpool.operator import metric_names, metrics
 from kvpool.operator.cli import _parser, main, options_from_args
-from kvpool.operator.generated import RBAC_RULES_PATH, generated_files
+from kvpool.operator.generated import RBAC_RULES_PATH, TENANT_RULES_PATHS, generated_files
 from kvpool.operator.policy import CONTROL_PLANE_KEYS
 from kvpool.operator.rbac import RULES, WEBHOOK_RULES, Permission, allowed, request_permission
 from kvpool.operator.spec import format_bytes, parse_quantity
@@ -62,6 +62,9 @@ def test_cli_prints_rbac_as_the_chart_ships_it(capsys: pytest.CaptureFixture[str
     assert printed == generated_files()[RBAC_RULES_PATH]
     assert main(["rbac", "--webhook-managed"]) == 0
     assert yaml.safe_load(capsys.readouterr().out) == [r.as_dict() for r in RULES + WEBHOOK_RULES]
+    for role, path in TENANT_RULES_PATHS.items():
+        assert main(["rbac", "--tenant", role]) == 0
+        assert capsys.readouterr().out == generated_files()[path]
 
 
 def test_cli_run_options() -> None:
