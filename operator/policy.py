@@ -19,10 +19,8 @@ import re
 from dataclasses import dataclass
 
 from kvpool.connector.contract.layout import Problem
-from kvpool.operator.spec import PoolSpec, Toleration
+from kvpool.operator.spec import CONTROL_PLANE_KEYS, PoolSpec, Toleration
 
-# Taint keys and node labels of the control plane's nodes: never tolerated, never selected.
-CONTROL_PLANE_KEYS = ("node-role.kubernetes.io/control-plane", "node-role.kubernetes.io/master")
 # Kubernetes reserves this prefix for its own priority classes (system-cluster-critical,
 # system-node-critical): pods there preempt anything, and evict last.
 SYSTEM_PRIORITY_PREFIX = "system-"

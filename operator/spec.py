@@ -102,10 +102,36 @@ class ComputeResources(_Model):
     requests: dict[str, Quantity] = Field(default_factory=dict)
 
 
-class Toleration(_Model):
-    """A Pod toleration."""
+# Taint keys and node labels of the control plane's nodes: a pool never tolerates or selects
+# them, whatever the admin's policy says (CEL rules in the CRD; ``policy`` checks them too).
+CONTROL_PLANE_KEYS = ("node-role.kubernetes.io/control-plane", "node-role.kubernetes.io/master")
+_CONTROL_PLANE_LIST = "[" + ", ".join(f"'{key}'" for key in CONTROL_PLANE_KEYS) + "]"
 
-    key: str | None = None
+
+def _cel(*rules: tuple[str, str]) -> dict[str, Any]:
+    """``x-kubernetes-validations``: CEL rules the API server checks (rule, message)."""
+    return {"x-kubernetes-validations": [{"rule": rule, "message": message} for rule, message in rules]}
+
+
+class Toleration(_Model):
+    """A Pod toleration (never of the control plane's taints, never of every taint)."""
+
+    model_config = ConfigDict(
+        **_Model.model_config,
+        json_schema_extra=_cel(
+            (
+                f"!has(self.key) || !(self.key in {_CONTROL_PLANE_LIST})",
+                "pools never tolerate the control plane's taints",
+            ),
+            (
+                "(has(self.key) && self.key != '') || !has(self.operator) || self.operator != 'Exists'",
+                "a toleration without a key tolerates every taint, the control plane's too",
+            ),
+        ),
+    )
+
+    # Bounded, as the CEL rules' cost must be (a label key: 253 + "/" + 63).
+    key: Annotated[str, StringConstraints(max_length=317)] | None = None
     operator: Literal["Exists", "Equal"] | None = None
     value: str | None = None
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
@@ -114,7 +140,25 @@ class Toleration(_Model):
 
 Labels = Annotated[dict[str, str], Field(min_length=1)]
 PriorityClassName = Annotated[
-    str, StringConstraints(pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$", max_length=253)
+    str,
+    StringConstraints(pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$", max_length=253),
+    Field(
+        json_schema_extra=_cel(
+            ("!self.startsWith('system-')", "the system- priority classes are reserved for the cluster's own")
+        )
+    ),
+]
+NodeSelector = Annotated[
+    dict[str, str],
+    Field(
+        max_length=64,
+        json_schema_extra=_cel(
+            (
+                " && ".join(f"!('{key}' in self)" for key in CONTROL_PLANE_KEYS),
+                "pools never run on the control plane's nodes",
+            )
+        ),
+    ),
 ]
 
 
@@ -149,8 +193,8 @@ class MasterSpec(_Model):
         description="Requests and limits; each one not given takes the operator's default "
         "(requests cpu 250m, memory 512Mi; limit memory 2Gi).",
     )
-    node_selector: dict[str, str] = Field(default_factory=dict)
-    tolerations: list[Toleration] = Field(default_factory=list)
+    node_selector: NodeSelector = Field(default_factory=dict)
+    tolerations: list[Toleration] = Field(default_factory=list, max_length=64)
     priority_class_name: PriorityClassName | None = Field(default=None, description="Of the master pods.")
     extra_args: list[str] = Field(default_factory=list, description="More mooncake_master flags.")
 
@@ -178,8 +222,8 @@ class StoreSpec(_Model):
         description="Requests and limits; a memory limit must hold segmentSize plus the client's "
         "overhead (512Mi); without one, the operator sets exactly that.",
     )
-    node_selector: dict[str, str] = Field(default_factory=dict)
-    tolerations: list[Toleration] = Field(default_factory=list)
+    node_selector: NodeSelector = Field(default_factory=dict)
+    tolerations: list[Toleration] = Field(default_factory=list, max_length=64)
     priority_class_name: PriorityClassName | None = Field(default=None, description="Of the store pods.")
     extra_args: list[str] = Field(default_factory=list, description="More mooncake_client flags.")
 

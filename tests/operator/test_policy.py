@@ -191,3 +191,26 @@ async def test_a_pool_on_the_control_plane_is_refused_and_nothing_written(
     await eventually(lambda: cluster.handled("pool"), what="kopf is done with the pool")
     written = [r for r in cluster.writes() if r.resource is not None and r.resource.plural != "events"]
     assert {r.resource.plural for r in written} <= {"mooncakekvpools"}
+
+
+def test_the_crd_keeps_pools_off_the_control_plane_too() -> None:
+    """What no policy may allow is also refused by the API server: CEL rules in the CRD,
+    generated from the spec models, with bounds that keep their cost estimate small."""
+    from kvpool.operator.crd import build_crd
+
+    spec = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    for component in ("master", "store"):
+        props = spec["properties"][component]["properties"]
+        (selector,) = props["nodeSelector"]["x-kubernetes-validations"]
+        assert all(f"!('{key}' in self)" in selector["rule"] for key in CONTROL_PLANE_KEYS)
+        assert props["nodeSelector"]["maxProperties"] == 64
+        (priority,) = props["priorityClassName"]["x-kubernetes-validations"]
+        assert (
+            priority["rule"] == "!self.startsWith('system-')"
+            and props["priorityClassName"]["maxLength"] == 253
+        )
+        tolerations = props["tolerations"]
+        assert tolerations["maxItems"] == 64 and tolerations["items"]["properties"]["key"]["maxLength"] == 317
+        protected, keyless = tolerations["items"]["x-kubernetes-validations"]
+        assert all(f"'{key}'" in protected["rule"] for key in CONTROL_PLANE_KEYS)
+        assert "self.operator != 'Exists'" in keyless["rule"]
