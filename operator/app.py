@@ -75,6 +75,10 @@ def kopf_settings(options: OperatorOptions) -> kopf.OperatorSettings:
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=names.PREFIX, key="last-handled-configuration"
     )
+    # Only the operator's own Events (kopf.event); never kopf's log lines (handler outcomes,
+    # exception texts) where every reader of the pool's Events sees them. kopf < 1.44 posts
+    # them unless told not to; pyproject requires 1.44 and this says so whatever the default.
+    settings.posting.loggers = False
     settings.posting.level = logging.INFO
     settings.posting.reporting_component = names.MANAGER
     settings.scanning.disabled = True
