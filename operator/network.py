@@ -30,8 +30,9 @@ an operator-made policy on consumers may only take away, never add:
   its first port only, which would cut the consumers' other ports (vLLM's API) off: no
   policy, and the transfer ports stay open as before.
 
-The pool says which applies (``status.warnings``), and the next pass follows a change of
-the namespace's policies.
+The etcd pods named by ``ha.etcdPodSelector`` are the tenant's too: their policy is added
+only where none of the namespace's own selects them. The pool says which applies
+(``status.warnings``), and the next pass follows a change of the namespace's policies.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvpool.connector.contract.layout import Problem
 from kvpool.operator import names
-from kvpool.operator.names import DEPLOYMENTS, NETWORK_POLICIES
+from kvpool.operator.names import DEPLOYMENTS, NETWORK_POLICIES, PODS
 from kvpool.operator.policy import OperatorPolicy
 from kvpool.operator.spec import PoolSpec
 
@@ -129,10 +130,12 @@ def consumers_network_policy(pool: str, namespace: str) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class NamespaceNetwork:
-    """What the namespace's own NetworkPolicies do to a pool's consumers: the names of those
-    that select a consumer's pods for ingress (empty: none does, all is open to them)."""
+    """What the namespace's own NetworkPolicies do to the pods a pool did not create: the names
+    of those that select a consumer's pods for ingress (empty: none does, all is open to them),
+    and of those that select the etcd pods named by ``ha.etcdPodSelector``."""
 
     guarding: tuple[str, ...] = ()
+    etcd_guarding: tuple[str, ...] = ()
 
 
 def selects(selector: Mapping[str, Any] | None, labels: Mapping[str, str]) -> bool:
@@ -207,7 +210,42 @@ async def read_namespace_network(kube: KubeClient, pool: Mapping[str, Any]) -> N
             continue
         template = ((deployment.get("spec") or {}).get("template") or {}).get("metadata") or {}
         pods.append({**(template.get("labels") or {}), names.LABEL_POOL: name})
-    return NamespaceNetwork(guarding_policies(policies, pods, uid))
+    etcd_guarding: tuple[str, ...] = ()
+    etcd_selector = etcd_pod_selector(pool.get("spec"))
+    if etcd_selector:
+        selector = ",".join(f"{key}={value}" for key, value in sorted(etcd_selector.items()))
+        etcd_pods = await kube.list(PODS, namespace, label_selector=selector)
+        etcd_labels = [(p.get("metadata") or {}).get("labels") or {} for p in etcd_pods] or [etcd_selector]
+        etcd_guarding = guarding_policies(policies, etcd_labels, uid)
+    return NamespaceNetwork(guarding_policies(policies, pods, uid), etcd_guarding)
+
+
+def etcd_pod_selector(raw_spec: Mapping[str, Any] | None) -> dict[str, str]:
+    """The etcd pods' labels a raw pool spec names (empty when it names none, or is not HA)."""
+    ha = ((raw_spec or {}).get("master") or {}).get("ha") or {}
+    selector = ha.get("etcdPodSelector") if isinstance(ha, Mapping) and ha.get("enabled") else None
+    if not isinstance(selector, Mapping):
+        return {}
+    return {str(k): str(v) for k, v in selector.items() if isinstance(v, str)}
+
+
+def etcd_protection(
+    pool: str, namespace: str, spec: PoolSpec, network: NamespaceNetwork
+) -> tuple[dict[str, Any] | None, list[Problem]]:
+    """The etcd pods' policy where none of the namespace's own selects them (it then only takes
+    away: their client ports to the pool's pods, anything from the members), else None."""
+    if not network.etcd_guarding:
+        return etcd_network_policy(pool, namespace, spec), []
+    named = ", ".join(network.etcd_guarding)
+    return None, [
+        Problem(
+            field="spec.master.ha.etcdPodSelector",
+            rule="etcd-namespace-policy",
+            message=f"the namespace's NetworkPolicies ({named}) select the etcd pods: the operator adds "
+            "no policy to them (it would widen what those admit); they must let the pool's pods "
+            f"({names.LABEL_POOL}={pool}) in on the etcd client ports",
+        )
+    ]
 
 
 def consumers_protection(

@@ -28,7 +28,7 @@ from kvpool.operator.names import (
 from kvpool.operator.network import (
     NamespaceNetwork,
     consumers_protection,
-    etcd_network_policy,
+    etcd_protection,
     network_policy,
 )
 from kvpool.operator.policy import OperatorPolicy
@@ -101,6 +101,9 @@ def build_plan(
         children.append(pod_disruption_budget(pool, namespace, names.STORE))
     enabled = spec.network_policy.enabled
     guard_etcd = enabled and spec.master.ha.enabled and bool(spec.master.ha.etcd_pod_selector)
+    etcd_policy, etcd_warnings = (
+        etcd_protection(pool, namespace, spec, network or NamespaceNetwork()) if guard_etcd else (None, [])
+    )
     consumers_policy, network_warnings = (
         consumers_protection(pool, namespace, network or NamespaceNetwork(), policy.network_policy_end_port)
         if enabled
@@ -109,7 +112,7 @@ def build_plan(
     policies = [
         (names.network_policy_name(pool), enabled and network_policy(pool, namespace, spec, policy)),
         (names.consumers_network_policy_name(pool), consumers_policy),
-        (names.etcd_network_policy_name(pool), guard_etcd and etcd_network_policy(pool, namespace, spec)),
+        (names.etcd_network_policy_name(pool), etcd_policy),
     ]
     for name, obj in policies:
         if obj:
@@ -119,7 +122,7 @@ def build_plan(
     return Plan(
         pool=pool,
         namespace=namespace,
-        warnings=warnings(spec) + network_warnings,
+        warnings=warnings(spec) + network_warnings + etcd_warnings,
         master_address=address,
         embedded=embedded,
         ha=spec.master.ha.enabled,

@@ -22,6 +22,7 @@ from kvpool.operator.network import (
     NamespaceNetwork,
     consumers_network_policy,
     guarding_policies,
+    read_namespace_network,
 )
 from kvpool.operator.plan import build_plan
 from kvpool.operator.policy import OperatorPolicy
@@ -39,11 +40,16 @@ NEIGHBOUR = Pod("batch-0", NAMESPACE, {"app": "batch"})
 OUTSIDER = Pod("scanner-0", OTHER, {"app": "scanner"})
 MASTER = Pod("pool-master-0", NAMESPACE, names.selector("pool", names.MASTER))
 STORE = Pod("pool-store-0", NAMESPACE, names.selector("pool", names.STORE))
-SOURCES = (CONSUMER, GATEWAY, NEIGHBOUR, OUTSIDER, MASTER, STORE)
-TENANT_PODS = (CONSUMER, GATEWAY, NEIGHBOUR)  # pods that were there before the pool
+ETCD = Pod("etcd-0", NAMESPACE, {"app": "etcd", "role": "kv-metadata"})  # the tenant's, named by the pool
+SOURCES = (CONSUMER, GATEWAY, NEIGHBOUR, OUTSIDER, MASTER, STORE, ETCD)
+TENANT_PODS = (CONSUMER, GATEWAY, NEIGHBOUR, ETCD)  # pods that were there before the pool
+HA = {
+    "replicas": 2,
+    "ha": {"enabled": True, "etcdEndpoints": ["etcd-0.etcd:2379"], "etcdPodSelector": {"app": "etcd"}},
+}
 TRANSFER = (TRANSFER_PORT_MIN, 16000, TRANSFER_PORT_MAX)
 OTHER_PORTS = ((8000, "TCP"), (1, "TCP"), (TRANSFER_PORT_MIN - 1, "TCP"), (TRANSFER_PORT_MAX + 1, "TCP"),
-               (65535, "TCP"), (53, "UDP"), (9, "SCTP"))  # fmt: skip
+               (65535, "TCP"), (53, "UDP"), (9, "SCTP"), (2379, "TCP"), (2380, "TCP"))  # fmt: skip
 PORTS = tuple((port, "TCP") for port in TRANSFER) + OTHER_PORTS
 
 
@@ -71,12 +77,16 @@ KINDS = {
 }
 
 
-def rendered(admin: tuple[dict[str, Any], ...], end_port: bool) -> tuple[list[dict[str, Any]], list[str]]:
+def rendered(
+    admin: tuple[dict[str, Any], ...], end_port: bool, ha: bool = False
+) -> tuple[list[dict[str, Any]], list[str]]:
     """The pool's NetworkPolicies (and its warnings' rules) in a namespace with ``admin``."""
-    network = NamespaceNetwork(guarding_policies(admin, [dict(CONSUMER.labels)], POOL_UID))
-    plan = build_plan(
-        "pool", NAMESPACE, pool_spec(), OperatorPolicy(network_policy_end_port=end_port), network
+    network = NamespaceNetwork(
+        guarding_policies(admin, [dict(CONSUMER.labels)], POOL_UID),
+        guarding_policies(admin, [dict(ETCD.labels)], POOL_UID),
     )
+    spec = pool_spec(master=HA) if ha else pool_spec()
+    plan = build_plan("pool", NAMESPACE, spec, OperatorPolicy(network_policy_end_port=end_port), network)
     assert plan.valid, plan.problems
     policies = [c for c in plan.children if c["kind"] == "NetworkPolicy"]
     return policies, [w.rule for w in plan.warnings]
@@ -92,19 +102,21 @@ def widened(before: Network, after: Network) -> list[str]:
     ]
 
 
+@pytest.mark.parametrize("ha", [False, True], ids=["single master", "HA on the tenant's etcd"])
 @pytest.mark.parametrize("end_port", [True, False], ids=["endPort", "no endPort"])
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_the_pools_policies_never_widen_access(kind: str, end_port: bool) -> None:
+def test_the_pools_policies_never_widen_access(kind: str, end_port: bool, ha: bool) -> None:
     admin = KINDS[kind]
-    policies, _ = rendered(admin, end_port)
+    policies, _ = rendered(admin, end_port, ha)
     before = Network(NAMESPACES, admin, end_port)
     after = before.with_policies(policies)
     assert widened(before, after) == []
-    # ...and cut off no port of the tenant's pods but the consumers' transfer ports.
+    # ...and cut off no port of the tenant's pods but the consumers' transfer ports (etcd pods
+    # named by the pool are kept to the pool's pods and their members: what the author asked).
     cut = [
         f"{source.name} -> {target.name}:{port}/{protocol}"
         for source in SOURCES
-        for target in TENANT_PODS
+        for target in (CONSUMER, GATEWAY, NEIGHBOUR)
         for port, protocol in OTHER_PORTS
         if before.admits(source, target, port, protocol) and not after.admits(source, target, port, protocol)
     ]
@@ -139,6 +151,16 @@ def test_where_protection_would_widen_there_is_none_and_the_pool_says_so(
     assert warnings == [rule]
 
 
+def test_etcd_pods_get_a_policy_only_where_none_of_the_namespaces_selects_them() -> None:
+    policies, warnings = rendered((), True, ha=True)
+    assert names.etcd_network_policy_name("pool") in {p["metadata"]["name"] for p in policies}
+    after = Network(NAMESPACES, (), True).with_policies(policies)
+    assert after.admits(MASTER, ETCD, 2379) and not after.admits(OUTSIDER, ETCD, 2379)
+    policies, warnings = rendered(KINDS["default-deny"], True, ha=True)
+    assert names.etcd_network_policy_name("pool") not in {p["metadata"]["name"] for p in policies}
+    assert warnings == ["consumers-namespace-policy", "etcd-namespace-policy"]
+
+
 def test_the_model_bites_the_unconditional_consumer_policy() -> None:
     """The policy the operator used to add everywhere: in a default-deny namespace it opens
     vLLM's API to every pod of the cluster; on a plugin without endPort it cuts it off."""
@@ -169,3 +191,42 @@ async def test_the_operator_follows_the_namespaces_policies(cluster: Cluster, op
     assert response.status == 200
     await eventually(lambda: cluster.get(NETPOL, "pool-consumers") is not None, what="consumers' policy")
     await eventually(lambda: cluster.pool_status("pool").get("warnings") in (None, []), what="warning gone")
+
+
+class FakeKube:
+    """Answers ``list`` and ``get`` from fixed objects, recording the label selectors asked."""
+
+    def __init__(self, objects: dict[str, list[dict[str, Any]]]):
+        self.objects = objects
+        self.selectors: list[str | None] = []
+
+    async def list(self, resource: Any, namespace: str, label_selector: str | None = None) -> list[dict]:
+        self.selectors.append(label_selector)
+        return list(self.objects.get(resource.plural, []))
+
+    async def get(self, resource: Any, namespace: str, name: str) -> dict[str, Any] | None:
+        found = [o for o in self.objects.get(resource.plural, []) if o["metadata"]["name"] == name]
+        return found[0] if found else None
+
+
+@pytest.mark.asyncio
+async def test_the_namespace_is_read_with_the_consumers_and_etcd_pods_labels() -> None:
+    pool = pool_manifest(spec=pool_spec(master=HA))
+    pool["metadata"]["uid"] = POOL_UID
+    own = admin_policy("pool-consumers", {}, [])
+    own["metadata"]["ownerReferences"] = [{"uid": POOL_UID}]
+    etcd_only = admin_policy("etcd-from-backup", {"matchLabels": {"role": "kv-metadata"}}, [])
+    kube = FakeKube(
+        {
+            "networkpolicies": [own, etcd_only, GATEWAY_ONLY],
+            "deployments": [vllm_deployment()],
+            "pods": [{"metadata": {"name": "etcd-0", "labels": dict(ETCD.labels)}}],
+        }
+    )
+    network = await read_namespace_network(kube, pool)  # type: ignore[arg-type]
+    # The pool's own policy never counts; the gateway policy selects the consumer's pods ("app: llm"
+    # from its pod template); the backup policy selects etcd by a label the selector does not name.
+    assert network == NamespaceNetwork(("llm-from-gateway",), ("etcd-from-backup",))
+    assert "app=etcd" in kube.selectors
+    only_own = FakeKube({"networkpolicies": [own]})
+    assert await read_namespace_network(only_own, pool) == NamespaceNetwork()  # type: ignore[arg-type]
