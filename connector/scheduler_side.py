@@ -418,8 +418,8 @@ class SchedulerSide:
             elif req_id in self._load_failed:
                 _rewind(tracked, start)
                 self._saving[req_id] = tracked
-        if num_external == 0 and plan is None:
-            return
+        if num_external == 0:
+            return  # nothing external (or vLLM declined the hit): vLLM expects no load
         load = self._load_plan(request, block_ids, num_external, plan)
         self._pending_loads.append(load)
         # Its request comes back to lookup after a failure: remember what it loads.

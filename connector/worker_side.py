@@ -181,6 +181,7 @@ class WorkerSide:
         self._async_jobs: dict[str, tuple[RequestLoad, Job]] = {}
         self._jobs = JobBoard()
         self._job_of: dict[int, Job] = {}  # id(RequestLoad | RequestSave) -> its job
+        self._futures: dict[Job, Future[Any]] = {}  # of jobs submitted and not yet returned
         self._load_errors: set[int] = set()
         self._local = threading.local()
         self._slots: list[StagingSlot] = []
@@ -404,11 +405,24 @@ class WorkerSide:
                 if job.abandoned:
                     self._retire_slot()
                 job.returned()
-                self._jobs.remove(job)
-                with self._lock:
-                    self._job_of.pop(id(request), None)
+                self._forget(job, request)
 
-        return self._pool.submit(run)
+        future = self._pool.submit(run)
+        with self._lock:
+            self._futures[job] = future
+        future.add_done_callback(lambda _: self._drop_future(job))
+        return future
+
+    def _drop_future(self, job: Job) -> None:
+        with self._lock:
+            self._futures.pop(job, None)
+
+    def _forget(self, job: Job, request: RequestLoad | RequestSave | None = None) -> None:
+        """A job that returned (or never ran) leaves the board."""
+        self._jobs.remove(job)
+        if request is not None:
+            with self._lock:
+                self._job_of.pop(id(request), None)
 
     def _job(self, request: RequestLoad | RequestSave, timeout_s: float) -> Job:
         """The job of ``request`` (a fresh one when it was not submitted by this class)."""
@@ -828,8 +842,14 @@ class WorkerSide:
                 len(abandoned),
                 self.deadlines.shutdown_s,
             )
+        with self._lock:
+            submitted = dict(self._futures)
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._fetchers.shutdown(wait=False)
+        cancelled = [job for job, future in submitted.items() if future.cancelled()]
+        for job in cancelled:  # never started: nothing of it is in the pool
+            job.returned()
+            self._forget(job)
         for job in self._jobs.live():
             job.wait(deadline=time.monotonic() + 0.05)
         if self._jobs.live():

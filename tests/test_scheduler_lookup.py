@@ -7,6 +7,7 @@ the hybrid hit allows and plan loads of exactly the masked blocks.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ from vllm.v1.request import RequestStatus
 
 from kvpool.connector.contract.keys import hash_digest
 from kvpool.connector.metadata import PoolConnectorMetadata
+from testing.engine import scheduler_of
 from testing.kv_cache import GroupDesc
 from testing.models import build_gemma3
 from testing.scheduler import (
@@ -21,6 +23,7 @@ from testing.scheduler import (
     local_pool_transfer,
     make_request,
     make_scheduler,
+    matched_tokens,
     schedule_answered,
 )
 
@@ -196,5 +199,69 @@ def test_one_round_trip_per_lookup(model_dir, pool_settings, local_pool) -> None
         assert _master_counter(local_pool, "master_batch_exist_key_items_total") - items == 2 * 40
         (record,) = scheduler.connector.stats.lookups
         assert tuple(record.present_blocks) == (0, 0) and tuple(record.group_hit_tokens) == (0, 0)
+    finally:
+        scheduler.shutdown()
+
+
+def test_a_load_other_than_the_planned_one_is_refused_and_recomputed(
+    model_dir, pool_settings, pool_client, monkeypatch
+) -> None:
+    """vLLM allocates for a number of external tokens the lookup did not plan (here one block
+    more): the connector loads nothing rather than load a plan that is not what vLLM counts as
+    computed, and the request recomputes; the engine core never raises."""
+    from kvpool.connector.connector import KVPoolConnector
+
+    scheduler = make_scheduler(model_dir, [GroupDesc("full", 32)], local_pool_transfer(pool_settings))
+    try:
+        request = make_request(scheduler, list(range(1, 1 + 6 * 32 + 3)))
+        store_blocks(pool_client, scheduler, request, {0: range(4)})
+        answer = KVPoolConnector.get_num_new_matched_tokens
+
+        def one_block_more(self, req, num_computed):
+            tokens, load_async = answer(self, req, num_computed)
+            return (tokens if not tokens else tokens + 32), load_async
+
+        monkeypatch.setattr(KVPoolConnector, "get_num_new_matched_tokens", one_block_more)
+        scheduler.add_request(request)
+        output = admit(scheduler)
+        assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        load = _load_of(output, request.request_id)
+        assert load is not None and load.refused and not load.groups
+        monkeypatch.undo()
+        # What every worker then reports (``WorkerSide`` reports a refused load failed).
+        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+        failed = KVConnectorOutput(finished_recving={request.request_id}, failed_recving={request.request_id})
+        scheduler.update_from_output(
+            output, ModelRunnerOutput(req_ids=[], req_id_to_index={}, kv_connector_output=failed)
+        )
+        rerun = scheduler.schedule()
+        assert rerun.num_scheduled_tokens.get(request.request_id) == len(request.prompt_token_ids)
+        assert _load_of(rerun, request.request_id) is None, "the request never takes the pool's word again"
+    finally:
+        scheduler.shutdown()
+
+
+def test_a_lookup_answer_older_than_the_lookup_deadline_is_asked_again(
+    model_dir, pool_settings, pool_client
+) -> None:
+    """A request vLLM could not allocate for a while keeps its lookup answer, but not past
+    ``lookup_timeout_s``: the blocks may have left the pool meanwhile."""
+    scheduler = make_scheduler(
+        model_dir, [GroupDesc("full", 32)], local_pool_transfer(pool_settings, lookup_timeout_s=0.5)
+    )
+    try:
+        request = make_request(scheduler, list(range(1, 1 + 6 * 32 + 3)))
+        store_blocks(pool_client, scheduler, request, {0: range(4)})
+        connector = scheduler.connector
+        assert matched_tokens(connector, request) == (4 * 32, True)
+        # The blocks leave the pool (evicted) while vLLM has not allocated the request yet.
+        coord = scheduler_of(connector).coordinator
+        view = coord.group_block_hashes(0, request.block_hashes)
+        keys = [connector.keyspace.key(0, 0, 0, hash_digest(bytes(view[i]))) for i in range(4)]
+        assert pool_client.remove(keys) == [0] * 4
+        assert connector.get_num_new_matched_tokens(request, 0) == (4 * 32, True), "fresh: kept"
+        time.sleep(0.6)
+        assert matched_tokens(connector, request) == (0, False), "stale: asked again, a miss"
     finally:
         scheduler.shutdown()

@@ -124,8 +124,7 @@ def test_empty_load_finishes_at_once(worker) -> None:
 def test_missing_keys_fail_the_hybrid_load(worker) -> None:
     w, caches = worker
     before = caches["l2"][:, 9].clone()
-    load = RequestLoad(
-        "gone", [GroupTransfer(0, ["never-saved"], [9]), GroupTransfer(1)], hit_tokens=32)
+    load = RequestLoad("gone", [GroupTransfer(0, ["never-saved"], [9]), GroupTransfer(1)], hit_tokens=32)
     w.start_loads(PoolConnectorMetadata(loads=[load]))
     recving, failed = wait_results(w, "gone")
     assert "gone" in recving and "gone" in failed
@@ -217,3 +216,63 @@ def test_an_engine_after_another_on_the_same_client_registers_its_memory(pool_cl
         assert torch.equal(second_cache[:, 3], stored)
     finally:
         second.shutdown()
+
+
+def test_a_refused_load_is_reported_failed_without_touching_anything(worker) -> None:
+    """The scheduler refuses a load vLLM allocated other than planned: every worker reports
+    it finished and failed (its request recomputes), and moves nothing."""
+    w, caches = worker
+    before = {name: t.clone() for name, t in caches.items()}
+    load = RequestLoad("refused", [], hit_tokens=0, refused=True)
+    finished, failed = run_loads(w, [load])
+    assert finished == {"refused"} and failed == {"refused"}
+    assert all(torch.equal(caches[name], before[name]) for name in caches)
+    assert not w.stats.transfers, "nothing was transferred"
+
+
+def test_shutdown_forgets_transfers_that_never_started(pool_client, cache_prefix, monkeypatch) -> None:
+    """Saves still queued behind busy transfer threads are cancelled at shutdown: they never
+    ran, so once the busy ones return nothing is in flight (no call is reported stuck)."""
+    import threading
+
+    from kvpool.connector.worker_side import TRANSFER_THREADS, Deadlines
+
+    gate = threading.Event()
+    ran: list[str] = []
+
+    def busy_save(self, save) -> None:
+        ran.append(save.req_id)
+        gate.wait(30)
+
+    monkeypatch.setattr(WorkerSide, "_save_request", busy_save)
+    w = single_group_worker(
+        pool_client, cache_prefix, num_blocks=NUM_BLOCKS, deadlines=Deadlines(shutdown_s=0.05)
+    )
+    w.register_kv_caches({"l0": torch.randn(SHAPE)})
+    saves = [
+        RequestSave(f"s{i}", [GroupTransfer(0, [f"d{i}"], [1 + i])]) for i in range(TRANSFER_THREADS + 2)
+    ]
+    w.start_saves(PoolConnectorMetadata(saves=saves))
+    deadline = time.monotonic() + 30
+    while len(ran) < TRANSFER_THREADS:
+        assert time.monotonic() < deadline, "the transfer threads never started"
+        time.sleep(0.01)
+    try:
+        assert w.shutdown() is False, "the busy saves are still in flight"
+    finally:
+        gate.set()
+    while w._jobs.stalled:
+        assert time.monotonic() < deadline, "a transfer that never started is still taken for stuck"
+        time.sleep(0.01)
+    assert w.shutdown() is True
+    assert len(ran) == TRANSFER_THREADS, "the queued saves never ran"
+
+
+def test_get_finished_refuses_rather_than_report_a_failed_load_as_a_success() -> None:
+    """vLLM's older ``get_finished`` has no way to say a load failed: a caller of it (vLLM
+    0.32 calls ``get_transfer_results``) is told so at once, never handed a success."""
+    pytest.importorskip("vllm")
+    from kvpool.connector.connector import KVPoolConnector
+
+    with pytest.raises(NotImplementedError, match="get_transfer_results"):
+        KVPoolConnector.get_finished(object(), set())  # type: ignore[arg-type]
