@@ -69,6 +69,22 @@ def consumer_connector_settings(
     )
 
 
+def explicit_extra_config(settings: ConnectorSettings) -> dict[str, Any]:
+    """``kv_connector_extra_config`` with only the settings that differ from the contract's
+    defaults: the connector in the consumer's image applies its own defaults, so a release
+    that adds a setting with its default renders (and rolls) nothing new."""
+    return settings.model_dump(mode="json", exclude_defaults=True)
+
+
+def kv_transfer_config_json(settings: ConnectorSettings, kv_role: str = "kv_both") -> str:
+    """The ``--kv-transfer-config`` value: the contract's, with only the explicit settings."""
+    config = {
+        **settings.kv_transfer_config(kv_role),
+        "kv_connector_extra_config": explicit_extra_config(settings),
+    }
+    return json.dumps(config, sort_keys=True, separators=(",", ":"))
+
+
 def spec_field_of(setting: str) -> str:
     """The spec path a contract settings field comes from."""
     return SPEC_FIELDS.get(setting, f"spec.connector.{setting}")
@@ -83,6 +99,6 @@ def connector_configmap(pool: str, namespace: str, settings: ConnectorSettings) 
         "data": {
             names.MOONCAKE_CONFIG_FILE: json.dumps(settings.mooncake_config(), indent=2, sort_keys=True)
             + "\n",
-            names.KV_TRANSFER_CONFIG_FILE: settings.kv_transfer_config_json(),
+            names.KV_TRANSFER_CONFIG_FILE: kv_transfer_config_json(settings),
         },
     }

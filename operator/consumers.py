@@ -24,10 +24,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpool.connector.contract.layout import fingerprint
-from kvpool.connector.contract.settings import CONFIG_PATH_ENV, ConnectorSettings
+from kvpool.connector.contract.settings import CONFIG_PATH_ENV, CONNECTOR_NAME, ConnectorSettings
 from kvpool.operator import names
 from kvpool.operator.components import POD_IP_ENV, pod_ip_env
-from kvpool.operator.connector_settings import CONFIG_PATH, PYTHONHASHSEED, consumer_connector_settings
+from kvpool.operator.connector_settings import (
+    CONFIG_PATH,
+    PYTHONHASHSEED,
+    consumer_connector_settings,
+    kv_transfer_config_json,
+)
 from kvpool.operator.merge_patch import diff, digest
 from kvpool.operator.names import POOLS
 from kvpool.operator.network import TRANSFER_PORT_ENV
@@ -72,19 +77,22 @@ class Injection:
     env: tuple[tuple[str, str], ...]
     layout_fingerprint: str
     config_hash: str
+    kv_cache_dtype: str = "auto"  # the declared layout's dtype (vLLM's --kv-cache-dtype)
 
 
 def plan_injection(
     pool: str, consumer: ConsumerSpec, settings: ConnectorSettings, configmap: Mapping[str, Any]
 ) -> Injection:
-    """The injection for ``consumer``; its hash covers everything that reaches the pods."""
+    """The injection for ``consumer``; its hash covers what matters to the consumer's pods:
+    the transfer config (explicit settings only, never defaults), the env, the mount, the
+    layout. The ConfigMap's files hold the same settings (the transfer config overrides
+    them), so a rendering of the files alone never rolls a consumer."""
     consumer_settings = consumer_connector_settings(settings, consumer.layout)
-    kv_config = consumer_settings.kv_transfer_config_json(consumer.kv_role)
+    kv_config = kv_transfer_config_json(consumer_settings, consumer.kv_role)
     layout_fingerprint = fingerprint(consumer.layout)
     config_hash = digest(
         {
             "kvTransferConfig": kv_config,
-            "configMap": dict(configmap["data"]),
             "env": dict(VALUE_ENV),
             "mountPath": names.CONNECTOR_MOUNT_PATH,
             "layout": layout_fingerprint,
@@ -99,6 +107,7 @@ def plan_injection(
         env=VALUE_ENV,
         layout_fingerprint=layout_fingerprint,
         config_hash=config_hash,
+        kv_cache_dtype=consumer.layout.dtype,
     )
 
 
@@ -131,6 +140,109 @@ def refusal(deployment: Mapping[str, Any], pool: str) -> Refusal | None:
         found = "has no such label" if allowed is None else f"allows pool {allowed!r}"
         label = f"{names.LABEL_ALLOW_POOL}={pool}"
         return Refusal("consent", f"{where} needs the label {label} to take its settings ({found})")
+    return None
+
+
+# --- what injection cannot do -------------------------------------------------------------
+
+SHELLS = frozenset({"sh", "bash", "dash", "ash", "zsh", "ksh", "busybox"})
+DTYPE_FLAGS = ("--kv-cache-dtype", "--kv_cache_dtype")
+
+
+def _flag_values(tokens: list[str], spellings: tuple[str, ...]) -> list[str]:
+    """The values of a ``--flag value`` / ``--flag=value`` option in ``tokens``."""
+    values = []
+    for index, token in enumerate(tokens):
+        name, eq, inline = token.partition("=")
+        if name in spellings:
+            values.append(inline if eq else (tokens[index + 1] if index + 1 < len(tokens) else ""))
+    return values
+
+
+def _is_ours(kv_config: str) -> bool:
+    """Whether a ``--kv-transfer-config`` value loads this project's connector (an earlier injection)."""
+    try:
+        parsed = json.loads(kv_config)
+    except ValueError:
+        return False
+    return isinstance(parsed, dict) and parsed.get("kv_connector") == CONNECTOR_NAME
+
+
+def _looks_like_vllm(container: Mapping[str, Any]) -> bool:
+    tokens = [str(t) for t in (container.get("command") or []) + (container.get("args") or [])]
+    return any("vllm" in t for t in [*tokens, str(container.get("image", ""))])
+
+
+def choose_container(deployment: Mapping[str, Any], injection: Injection) -> dict[str, Any] | Refusal:
+    """The container injection goes into, or why there is none to choose."""
+    meta = deployment.get("metadata") or {}
+    where = f"Deployment {meta.get('namespace', '')}/{meta.get('name', '')}"
+    pod = ((deployment.get("spec") or {}).get("template") or {}).get("spec") or {}
+    containers = [c for c in pod.get("containers") or [] if isinstance(c, dict)]
+    named = ", ".join(repr(c.get("name")) for c in containers)
+    if not containers:
+        return Refusal("no-container", f"{where} has no containers")
+    if injection.container is not None:
+        for container in containers:
+            if container.get("name") == injection.container:
+                return container
+        return Refusal(
+            "no-container",
+            f"{where} has no container {injection.container!r} (it has {named}): "
+            "fix the consumer's container in the pool's spec",
+        )
+    if len(containers) == 1:
+        return containers[0]
+    candidates = [c for c in containers if _looks_like_vllm(c)]
+    if len(candidates) == 1:
+        return candidates[0]
+    return Refusal(
+        "ambiguous-container",
+        f"{where} has {len(containers)} containers ({named}) and {len(candidates) or 'none'} of them "
+        "look like vLLM: name the vLLM container in the pool's spec (spec.consumers[].container)",
+    )
+
+
+def injection_refusal(deployment: Mapping[str, Any], injection: Injection) -> Refusal | None:
+    """Why the pool's settings would not reach vLLM in this Deployment (refused, never
+    injected), or None. What is detected: a shell launch (``sh -c``: appended arguments
+    become the shell's ``$0``), a transfer config of another connector (the consumer's own
+    would be dropped), a ``--kv-cache-dtype`` other than the declared layout's (the connector
+    would find another layout and stay out of the pool), no container or no single vLLM
+    container to choose."""
+    meta = deployment.get("metadata") or {}
+    where = f"Deployment {meta.get('namespace', '')}/{meta.get('name', '')}"
+    chosen = choose_container(deployment, injection)
+    if isinstance(chosen, Refusal):
+        return chosen
+    command = [str(t) for t in chosen.get("command") or []]
+    tokens = command + [str(t) for t in chosen.get("args") or []]
+    if (
+        command
+        and command[0].rsplit("/", 1)[-1] in SHELLS
+        and any(t.startswith("-") and not t.startswith("--") and "c" in t for t in tokens[1:3])
+    ):
+        return Refusal(
+            "shell-launch",
+            f"{where} starts container {chosen.get('name')!r} through a shell ({' '.join(command[:2])}): "
+            "an appended --kv-transfer-config would become the shell's $0 and never reach vLLM: "
+            'run vLLM directly (command: [vllm, serve, ...]) or an entrypoint script that passes "$@" on',
+        )
+    foreign = [v for v in _flag_values(tokens, FLAG_SPELLINGS) if not _is_ours(v)]
+    if foreign:
+        return Refusal(
+            "kv-config-set",
+            f"{where} sets its own --kv-transfer-config (another connector), which the pool's would "
+            "replace: remove it from the Deployment to take the pool's, or leave the pool",
+        )
+    for dtype in _flag_values(tokens, DTYPE_FLAGS):
+        if dtype != injection.kv_cache_dtype:
+            return Refusal(
+                "kv-cache-dtype",
+                f"{where} runs --kv-cache-dtype={dtype} but the pool declares its layout with dtype "
+                f"{injection.kv_cache_dtype!r}: the connector would stay out of the pool, so set "
+                f"layout.dtype: {dtype} for this consumer in the pool's spec",
+            )
     return None
 
 
@@ -262,7 +374,9 @@ def injected(deployment: Mapping[str, Any], injection: Injection) -> dict[str, A
     meta = new.setdefault("metadata", {})
     template = new.setdefault("spec", {}).setdefault("template", {})
     pod = template.setdefault("spec", {})
-    container = _container(pod, injection.container)
+    container = choose_container(new, injection)
+    if isinstance(container, Refusal):
+        raise ConsumerError(str(container))
 
     annotations = meta.setdefault("annotations", {})
     if names.ANNOTATION_RESTORE not in annotations:
@@ -326,6 +440,53 @@ def _restore_container(container: dict[str, Any], record: Mapping[str, Any]) -> 
             container.pop(key, None)
 
 
+def record_problem(raw: str | None) -> str | None:
+    """What is wrong with a restore record (None: none, or no record at all)."""
+    if raw is None:
+        return None
+    try:
+        record = json.loads(raw)
+    except (ValueError, RecursionError):
+        return "not JSON"
+    if not isinstance(record, dict):
+        return "not a JSON object"
+    if record.get("version") != RECORD_VERSION:
+        return f"version {record.get('version')!r} is not {RECORD_VERSION}"
+    shapes = {"container": (str, type(None)), "flags": list, "others": dict, "env": dict, "created": list}
+    for key, shape in shapes.items():
+        if key in record and not isinstance(record[key], shape):
+            return f"{key!r} has the wrong type"
+    for flag in record.get("flags") or []:
+        if not (
+            isinstance(flag, list)
+            and len(flag) == 3
+            and flag[0] in TOKEN_LISTS
+            and isinstance(flag[1], int)
+            and isinstance(flag[2], list)
+        ):
+            return f"the flag entry {flag!r} is malformed"
+    if not all(isinstance(entry, dict) for entry in (record.get("env") or {}).values()):
+        return "an env entry is not an object"
+    if not all(isinstance(key, str) for key in record.get("created") or []):
+        return "'created' lists a non-string"
+    return None
+
+
+def read_record(raw: str | None) -> dict[str, Any]:
+    """The restore record, or ``{}`` when there is none or it is malformed: restoring then
+    takes out everything the operator injects and puts back nothing it cannot read."""
+    if raw is None or record_problem(raw) is not None:
+        return {}
+    return dict(json.loads(raw))
+
+
+def restore_problem(deployment: Mapping[str, Any]) -> str | None:
+    """What is wrong with a Deployment's restore record, if anything (for an Event)."""
+    return record_problem(
+        ((deployment.get("metadata") or {}).get("annotations") or {}).get(names.ANNOTATION_RESTORE)
+    )
+
+
 def restored(deployment: Mapping[str, Any]) -> dict[str, Any]:
     """The Deployment with everything the operator injected taken back out."""
     new = copy.deepcopy(dict(deployment))
@@ -333,12 +494,7 @@ def restored(deployment: Mapping[str, Any]) -> dict[str, Any]:
     raw_record = (meta.get("annotations") or {}).get(names.ANNOTATION_RESTORE)
     if raw_record is None and owner_pool(deployment) is None:
         return new  # never injected: nothing of ours to take out
-    try:
-        record = json.loads(raw_record or "{}")
-    except json.JSONDecodeError:
-        record = {}
-    if not isinstance(record, dict) or record.get("version") != RECORD_VERSION:
-        record = {}
+    record = read_record(raw_record)
     template = new.setdefault("spec", {}).setdefault("template", {})
     pod = template.setdefault("spec", {})
     try:

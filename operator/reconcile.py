@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import datetime
+import logging
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
@@ -27,10 +28,12 @@ from kvpool.operator.consumers import (
     Injection,
     config_hash_of,
     inject_patch,
+    injection_refusal,
     managed_by_operator,
     owner_pool,
     refusal,
     restore_patch,
+    restore_problem,
 )
 from kvpool.operator.kube import ApiError, Applied, KubeClient, ensure, ensure_absent
 from kvpool.operator.leader import (
@@ -55,6 +58,8 @@ from kvpool.operator.status import (
     deployment_progress,
     invalid_status,
     master_condition,
+    paused,
+    paused_status,
     pool_serves,
     store_condition,
     valid_status,
@@ -64,6 +69,15 @@ from kvpool.operator.status import (
 Notify = Callable[[str, str, str], None]
 # Whether an HA pool's leader serves (``leader.check_leader`` against the pool's masters).
 LeaderCheck = Callable[[Plan], Awaitable[LeaderView]]
+
+
+logger = logging.getLogger(__name__)
+
+
+def skips_teardown(pool: Mapping[str, Any]) -> bool:
+    """Whether the pool asks to be let go without teardown (the escape hatch)."""
+    annotations = (pool.get("metadata") or {}).get("annotations") or {}
+    return str(annotations.get(names.ANNOTATION_SKIP_TEARDOWN, "")).strip().lower() == "true"
 
 
 def utcnow() -> str:
@@ -96,6 +110,10 @@ def announce(old: Mapping[str, Any], new: Mapping[str, Any], notify: Notify) -> 
     rollout = condition_of(new, "ConsumersRolledOut") or {}
     if rollout.get("reason") == "RolloutStalled" and rollout.get("message") != rollout_before.get("message"):
         notify("Warning", "ConsumerRolloutStalled", rollout.get("message", ""))
+    pause_before = (condition_of(old, "Paused") or {}).get("status") == "True"
+    pause = (condition_of(new, "Paused") or {}).get("status") == "True"
+    if pause != pause_before:
+        notify("Normal", "Paused" if pause else "Resumed", "nothing is rolled or patched" if pause else "")
     known = set(conflicts_of(old))
     for conflict in conflicts_of(new):
         if conflict not in known:
@@ -148,7 +166,7 @@ async def roll_consumer(
     deployment = await kube.get(DEPLOYMENTS, namespace, injection.deployment)
     if deployment is None:
         return state(False, MISSING)
-    refused = refusal(deployment, injection.pool)
+    refused = refusal(deployment, injection.pool) or injection_refusal(deployment, injection)
     if refused is not None:
         return state(False, str(refused), str(refused))
     try:
@@ -173,7 +191,7 @@ async def check_consumer(kube: KubeClient, namespace: str, injection: Injection)
     deployment = await kube.get(DEPLOYMENTS, namespace, injection.deployment)
     if deployment is None:
         return not_rolled(injection, MISSING)
-    refused = refusal(deployment, injection.pool)
+    refused = refusal(deployment, injection.pool) or injection_refusal(deployment, injection)
     if refused is not None:
         return ConsumerState(
             injection.deployment,
@@ -221,7 +239,20 @@ async def release_consumers(
         name = deployment.get("metadata", {}).get("name", "")
         if owner_pool(deployment) != pool or name in keep or managed_by_operator(deployment):
             continue
-        patch = restore_patch(deployment)
+        problem = restore_problem(deployment)
+        try:
+            patch = restore_patch(deployment)
+        except Exception as exc:  # a Deployment nobody foresaw: say so, never block the rest
+            logger.exception("cannot restore %s/%s", namespace, name)
+            notify("Warning", "ConsumerNotReleased", f"{name}: its settings could not be taken out ({exc})")
+            continue
+        if problem is not None:
+            notify(
+                "Warning",
+                "RestoreRecordMalformed",
+                f"{name}: its restore record ({names.ANNOTATION_RESTORE}) is unreadable ({problem}): "
+                "the pool's settings are taken out, what they replaced cannot be put back",
+            )
         if patch:
             await kube.patch(DEPLOYMENTS, namespace, name, patch)
             notify("Normal", "ConsumerReleased", f"{name}: connector settings removed")
@@ -361,23 +392,45 @@ class Reconciler:
         pool = await self.kube.get(POOLS, namespace, name)
         if pool is None or pool.get("metadata", {}).get("deletionTimestamp"):
             return None
-        network = await read_namespace_network(self.kube, pool)
-        plan = build_plan(name, namespace, pool.get("spec"), self.policy, network)
         old = dict(pool.get("status") or {})
-        if plan.valid:
-            status = await converge(self.kube, pool, plan, notify, utcnow(), self.check_leader)
+        valid = True
+        if paused(pool):
+            status = paused_status(old, utcnow())
         else:
-            status = invalid_status(plan.problems, old, pool["metadata"].get("generation"), utcnow())
+            network = await read_namespace_network(self.kube, pool)
+            plan = build_plan(name, namespace, pool.get("spec"), self.policy, network)
+            valid = plan.valid
+            if plan.valid:
+                status = await converge(self.kube, pool, plan, notify, utcnow(), self.check_leader)
+            else:
+                status = invalid_status(plan.problems, old, pool["metadata"].get("generation"), utcnow())
         if status != old:
             await self.kube.patch(POOLS, namespace, name, {"status": diff(old, status)}, subresource="status")
             announce(old, status, notify)
-        return status, plan.valid
+        return status, valid
 
     async def teardown(self, body: Mapping[str, Any], notify: Notify) -> None:
-        """A pool is being deleted: take its settings out of every consumer, delete its children."""
+        """A pool is being deleted: take its settings out of every consumer, delete its children.
+
+        A consumer whose restore record is unreadable loses the pool's settings and gets an
+        Event; teardown goes on. The escape hatch, when teardown cannot finish (an API that
+        keeps refusing): the annotation ``kvpool.mooncake.io/skip-teardown: "true"`` lets the
+        pool go at once; its children are then removed by the garbage collector (owner
+        references) and consumers are left as they are."""
         meta = body.get("metadata", {})
         namespace, name, uid = meta["namespace"], meta["name"], meta["uid"]
         async with self._lock(namespace, name):
+            current = await self.kube.get(POOLS, namespace, name)
+            if current is not None and skips_teardown(current):
+                notify(
+                    "Warning",
+                    "TeardownSkipped",
+                    f"{names.ANNOTATION_SKIP_TEARDOWN}=true: consumers keep the pool's settings "
+                    "(see their kvpool.mooncake.io/consumer-of label); children go with the pool",
+                )
+                self.metrics.forget_pool(namespace, name)
+                self._locks.pop((namespace, name), None)
+                return
             try:
                 await release_consumers(self.kube, namespace, name, set(), notify)
                 for resource, child_name in children_names(name):

@@ -311,7 +311,9 @@ READY_CONDITIONS = ("ConfigValid", "MasterReady", "StoreReady", "ConsumersRolled
 # True while the pool leaves alone an object it would write: one it does not own, or a
 # consumer that did not opt in.
 CONFLICT = "Conflict"
-CONDITION_TYPES = (*READY_CONDITIONS, CONFLICT)
+# True while the pool carries the pause annotation: nothing is applied, rolled or patched.
+PAUSED = "Paused"
+CONDITION_TYPES = (*READY_CONDITIONS, CONFLICT, PAUSED)
 
 
 class Condition(_Model):
@@ -339,7 +341,7 @@ class PoolStatus(_Model):
     """Observed state of a pool."""
 
     observed_generation: int | None = None
-    phase: Literal["Pending", "Progressing", "Ready", "Invalid", "Conflict"] = "Pending"
+    phase: Literal["Pending", "Progressing", "Ready", "Invalid", "Conflict", "Paused"] = "Pending"
     master_address: str | None = None
     conditions: list[Condition] = Field(default_factory=list)
     consumers: list[ConsumerStatus] = Field(default_factory=list)

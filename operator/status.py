@@ -8,7 +8,8 @@ from typing import Any
 
 from kvpool.connector.contract.layout import Problem
 from kvpool.operator.leader import LeaderView
-from kvpool.operator.spec import CONFLICT, READY_CONDITIONS, Condition, ConsumerStatus, PoolStatus
+from kvpool.operator.names import ANNOTATION_PAUSED
+from kvpool.operator.spec import CONFLICT, PAUSED, READY_CONDITIONS, Condition, ConsumerStatus, PoolStatus
 from kvpool.operator.validation import describe
 
 CONFLICT_SEPARATOR = "; "
@@ -141,6 +142,36 @@ def invalid_status(
                 "conditions": [c.model_dump(by_alias=True) for c in merged],
                 "consumers": [c.model_dump(by_alias=True) for c in consumers],
                 "warnings": list(old.get("warnings") or []),
+            }
+        )
+    )
+
+
+def paused(pool: Mapping[str, Any]) -> bool:
+    """Whether the pool carries the pause annotation (``"true"``)."""
+    annotations = (pool.get("metadata") or {}).get("annotations") or {}
+    return str(annotations.get(ANNOTATION_PAUSED, "")).strip().lower() == "true"
+
+
+def paused_status(old: Mapping[str, Any], now: str) -> dict[str, Any]:
+    """Status of a paused pool: what was observed before, as it was (its observedGeneration
+    too: a newer spec is not applied), and ``Paused=True``."""
+    before = {c.get("type"): c for c in old.get("conditions") or []}
+    kept = [Condition.model_validate(c) for kind, c in before.items() if kind != PAUSED]
+    previous = before.get(PAUSED) or {}
+    stamp = previous.get("lastTransitionTime") if previous.get("status") == "True" else None
+    pause = condition(
+        PAUSED,
+        True,
+        "Annotation",
+        f"{ANNOTATION_PAUSED}=true: nothing is applied, rolled or patched until it is removed",
+    ).model_copy(update={"last_transition_time": stamp or now})
+    return _dump(
+        PoolStatus.model_validate(
+            {
+                **{k: v for k, v in old.items() if k not in ("phase", "conditions")},
+                "phase": "Paused",
+                "conditions": [c.model_dump(by_alias=True) for c in [*kept, pause]],
             }
         )
     )

@@ -72,9 +72,13 @@ def pool_spec(**overrides: Any) -> dict[str, Any]:
 ORIGINAL_KV_CONFIG = '{"kv_connector":"LMCacheConnectorV1","kv_role":"kv_both"}'
 
 
-def vllm_deployment(name: str = "llm", allow_pool: str | None = "pool") -> dict[str, Any]:
-    """A vLLM Deployment whose owner lets pool ``allow_pool`` patch it (None: no pool)."""
+def vllm_deployment(
+    name: str = "llm", allow_pool: str | None = "pool", kv_config: str | None = None
+) -> dict[str, Any]:
+    """A vLLM Deployment whose owner lets pool ``allow_pool`` patch it (None: no pool), with
+    its own ``--kv-transfer-config`` when ``kv_config`` is given (a pool refuses that one)."""
     labels = {"app": name}
+    own_flag = ["--kv-transfer-config", kv_config] if kv_config is not None else []
     if allow_pool is not None:
         labels[names.LABEL_ALLOW_POOL] = allow_pool
     return {
@@ -94,8 +98,7 @@ def vllm_deployment(name: str = "llm", allow_pool: str | None = "pool") -> dict[
                             "args": [
                                 "--model",
                                 "org/model",
-                                "--kv-transfer-config",
-                                ORIGINAL_KV_CONFIG,
+                                *own_flag,
                                 "--port",
                                 "8000",
                             ],

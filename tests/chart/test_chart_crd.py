@@ -47,6 +47,12 @@ def example_pools(helm: Helm) -> list[tuple[str, dict[str, Any]]]:
     return pools
 
 
+def test_helm_uninstall_keeps_the_example_pool(helm: Helm) -> None:
+    """Removed with the operator, the pool's finalizer would wait for an operator that is gone."""
+    pool = one(helm.template(sets=["examplePool.enabled=true"]), "MooncakeKVPool")
+    assert pool["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+
+
 def test_example_pools_validate_against_the_crd_and_the_operator(helm: Helm) -> None:
     validator = crd_validator()
     pools = example_pools(helm)

@@ -156,7 +156,19 @@ def test_configmap_is_the_contracts_rendering() -> None:
     assert configmap["data"][names.MOONCAKE_CONFIG_FILE] == (
         json.dumps(settings.mooncake_config(), indent=2, sort_keys=True) + "\n"
     )
-    assert configmap["data"][names.KV_TRANSFER_CONFIG_FILE] == settings.kv_transfer_config_json()
+    # The contract's transfer config, with only the settings that are not the contract's defaults.
+    rendered = json.loads(configmap["data"][names.KV_TRANSFER_CONFIG_FILE])
+    assert rendered["kv_connector_extra_config"] == {
+        "master_server_address": "pool-master.team-a.svc:50051",
+        "cache_prefix": "team-a",
+        "batch_size": 64,
+        "save_decode_cache": True,
+    }
+    contract = settings.kv_transfer_config()
+    assert {k: v for k, v in rendered.items() if k != "kv_connector_extra_config"} == {
+        k: v for k, v in contract.items() if k != "kv_connector_extra_config"
+    }
+    assert ConnectorSettings.parse(rendered["kv_connector_extra_config"]) == settings
 
 
 def test_embedded_mode_has_no_store_pods_and_gives_vllm_the_segment() -> None:

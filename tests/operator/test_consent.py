@@ -94,7 +94,11 @@ async def test_only_consenting_deployments_are_patched(cluster: Cluster, operato
         headers={"Content-Type": "application/merge-patch+json"},
     )
     assert response.status == 200
-    await eventually(lambda: len(kv_flags(cluster.get(DEPLOYMENTS_PATH, "llm"))) == 1, what="llm injected")
+    # (once the pool serves: consumers are rolled only onto a pool whose master and store are available)
+    await eventually(
+        lambda: cluster.settle() or len(kv_flags(cluster.get(DEPLOYMENTS_PATH, "llm"))) == 1,
+        what="llm injected",
+    )
     assert writes_to(cluster, "chat", start) == writes_to(cluster, "kvpool-operator", start) == []
 
 

@@ -41,7 +41,7 @@ def flags(container: dict[str, Any]) -> list[str]:
 
 def test_injection_replaces_the_transfer_config_and_mounts_the_settings() -> None:
     inj = injection()
-    original = vllm_deployment()
+    original = vllm_deployment(kv_config=ORIGINAL_KV_CONFIG)
     new = apply_merge_patch(original, inject_patch(original, inj))
     c = vllm(new)
     assert flags(c) == [f"--kv-transfer-config={inj.kv_transfer_config}"]
@@ -77,17 +77,19 @@ def test_the_rendered_transfer_config_is_the_contracts() -> None:
     assert extra["master_server_address"] == "pool-master.team-a.svc:50051"
     assert extra["local_hostname"] == extra["bind_address"] == "$(POD_IP)"  # serves and binds on its pod IP
     assert ConnectorSettings.parse(extra).tcp_bind_address == "$(POD_IP)"
-    assert extra["global_segment_size"] == 0
+    # Only what differs from the contract's defaults: the connector applies its own.
+    assert "global_segment_size" not in extra and "batch_size" not in extra
+    assert ConnectorSettings.parse(extra).global_segment_size == 0
 
 
 def test_an_unchanged_hash_changes_nothing() -> None:
     inj = injection()
-    once = injected(vllm_deployment(), inj)
+    once = injected(vllm_deployment(kv_config=ORIGINAL_KV_CONFIG), inj)
     assert inject_patch(once, inj) == {}
 
 
 def test_a_new_hash_patches_only_what_changed() -> None:
-    once = injected(vllm_deployment(), injection())
+    once = injected(vllm_deployment(kv_config=ORIGINAL_KV_CONFIG), injection())
     once["metadata"]["resourceVersion"] = "41"
     other = injection(connector={"cache_prefix": "other"})
     patch = inject_patch(once, other)
@@ -109,13 +111,13 @@ def test_a_new_hash_patches_only_what_changed() -> None:
 )
 def test_every_spelling_of_the_flag_is_replaced(tokens: list[str]) -> None:
     assert split_flag(tokens) == (["--x"], "{}")
-    deployment = vllm_deployment()
+    deployment = vllm_deployment(kv_config=ORIGINAL_KV_CONFIG)
     vllm(deployment)["args"] = tokens
     assert len(flags(vllm(injected(deployment, injection())))) == 1
 
 
 def test_a_flag_in_the_command_is_replaced_too() -> None:
-    deployment = vllm_deployment()
+    deployment = vllm_deployment(kv_config=ORIGINAL_KV_CONFIG)
     c = vllm(deployment)
     c["command"] = ["vllm", "serve", "m", "--kv-transfer-config", ORIGINAL_KV_CONFIG]
     del c["args"]
@@ -126,7 +128,7 @@ def test_a_flag_in_the_command_is_replaced_too() -> None:
 
 
 def test_restoring_gives_back_the_original() -> None:
-    original = vllm_deployment()
+    original = vllm_deployment(kv_config=ORIGINAL_KV_CONFIG)
     once = injected(original, injection())
     twice = injected(once, injection(connector={"cache_prefix": "other"}))
     assert restored(twice) == original
@@ -135,7 +137,7 @@ def test_restoring_gives_back_the_original() -> None:
 
 
 def test_restoring_keeps_changes_made_in_between() -> None:
-    once = injected(vllm_deployment(), injection())
+    once = injected(vllm_deployment(kv_config=ORIGINAL_KV_CONFIG), injection())
     vllm(once)["args"].insert(0, "--enforce-eager")
     vllm(once)["env"].append({"name": "EXTRA", "value": "1"})
     back = vllm(restored(once))
@@ -156,7 +158,7 @@ def test_restoring_keeps_changes_made_in_between() -> None:
 def test_a_missing_container_is_reported() -> None:
     with pytest.raises(ConsumerError, match="no container 'vllm'"):
         injected(
-            vllm_deployment()
+            vllm_deployment(kv_config=ORIGINAL_KV_CONFIG)
             | {"spec": {"template": {"spec": {"containers": [{"name": "other", "image": "x"}]}}}},
             injection(),
         )
@@ -169,7 +171,7 @@ def test_the_first_container_is_the_default() -> None:
         pool_spec(consumers=[{"name": "llm", "layout": {"groups": [{"kind": "full", "block_size": 16}]}}]),
     ).consumers[0]
     assert inj.container is None
-    assert len(flags(vllm(injected(vllm_deployment(), inj)))) == 1
+    assert len(flags(vllm(injected(vllm_deployment(kv_config=ORIGINAL_KV_CONFIG), inj)))) == 1
 
 
 tokens = st.lists(
@@ -209,7 +211,7 @@ def test_inject_then_restore_is_the_identity(
     env: list[dict[str, str]] | None,
     volumes: bool,
 ) -> None:
-    deployment = vllm_deployment()
+    deployment = vllm_deployment(kv_config=ORIGINAL_KV_CONFIG)
     c = vllm(deployment)
     for key, value in (("args", args), ("command", command), ("env", env)):
         if value is None:
@@ -229,15 +231,15 @@ def test_inject_then_restore_is_the_identity(
 def test_what_the_api_server_adds_is_no_change() -> None:
     """Settled: the injected Deployment as the server stores it (fieldRef.apiVersion,
     configMap.defaultMode, ...) needs no patch, so it is never written again."""
-    served = stored(injected(vllm_deployment(), injection()))
+    served = stored(injected(vllm_deployment(kv_config=ORIGINAL_KV_CONFIG), injection()))
     volume = {"name": names.CONNECTOR_VOLUME, "configMap": {"name": "pool-connector", "defaultMode": 420}}
     assert volume in served["spec"]["template"]["spec"]["volumes"]
     assert inject_patch(served, injection()) == {}
-    assert vllm(restored(served))["env"] == vllm(stored(vllm_deployment()))["env"]
+    assert vllm(restored(served))["env"] == vllm(stored(vllm_deployment(kv_config=ORIGINAL_KV_CONFIG)))["env"]
 
 
 def test_the_restore_record_keeps_only_what_the_operator_touched() -> None:
-    deployment = vllm_deployment()
+    deployment = vllm_deployment(kv_config=ORIGINAL_KV_CONFIG)
     c = vllm(deployment)
     c["env"].append({"name": "API_KEY", "value": "s3cr3t-in-env"})
     c["args"] += ["--api-key", "s3cr3t-in-args"]

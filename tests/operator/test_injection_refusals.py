@@ -1,0 +1,123 @@
+"""Injection that could do nothing is refused, naming the rule and the fix: a shell launch, a
+transfer config of another connector, a ``--kv-cache-dtype`` other than the declared layout's,
+no single vLLM container."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kvpool.operator import names
+from kvpool.operator.consumers import ConsumerError, Injection, injected, injection_refusal
+from kvpool.operator.plan import build_plan
+from testing.kube_api import DEPLOYMENTS_PATH, NAMESPACE, Cluster, eventually
+from testing.operator_objects import (
+    ORIGINAL_KV_CONFIG,
+    Operator,
+    consumer,
+    kv_flags,
+    layout,
+    pool_manifest,
+    pool_spec,
+    vllm_deployment,
+)
+
+
+def injection(container: str | None = "vllm", dtype: str = "auto") -> Injection:
+    spec = pool_spec(consumers=[{"name": "llm", "layout": layout(dtype=dtype)}])
+    if container is not None:
+        spec["consumers"][0]["container"] = container
+    return build_plan("pool", NAMESPACE, spec).consumers[0]
+
+
+def shell_launched(name: str = "llm") -> dict[str, Any]:
+    deployment = vllm_deployment(name)
+    vllm = deployment["spec"]["template"]["spec"]["containers"][0]
+    vllm["command"] = ["sh", "-c", "vllm serve org/model --port 8000"]
+    del vllm["args"]
+    return deployment
+
+
+def rule_of(deployment: dict[str, Any], inj: Injection) -> str | None:
+    refused = injection_refusal(deployment, inj)
+    return None if refused is None else refused.rule
+
+
+def test_each_rule_names_itself_and_the_fix() -> None:
+    assert rule_of(vllm_deployment(), injection()) is None
+
+    refused = injection_refusal(shell_launched(), injection())
+    assert refused is not None and refused.rule == "shell-launch"
+    assert "$0" in refused.message and '"$@"' in refused.message and "team-a/llm" in refused.message
+    bash = shell_launched()
+    bash["spec"]["template"]["spec"]["containers"][0].update(
+        command=["/bin/bash"], args=["-lc", "exec vllm serve m"]
+    )
+    assert rule_of(bash, injection()) == "shell-launch"
+
+    refused = injection_refusal(vllm_deployment(kv_config=ORIGINAL_KV_CONFIG), injection())
+    assert refused is not None and refused.rule == "kv-config-set"
+    assert "remove it from the Deployment" in refused.message
+    # The pool's own flag (an earlier injection) is no refusal.
+    assert rule_of(injected(vllm_deployment(), injection()), injection()) is None
+
+    fp8 = vllm_deployment()
+    fp8["spec"]["template"]["spec"]["containers"][0]["args"] += ["--kv-cache-dtype", "fp8"]
+    refused = injection_refusal(fp8, injection())
+    assert refused is not None and refused.rule == "kv-cache-dtype" and "layout.dtype: fp8" in refused.message
+    assert rule_of(fp8, injection(dtype="fp8")) is None
+
+    two_vllms = vllm_deployment()
+    containers = two_vllms["spec"]["template"]["spec"]["containers"]
+    containers[1]["image"] = "vllm/vllm-openai:v0.11.0"
+    refused = injection_refusal(two_vllms, injection(container=None))
+    assert refused is not None and refused.rule == "ambiguous-container"
+    assert "spec.consumers[].container" in refused.message
+    with pytest.raises(ConsumerError, match="ambiguous-container"):
+        injected(two_vllms, injection(container=None))
+    # One vLLM container beside a sidecar (listed first): that one, whatever the order.
+    containers.reverse()
+    containers[0]["image"] = "busybox"
+    assert rule_of(two_vllms, injection(container=None)) is None
+    chosen = injected(two_vllms, injection(container=None))["spec"]["template"]["spec"]["containers"]
+    assert [bool(kv_flags_of(c)) for c in chosen] == [False, True]
+    assert rule_of(vllm_deployment(), injection(container="nope")) == "no-container"
+
+
+def kv_flags_of(container: dict[str, Any]) -> list[str]:
+    return [a for a in container.get("args") or [] if a.startswith("--kv-transfer-config")]
+
+
+@pytest.mark.asyncio
+async def test_refused_consumers_are_named_and_never_written(cluster: Cluster, operator: Operator) -> None:
+    await cluster.create(shell_launched("shell"))
+    await cluster.create(vllm_deployment("lmcache", kv_config=ORIGINAL_KV_CONFIG))
+    await cluster.create(vllm_deployment("llm"))
+    consumers = [consumer("shell"), consumer("lmcache"), consumer("llm")]
+    await cluster.create(pool_manifest(spec=pool_spec(consumers=consumers)))
+
+    def refusals() -> str | None:
+        message = cluster.condition("pool", "Conflict").get("message", "")
+        return message if "[shell-launch]" in message and "[kv-config-set]" in message else None
+
+    message = await eventually(refusals, what="both refusals named")
+    assert "team-a/shell" in message and "team-a/lmcache" in message
+    events = await eventually(
+        lambda: len(cluster.events("ConsumerRefused")) == 2 and cluster.events("ConsumerRefused")
+    )
+    assert {e["type"] for e in events} == {"Warning"}
+    await eventually(
+        lambda: cluster.settle() or kv_flags(cluster.get(DEPLOYMENTS_PATH, "llm")),
+        what="the other consumer injected",
+    )
+    cluster.settle()
+    await cluster.passes("pool", cluster.mark(), count=2)
+    status = cluster.pool_status("pool")
+    rollout = cluster.condition("pool", "ConsumersRolledOut")
+    assert rollout["status"] == "False" and "shell" in rollout["message"] and "lmcache" in rollout["message"]
+    assert [c["rolledOut"] for c in status["consumers"]] == [False, False, True]
+    for refused in ("shell", "lmcache"):
+        path = f"/apis/apps/v1/namespaces/{NAMESPACE}/deployments/{refused}"
+        assert [r for r in cluster.writes() if r.url.path == path] == []
+    assert names.LABEL_CONSUMER_OF not in cluster.get(DEPLOYMENTS_PATH, "shell")["metadata"]["labels"]

@@ -1,0 +1,80 @@
+"""Teardown never pins a pool in Terminating: an unreadable restore record is reported and
+the pool's settings are taken out all the same; an annotation lets a pool go at once."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvpool.operator import names
+from kvpool.operator.consumers import injected, record_problem, restored
+from kvpool.operator.plan import build_plan
+from testing.kube_api import DEPLOYMENTS_PATH, NAMESPACE, POOLS_PATH, Cluster, Fault, eventually
+from testing.operator_objects import Operator, converge, kv_flags, pool_manifest, pool_spec, vllm_deployment
+
+MALFORMED = json.dumps({"version": 2, "container": "vllm", "env": ["PYTHONHASHSEED"], "others": "x"})
+
+
+def test_malformed_records_are_named_and_restoring_still_takes_the_settings_out() -> None:
+    inj = build_plan("pool", NAMESPACE, pool_spec()).consumers[0]
+    assert record_problem(None) is None
+    for raw, problem in (
+        ("{", "not JSON"),
+        ("[]", "not a JSON object"),
+        ('{"version": 1}', "version 1"),
+        (MALFORMED, "'others' has the wrong type"),
+        ('{"version": 2, "flags": [["args", "0", []]]}', "flag entry"),
+    ):
+        assert problem in str(record_problem(raw)), raw
+        deployment = injected(vllm_deployment(), inj)
+        deployment["metadata"]["annotations"][names.ANNOTATION_RESTORE] = raw
+        back = restored(deployment)
+        assert kv_flags(back) == []
+        assert names.LABEL_CONSUMER_OF not in back["metadata"]["labels"]
+
+
+async def corrupt_record(cluster: Cluster, deployment: str) -> None:
+    response = await cluster.api.patch(
+        f"/apis/apps/v1/namespaces/{NAMESPACE}/deployments/{deployment}",
+        json={"metadata": {"annotations": {names.ANNOTATION_RESTORE: MALFORMED}}},
+        headers={"Content-Type": "application/merge-patch+json"},
+    )
+    assert response.status == 200
+
+
+@pytest.mark.asyncio
+async def test_a_malformed_restore_record_never_pins_the_pool(cluster: Cluster, operator: Operator) -> None:
+    await cluster.create(vllm_deployment())
+    await cluster.create(pool_manifest())
+    await converge(cluster, generation=1)
+    await corrupt_record(cluster, "llm")
+
+    await cluster.delete_pool("pool")
+    await eventually(lambda: cluster.get(POOLS_PATH, "pool") is None, what="pool gone")
+    llm = cluster.get(DEPLOYMENTS_PATH, "llm")
+    assert kv_flags(llm) == []
+    assert names.LABEL_CONSUMER_OF not in llm["metadata"]["labels"]
+    assert names.ANNOTATION_RESTORE not in (llm["metadata"].get("annotations") or {})
+    (event,) = cluster.events("RestoreRecordMalformed")
+    assert event["type"] == "Warning" and "llm" in event["message"] and "wrong type" in event["message"]
+
+
+@pytest.mark.asyncio
+async def test_the_skip_teardown_annotation_lets_a_stuck_pool_go(
+    cluster: Cluster, operator: Operator
+) -> None:
+    await cluster.create(vllm_deployment())
+    await cluster.create(pool_manifest())
+    await converge(cluster, generation=1)
+    # The consumer cannot be patched, over and over: teardown keeps failing.
+    cluster.api.fail(Fault("PATCH", "deployments", 500, times=10_000, name="llm"))
+    await cluster.delete_pool("pool")
+    await cluster.passes("pool", cluster.mark(), count=3)
+    assert cluster.get(POOLS_PATH, "pool") is not None
+
+    await cluster.patch_pool("pool", {"metadata": {"annotations": {names.ANNOTATION_SKIP_TEARDOWN: "true"}}})
+    await eventually(lambda: cluster.get(POOLS_PATH, "pool") is None, what="pool gone")
+    (event,) = cluster.events("TeardownSkipped")
+    assert event["type"] == "Warning"
+    assert kv_flags(cluster.get(DEPLOYMENTS_PATH, "llm"))  # left as it was, as the Event says
