@@ -147,6 +147,8 @@ def test_leader_addresses_parse_strictly() -> None:
     assert parse_leader_address("10.1.2.3:50051") == (ipaddress.ip_address("10.1.2.3"), 50051)
     assert parse_leader_address("[fd00::3]:50051") == (ipaddress.ip_address("fd00::3"), 50051)
     for bad in (
+        "10.0.0.5:9003/get_all_keys?x=:1",  # another tenant's admin API, as the issue found it
+        "metadata.google.internal:80",
         "10.1.2.3",
         "10.1.2.3:",
         "10.1.2:80",
