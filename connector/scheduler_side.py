@@ -449,7 +449,10 @@ class SchedulerSide:
             try:
                 return RequestLoad(
                     req_id=req_id,
-                    groups=[_group_load(group, plan, block_ids[group.group_id]) for group in coord.groups],
+                    groups=[
+                        _group_load(group, plan, block_ids[group.group_id], coord, request.block_hashes)
+                        for group in coord.groups
+                    ],
                     hit_tokens=plan.hit.hit_tokens,
                     trace_context=trace_context,
                 )
@@ -673,17 +676,34 @@ def _replay_boundaries(cache: dict[bool, Any], request: Any, coord: Any, use_eag
     return cache[use_eagle]
 
 
-def _group_load(group: Any, plan: _Plan, block_ids: Sequence[int]) -> GroupTransfer:
+def _group_load(
+    group: Any, plan: _Plan, block_ids: Sequence[int], coord: HybridHitCoordinator, block_hashes: Any
+) -> GroupTransfer:
     """One group's part of a load: the blocks its mask needs past the local hit, and how
-    many the hit covers without moving them."""
+    many the hit covers without moving them.
+
+    An attention group loads every real block vLLM allocated for the hit, not only those its
+    hit needed: with multi-module MTP vLLM keeps ``extra_retained_tokens`` below a sliding
+    window, allocates real blocks for them and caches them once the load is reported, so a
+    block left unloaded there would be a cached block of garbage. (A Mamba group loads its
+    last state only: the other blocks vLLM allocates it are never read as KV.)
+    """
     gid = group.group_id
     transfer = GroupTransfer(group_id=gid)
     first_block = plan.local_tokens // group.block_size
-    for index in plan.hit.needed_blocks[gid]:
-        if index < first_block:
-            continue
-        transfer.digests.append(plan.digests[gid][index])
-        transfer.block_ids.append(block_ids[index])
     covered = cdiv(plan.hit.hit_tokens, group.block_size)
+    wanted = [index for index in plan.hit.needed_blocks[gid] if index >= first_block]
+    if not isinstance(group.spec, MambaSpec):
+        needed = set(wanted)
+        retained = [i for i in range(first_block, covered) if block_ids[i] > 0 and i not in needed]
+        wanted = sorted(needed.union(retained))
+    view = None
+    for index in wanted:
+        digest = plan.digests[gid].get(index)
+        if digest is None:  # retained below the window: never asked about; its load says
+            view = view if view is not None else coord.group_block_hashes(gid, block_hashes)
+            digest = hash_digest(bytes(view[index]))
+        transfer.digests.append(digest)
+        transfer.block_ids.append(block_ids[index])
     transfer.masked = max(0, covered - first_block) - len(transfer.block_ids)
     return transfer

@@ -29,6 +29,8 @@ class GroupDesc:
     window: int = 0
     eagle: bool = False
     speculative_blocks: int = 0  # mamba: vLLM's num_speculative_blocks
+    # sliding_window: tokens vLLM keeps below the window (multi-module MTP's lookahead - 1)
+    retained: int = 0
 
 
 def make_spec(desc: GroupDesc, head_size: int = 8) -> Any:
@@ -45,7 +47,7 @@ def make_spec(desc: GroupDesc, head_size: int = 8) -> Any:
     if desc.kind == "full":
         return FullAttentionSpec(**common)
     if desc.kind == "sliding_window":
-        return SlidingWindowSpec(**common, sliding_window=desc.window)
+        return SlidingWindowSpec(**common, sliding_window=desc.window, extra_retained_tokens=desc.retained)
     if desc.kind == "mamba":
         return MambaSpec(
             block_size=desc.block_size,

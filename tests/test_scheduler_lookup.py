@@ -265,3 +265,31 @@ def test_a_lookup_answer_older_than_the_lookup_deadline_is_asked_again(
         assert matched_tokens(connector, request) == (0, False), "stale: asked again, a miss"
     finally:
         scheduler.shutdown()
+
+
+@pytest.mark.parametrize("retained", [0, 33])
+def test_a_window_group_loads_every_block_vllm_keeps_below_its_window(
+    model_dir, pool_settings, pool_client, retained
+) -> None:
+    """Multi-module MTP makes vLLM keep ``extra_retained_tokens`` below a sliding window: it
+    allocates real blocks for them and caches them once the load is reported. Every one of
+    them is loaded (33 tokens keep one more 32-token block), none is left holding garbage."""
+    groups = [GroupDesc("full", 32), GroupDesc("sliding_window", 32, window=64, retained=retained)]
+    scheduler = make_scheduler(model_dir, groups, local_pool_transfer(pool_settings))
+    try:
+        request = make_request(scheduler, list(range(3, 3 + 8 * 32 + 5)))
+        store_blocks(pool_client, scheduler, request, {0: range(8), 1: range(8)})
+        scheduler.add_request(request)
+        output = admit(scheduler)
+        assert request.num_computed_tokens == 8 * 32
+        load = _load_of(output, request.request_id)
+        assert load is not None
+        window_blocks = scheduler.kv_cache_manager.get_block_ids(request.request_id)[1][:8]
+        kept = [block for block in window_blocks if block > 0]
+        assert len(kept) == (3 if retained else 2)
+        assert load.groups[1].block_ids == kept
+        assert load.groups[1].masked == 8 - len(kept)
+        view = scheduler_of(scheduler.connector).coordinator.group_block_hashes(1, request.block_hashes)
+        assert load.groups[1].digests == [hash_digest(bytes(view[i])) for i in range(8 - len(kept), 8)]
+    finally:
+        scheduler.shutdown()
