@@ -144,6 +144,8 @@ class SchedulerSide:
         coord = self.coordinator
         if not self.can_load or coord is None or request.request_id in self._load_failed:
             return 0, False
+        if not _may_hit_past(coord, request.num_tokens, num_computed_tokens):
+            return 0, False  # nothing the pool could add: admitted now, not a step later
         req_id = request.request_id
         # A request vLLM could not allocate yet comes back: its lookup stands until
         # its blocks are allocated, without asking the master or counting it again.
@@ -707,3 +709,10 @@ def _group_load(
         transfer.block_ids.append(block_ids[index])
     transfer.masked = max(0, covered - first_block) - len(transfer.block_ids)
     return transfer
+
+
+def _may_hit_past(coord: HybridHitCoordinator, num_tokens: int, num_computed_tokens: int) -> bool:
+    """Whether any hit could reach past ``num_computed_tokens``: a hit ends on a block boundary
+    (of the finest block any group hashes) and never covers a prompt's last token."""
+    unit = min([coord.hash_block_size, *(g.block_size for g in coord.groups)])
+    return (num_tokens - 1) // unit * unit > num_computed_tokens

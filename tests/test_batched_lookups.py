@@ -151,9 +151,15 @@ def test_a_steps_waiting_requests_are_looked_up_in_one_call(
         assert scheduler.connector.stats.lookups == [], "a lookup is recorded when its request takes it"
 
         output = scheduler.schedule()
-        assert len(output.num_scheduled_tokens) == 16
-        for n, request in enumerate(requests):  # each computes what the pool does not hold
-            assert output.num_scheduled_tokens[request.request_id] == 4 * 32 + 1 - (n % 5) * 32
+        loads = {load.req_id: load for load in output.kv_connector_metadata.loads}
+        for n, request in enumerate(requests):
+            if n % 5 == 0:  # a miss computes its prompt now
+                assert output.num_scheduled_tokens[request.request_id] == 4 * 32 + 1
+                assert request.request_id not in loads
+            else:  # a hit waits for its load (every load is asynchronous), then computes the rest
+                assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+                assert request.num_computed_tokens == (n % 5) * 32
+                assert len(loads[request.request_id].groups[0].block_ids) == n % 5
         lookups = scheduler.connector.stats.lookups
         assert sorted(r.hit_tokens for r in lookups) == sorted((n % 5) * 32 for n in range(16))
         assert all(r.keys == 4 for r in lookups)

@@ -293,3 +293,30 @@ def test_a_window_group_loads_every_block_vllm_keeps_below_its_window(
         assert load.groups[1].digests == [hash_digest(bytes(view[i])) for i in range(8 - len(kept), 8)]
     finally:
         scheduler.shutdown()
+
+
+def test_a_request_no_hit_could_serve_is_admitted_without_waiting_for_a_lookup(
+    model_dir, pool_settings, pool_client
+) -> None:
+    """A prompt shorter than a block, and one whose local hit already covers every block a hit
+    could, have nothing to ask the pool: they are scheduled in their first step (an
+    asynchronous lookup would cost them a whole step)."""
+    scheduler = make_scheduler(model_dir, [GroupDesc("full", 32)], local_pool_transfer(pool_settings))
+    try:
+        short = make_request(scheduler, list(range(3, 3 + 20)))
+        scheduler.add_request(short)
+        first = scheduler.schedule()
+        assert first.num_scheduled_tokens.get(short.request_id) == 20
+        # A local hit of the prompt's two whole blocks (a hit never covers the last token).
+        prompt = list(range(40, 40 + 2 * 32 + 1))
+        warm = make_request(scheduler, prompt)
+        scheduler.add_request(warm)
+        admit(scheduler)
+        again = make_request(scheduler, prompt)
+        scheduler.add_request(again)
+        step = scheduler.schedule()
+        assert step.num_scheduled_tokens.get(again.request_id) == 1, "scheduled at once, past its local hit"
+        (new,) = [r for r in step.scheduled_new_reqs if r.req_id == again.request_id]
+        assert new.num_computed_tokens == 2 * 32, "its local hit"
+    finally:
+        scheduler.shutdown()
