@@ -225,10 +225,10 @@ def test_blocks_that_always_fail_are_recomputed_once(gemma_dir, gemma_reference,
     assert len(loads) == 1 and sum(loads[0].failures.values()) == 9 + 2 + 2
 
 
-def test_single_group_model_loads_before_the_forward(
+def test_single_group_model_loads_and_hands_back_failed_blocks(
     tmp_path_factory, pool_settings, pool_client, monkeypatch
 ):
-    """All-full-attention model: one KV group, so loads are synchronous and errors per block."""
+    """All-full-attention model: one KV group, so a failed load hands back its block ids."""
     from kvpool.connector import scheduler_side
 
     model = build_gemma3(

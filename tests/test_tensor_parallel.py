@@ -20,8 +20,9 @@ TP=2 engine's without any connector, except the negative control's; the hits are
 whole blocks of each shared prefix, up to the block only one rank published. The
 counters count each block once (not once per rank); bytes count both ranks.
 
-On the hybrid Gemma3 (sliding window and full attention: asynchronous loads) and the
-all-full-attention Gemma3 (one group: synchronous loads).
+On the hybrid Gemma3 (sliding window and full attention: a failed load sends the request
+back whole) and the all-full-attention Gemma3 (one group: a failed load hands back its
+block ids); every load is asynchronous.
 """
 
 from __future__ import annotations

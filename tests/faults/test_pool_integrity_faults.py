@@ -3,9 +3,9 @@
 One master and one store process on loopback, frozen (SIGSTOP) and thawed (SIGCONT) at
 chosen moments, and objects replaced through Mooncake's own ``upsert``; real in-process
 vLLM engines (float32 KV) with deadlines of a second (``store_timeout_s`` of 20 s, so
-Mooncake itself never ends a frozen call before the test thaws it). The matrix: both load
-paths (the all-full-attention Gemma3 has one KV-cache group and loads synchronously before
-the forward; the hybrid Gemma3 loads asynchronously) and ``kv_role`` ``kv_both`` and
+Mooncake itself never ends a frozen call before the test thaws it). The matrix: both
+layouts (the all-full-attention Gemma3 has one KV-cache group and a failed load hands back
+block ids; the hybrid Gemma3 sends the request back whole) and ``kv_role`` ``kv_both`` and
 ``kv_consumer`` (whose pool a ``kv_both`` engine fills first). Every output, tokens and
 log-probabilities, equals the reference computed without any pool.
 
@@ -57,7 +57,12 @@ TAMPERED = range(GOOD_BLOCKS, PREFIX_BLOCKS)
 # Prefixes (``helpers.prompt``) per scenario, apart for the two roles of one model.
 FROZEN_LOAD, FROZEN_LOOKUP, FOREIGN, FROZEN_SAVE, SHUTDOWN, UNCHECKED, DONOR, STALE = range(8)
 ROLE_BASE = {"kv_both": 200, "kv_consumer": 300}
-CONFIGS = [("sync", "kv_both"), ("sync", "kv_consumer"), ("async", "kv_both"), ("async", "kv_consumer")]
+CONFIGS = [
+    ("single_group", "kv_both"),
+    ("single_group", "kv_consumer"),
+    ("hybrid", "kv_both"),
+    ("hybrid", "kv_consumer"),
+]
 
 
 def prefix_of(role: str, scenario: int) -> int:
@@ -251,15 +256,15 @@ class Models:
         self.root = root
         self._built: dict[str, Model] = {}
 
-    def __getitem__(self, load_path: str) -> Model:
-        if load_path not in self._built:
+    def __getitem__(self, layout: str) -> Model:
+        if layout not in self._built:
             from testing.models import build_gemma3, build_gemma3_full
 
-            if load_path == "sync":
-                self._built[load_path] = _model(build_gemma3_full(self.root / "full"), 1)
+            if layout == "single_group":
+                self._built[layout] = _model(build_gemma3_full(self.root / "full"), 1)
             else:
-                self._built[load_path] = _model(build_gemma3(self.root / "hybrid"), 3)
-        return self._built[load_path]
+                self._built[layout] = _model(build_gemma3(self.root / "hybrid"), 3)
+        return self._built[layout]
 
 
 @pytest.fixture(scope="module")
@@ -269,7 +274,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Models:
 
 @dataclass
 class Setup:
-    load_path: str
+    layout: str
     role: str
     model: Model
     engine: PoolEngine
@@ -302,9 +307,9 @@ class Setup:
 
 @pytest.fixture(scope="module", params=CONFIGS, ids=[f"{p}-{r}" for p, r in CONFIGS])
 def setup(request: pytest.FixtureRequest, models: Models, pool: LocalPool) -> Iterator[Setup]:
-    load_path, role = request.param
-    model = models[load_path]
-    settings = settings_for(pool, load_path)
+    layout, role = request.param
+    model = models[layout]
+    settings = settings_for(pool, layout)
     if role == "kv_consumer":
         # A consumer stores nothing: a kv_both engine fills the pool with its prefixes first.
         producer = PoolEngine(model.path, transfer_config(settings)).start()
@@ -316,7 +321,7 @@ def setup(request: pytest.FixtureRequest, models: Models, pool: LocalPool) -> It
             producer.close()
     engine = PoolEngine(model.path, transfer_config(settings, role)).start()
     try:
-        yield Setup(load_path, role, model, engine, settings, pool)
+        yield Setup(layout, role, model, engine, settings, pool)
     finally:
         engine.close()
 
@@ -477,7 +482,7 @@ def test_negative_control_without_the_header_check_another_blocks_object_is_kv(
     """Blocks 4..8 of a prefix replaced by another prompt's (right layout, right size): with
     the header check off they load as KV and the answer changes, so the check is what keeps
     them out, and the loaded KV is really used."""
-    if (setup.load_path, setup.role) != ("sync", "kv_both"):
+    if (setup.layout, setup.role) != ("single_group", "kv_both"):
         pytest.skip("one configuration suffices")
     from kvpool.connector import worker_side
 
