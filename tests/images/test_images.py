@@ -33,10 +33,19 @@ from pathlib import Path
 
 import pytest
 import yaml
+from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 from kvpool.operator import components
-from tests.images.replay import REPO, Dockerfile, FreshEnv, build_wheel, closure, wheel_requirements
+from tests.images.replay import (
+    REPO,
+    Dockerfile,
+    FreshEnv,
+    _commands,
+    build_wheel,
+    closure,
+    wheel_requirements,
+)
 
 DOCKER = REPO / "docker"
 CHART = REPO / "charts" / "mooncake-kvpool"
@@ -186,6 +195,32 @@ def test_operator_image_installs_and_runs(tmp_path: Path, wheel: Path) -> None:
     for absent in ("vllm", "torch"):
         probe = env.run([str(env.python), "-c", f"import {absent}"])
         assert probe.returncode != 0 and "ModuleNotFoundError" in probe.stderr, absent
+
+
+def test_the_operator_image_installs_only_what_its_lock_pins(wheel: Path) -> None:
+    """Every requirement of the operator image comes from docker/operator.lock: the wheel
+    stage downloads exactly those wheels, the final stage installs without an index, and the
+    lock pins the whole closure of the operator extra, at the versions the tests run."""
+    image = dockerfile("operator.Dockerfile")
+    (wheel_stage,) = [s for s in image.stages if s.name == "wheel"]
+    assert ("docker/operator.lock", "./") in image.copied_sources(wheel_stage)
+    downloads = [c for run in wheel_stage.values("RUN") for c in _commands(run) if "download" in c]
+    (download,) = downloads
+    assert {"--no-deps", "--only-binary=:all:", "-r", "operator.lock"} <= set(download)
+    installs = [c for run in image.final.values("RUN") for c in _commands(run) if "install" in c]
+    (install,) = installs
+    assert {"--no-index", "--find-links", "-r", "/wheels/operator.lock"} <= set(install)
+    assert "!docker/operator.lock" in (DOCKER / "operator.Dockerfile.dockerignore").read_text().split()
+
+    pinned = {}
+    for line in (DOCKER / "operator.lock").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            requirement = Requirement(line)
+            assert str(requirement.specifier).startswith("=="), line
+            pinned[canonicalize_name(requirement.name)] = str(requirement.specifier)[2:]
+    needed = {name: dist.version for name, dist in closure(wheel_requirements(wheel, ["operator"])).items()}
+    expected = "".join(f"{name}=={version}\n" for name, version in sorted(needed.items()))
+    assert pinned == needed, f"docker/operator.lock should pin exactly:\n{expected}"
 
 
 def test_mooncake_image_installs_and_runs(tmp_path: Path, wheel: Path) -> None:
