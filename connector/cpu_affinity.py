@@ -6,9 +6,11 @@ worker starts later inherits that binding. Between steps the main thread spins
 on vLLM's shared-memory queue. A Mooncake client created there, and transfer
 threads started there, would share that one spinning core with it: under load
 their calls then make no progress for seconds, loads pass their deadline and
-requests recompute. So the client's threads and the connector's transfer threads
-are started with the affinity of the whole process's allowed CPUs (the kernel
-narrows it to the container's cpuset); the forward keeps its own binding.
+requests recompute. So on the CPU backend the client's threads and the connector's
+transfer threads are started with the process's own mask (the union of its threads'
+masks: never wider than ``taskset``, ``numactl`` or the cpuset gave the process); the
+forward keeps its own binding. On an accelerator nothing is widened: a worker pinned to
+its GPU's NUMA node keeps every thread there.
 """
 
 from __future__ import annotations
@@ -22,14 +24,33 @@ from kvpool.connector.logs import get_logger
 logger = get_logger(__name__)
 
 
+def cpu_backend() -> bool:
+    """Whether vLLM runs on its CPU backend here, the one whose workers bind their threads."""
+    try:
+        from vllm.platforms import current_platform
+
+        return bool(current_platform.is_cpu())
+    except Exception:  # no vLLM (tools, tests of the contract): nothing binds threads
+        return False
+
+
 def allowed_cpus() -> set[int]:
-    """Every CPU the machine has; the kernel keeps only those of this process's cpuset."""
-    return set(range(os.cpu_count() or 1))
+    """The widest mask a thread of this process holds: the process's own mask (threads that
+    predate vLLM's binding keep it), never wider than what the process was started with
+    (``taskset``/``numactl``, the container's cpuset)."""
+    cpus: set[int] = set()
+    for task in os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else ():
+        try:
+            cpus |= os.sched_getaffinity(int(task))
+        except OSError:  # a thread that ended meanwhile
+            continue
+    return cpus or os.sched_getaffinity(0)
 
 
 def unpin_this_thread() -> None:
-    """Let the calling thread run on any allowed CPU (a no-op where affinity is not supported)."""
-    if not hasattr(os, "sched_setaffinity"):
+    """On vLLM's CPU backend, let the calling thread run on every CPU of this process's own
+    mask; elsewhere (accelerators: no thread of vLLM's is bound) leave it as it is."""
+    if not hasattr(os, "sched_setaffinity") or not cpu_backend():
         return
     try:
         os.sched_setaffinity(0, allowed_cpus())

@@ -80,3 +80,44 @@ def test_the_client_and_transfer_threads_are_not_bound_to_the_workers_core(
     finally:
         worker.shutdown()
         client.close()
+
+
+WIDEN_IN_A_THREAD = """
+import os, threading
+from kvpool.connector.cpu_affinity import unpin_this_thread
+seen = []
+def in_thread():
+    unpin_this_thread()
+    seen.append(sorted(os.sched_getaffinity(0)))
+thread = threading.Thread(target=in_thread)
+thread.start()
+thread.join()
+print(seen[0])
+"""
+
+
+def test_a_transfer_thread_never_leaves_the_cpus_the_process_was_started_on() -> None:
+    """A GPU node pins vLLM to its GPU's NUMA node (``taskset``/``numactl``): widening a
+    transfer thread stays inside the mask the process was started with, never the machine."""
+    import subprocess
+    import sys
+
+    first = min(os.sched_getaffinity(0))
+    done = subprocess.run(
+        [sys.executable, "-c", WIDEN_IN_A_THREAD],
+        preexec_fn=lambda: os.sched_setaffinity(0, {first}),  # as taskset starts a process
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert done.stdout.strip().splitlines()[-1] == str([first])
+
+
+def test_nothing_is_widened_off_the_cpu_backend(pinned_thread, monkeypatch) -> None:
+    """On an accelerator no thread of vLLM's is bound: a transfer thread keeps what it has."""
+    from kvpool.connector import cpu_affinity
+
+    monkeypatch.setattr(cpu_affinity, "cpu_backend", lambda: False)
+    cpu_affinity.unpin_this_thread()
+    assert os.sched_getaffinity(0) == {pinned_thread}
