@@ -139,7 +139,9 @@ class NamespaceNetwork:
 
 
 def selects(selector: Mapping[str, Any] | None, labels: Mapping[str, str]) -> bool:
-    """Whether a LabelSelector selects ``labels`` (an empty or missing selector selects all)."""
+    """Whether a LabelSelector selects ``labels`` (an empty or missing selector selects all). An
+    operator it does not know counts as matching: when in doubt, a pod counts as selected, and
+    the operator adds nothing that could widen access."""
     selector = selector or {}
     if any(labels.get(k) != v for k, v in (selector.get("matchLabels") or {}).items()):
         return False
@@ -154,8 +156,6 @@ def selects(selector: Mapping[str, Any] | None, labels: Mapping[str, str]) -> bo
             return False
         if operator == "DoesNotExist" and present:
             return False
-        if operator not in ("In", "NotIn", "Exists", "DoesNotExist"):
-            return False
     return True
 
 
@@ -166,10 +166,11 @@ def governs_ingress(policy: Mapping[str, Any]) -> bool:
 
 
 def guarding_policies(
-    policies: Iterable[Mapping[str, Any]], consumer_pod_labels: Iterable[Mapping[str, str]], pool_uid: str
+    policies: Iterable[Mapping[str, Any]], pod_labels: Iterable[Mapping[str, str]], pool_uid: str
 ) -> tuple[str, ...]:
-    """The namespace's ingress policies (not this pool's own) that select a consumer's pods."""
-    labels = list(consumer_pod_labels)
+    """The namespace's ingress policies (not this pool's own) that select any of the pods with
+    ``pod_labels`` (the consumers', or the etcd pods')."""
+    labels = list(pod_labels)
     found = []
     for policy in policies:
         meta = policy.get("metadata") or {}

@@ -230,3 +230,9 @@ async def test_the_namespace_is_read_with_the_consumers_and_etcd_pods_labels() -
     assert "app=etcd" in kube.selectors
     only_own = FakeKube({"networkpolicies": [own]})
     assert await read_namespace_network(only_own, pool) == NamespaceNetwork()  # type: ignore[arg-type]
+
+
+def test_a_selector_the_operator_cannot_read_counts_as_selecting() -> None:
+    odd = admin_policy("odd", {"matchExpressions": [{"key": "app", "operator": "Gt", "values": ["1"]}]}, [])
+    assert guarding_policies([odd], [dict(CONSUMER.labels)], POOL_UID) == ("odd",)
+    assert guarding_policies([GATEWAY_ONLY], [{"app": "batch"}], POOL_UID) == ()
