@@ -192,6 +192,7 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
                 can_save=transfer.is_kv_producer and in_pool,
                 stats=self.stats,
                 lookup_timeout_s=self.settings.lookup_timeout_s,
+                idle_step_wait_s=self.settings.idle_step_wait_s,
             )
             keys_per_block = tuple(self.layout.pp_size * n for n in shards)
             self._events = PoolEvents.for_scheduler(vllm_config, kv_cache_config, keys_per_block)
@@ -219,7 +220,11 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
                 stats=self.stats,
                 deadlines=Deadlines.of(self.settings),
                 staging_bytes=self.settings.staging_buffer_size,
-                load_batch_bytes=read_ahead_bytes(self.settings.global_segment_size),
+                load_batch_bytes=read_ahead_bytes(
+                    self.settings.global_segment_size, self.settings.load_batch_bytes
+                ),
+                transfer_threads=self.settings.transfer_threads,
+                idle_step_wait_s=self.settings.idle_step_wait_s,
                 order=TransferOrder(drain_saves=_zeroes_before_preemptions(vllm_config)),
             )
         # layout= is the layout's fingerprint (the operator's layoutFingerprint of a declared one);

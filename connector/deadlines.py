@@ -26,6 +26,8 @@ from collections.abc import Iterable
 from enum import Enum
 from typing import Any
 
+from kvpool.connector.contract.settings import ConnectorSettings
+
 Clock = Any  # a callable returning monotonic seconds
 
 # An idle engine step (no forward) waits this long at most for the pool work in flight
@@ -33,7 +35,8 @@ Clock = Any  # a callable returning monotonic seconds
 # engine's loop spins through idle steps holding the GIL, and the threads doing that
 # work, which need it between Mooncake calls, crawl (measured: a 72 MiB hit loaded at
 # ~43 MB/s in an in-process engine, against ~1.4 GB/s alone).
-IDLE_STEP_WAIT_S = 0.005
+# The default of the ``idle_step_wait_s`` setting.
+IDLE_STEP_WAIT_S: float = ConnectorSettings.model_fields["idle_step_wait_s"].default
 
 
 class JobState(Enum):

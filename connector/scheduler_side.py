@@ -98,6 +98,7 @@ class SchedulerSide:
         stats: StatsCollector,
         lookup_timeout_s: float = LOOKUP_TIMEOUT_S,
         batch_lookups: bool = True,
+        idle_step_wait_s: float = IDLE_STEP_WAIT_S,
     ):
         self.client = client
         self.keyspace = keyspace
@@ -112,6 +113,7 @@ class SchedulerSide:
         self.can_save = can_save
         self.stats = stats
         self.lookup_timeout_s = lookup_timeout_s
+        self.idle_step_wait_s = idle_step_wait_s
         self._lookups = BoundedCall("kvpool-lookup")
         # Bound on first use: a connector out of the pool has a client with no calls at all.
         self._backfill = PresenceBackfill(lambda keys: self.client.exists(keys), lookup_timeout_s)
@@ -499,7 +501,7 @@ class SchedulerSide:
             # An idle step: the engine only waits. Let the lookup thread answer (it needs
             # the GIL the engine's loop would hold), so the next step admits the requests.
             started = time.perf_counter()
-            self._queue.wait_idle(IDLE_STEP_WAIT_S)
+            self._queue.wait_idle(self.idle_step_wait_s)
             self.idle_wait_s += time.perf_counter() - started
         return meta
 

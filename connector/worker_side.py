@@ -54,12 +54,13 @@ from kvpool.connector.records import StatsCollector, TransferRecord
 from kvpool.connector.staging import GroupCopier, StagingSlot
 
 logger = get_logger(__name__)
+_DEFAULTS = ConnectorSettings.model_fields
 
-TRANSFER_THREADS = 4
+# The defaults of the ``transfer_threads`` and ``load_batch_bytes`` settings.
+TRANSFER_THREADS: int = _DEFAULTS["transfer_threads"].default
 # Staging buffers whose call was given up on rest this long (ten times Mooncake's longest
-# wait for a transfer, 60 s) before reuse; at most this many rest at once.
+# wait for a transfer, 60 s) before reuse; at most one per transfer thread rests at once.
 RETIRE_GRACE_S = 600.0
-RETIRED_MAX = 4
 # Keys of one failed read whose size is asked for (an object of the wrong size fails the
 # read like a transfer error does): a stored object of another size is not the block.
 SIZE_PROBES_PER_CALL = 16
@@ -72,14 +73,12 @@ SIZE_PROBES_PER_CALL = 16
 # 0.54x memcpy, 2 MiB 0.49-0.52x, 16 MiB 0.41-0.43x; against one read a group 1.15-1.38x
 # faster with 4 MiB, 1.10-1.14x with 16 MiB (benchmarks.transfer). Over TCP smaller calls
 # cost more than the overlap saves, so a client without a segment reads at once.
-LOAD_BATCH_BYTES = 4 << 20
-
-_DEFAULTS = ConnectorSettings.model_fields
+LOAD_BATCH_BYTES: int = _DEFAULTS["load_batch_bytes"].default
 
 
-def read_ahead_bytes(segment_bytes: int) -> int | None:
+def read_ahead_bytes(segment_bytes: int, batch_bytes: int = LOAD_BATCH_BYTES) -> int | None:
     """The load batch of a worker whose client contributes ``segment_bytes``; None: no read-ahead."""
-    return LOAD_BATCH_BYTES if segment_bytes > 0 else None
+    return batch_bytes if segment_bytes > 0 and batch_bytes > 0 else None
 
 
 def load_batches(
@@ -145,6 +144,8 @@ class WorkerSide:
         staging_bytes: int = _DEFAULTS["staging_buffer_size"].default,
         order: TransferOrder | None = None,
         load_batch_bytes: int | None = None,
+        transfer_threads: int = TRANSFER_THREADS,
+        idle_step_wait_s: float = IDLE_STEP_WAIT_S,
     ):
         self.client = client
         self.keyspace = keyspace
@@ -165,12 +166,15 @@ class WorkerSide:
         self.groups: list[list[LayerBlocks]] = [[] for _ in group_layers]
         self.copiers: list[GroupCopier | None] = [None for _ in group_layers]
         self._device: Any = None
+        # At most one staging buffer per transfer thread rests after a call given up on.
+        self.retired_max = transfer_threads
+        self.idle_step_wait_s = idle_step_wait_s
         self._pool = ThreadPoolExecutor(
-            TRANSFER_THREADS, thread_name_prefix="kvpool-xfer", initializer=unpin_this_thread
+            transfer_threads, thread_name_prefix="kvpool-xfer", initializer=unpin_this_thread
         )
         # One read-ahead in flight per transfer thread at most: the next batch of its load.
         self._fetchers = ThreadPoolExecutor(
-            TRANSFER_THREADS, thread_name_prefix="kvpool-fetch", initializer=unpin_this_thread
+            transfer_threads, thread_name_prefix="kvpool-fetch", initializer=unpin_this_thread
         )
         self._lock = threading.Lock()
         # Futures of saves and asynchronous loads not yet returned (their records follow).
@@ -240,7 +244,7 @@ class WorkerSide:
 
         A buffer whose call was given up on is retired (see ``_retire_slot``): the
         thread takes a retired one whose grace has passed, or a new one while fewer
-        than ``RETIRED_MAX`` are retired.
+        than ``retired_max`` are retired.
         """
         slot: StagingSlot | None = getattr(self._local, "slot", None)
         if slot is not None:
@@ -251,7 +255,7 @@ class WorkerSide:
             if ready:
                 self._retired.remove(ready[0])
                 slot = ready[0][1]
-            elif len(self._retired) >= RETIRED_MAX:
+            elif len(self._retired) >= self.retired_max:
                 return None
         if slot is None:
             largest = max((c.object_bytes for c in self.copiers if c is not None), default=0)
@@ -377,7 +381,7 @@ class WorkerSide:
         return finished_recving, failed_recving
 
     def _pace_idle_step(self) -> None:
-        """Wait up to ``IDLE_STEP_WAIT_S`` for an asynchronous load in flight to return.
+        """Wait up to ``idle_step_wait_s`` for an asynchronous load in flight to return.
 
         An engine whose only work is waiting for loads steps back to back; the
         pause releases the GIL to the transfer threads, and ends as soon as one
@@ -386,7 +390,7 @@ class WorkerSide:
         with self._lock:
             in_flight = [f for f in self._async_loads.values() if not f.done()]
         if in_flight:
-            wait(in_flight, timeout=IDLE_STEP_WAIT_S, return_when=FIRST_COMPLETED)
+            wait(in_flight, timeout=self.idle_step_wait_s, return_when=FIRST_COMPLETED)
 
     def take_load_errors(self) -> set[int]:
         with self._lock:

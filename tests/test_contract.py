@@ -207,3 +207,28 @@ def test_render_round_trip() -> None:
     assert mooncake["master_server_address"] == "m:50051" and mooncake["global_segment_size"] == 2 << 30
     with pytest.raises(SettingsError):
         settings.kv_transfer_config("kv_sideways")
+
+
+def test_how_a_worker_moves_blocks_is_a_setting_with_todays_defaults() -> None:
+    """Transfer threads, the read-ahead batch and the idle-step wait were constants tuned to a
+    2-core box: settings now, with those values as defaults and bounds that name the field."""
+    settings = ConnectorSettings.parse({"master_server_address": "m:1"})
+    assert (settings.transfer_threads, settings.load_batch_bytes, settings.idle_step_wait_s) == (
+        4,
+        4 << 20,
+        0.005,
+    )
+    tuned = ConnectorSettings.parse(
+        {
+            "master_server_address": "m:1",
+            "transfer_threads": 16,
+            "load_batch_bytes": "16MB",
+            "idle_step_wait_s": 0.001,
+        }
+    )
+    assert (tuned.transfer_threads, tuned.load_batch_bytes, tuned.idle_step_wait_s) == (16, 16 << 20, 0.001)
+    with pytest.raises(SettingsError) as err:
+        ConnectorSettings.parse(
+            {"master_server_address": "m:1", "transfer_threads": 0, "idle_step_wait_s": 5}
+        )
+    assert set(err.value.problems) == {"transfer_threads", "idle_step_wait_s"}

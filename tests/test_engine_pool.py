@@ -129,9 +129,8 @@ def test_an_engine_holding_a_segment_reads_its_hit_ahead(
         halves.append(plan[1])
         return plan
 
-    monkeypatch.setattr(worker_side, "LOAD_BATCH_BYTES", 1)
     monkeypatch.setattr(worker_side, "load_batches", spied)
-    config = transfer_config(pool_settings, global_segment_size="64MB")
+    config = transfer_config(pool_settings, global_segment_size="64MB", load_batch_bytes=1)
     llm = create_llm(EngineOptions(model=str(gemma_dir), kv_transfer_config=config))
     try:
         generate(llm, [P1], MAX_TOKENS)

@@ -89,9 +89,10 @@ def test_an_idle_scheduler_step_lets_its_lookups_be_answered(tokens: int, waits:
     from kvpool.connector.scheduler_side import SchedulerSide
 
     side = object.__new__(SchedulerSide)
-    side._pending_loads, side._step, side.can_save = [], 0, False
+    side._pending_loads, side.can_save = [], False
     side._queue = _RecordingQueue()
     side.idle_wait_s = 0.0
+    side.idle_step_wait_s = IDLE_STEP_WAIT_S
     meta = side.build_connector_meta(SimpleNamespace(total_num_scheduled_tokens=tokens), lambda _: [])
     assert meta.forward_tokens == tokens
     assert side._queue.waits == waits  # bounded: the queue's wait takes the deadline

@@ -194,7 +194,7 @@ def test_a_buffer_given_up_on_rests_before_reuse(worker: WorkerSide, monkeypatch
 
     first = worker._slot()
     seen = [first]
-    for _ in range(worker_side.RETIRED_MAX - 1):
+    for _ in range(worker.retired_max - 1):
         worker._retire_slot()
         fresh = worker._slot()
         assert fresh is not None and all(fresh is not s for s in seen), "a resting buffer was reused"

@@ -276,3 +276,11 @@ def test_get_finished_refuses_rather_than_report_a_failed_load_as_a_success() ->
 
     with pytest.raises(NotImplementedError, match="get_transfer_results"):
         KVPoolConnector.get_finished(object(), set())  # type: ignore[arg-type]
+
+
+def test_a_worker_runs_the_transfer_threads_its_settings_name(pool_client, cache_prefix) -> None:
+    w = single_group_worker(pool_client, cache_prefix, num_blocks=NUM_BLOCKS, transfer_threads=2)
+    try:
+        assert w._pool._max_workers == 2 and w.retired_max == 2
+    finally:
+        w.shutdown()

@@ -160,6 +160,25 @@ class ConnectorSettings(BaseModel):
         ge=1 << 20,
         description="Registered buffer per transfer thread that blocks move through (bytes a call).",
     )
+    # How a worker moves blocks (defaults measured on a 2-core CPU node: benchmarks.transfer).
+    transfer_threads: int = Field(
+        default=4,
+        ge=1,
+        le=64,
+        description="Threads per worker moving blocks to and from the pool (each holds one staging buffer).",
+    )
+    load_batch_bytes: Size = Field(
+        default=4 << 20,
+        ge=0,
+        description="Read-ahead batch of a load whose client holds a segment of the pool (0: one read "
+        "a group).",
+    )
+    idle_step_wait_s: float = Field(
+        default=0.005,
+        gt=0,
+        le=1.0,
+        description="Longest an engine step without a forward waits for pool work in flight.",
+    )
     # The layout the pool's spec declares for this consumer (the operator renders both):
     # any difference from the layout vLLM builds keeps the connector out of the pool.
     declared_layout: KVLayout | None = Field(
