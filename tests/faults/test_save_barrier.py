@@ -30,7 +30,7 @@ from testing.engine import (
     generate,
     shutdown_llm,
     transfer_config,
-    worker_connector,
+    worker_of,
 )
 from testing.models import build_gemma3_full
 from testing.prompts import P1, P2
@@ -110,7 +110,7 @@ def watch(monkeypatch: pytest.MonkeyPatch) -> Iterator[Watch]:
 def _serve(model: Path, settings: Any, watch: Watch) -> None:
     llm = create_llm(EngineOptions(model=str(model), kv_transfer_config=transfer_config(settings)))
     try:
-        worker = worker_connector()._worker
+        worker = worker_of()
         assert not worker.order.drain_saves, "the V1 runner: saves overlap the next step"
         worker.order.record_marker = watch.marker
         generate(llm, [P1], 4)  # a 10-block prefill, then decode steps
