@@ -237,6 +237,9 @@ CONNECTOR_FIELDS = (
     "batch_size",
     "local_buffer_size",
     "metadata_server",
+    "transfer_threads",
+    "load_batch_bytes",
+    "idle_step_wait_s",
 )
 
 

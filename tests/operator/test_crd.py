@@ -90,6 +90,9 @@ def test_field_names_and_contract_blocks() -> None:
         "batch_size",
         "local_buffer_size",
         "metadata_server",
+        "transfer_threads",
+        "load_batch_bytes",
+        "idle_step_wait_s",
     }
     layout = spec["consumers"]["items"]["properties"]["layout"]
     assert {"groups", "tp_size", "pp_size", "pcp_size", "dcp_size"} <= set(layout["properties"])
