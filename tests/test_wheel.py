@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import re
 import shutil
-import subprocess
-import sys
 import zipfile
 from pathlib import Path
 
 import pytest
+
+from tests.images.replay import pip_wheel
 
 REPO = Path(__file__).resolve().parents[1]
 #: What the copy holds: the product, and the folders that must stay out of the wheel.
@@ -56,13 +56,7 @@ def wheel_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, bytes]:
         else:
             src.mkdir(exist_ok=True)
             shutil.copy2(origin, src / name)
-    out = root / "wheels"
-    subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
-         "--wheel-dir", str(out), str(src)],
-        check=True, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    (wheel,) = out.glob("mooncake_kvpool-*.whl")
+    wheel = pip_wheel(src, root / "wheels")
     with zipfile.ZipFile(wheel) as archive:
         return {name: archive.read(name) for name in archive.namelist()}
 

@@ -156,7 +156,11 @@ def build_wheel(dockerfile: Dockerfile, out: Path) -> Path:
         else:
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(origin, target)
-    wheels = out / "wheels"
+    return pip_wheel(src, out / "wheels")
+
+
+def pip_wheel(src: Path, wheels: Path) -> Path:
+    """This project's wheel built from the source tree ``src`` into ``wheels`` (offline, no deps)."""
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
          "--wheel-dir", str(wheels), str(src)],
