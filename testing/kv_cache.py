@@ -114,3 +114,20 @@ def fill_block_pool(coordinator: Any, present: dict[int, set[bytes]]) -> None:
             block = pool.blocks[next_id]
             next_id += 1
             pool.cached_block_hash_to_block.insert(make_block_hash_with_group_id(block_hash, group_id), block)
+
+
+def pipeline_stage_configs(model: Any, block_size: int, kv_memory_bytes: int) -> tuple[Any, list[Any], Any]:
+    """vLLM's config and each stage's ``KVCacheConfig`` (and the scheduler's) for ``model`` at
+    PP=2, float32, as its engine core computes them (the layout probe builds each stage's model
+    on ``meta``; vLLM 0.32's CPU engine cannot run PP=2 whole)."""
+    from kvpool.connector.local.layout_probe import kv_cache_configs
+
+    args = {
+        "model": str(model),
+        "pipeline_parallel_size": 2,
+        "block_size": block_size,
+        "dtype": "float32",
+        "max_model_len": 1024,
+        "enable_prefix_caching": True,
+    }
+    return kv_cache_configs(args, kv_memory_bytes=kv_memory_bytes)

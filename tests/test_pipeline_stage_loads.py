@@ -44,19 +44,11 @@ STEP_BOUND_S = 90.0  # against a hang: far above the few seconds a step takes he
 def stage_configs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, list[Any]]]:
     """vLLM's config and each stage's ``KVCacheConfig`` for PP=2 of an all-full-attention
     model (one KV-cache group: block-level load failures)."""
-    from kvpool.connector.local.layout_probe import kv_cache_configs
+    from testing.kv_cache import pipeline_stage_configs
     from testing.models import build_gemma3_full
 
     model = build_gemma3_full(tmp_path_factory.mktemp("pp-full"))
-    args = {
-        "model": str(model),
-        "pipeline_parallel_size": 2,
-        "block_size": BLOCK,
-        "dtype": "float32",
-        "max_model_len": 1024,
-        "enable_prefix_caching": True,
-    }
-    config, per_stage, _ = kv_cache_configs(args, kv_memory_bytes=KV_MEMORY)
+    config, per_stage, _ = pipeline_stage_configs(model, BLOCK, KV_MEMORY)
     yield config, per_stage
 
 

@@ -39,21 +39,13 @@ _ids = itertools.count()
 @pytest.fixture(scope="module")
 def stage_configs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, list[Any], Any]]:
     """vLLM's config, each stage's ``KVCacheConfig`` and the scheduler's, for PP=2."""
-    from kvpool.connector.local.layout_probe import kv_cache_configs
+    from testing.kv_cache import pipeline_stage_configs
     from testing.models import build_gemma3
 
     model = build_gemma3(tmp_path_factory.mktemp("pp") / "gemma3-6", num_hidden_layers=6)
-    args = {
-        "model": str(model),
-        "pipeline_parallel_size": 2,
-        "block_size": BLOCK,
-        "dtype": "float32",
-        "max_model_len": 1024,
-        "enable_prefix_caching": True,
-    }
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("VLLM_PP_LAYER_PARTITION", LAYER_PARTITION)
-        yield kv_cache_configs(args, kv_memory_bytes=KV_MEMORY)
+        yield pipeline_stage_configs(model, BLOCK, KV_MEMORY)
 
 
 class Stage:
