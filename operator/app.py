@@ -8,27 +8,32 @@ intervals come from the options and several operators (tests) never share handle
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
+import aiohttp.web
 import kopf
 from kubernetes_asyncio.client import ApiClient, Configuration
 
 from kvpool.operator import names
+from kvpool.operator.election import LeaseElector, LeaseLost, LeaseOptions
 from kvpool.operator.kube import USER_AGENT, ApiError, KubeClient, connection_info, load_configuration
 from kvpool.operator.leader import SERVICE_HEALTH_URL
 from kvpool.operator.metrics import OperatorMetrics, serve_metrics
-from kvpool.operator.names import POOLS
+from kvpool.operator.names import DEPLOYMENTS, POOLS
 from kvpool.operator.policy import OperatorPolicy
-from kvpool.operator.reconcile import Notify, Reconciler
+from kvpool.operator.reconcile import Notify, Reconciler, pool_of
 from kvpool.operator.validation import admission_problems, admission_warnings
 
 POOL = (POOLS.group, POOLS.version, POOLS.plural)
+CHILDREN = (DEPLOYMENTS.group, DEPLOYMENTS.version, DEPLOYMENTS.plural)
 VALIDATE_ID = "validate-pool"
 RETRYABLE = (ApiError, aiohttp.ClientError, asyncio.TimeoutError)
 
@@ -65,6 +70,8 @@ class OperatorOptions:
     # Where an HA pool's masters are first asked whether their leader serves ({service},
     # {namespace}, {port}: the master Service and its metrics port).
     master_health_url: str = SERVICE_HEALTH_URL
+    # Several replicas: only the holder of this Lease acts (None: this replica always acts).
+    leader_election: LeaseOptions | None = None
 
 
 def kopf_settings(options: OperatorOptions) -> kopf.OperatorSettings:
@@ -166,6 +173,21 @@ def make_registry(
     async def resync(body: kopf.Body, **_: Any) -> None:
         await run("resync", body)
 
+    @kopf.on.event(*CHILDREN, registry=registry, id="child", when=lambda body, **_: pool_of(body) is not None)
+    async def child(body: kopf.Body, **_: Any) -> None:
+        # A pool's Deployment or consumer changed (a rollout progressed, a hand edit): a pass
+        # now, not at the next resync (passes that would wait behind one already queued are
+        # dropped: the queued one reads the newest state).
+        namespace, name = body.get("metadata", {}).get("namespace"), pool_of(body)
+        if name is None or reconciler.queued(namespace, name):
+            return
+        pool = await reconciler.kube.get(POOLS, namespace, name)
+        if pool is not None and not pool.get("metadata", {}).get("deletionTimestamp"):
+            try:
+                await reconciler.reconcile(pool, "child", notifier(pool), coalesce=True)
+            except RETRYABLE as exc:
+                logging.getLogger(__name__).warning("pass after a change of %s/%s: %s", namespace, name, exc)
+
     @kopf.on.delete(*POOL, registry=registry, id="teardown", **retry)
     async def delete(body: kopf.Body, **_: Any) -> None:
         try:
@@ -213,18 +235,86 @@ async def run(
             await stack.enter_async_context(
                 serve_metrics(metrics.registry, options.metrics_host, options.metrics_port)
             )
-        await kopf.operator(
-            registry=make_registry(
-                options,
-                configuration,
-                Reconciler(kube, metrics, options.policy, options.master_health_url),
-                metrics,
-            ),
-            settings=kopf_settings(options),
-            clusterwide=not options.namespaces,
-            namespaces=list(options.namespaces),
-            standalone=True,
-            liveness_endpoint=options.liveness_endpoint,
-            stop_flag=stop_flag,
-            ready_flag=ready_flag,
-        )
+        reconciler = Reconciler(kube, metrics, options.policy, options.master_health_url)
+        stopped = asyncio.Event()
+        stack.enter_context(_forward(stop_flag, stopped))
+        elector = None
+        if options.leader_election is not None:
+            elector = LeaseElector(kube, options.leader_election)
+            async with standby_liveness(options.liveness_endpoint):
+                if not await elector.acquire(stopped):
+                    return
+        holding = asyncio.create_task(elector.hold()) if elector is not None else None
+        lost = _on_done(holding, stopped)
+        try:
+            await kopf.operator(
+                registry=make_registry(options, configuration, reconciler, metrics),
+                settings=kopf_settings(options),
+                clusterwide=not options.namespaces,
+                namespaces=list(options.namespaces),
+                standalone=True,
+                liveness_endpoint=options.liveness_endpoint,
+                stop_flag=stopped,
+                ready_flag=ready_flag,
+            )
+        finally:
+            if holding is not None:
+                holding.cancel()
+            if elector is not None and not lost():
+                await elector.release()
+        if lost():
+            raise LeaseLost(f"{elector.identity if elector else ''} lost the lease: it stops acting")
+
+
+@contextlib.contextmanager
+def _forward(source: threading.Event | asyncio.Event | None, target: asyncio.Event) -> Iterator[None]:
+    """Set ``target`` when ``source`` (a caller's stop flag, of either kind) is set."""
+    if source is None:
+        yield
+        return
+
+    async def watch() -> None:
+        while not source.is_set():
+            await asyncio.sleep(0.1)
+        target.set()
+
+    task = asyncio.get_running_loop().create_task(watch())
+    try:
+        yield
+    finally:
+        task.cancel()
+
+
+def _on_done(task: asyncio.Task[None] | None, stopped: asyncio.Event) -> Callable[[], bool]:
+    """Stop the operator when the Lease is lost; whether it was."""
+    if task is None:
+        return lambda: False
+    task.add_done_callback(lambda _: stopped.set())
+
+    def lost() -> bool:
+        return task.done() and not task.cancelled() and isinstance(task.exception(), LeaseLost)
+
+    return lost
+
+
+@contextlib.asynccontextmanager
+async def standby_liveness(endpoint: str | None) -> AsyncIterator[None]:
+    """While a standby waits for the Lease, its liveness endpoint answers (kopf serves it once
+    the replica acts)."""
+    if not endpoint:
+        yield
+        return
+    url = urlsplit(endpoint)
+    async def healthy(_: aiohttp.web.Request) -> aiohttp.web.Response:
+        return aiohttp.web.json_response({"standby": True})
+
+    app = aiohttp.web.Application()
+    app.router.add_get(url.path or "/", healthy)
+    runner = aiohttp.web.AppRunner(app)
+    await runner.setup()
+    site = aiohttp.web.TCPSite(runner, url.hostname, url.port or 80, reuse_address=True)
+    await site.start()
+    try:
+        yield
+    finally:
+        await runner.cleanup()

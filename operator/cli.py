@@ -128,6 +128,12 @@ def _parser() -> argparse.ArgumentParser:
         help="where HA masters are asked whether their leader serves "
         "({service}, {namespace}, {port} filled in)",
     )
+    run.add_argument(
+        "--leader-election-namespace",
+        help="run as one of several replicas: only the holder of a Lease in this namespace acts "
+        "(the others stand by); default: no election, this replica always acts",
+    )
+    run.add_argument("--leader-election-id", default="kvpool-operator", help="the Lease's name")
     run.add_argument("-v", "--verbose", action="store_true")
     return parser
 
@@ -165,6 +171,7 @@ def _policy(args: argparse.Namespace) -> OperatorPolicy:
 def options_from_args(args: argparse.Namespace) -> OperatorOptions:
     """The run options a parsed ``run`` command line sets."""
     from kvpool.operator.app import OperatorOptions, WebhookOptions
+    from kvpool.operator.election import LeaseOptions
 
     webhook = None
     if args.webhook_port is not None:
@@ -187,6 +194,11 @@ def options_from_args(args: argparse.Namespace) -> OperatorOptions:
         log_level=logging.DEBUG if args.verbose else logging.INFO,
         policy=_policy(args),
         master_health_url=args.master_health_url,
+        leader_election=(
+            LeaseOptions(args.leader_election_namespace, name=args.leader_election_id)
+            if args.leader_election_namespace
+            else None
+        ),
     )
 
 
@@ -206,7 +218,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     options = options_from_args(args)
     logging.basicConfig(level=options.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    asyncio.run(run(options))
+    from kvpool.operator.election import LeaseLost
+
+    try:
+        asyncio.run(run(options))
+    except LeaseLost as exc:  # back as a standby after a restart
+        logging.getLogger(__name__).error("%s", exc)
+        return 1
     return 0
 
 

@@ -54,6 +54,7 @@ NETWORK_POLICIES = ApiResource("networking.k8s.io", "v1", "networkpolicies", "Ne
 POD_DISRUPTION_BUDGETS = ApiResource("policy", "v1", "poddisruptionbudgets", "PodDisruptionBudget")
 EVENTS = ApiResource("", "v1", "events", "Event")
 PODS = ApiResource("", "v1", "pods", "Pod")
+LEASES = ApiResource("coordination.k8s.io", "v1", "leases", "Lease")
 
 _BY_KIND: dict[tuple[str, str], ApiResource] = {
     (r.api_version, r.kind): r
@@ -66,6 +67,7 @@ _BY_KIND: dict[tuple[str, str], ApiResource] = {
         POD_DISRUPTION_BUDGETS,
         EVENTS,
         PODS,
+        LEASES,
     )
 }
 

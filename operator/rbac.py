@@ -22,6 +22,7 @@ from kvpool.operator.names import (
     CONFIGMAPS,
     DEPLOYMENTS,
     EVENTS,
+    LEASES,
     NETWORK_POLICIES,
     POD_DISRUPTION_BUDGETS,
     PODS,
@@ -60,8 +61,9 @@ RULES: tuple[Rule, ...] = (
     # Children carry an ownerReference with blockOwnerDeletion: the API server's
     # OwnerReferencesPermissionEnforcement admission wants update on the pool's finalizers.
     Rule(POOLS.group, (f"{POOLS.plural}/finalizers",), ("update",)),
-    # Children (master, store) and consumers (list: release the ones no longer declared).
-    Rule(DEPLOYMENTS.group, (DEPLOYMENTS.plural,), ("get", "list", "create", "patch", "delete")),
+    # Children (master, store) and consumers (list: release the ones no longer declared;
+    # watch: a pass as soon as one of them changes).
+    Rule(DEPLOYMENTS.group, (DEPLOYMENTS.plural,), ("get", "list", "watch", "create", "patch", "delete")),
     Rule(SERVICES.group, (SERVICES.plural, CONFIGMAPS.plural), ("get", "create", "patch", "delete")),
     # The pool's own policies; list: the namespace's policies that select its consumers.
     Rule(NETWORK_POLICIES.group, (NETWORK_POLICIES.plural,), ("get", "list", "create", "patch", "delete")),
@@ -88,6 +90,9 @@ TENANT_VIEW_RULES: tuple[Rule, ...] = (
     Rule(POOLS.group, (POOLS.plural, f"{POOLS.plural}/status"), ("get", "list", "watch")),
 )
 TENANT_RULES = {"edit": TENANT_EDIT_RULES, "view": TENANT_VIEW_RULES}
+
+# Leader election: the Lease in the operator's own namespace (a Role there).
+LEASE_RULES: tuple[Rule, ...] = (Rule(LEASES.group, (LEASES.plural,), ("get", "create", "patch")),)
 
 WEBHOOK_RULES: tuple[Rule, ...] = (
     Rule("admissionregistration.k8s.io", ("validatingwebhookconfigurations",), ("create", "patch")),

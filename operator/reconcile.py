@@ -80,6 +80,16 @@ def skips_teardown(pool: Mapping[str, Any]) -> bool:
     return str(annotations.get(names.ANNOTATION_SKIP_TEARDOWN, "")).strip().lower() == "true"
 
 
+def pool_of(deployment: Mapping[str, Any]) -> str | None:
+    """The pool a Deployment belongs to: as its child (ownerReference), or as a consumer it
+    patched (label); None for any other Deployment."""
+    meta = deployment.get("metadata") or {}
+    for ref in meta.get("ownerReferences") or []:
+        if ref.get("kind") == POOLS.kind and ref.get("apiVersion") == POOLS.api_version:
+            return str(ref.get("name"))
+    return (meta.get("labels") or {}).get(names.LABEL_CONSUMER_OF)
+
+
 def utcnow() -> str:
     return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
@@ -354,6 +364,7 @@ class Reconciler:
         self.master_health_url = master_health_url
         self.leader_timeout = leader_timeout
         self._locks: dict[tuple[str, str], asyncio.Lock] = {}
+        self._queued: set[tuple[str, str]] = set()
 
     async def check_leader(self, plan: Plan) -> LeaderView:
         """Ask the pool's masters whether their leader serves (a leader only at one of the
@@ -369,11 +380,23 @@ class Reconciler:
         self.metrics.reconciles.labels(trigger, "error").inc()
         self.metrics.errors.labels(trigger, error_reason(exc)).inc()
 
-    async def reconcile(self, body: Mapping[str, Any], trigger: str, notify: Notify) -> dict[str, Any] | None:
-        """One pass over the pool ``body`` names; its status, or None if it is gone."""
+    def queued(self, namespace: str, name: str) -> bool:
+        """Whether a pass over the pool waits to begin (it will read the newest state)."""
+        return (namespace, name) in self._queued
+
+    async def reconcile(
+        self, body: Mapping[str, Any], trigger: str, notify: Notify, coalesce: bool = False
+    ) -> dict[str, Any] | None:
+        """One pass over the pool ``body`` names; its status, or None if it is gone (or, with
+        ``coalesce``, when a pass that had not begun yet was already waiting)."""
         meta = body.get("metadata", {})
         namespace, name = meta["namespace"], meta["name"]
+        if coalesce:
+            if self.queued(namespace, name):
+                return None
+            self._queued.add((namespace, name))
         async with self._lock(namespace, name):
+            self._queued.discard((namespace, name))
             with self.metrics.duration.labels(trigger).time():
                 try:
                     outcome = await self._pass(namespace, name, notify)

@@ -56,7 +56,7 @@ async def test_a_malformed_restore_record_never_pins_the_pool(cluster: Cluster, 
     assert kv_flags(llm) == []
     assert names.LABEL_CONSUMER_OF not in llm["metadata"]["labels"]
     assert names.ANNOTATION_RESTORE not in (llm["metadata"].get("annotations") or {})
-    (event,) = cluster.events("RestoreRecordMalformed")
+    (event,) = await eventually(lambda: cluster.events("RestoreRecordMalformed"), what="an Event")
     assert event["type"] == "Warning" and "llm" in event["message"] and "wrong type" in event["message"]
 
 
@@ -75,6 +75,6 @@ async def test_the_skip_teardown_annotation_lets_a_stuck_pool_go(
 
     await cluster.patch_pool("pool", {"metadata": {"annotations": {names.ANNOTATION_SKIP_TEARDOWN: "true"}}})
     await eventually(lambda: cluster.get(POOLS_PATH, "pool") is None, what="pool gone")
-    (event,) = cluster.events("TeardownSkipped")
+    (event,) = await eventually(lambda: cluster.events("TeardownSkipped"), what="an Event")
     assert event["type"] == "Warning"
     assert kv_flags(cluster.get(DEPLOYMENTS_PATH, "llm"))  # left as it was, as the Event says

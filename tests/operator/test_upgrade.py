@@ -99,7 +99,7 @@ async def test_a_paused_pool_is_left_as_it_is(cluster: Cluster, operator: Operat
     await eventually(lambda: cluster.pool_status("pool").get("phase") == "Paused", what="phase Paused")
     paused = cluster.condition("pool", "Paused")
     assert paused["status"] == "True" and names.ANNOTATION_PAUSED in paused["message"]
-    assert cluster.events("Paused")
+    await eventually(lambda: cluster.events("Paused"), what="a Paused Event")
 
     # A spec change and a hand edit while paused: nothing is applied, rolled or put back.
     llm = cluster.get(DEPLOYMENTS_PATH, "llm")
@@ -126,4 +126,4 @@ async def test_a_paused_pool_is_left_as_it_is(cluster: Cluster, operator: Operat
     assert "Paused" not in {c["type"] for c in status["conditions"]}
     assert '"cache_prefix":"team-b"' in kv_flags(cluster.get(DEPLOYMENTS_PATH, "llm"))[0]
     assert cluster.get(DEPLOYMENTS_PATH, "pool-store")["spec"]["replicas"] == 2
-    assert cluster.events("Resumed")
+    await eventually(lambda: cluster.events("Resumed"), what="a Resumed Event")
