@@ -62,7 +62,8 @@ class Refusal:
     message: str
 
     def __str__(self) -> str:
-        return f"{self.message} [{self.rule}]"
+        # "; " separates refusals in the Conflict condition: never inside one.
+        return f"{self.message.replace('; ', ', ')} [{self.rule}]"
 
 
 @dataclass(frozen=True)

@@ -121,3 +121,9 @@ async def test_refused_consumers_are_named_and_never_written(cluster: Cluster, o
         path = f"/apis/apps/v1/namespaces/{NAMESPACE}/deployments/{refused}"
         assert [r for r in cluster.writes() if r.url.path == path] == []
     assert names.LABEL_CONSUMER_OF not in cluster.get(DEPLOYMENTS_PATH, "shell")["metadata"]["labels"]
+
+
+def test_a_refusal_never_splits_the_conflict_condition() -> None:
+    from kvpool.operator.consumers import Refusal
+
+    assert "; " not in str(Refusal("rule", "first; second"))
