@@ -125,3 +125,12 @@ def test_a_client_from_an_intree_file_joins_a_real_pool(tmp_path: Path, local_po
         assert client.remove([key]) == [0]
     finally:
         client.close()
+
+
+def test_load_async_is_refused_with_the_reason(tmp_path: Path) -> None:
+    """``load_async: false`` asked for loads before the forward, whose failed blocks vLLM keeps
+    cached: every load is asynchronous now, and the key is refused, saying why."""
+    with pytest.raises(SettingsError) as error:
+        ConnectorSettings.from_sources({"master_server_address": "m:1", "load_async": False}, environ={})
+    assert set(error.value.problems) == {"load_async"}
+    assert "every load is asynchronous" in error.value.problems["load_async"]
