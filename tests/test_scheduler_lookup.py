@@ -48,6 +48,17 @@ def store_blocks(client, scheduler, request, blocks_per_group: dict[int, range])
             assert client.put_bytes(key, b"kv" * 8) == 0
 
 
+def admitted_from_pool(scheduler, client, prompt: list[int], blocks_per_group: dict[int, range]):
+    """``prompt`` admitted with ``blocks_per_group`` in the pool: (request, step output, its load)."""
+    request = make_request(scheduler, prompt)
+    store_blocks(client, scheduler, request, blocks_per_group)
+    scheduler.add_request(request)
+    output = admit(scheduler)
+    load = _load_of(output, request.request_id)
+    assert load is not None
+    return request, output, load
+
+
 def _load_of(output, req_id: str):
     meta = output.kv_connector_metadata
     assert isinstance(meta, PoolConnectorMetadata)
@@ -92,15 +103,10 @@ def test_hybrid_hit_loads_window_only(model_dir, pool_settings, pool_client) -> 
 def test_window_group_missing_blocks_cuts_the_hit(model_dir, pool_settings, pool_client) -> None:
     scheduler = make_scheduler(model_dir, FULL_SWA, local_pool_transfer(pool_settings))
     try:
-        prompt = list(range(3, 3 + 12 * 32))
-        request = make_request(scheduler, prompt)
         # Full attention holds 11 blocks; the window group lost blocks 5..10.
-        store_blocks(pool_client, scheduler, request, {0: range(11), 1: range(5)})
-        scheduler.add_request(request)
-        output = admit(scheduler)
+        prompt = list(range(3, 3 + 12 * 32))
+        request, _, load = admitted_from_pool(scheduler, pool_client, prompt, {0: range(11), 1: range(5)})
         assert request.num_computed_tokens == 5 * 32
-        load = _load_of(output, request.request_id)
-        assert load is not None
         blocks = scheduler.kv_cache_manager.get_block_ids(request.request_id)
         assert load.groups[0].block_ids == blocks[0][:5]
         assert load.groups[1].block_ids == blocks[1][3:5]
@@ -277,13 +283,9 @@ def test_a_window_group_loads_every_block_vllm_keeps_below_its_window(
     groups = [GroupDesc("full", 32), GroupDesc("sliding_window", 32, window=64, retained=retained)]
     scheduler = make_scheduler(model_dir, groups, local_pool_transfer(pool_settings))
     try:
-        request = make_request(scheduler, list(range(3, 3 + 8 * 32 + 5)))
-        store_blocks(pool_client, scheduler, request, {0: range(8), 1: range(8)})
-        scheduler.add_request(request)
-        output = admit(scheduler)
+        prompt = list(range(3, 3 + 8 * 32 + 5))
+        request, _, load = admitted_from_pool(scheduler, pool_client, prompt, {0: range(8), 1: range(8)})
         assert request.num_computed_tokens == 8 * 32
-        load = _load_of(output, request.request_id)
-        assert load is not None
         window_blocks = scheduler.kv_cache_manager.get_block_ids(request.request_id)[1][:8]
         kept = [block for block in window_blocks if block > 0]
         assert len(kept) == (3 if retained else 2)
