@@ -141,7 +141,7 @@ async def test_two_pools_naming_one_consumer_never_fight(cluster: Cluster, opera
     await converge(cluster, "second")
 
 
-def test_refusal_rules() -> None:
+async def test_refusal_rules() -> None:
     def deployment(labels: dict[str, str], owners: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         meta: dict[str, Any] = {"name": "d", "namespace": "ns", "labels": labels}
         if owners:

@@ -190,7 +190,7 @@ async def test_a_lease_its_holder_stopped_renewing_is_taken_over_after_its_durat
     assert await a.try_acquire()
 
 
-def test_the_cli_turns_leader_election_on() -> None:
+async def test_the_cli_turns_leader_election_on() -> None:
     from kvpool.operator.cli import _parser, options_from_args
 
     assert options_from_args(_parser().parse_args(["run"])).leader_election is None
