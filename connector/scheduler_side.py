@@ -122,6 +122,7 @@ class SchedulerSide:
         self._queue = LookupQueue(self._exists, self._conclude)
         self.idle_wait_s = 0.0  # seconds idle steps waited for lookups (benchmarks)
         self.coordinator: HybridHitCoordinator | None = None
+        self._hit_unit = 1  # set with the coordinator (bind)
         self._plans: dict[str, _Plan] = {}
         self._looked_up: dict[str, _LookedUp] = {}
         self._pending_loads: list[RequestLoad] = []
@@ -140,13 +141,14 @@ class SchedulerSide:
     def bind(self, vllm_coordinator: Any) -> None:
         """Mirror vLLM's live coordinator (called once the cache manager exists)."""
         self.coordinator = HybridHitCoordinator.from_vllm_coordinator(vllm_coordinator)
+        self._hit_unit = hit_unit(self.coordinator)
 
     # --- lookup ------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         coord = self.coordinator
         if not self.can_load or coord is None or request.request_id in self._load_failed:
             return 0, False
-        if not _may_hit_past(coord, request.num_tokens, num_computed_tokens):
+        if (request.num_tokens - 1) // self._hit_unit * self._hit_unit <= num_computed_tokens:
             return 0, False  # nothing the pool could add: admitted now, not a step later
         req_id = request.request_id
         # A request vLLM could not allocate yet comes back: its lookup stands until
@@ -713,8 +715,7 @@ def _group_load(
     return transfer
 
 
-def _may_hit_past(coord: HybridHitCoordinator, num_tokens: int, num_computed_tokens: int) -> bool:
-    """Whether any hit could reach past ``num_computed_tokens``: a hit ends on a block boundary
-    (of the finest block any group hashes) and never covers a prompt's last token."""
-    unit = min([coord.hash_block_size, *(g.block_size for g in coord.groups)])
-    return (num_tokens - 1) // unit * unit > num_computed_tokens
+def hit_unit(coord: HybridHitCoordinator) -> int:
+    """What every hit is a multiple of: the finest block any group hashes. A hit never covers a
+    prompt's last token either, so none reaches past ``(num_tokens - 1) // unit * unit``."""
+    return min([coord.hash_block_size, *(g.block_size for g in coord.groups)])
