@@ -59,8 +59,8 @@ def _measure(address: str, model: Path, prefix: int, window: int, reps: int) -> 
 
     from kvpool.connector.contract.keys import hash_digest
     from kvpool.connector.metadata import GroupTransfer, PoolConnectorMetadata, RequestLoad, RequestSave
-    from kvpool.connector.records import StatsCollector
-    from kvpool.connector.worker_side import WorkerSide
+    from kvpool.connector.observability.records import StatsCollector
+    from kvpool.connector.worker.side import WorkerSide
 
     groups = [GroupDesc("full", BLOCK), GroupDesc("sliding_window", BLOCK, window=window)]
     hit_blocks = prefix // BLOCK
@@ -173,8 +173,8 @@ def _measure_replicated(address: str, blocks: int) -> list[dict[str, Any]]:
     from kvpool.connector.contract.layout import GroupKind, KVGroup, KVLayout
     from kvpool.connector.contract.shards import group_shards
     from kvpool.connector.metadata import GroupTransfer, PoolConnectorMetadata, RequestSave
-    from kvpool.connector.records import StatsCollector
-    from kvpool.connector.worker_side import WorkerSide
+    from kvpool.connector.observability.records import StatsCollector
+    from kvpool.connector.worker.side import WorkerSide
 
     cache = torch.randn((2, blocks + 1, *REPLICATED_SHAPE_TAIL)).to(torch.bfloat16)
     layers = [f"l{i}" for i in range(LAYERS[0])]

@@ -66,9 +66,9 @@ def _make_rig(address: str, store_timeout_s: int) -> Rig:
 
     from benchmarks import pool
     from kvpool.connector.contract.keys import KeySpace
-    from kvpool.connector.records import StatsCollector
-    from kvpool.connector.scheduler_side import SchedulerSide
-    from kvpool.connector.worker_side import Deadlines, WorkerSide
+    from kvpool.connector.observability.records import StatsCollector
+    from kvpool.connector.scheduler.side import SchedulerSide
+    from kvpool.connector.worker.side import Deadlines, WorkerSide
 
     client = pool.client(address, "frozen", store_timeout_s=store_timeout_s)
     num_blocks = 3 * BLOCKS + 1

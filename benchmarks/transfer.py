@@ -87,9 +87,9 @@ def _make_rig(address: str, max_n: int, segment: int = 0) -> Rig:
     import torch
 
     from kvpool.connector.contract.keys import KeySpace
+    from kvpool.connector.observability.records import StatsCollector
     from kvpool.connector.pool_client import open_client
-    from kvpool.connector.records import StatsCollector
-    from kvpool.connector.worker_side import WorkerSide, read_ahead_bytes
+    from kvpool.connector.worker.side import WorkerSide, read_ahead_bytes
 
     num_blocks = 4 * max_n + 1  # sources and destinations of both groups, plus block 0
     client = open_client(pool.settings(address, "xfer"), global_segment_size=segment)
@@ -242,8 +242,8 @@ def _read_ahead(rig: Rig, n: int, reps: int) -> dict[str, Any]:
     """Seconds of the connector's load of ``n`` blocks per group reading ahead in ``LOAD_BATCH_BYTES``
     batches, in batches ``READ_AHEAD_ALTERNATIVE`` times larger, and with one read a group (no
     overlap), paired; and which of them the placement uses."""
-    from kvpool.connector import worker_side
     from kvpool.connector.metadata import GroupTransfer, PoolConnectorMetadata, RequestLoad, RequestSave
+    from kvpool.connector.worker import side as worker_side
 
     worker = rig.worker
     src = [list(range(1 + g * n, 1 + (g + 1) * n)) for g in range(2)]

@@ -22,7 +22,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvpool.connector import tracing
 from kvpool.connector.contract.keys import KeySpace
 from kvpool.connector.contract.layout import check_or_raise
 from kvpool.connector.contract.layout import fingerprint as layout_fingerprint
@@ -30,23 +29,24 @@ from kvpool.connector.contract.metric_names import LOAD
 from kvpool.connector.contract.object_header import payload_crc_in_hardware
 from kvpool.connector.contract.settings import ConnectorSettings
 from kvpool.connector.contract.shards import group_shards
-from kvpool.connector.device_order import TransferOrder
-from kvpool.connector.layout_verdict import OutOfPool, add_counters, verify_declared_layout
-from kvpool.connector.logs import get_logger
+from kvpool.connector.integrity.device_order import TransferOrder
+from kvpool.connector.integrity.layout_verdict import OutOfPool, add_counters, verify_declared_layout
 from kvpool.connector.metadata import PoolConnectorMetadata
-from kvpool.connector.pool_client import acquire_client, release_client
-from kvpool.connector.pool_events import PoolEvents
-from kvpool.connector.pool_reset import LayoutReset
-from kvpool.connector.records import StatsCollector, TransferRecord
-from kvpool.connector.scheduler_side import SchedulerSide
-from kvpool.connector.vllm_layout import key_fingerprint_inputs_from_vllm, layout_from_vllm
-from kvpool.connector.vllm_metrics import (
+from kvpool.connector.observability import tracing
+from kvpool.connector.observability.logs import get_logger
+from kvpool.connector.observability.pool_events import PoolEvents
+from kvpool.connector.observability.records import StatsCollector, TransferRecord
+from kvpool.connector.observability.vllm_metrics import (
     PoolConnectorStats,
     PoolPromMetrics,
     fingerprint_info_key,
     records_to_data,
 )
-from kvpool.connector.worker_side import Deadlines, WorkerSide, read_ahead_bytes
+from kvpool.connector.pool_client import acquire_client, release_client
+from kvpool.connector.scheduler.pool_reset import LayoutReset
+from kvpool.connector.scheduler.side import SchedulerSide
+from kvpool.connector.vllm_layout import key_fingerprint_inputs_from_vllm, layout_from_vllm
+from kvpool.connector.worker.side import Deadlines, WorkerSide, read_ahead_bytes
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -19,7 +19,7 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from kvpool.connector.logs import get_logger
+from kvpool.connector.observability.logs import get_logger
 
 logger = get_logger(__name__)
 

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 from kvpool.connector.contract.mooncake_env import configure_client_process
 from kvpool.connector.contract.settings import ConnectorSettings
 from kvpool.connector.cpu_affinity import unpinned
-from kvpool.connector.logs import get_logger
+from kvpool.connector.observability.logs import get_logger
 
 logger = get_logger(__name__)
 

@@ -23,7 +23,7 @@ from vllm.v1.kv_cache_interface import (
 from kvpool.connector.contract.identity import KVIdentity, fingerprint_inputs, seed_digest
 from kvpool.connector.contract.layout import GroupKind, KVGroup, KVLayout
 from kvpool.connector.contract.shards import kv_shards_of
-from kvpool.connector.logs import get_logger
+from kvpool.connector.observability.logs import get_logger
 
 logger = get_logger(__name__)
 

@@ -305,6 +305,7 @@ async def standby_liveness(endpoint: str | None) -> AsyncIterator[None]:
         yield
         return
     url = urlsplit(endpoint)
+
     async def healthy(_: aiohttp.web.Request) -> aiohttp.web.Response:
         return aiohttp.web.json_response({"standby": True})
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from kvpool.connector.contract.keys import KeySpace
-from kvpool.connector.records import StatsCollector
-from kvpool.connector.worker_side import WorkerSide
+from kvpool.connector.observability.records import StatsCollector
+from kvpool.connector.worker.side import WorkerSide
 
 
 def single_group_worker(

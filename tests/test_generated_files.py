@@ -58,4 +58,4 @@ def test_the_values_table_reads_comments_and_defaults() -> None:
     generate = _generator()
     text = "# section\nimage:\n  # -- Where the image\n  # lives.\n  repository: x\n  tag: ''\nlist: [a]\n"
     assert generate.value_descriptions(text) == {"image.repository": "Where the image lives."}
-    assert "| `image.repository` | `\"x\"` | Where the image lives. |" in generate.values_table(text)
+    assert '| `image.repository` | `"x"` | Where the image lives. |' in generate.values_table(text)

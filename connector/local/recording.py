@@ -14,7 +14,7 @@ from typing import Any
 
 from kvpool.connector.connector import KVPoolConnector
 from kvpool.connector.contract.settings import ConnectorSettings
-from kvpool.connector.records import LookupRecord, StatsCollector, TransferRecord
+from kvpool.connector.observability.records import LookupRecord, StatsCollector, TransferRecord
 
 
 @dataclass

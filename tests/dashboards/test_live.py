@@ -69,7 +69,7 @@ def _rounds(
     fails) or to replace with random bytes (``REPLACE``: the load finds them corrupt and
     removes them) between its lookup and its load, or None, and which of the two.
     """
-    from kvpool.connector import scheduler_side
+    from kvpool.connector.scheduler import side as scheduler_side
     from testing.engine import (
         EngineOptions,
         create_llm,

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from kvpool.connector.worker_side import WorkerSide
+from kvpool.connector.worker.side import WorkerSide
 from testing.engine import transfer_config
 from tests.faults.helpers import PREFIX_TOKENS, Engine, prompt
 

@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 import torch
 
-from kvpool.connector.device_order import TransferOrder, forward_marker
+from kvpool.connector.integrity.device_order import TransferOrder, forward_marker
 from kvpool.connector.metadata import GroupTransfer, PoolConnectorMetadata, RequestLoad, RequestSave
-from kvpool.connector.worker_side import WorkerSide
+from kvpool.connector.worker.side import WorkerSide
 from testing.worker import run_loads, single_group_worker
 
 pytestmark = [pytest.mark.faults, pytest.mark.mooncake]

@@ -189,7 +189,7 @@ def test_negative_control_without_the_guards_the_pool_is_poisoned(
 ) -> None:
     """The same scenario with the failed blocks kept from vLLM: it takes the load for a success
     and caches the unwritten blocks; D loads B's blocks computed on them, and answers wrong."""
-    from kvpool.connector.worker_side import WorkerSide
+    from kvpool.connector.worker.side import WorkerSide
 
     guards = pytest.MonkeyPatch()
     guards.setattr(WorkerSide, "take_load_errors", lambda self: set())

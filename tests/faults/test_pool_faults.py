@@ -24,7 +24,7 @@ import pytest
 from kvpool.connector.contract.settings import ConnectorSettings
 from kvpool.connector.local.pool import wait_for_capacity
 from kvpool.connector.pool_client import PoolClient, open_client
-from kvpool.connector.worker_side import WorkerSide
+from kvpool.connector.worker.side import WorkerSide
 from testing.engine import transfer_config
 from tests.faults.helpers import (
     PREFIX_TOKENS,

@@ -484,7 +484,7 @@ def test_negative_control_without_the_header_check_another_blocks_object_is_kv(
     them out, and the loaded KV is really used."""
     if (setup.layout, setup.role) != ("single_group", "kv_both"):
         pytest.skip("one configuration suffices")
-    from kvpool.connector import worker_side
+    from kvpool.connector.worker import side as worker_side
 
     prefix = replace_from_donor(setup, UNCHECKED, lambda own, other: other)
     monkeypatch.setattr(worker_side, "mismatch", lambda data, expected: None)
@@ -505,7 +505,7 @@ def test_a_payload_not_as_its_header_states_is_recomputed_and_without_the_check_
     changes; with it they are recomputed (and removed)."""
     if setup.role != "kv_both":
         pytest.skip("a kv_both engine stores the prefix whose payloads the test replaces")
-    from kvpool.connector import staging
+    from kvpool.connector.worker import staging
 
     prefix = replace_from_donor(setup, STALE, lambda own, other: own[:HEADER_BYTES] + other[HEADER_BYTES:])
     with monkeypatch.context() as unchecked:

@@ -144,7 +144,7 @@ def test_under_a_runner_that_writes_blocks_first_saves_read_theirs_within_the_st
     until the save thread synchronizes."""
     import torch
 
-    from kvpool.connector.device_order import TransferOrder
+    from kvpool.connector.integrity.device_order import TransferOrder
     from kvpool.connector.metadata import GroupTransfer, PoolConnectorMetadata, RequestSave
     from testing.worker import single_group_worker
 

@@ -8,7 +8,7 @@
 * The master and store pods run as non-root, without privilege escalation, with a
   read-only root filesystem, all capabilities dropped and no service-account token.
 
-Token ids in spans, metric labels and logs: tests/test_observability.py. The chart's
+Token ids in spans, metric labels and logs: tests/connector/observability/test_observability.py. The chart's
 operator pod: tests/chart/test_chart_operator.py.
 """
 
@@ -171,9 +171,7 @@ def test_network_policy_covers_the_master_admin_and_rpc_ports(case: str) -> None
 
 
 def test_metrics_from_never_opens_a_store_port() -> None:
-    spec = pool_spec(
-        networkPolicy={"metricsFrom": [SCRAPER]}, store={"segmentSize": "1GB", "port": 9003}
-    )
+    spec = pool_spec(networkPolicy={"metricsFrom": [SCRAPER]}, store={"segmentSize": "1GB", "port": 9003})
     plan = build_plan("pool", NAMESPACE, spec)
     if not plan.valid:
         return  # rejecting the clash is a fix too

@@ -1,0 +1,1 @@
+"""What keeps wrong KV out: deadlines on every transfer, device ordering, the layout verdict."""

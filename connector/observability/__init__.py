@@ -1,0 +1,1 @@
+"""What the connector tells operators: records, vLLM metrics, spans, pool events, logs."""

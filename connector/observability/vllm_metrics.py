@@ -1,0 +1,224 @@
+"""Connector stats the way vLLM carries them: worker → scheduler → Prometheus.
+
+Records become a plain, serialisable ``{"counters": {key: n}, "histograms":
+{key: [obs...]}, "gauges": {key: value}}`` payload (``key`` = metric name plus label pairs), which
+``PoolConnectorStats`` aggregates across workers and steps and
+``PoolPromMetrics`` turns into series on vLLM's own ``/metrics``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+
+from kvpool.connector.contract import metric_names as m
+from kvpool.connector.observability.records import LookupRecord, TransferRecord
+
+SEP = "|"
+MAX_OBSERVATIONS = 4096  # per histogram series and interval; beyond, the oldest go
+
+
+def series_key(spec: m.MetricSpec, **labels: object) -> str:
+    """``name|label=value|...`` with labels in the spec's order."""
+    return _series_key(spec, tuple(labels[name] for name in spec.labels))
+
+
+@lru_cache(maxsize=4096)
+def _series_key(spec: m.MetricSpec, values: tuple[object, ...]) -> str:
+    return SEP.join([spec.name, *(f"{name}={value}" for name, value in zip(spec.labels, values))])
+
+
+def fingerprint_info_key(inputs: Mapping[str, str]) -> str:
+    """The series key of ``vllm:kvpool_key_fingerprint_info`` for the fingerprint's inputs."""
+    values = {name: str(inputs.get(name, "")).replace(SEP, "/") for name in m.KEY_FINGERPRINT_INFO.labels}
+    return series_key(m.KEY_FINGERPRINT_INFO, **values)
+
+
+def parse_key(key: str) -> tuple[str, tuple[str, ...]]:
+    """(metric name, label values) of a series key."""
+    name, *pairs = key.split(SEP)
+    return name, tuple(pair.split("=", 1)[1] for pair in pairs)
+
+
+class _Payload:
+    def __init__(self) -> None:
+        self.counters: dict[str, float] = {}
+        self.histograms: dict[str, list[float]] = {}
+
+    def inc(self, spec: m.MetricSpec, value: float, **labels: object) -> None:
+        if value:
+            key = series_key(spec, **labels)
+            self.counters[key] = self.counters.get(key, 0.0) + value
+
+    def observe(self, spec: m.MetricSpec, *values: float, **labels: object) -> None:
+        self.histograms.setdefault(series_key(spec, **labels), []).extend(values)
+
+    def data(self) -> dict[str, Any]:
+        return {"counters": self.counters, "histograms": self.histograms}
+
+
+def records_to_data(lookups: Iterable[LookupRecord], transfers: Iterable[TransferRecord]) -> dict[str, Any]:
+    """The stats payload for a batch of records."""
+    out = _Payload()
+    _add_lookups(out, lookups)
+    for t in transfers:
+        op = t.operation
+        if op == m.REMOVE:
+            for g, kind in enumerate(t.group_kinds):
+                out.inc(m.REMOVED_OBJECTS, t.blocks[g], group=g, group_kind=kind, reason=t.reason)
+            continue
+        if t.rank:  # another rank of the same blocks: its bytes only
+            for g, kind in enumerate(t.group_kinds):
+                out.inc(m.TRANSFER_BYTES, t.bytes[g], group=g, group_kind=kind, operation=op)
+            continue
+        for g, kind in enumerate(t.group_kinds):
+            labels = {"group": g, "group_kind": kind, "operation": op}
+            out.inc(m.TRANSFER_BLOCKS, t.blocks[g], **labels)
+            out.inc(m.TRANSFER_BYTES, t.bytes[g], **labels)
+            out.inc(m.MASKED_BLOCKS, t.masked[g], **labels)
+            for reason, count in t.group_failures[g].items():
+                out.inc(m.FAILURES, count, reason=reason, **labels)
+            if t.group_attempted[g]:
+                out.observe(m.OPERATION_SECONDS, t.group_seconds[g], operation=op, group_kind=kind)
+        if any(t.group_attempted):
+            out.observe(m.TRANSFER_SIZE_BYTES, float(sum(t.bytes)), operation=op)
+        if t.rank is None:  # a worker's view is partial: the scheduler counts the union
+            out.inc(m.LOAD_ERROR_BLOCKS, t.load_error_blocks)
+            out.inc(m.RECOMPUTED_REQUESTS, int(t.recomputed))
+    return out.data()
+
+
+def _add_lookups(out: _Payload, lookups: Iterable[LookupRecord]) -> None:
+    """Lookup counters summed over the batch first (a step admits many requests), then added."""
+    count = query_tokens = hit_tokens = 0
+    per_group: dict[tuple[int, str], list[int]] = {}  # (group, kind) -> [group hit, present, hit blocks]
+    failures: dict[str, int] = {}
+    seconds = []
+    for r in lookups:
+        count += 1
+        query_tokens += r.query_tokens
+        hit_tokens += r.hit_tokens
+        for g, kind in enumerate(r.group_kinds):
+            sums = per_group.setdefault((g, kind), [0, 0, 0])
+            sums[0] += r.group_hit_tokens[g]
+            sums[1] += r.present_blocks[g]
+            if r.hit_tokens:
+                sums[2] += r.needed_blocks[g]
+        seconds.append(r.seconds)
+        for reason, n in r.failures.items():
+            failures[reason] = failures.get(reason, 0) + n
+    if not count:
+        return
+    out.inc(m.LOOKUPS, count)
+    out.inc(m.LOOKUP_QUERY_TOKENS, query_tokens)
+    out.inc(m.LOOKUP_HIT_TOKENS, hit_tokens)
+    for (g, kind), (group_hit, present, hit_blocks) in per_group.items():
+        out.inc(m.GROUP_HIT_TOKENS, group_hit, group=g, group_kind=kind)
+        out.inc(m.PRESENT_BLOCKS, present, group=g, group_kind=kind)
+        out.inc(m.HIT_BLOCKS, hit_blocks, group=g, group_kind=kind)
+    out.observe(m.OPERATION_SECONDS, *seconds, operation=m.LOOKUP, group_kind=m.ALL_GROUPS_KIND)
+    all_groups = {"group": m.ALL_GROUPS_KIND, "group_kind": m.ALL_GROUPS_KIND}
+    for reason, n in failures.items():
+        out.inc(m.FAILURES, n, operation=m.LOOKUP, reason=reason, **all_groups)
+
+
+@dataclass
+class PoolConnectorStats(KVConnectorStats):
+    """Aggregatable, serialisable counters and observations of KVPoolConnector."""
+
+    def __post_init__(self) -> None:
+        if not self.data:
+            self.reset()
+
+    def reset(self) -> None:
+        self.data = {"counters": {}, "histograms": {}, "gauges": {}}
+
+    def is_empty(self) -> bool:
+        return not any(self.data.get(part) for part in ("counters", "histograms", "gauges"))
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        counters: dict[str, float] = dict(self.data.get("counters", {}))
+        for key, value in other.data.get("counters", {}).items():
+            counters[key] = counters.get(key, 0.0) + value
+        histograms: dict[str, list[float]] = {k: list(v) for k, v in self.data.get("histograms", {}).items()}
+        for key, values in other.data.get("histograms", {}).items():
+            merged = histograms.setdefault(key, [])
+            merged.extend(values)
+            del merged[:-MAX_OBSERVATIONS]
+        gauges = {**self.data.get("gauges", {}), **other.data.get("gauges", {})}  # the latest value
+        return PoolConnectorStats(data={"counters": counters, "histograms": histograms, "gauges": gauges})
+
+    def counter(self, spec: m.MetricSpec) -> float:
+        """Sum of one counter over all its label sets."""
+        return sum(v for k, v in self.data.get("counters", {}).items() if parse_key(k)[0] == spec.name)
+
+    def reduce(self) -> dict[str, int | float]:
+        """A one-line summary for vLLM's periodic log."""
+        queried = self.counter(m.LOOKUP_QUERY_TOKENS)
+        hit = self.counter(m.LOOKUP_HIT_TOKENS)
+        return {
+            "lookups": int(self.counter(m.LOOKUPS)),
+            "hit_rate": round(hit / queried, 4) if queried else 0.0,
+            "bytes_moved": int(self.counter(m.TRANSFER_BYTES)),
+            "failures": int(self.counter(m.FAILURES)),
+        }
+
+
+class PoolPromMetrics(KVConnectorPromMetrics):
+    """KVPoolConnector's series, registered with the metric classes vLLM passes."""
+
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: Mapping[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ):
+        super().__init__(vllm_config, dict(metric_types), labelnames, per_engine_labelvalues)
+        self._metrics: dict[str, Any] = {}
+        for spec in m.ALL:
+            names = [*labelnames, *spec.labels]
+            if spec.kind is m.Kind.COUNTER:
+                metric = self._counter_cls(name=spec.name, documentation=spec.help, labelnames=names)
+            elif spec.kind is m.Kind.GAUGE:
+                metric = self._gauge_cls(
+                    name=spec.name, documentation=spec.help, labelnames=names, multiprocess_mode="mostrecent"
+                )
+            else:
+                metric = self._histogram_cls(
+                    name=spec.name, documentation=spec.help, labelnames=names, buckets=list(spec.buckets)
+                )
+            self._metrics[spec.name] = metric
+            if spec.kind is m.Kind.COUNTER and not spec.labels:
+                # Series without labels of ours exist from the start, so the
+                # first event is visible to rate(); labelled ones appear with
+                # their first event.
+                for labelvalues in per_engine_labelvalues.values():
+                    metric.labels(*[str(v) for v in labelvalues])
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        engine_labels = [str(v) for v in self.per_engine_labelvalues.get(engine_idx, [])]
+        for key, value in transfer_stats_data.get("counters", {}).items():
+            name, labels = parse_key(key)
+            metric = self._metrics.get(name)
+            if metric is not None and value:
+                metric.labels(*engine_labels, *labels).inc(value)
+        for key, value in transfer_stats_data.get("gauges", {}).items():
+            name, labels = parse_key(key)
+            metric = self._metrics.get(name)
+            if metric is not None:
+                metric.labels(*engine_labels, *labels).set(value)
+        for key, values in transfer_stats_data.get("histograms", {}).items():
+            name, labels = parse_key(key)
+            metric = self._metrics.get(name)
+            if metric is not None:
+                child = metric.labels(*engine_labels, *labels)
+                for value in values:
+                    child.observe(value)

@@ -1,0 +1,1 @@
+"""The scheduler's half: lookups and the hybrid hit, load plans, save plans, the pool's reset."""

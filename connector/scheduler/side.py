@@ -1,0 +1,721 @@
+"""Scheduler half of the connector: lookups, load plans and save plans.
+
+``get_num_new_matched_tokens`` runs the hybrid fixed point over what the pool
+holds, asking the master only about the blocks it reads, and remembers a load
+plan. Lookups are batched (``lookup_batch``): a request's first call queues its
+lookup and answers ``None`` (vLLM skips it this step); the step's lookups go to
+the master together when scheduling ends, and the request's next call takes the
+answer; ``update_state_after_alloc`` pins the plan to the
+blocks vLLM allocated; ``build_connector_meta`` hands each step's loads and the
+saves of newly computed blocks to the workers.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.utils.math_utils import cdiv
+from vllm.v1.core.kv_cache_coordinator import replay_boundaries
+from vllm.v1.kv_cache_interface import MambaSpec
+
+from kvpool.connector.contract.keys import KeySpace, hash_digest
+from kvpool.connector.contract.settings import ConnectorSettings
+from kvpool.connector.integrity.deadlines import IDLE_STEP_WAIT_S, BoundedCall
+from kvpool.connector.metadata import (
+    GroupTransfer,
+    PoolConnectorMetadata,
+    RequestLoad,
+    RequestSave,
+)
+from kvpool.connector.observability import tracing
+from kvpool.connector.observability.logs import get_logger
+from kvpool.connector.observability.records import Deferred, LookupRecord, StatsCollector
+from kvpool.connector.pool_client import Outcome, PoolClient
+from kvpool.connector.scheduler.hybrid_hit import HybridHit, HybridHitCoordinator
+from kvpool.connector.scheduler.lookup_statistics import PresenceBackfill, read_by_position
+from kvpool.connector.scheduler.lookups import Lookup, LookupQuery, LookupQueue
+
+logger = get_logger(__name__)
+
+LOOKUP_TIMEOUT_S: float = ConnectorSettings.model_fields["lookup_timeout_s"].default
+
+
+@dataclass
+class _Plan:
+    """A lookup's outcome for one request, before vLLM allocates blocks."""
+
+    hit: HybridHit
+    local_tokens: int
+    digests: dict[int, dict[int, str]]  # group -> block index -> digest (of the blocks asked)
+
+
+@dataclass
+class _LookedUp:
+    """A request's lookup, kept until vLLM allocates the request's blocks (or it grows stale)."""
+
+    hit: HybridHit
+    digests: dict[int, dict[int, str]]  # group -> block index -> digest (of the blocks asked)
+    num_tokens: int  # the request's length when it was looked up
+    answered_at: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class _Tracked:
+    """A request the connector saves blocks for."""
+
+    request: Any
+    saved_upto: list[int]  # per group: block index below which nothing is left to save
+    trace_context: dict[str, str] = field(default_factory=dict)
+    # Per group: blocks below this index that are saved again after a failed load
+    # replace whatever the pool holds under their keys.
+    replace_upto: list[int] = field(default_factory=list)
+    # Tokens computed from which some group completes a block it has not saved
+    # (0: not known). Below it a step plans nothing: most decode steps.
+    next_save_at: int = 0
+
+    def note_saved(self, block_sizes: Sequence[int]) -> None:
+        """Recompute :attr:`next_save_at` after ``saved_upto`` moved."""
+        self.next_save_at = min((done + 1) * size for done, size in zip(self.saved_upto, block_sizes))
+
+
+class SchedulerSide:
+    """Scheduler-process state of ``KVPoolConnector``."""
+
+    def __init__(
+        self,
+        *,
+        client: PoolClient,
+        keyspace: KeySpace,
+        tp_size: int,
+        pp_size: int,
+        group_shards: Sequence[int] = (),
+        save_decode_cache: bool = False,
+        can_load: bool,
+        can_save: bool,
+        stats: StatsCollector,
+        lookup_timeout_s: float = LOOKUP_TIMEOUT_S,
+        batch_lookups: bool = True,
+        idle_step_wait_s: float = IDLE_STEP_WAIT_S,
+    ):
+        self.client = client
+        self.keyspace = keyspace
+        self.tp_size = tp_size
+        self.pp_size = pp_size
+        # Per group: the objects of a block per pipeline stage (contract.shards); tp_size if unset.
+        self.group_shards = tuple(group_shards)
+        # Prompts are what requests share; blocks a request completes while decoding
+        # are saved only when asked for.
+        self.save_decode_cache = save_decode_cache
+        self.can_load = can_load
+        self.can_save = can_save
+        self.stats = stats
+        self.lookup_timeout_s = lookup_timeout_s
+        self.idle_step_wait_s = idle_step_wait_s
+        self._lookups = BoundedCall("kvpool-lookup")
+        # Bound on first use: a connector out of the pool has a client with no calls at all.
+        self._backfill = PresenceBackfill(lambda keys: self.client.exists(keys), lookup_timeout_s)
+        # Off: each lookup asks the master itself, inside vLLM's schedule() (tests, benchmarks).
+        self.batch_lookups = batch_lookups
+        self._queue = LookupQueue(self._exists, self._conclude)
+        self.idle_wait_s = 0.0  # seconds idle steps waited for lookups (benchmarks)
+        self.coordinator: HybridHitCoordinator | None = None
+        self._hit_unit = 1  # set with the coordinator (bind)
+        self._plans: dict[str, _Plan] = {}
+        self._looked_up: dict[str, _LookedUp] = {}
+        self._pending_loads: list[RequestLoad] = []
+        self._loading: set[str] = set()
+        self._tracked: dict[str, _Tracked] = {}
+        # The tracked requests that may still complete a block to save (decode steps
+        # of prompts saved in full look at none).
+        self._saving: dict[str, _Tracked] = {}
+        self._local_tokens: dict[str, int] = {}
+        # Block ids each request's load wrote, and requests whose load failed:
+        # those recompute and never take the pool's word for them again.
+        self._loaded_blocks: dict[str, set[int]] = {}
+        self._load_failed: set[str] = set()
+        self._key_prefixes: dict[int, tuple[str, ...]] = {}
+
+    def bind(self, vllm_coordinator: Any) -> None:
+        """Mirror vLLM's live coordinator (called once the cache manager exists)."""
+        self.coordinator = HybridHitCoordinator.from_vllm_coordinator(vllm_coordinator)
+        self._hit_unit = hit_unit(self.coordinator)
+
+    # --- lookup ------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        coord = self.coordinator
+        if not self.can_load or coord is None or request.request_id in self._load_failed:
+            return 0, False
+        if (request.num_tokens - 1) // self._hit_unit * self._hit_unit <= num_computed_tokens:
+            return 0, False  # nothing the pool could add: admitted now, not a step later
+        req_id = request.request_id
+        # A request vLLM could not allocate yet comes back: its lookup stands until
+        # its blocks are allocated, without asking the master or counting it again.
+        looked_up = self._looked_up.get(req_id)
+        if looked_up is not None and self._stale(looked_up):
+            looked_up = None  # the pool may have changed since: ask again
+        if looked_up is None or looked_up.num_tokens != request.num_tokens:
+            if self.batch_lookups:
+                answered = self._take_answer(coord, request, num_computed_tokens)
+                if answered is None:
+                    return None, False  # in flight: vLLM skips the request this step
+                query, record, looked_up = answered
+            else:
+                query = self._query(request, num_computed_tokens)
+                lookup = self._new_lookup(coord, query)
+                lookup.ask_directly(self._exists)
+                record, looked_up = self._conclude(lookup)
+            self._trace(query, record)
+            self.stats.record_lookup(record, request)
+            self._looked_up[req_id] = looked_up
+        self._local_tokens[req_id] = num_computed_tokens
+        num_external = max(0, looked_up.hit.hit_tokens - num_computed_tokens)
+        if num_external == 0:
+            self._plans.pop(req_id, None)
+            return 0, False
+        self._plans[req_id] = _Plan(looked_up.hit, num_computed_tokens, looked_up.digests)
+        # Always asynchronous: vLLM then caches the request's blocks only once the load
+        # is reported finished, and only those it delivered. A block of a failed load
+        # never becomes a local prefix hit, whatever happens to the request meanwhile.
+        return num_external, True
+
+    def _stale(self, looked_up: _LookedUp) -> bool:
+        """Whether a kept answer is older than ``lookup_timeout_s`` (memory pressure kept the
+        request waiting): its blocks may have left the pool since."""
+        return time.perf_counter() - looked_up.answered_at > self.lookup_timeout_s
+
+    def _take_answer(
+        self, coord: HybridHitCoordinator, request: Any, num_computed_tokens: int
+    ) -> tuple[LookupQuery, LookupRecord, _LookedUp] | None:
+        """The answer to ``request``'s queued lookup; None while it is in flight (a request
+        with none, or one of another length, is queued now)."""
+        req_id = request.request_id
+        pending = self._queue.get(req_id)
+        if pending is None or pending.lookup.query.num_tokens != request.num_tokens:
+            self._queue.put(self._new_lookup(coord, self._query(request, num_computed_tokens)))
+            return None
+        query = pending.lookup.query
+        answered = pending.answered
+        if not answered and time.perf_counter() < query.deadline:
+            return None
+        self._queue.forget(req_id)
+        if answered and pending.outcome is not None:
+            record, looked_up = pending.outcome
+            return query, record, looked_up
+        # Past its deadline (or its batch failed): a miss.
+        if not answered:
+            logger.warning(
+                "KVPoolConnector lookup passed its %.2f s deadline unanswered: a miss", self.lookup_timeout_s
+            )
+        lookup = pending.lookup
+        miss = HybridHit(0, tuple(() for _ in coord.groups), lambda: tuple(0 for _ in coord.groups))
+        record, looked_up = self._record(
+            lookup, miss, {g: {} for g in lookup.wanted}, {Outcome.TIMEOUT.value: 1}, 0
+        )
+        return query, record, looked_up
+
+    def _query(self, request: Any, num_computed_tokens: int) -> LookupQuery:
+        """What the lookup needs of ``request`` (which vLLM's scheduler thread mutates), copied."""
+        now = time.perf_counter()
+        return LookupQuery(
+            req_id=request.request_id,
+            block_hashes=list(request.block_hashes),
+            num_tokens=request.num_tokens,
+            num_computed_tokens=num_computed_tokens,
+            trace_context=self.stats.trace_context(request),
+            started=now,
+            started_ns=time.time_ns(),
+            deadline=now + self.lookup_timeout_s,
+        )
+
+    def _new_lookup(self, coord: HybridHitCoordinator, query: LookupQuery) -> Lookup:
+        return Lookup(coord, query, self._rank_prefixes, self._ranks)
+
+    def _conclude(self, lookup: Lookup) -> tuple[LookupRecord, _LookedUp]:
+        """An answered lookup's record and what the request keeps of it."""
+        assert lookup.result is not None
+        hit, known = lookup.result
+        return self._record(lookup, hit, known, lookup.failures, lookup.asked_keys)
+
+    def _record(
+        self,
+        lookup: Lookup,
+        hit: HybridHit,
+        known: dict[int, dict[int, bool]],
+        failures: dict[str, int],
+        asked_keys: int,
+    ) -> tuple[LookupRecord, _LookedUp]:
+        coord, query = lookup.coord, lookup.query
+        num_computed_tokens = query.num_computed_tokens
+        num_external = max(0, hit.hit_tokens - num_computed_tokens)
+        statistics = self._statistics(
+            coord, query.block_hashes, lookup.wanted, known, lookup.max_hit, lookup.keys_of, bool(failures)
+        )
+        groups = range(len(coord.groups))
+        record = LookupRecord(
+            query_tokens=max(0, query.num_tokens - num_computed_tokens),
+            hit_tokens=num_external,
+            group_kinds=self.stats.group_kinds,
+            looked_up_blocks=tuple(len(lookup.wanted.get(g, ())) for g in groups),
+            present_blocks=Deferred(lambda: statistics()[0]),
+            needed_blocks=tuple(len(b) for b in hit.needed_blocks),
+            group_hit_tokens=Deferred(
+                lambda: tuple(max(0, t - num_computed_tokens) for t in statistics()[1])
+            ),
+            # Batched: from the request's first call until its answer.
+            seconds=time.perf_counter() - query.started,
+            keys=asked_keys,
+            failures=failures,
+        )
+        return record, _LookedUp(hit, lookup.digests, query.num_tokens)
+
+    def _trace(self, query: LookupQuery, record: LookupRecord) -> None:
+        """The lookup's span, from the request's first call until its answer was taken."""
+        if not tracing.enabled():
+            return
+        with tracing.span(
+            "kvpool.lookup",
+            query.trace_context,
+            start_time_ns=query.started_ns,
+            request_id=query.req_id,
+            groups=self.stats.group_kinds,
+        ) as span:
+            if span.is_recording():
+                tracing.set_attributes(
+                    span,
+                    query_tokens=record.query_tokens,
+                    hit_tokens=record.hit_tokens,
+                    keys=record.keys,
+                    looked_up_blocks=record.looked_up_blocks,
+                    present_blocks=record.present_blocks,
+                    hit_blocks=record.needed_blocks,
+                    group_hit_tokens=tuple(record.group_hit_tokens),
+                )
+                tracing.mark_failed(span, record.failures)
+
+    def wait_lookups(self, timeout_s: float) -> bool:
+        """Send the queued lookups and wait until every one is answered (tests, benchmarks)."""
+        self._queue.flush()
+        return self._queue.wait_idle(timeout_s)
+
+    def _statistics(
+        self,
+        coord: HybridHitCoordinator,
+        block_hashes: Sequence[Any],
+        wanted: dict[int, list[bytes]],
+        known: dict[int, dict[int, bool]],
+        max_hit: int,
+        keys_of: Callable[[Mapping[int, Sequence[int]]], list[str]],
+        failed: bool,
+    ) -> Callable[[], tuple[tuple[int, ...], tuple[int, ...]]]:
+        """Per group: blocks present and the group's own hit, over every looked-up block.
+
+        The blocks the lookup did not ask about are asked about off its path (not
+        after a failed lookup). The statistics are computed once that answer is in, on
+        the thread that has it, or when read if they are read first (never past the
+        lookup deadline).
+        """
+        rest: dict[int, list[int]] = {}  # the blocks not asked about: found on the backfill's thread
+
+        def rest_keys() -> list[str]:
+            for g, hashes in wanted.items():
+                asked = known[g]
+                if indices := [i for i in range(len(hashes)) if i not in asked]:
+                    rest[g] = indices
+            return keys_of(rest)
+
+        backfill = None if failed else self._backfill.submit(rest_keys)
+        memo: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+
+        def compute() -> tuple[tuple[int, ...], tuple[int, ...]]:
+            if not memo:
+                held = {g: dict(k) for g, k in known.items()}
+                flags = None if backfill is None else backfill.result()
+                if flags is not None:
+                    for g, answers in read_by_position(rest, flags, self._ranks).items():
+                        held[g].update(zip(rest[g], answers))
+                groups = range(len(coord.groups))
+                present = tuple(sum(held.get(g, {}).values()) for g in groups)
+                memo.append((present, coord.group_hits(block_hashes, wanted, held, max_hit)))
+            return memo[0]
+
+        # Batched, computed ahead where the lookup is answered (the lookups' or the
+        # backfill's thread): vLLM exports them at its next step anyway. A direct lookup
+        # runs on the scheduler thread: its statistics wait to be read.
+        if self.batch_lookups:
+            if backfill is None:
+                compute()
+            else:
+                backfill.then(compute)
+        return compute
+
+    def forget_lookup(self, req_id: str) -> None:
+        """Drop ``req_id``'s kept lookup: its next one asks the master again (benchmarks)."""
+        self._looked_up.pop(req_id, None)
+
+    def settle_statistics(self, timeout_s: float) -> bool:
+        """Wait until the statistics' existence checks so far are answered (benchmarks)."""
+        return self._backfill.wait_idle(timeout_s)
+
+    def _ranks(self, group_id: int) -> int:
+        return len(self._rank_prefixes(group_id))
+
+    def _rank_prefixes(self, group_id: int) -> tuple[str, ...]:
+        """Every shard's key prefix in ``group_id`` (one per rank unless ranks hold copies), computed once."""
+        prefixes = self._key_prefixes.get(group_id)
+        if prefixes is None:
+            shards = self.group_shards[group_id] if self.group_shards else self.tp_size
+            prefixes = self.keyspace.rank_prefixes(group_id, shards, self.pp_size)
+            self._key_prefixes[group_id] = prefixes
+        return prefixes
+
+    def _exists(self, keys: list[str], timeout_s: float | None = None) -> tuple[list[bool], str | None]:
+        """Presence of ``keys``, within ``timeout_s`` (default ``lookup_timeout_s``): past it
+        every key is absent.
+
+        The call runs on a thread of its own; while one stuck call has not returned,
+        lookups are misses at once (reason ``timeout``).
+        """
+        if not keys:
+            return [], None
+        timeout_s = self.lookup_timeout_s if timeout_s is None else timeout_s
+        if timeout_s <= 0:
+            return [False] * len(keys), Outcome.TIMEOUT.value
+        flags, refused = self._lookups.run(timeout_s, self.client.exists, keys)
+        if refused is None:
+            return flags, None
+        if refused == BoundedCall.TIMED_OUT:
+            logger.warning(
+                "KVPoolConnector lookup of %d keys passed its %.2f s deadline: a miss; lookups "
+                "miss until it returns",
+                len(keys),
+                self.lookup_timeout_s,
+            )
+        return [False] * len(keys), Outcome.TIMEOUT.value
+
+    def close(self) -> None:
+        self._queue.close()
+        self._lookups.close()
+        self._backfill.close()
+
+    # --- allocation ------------------------------------------------------------
+    def update_state_after_alloc(
+        self, request: Any, block_ids: Sequence[list[int]], num_external: int
+    ) -> None:
+        req_id = request.request_id
+        self._looked_up.pop(req_id, None)
+        self._queue.forget(req_id)  # one vLLM scheduled without waiting for its answer
+        plan = self._plans.pop(req_id, None)
+        local_tokens = self._local_tokens.pop(req_id, request.num_computed_tokens)
+        if self.can_save and self.coordinator is not None:
+            # Blocks the request starts with (local or pool hit) need no saving;
+            # after a failed load, the blocks it recomputes instead do.
+            start_tokens = local_tokens + num_external
+            start = [start_tokens // g.block_size for g in self.coordinator.groups]
+            tracked = self._tracked.get(req_id)
+            if tracked is None:
+                self._tracked[req_id] = self._saving[req_id] = _Tracked(
+                    request=request,
+                    saved_upto=start,
+                    trace_context=self.stats.trace_context(request),
+                )
+            elif req_id in self._load_failed:
+                _rewind(tracked, start)
+                self._saving[req_id] = tracked
+        if num_external == 0:
+            return  # nothing external (or vLLM declined the hit): vLLM expects no load
+        load = self._load_plan(request, block_ids, num_external, plan)
+        self._pending_loads.append(load)
+        # Its request comes back to lookup after a failure: remember what it loads.
+        self._loaded_blocks[req_id] = {b for g in load.groups for b in g.block_ids}
+        self._loading.add(req_id)
+        if load.refused:
+            self._load_failed.add(req_id)
+
+    def _load_plan(
+        self, request: Any, block_ids: Sequence[list[int]], num_external: int, plan: _Plan | None
+    ) -> RequestLoad:
+        """The load of exactly the ``num_external`` tokens vLLM allocated blocks for.
+
+        Should vLLM's count and the lookup's plan ever differ (or the blocks not be where the
+        plan expects them), nothing is loaded: the load is refused, the workers report it
+        failed, and vLLM recomputes the request. A wrong plan never stops the engine.
+        """
+        req_id = request.request_id
+        trace_context = self.stats.trace_context(request)
+        problem = None
+        coord = self.coordinator
+        if plan is None or coord is None:
+            problem = "no lookup planned it"
+        elif num_external != plan.hit.hit_tokens - plan.local_tokens:
+            problem = f"the lookup planned {plan.hit.hit_tokens - plan.local_tokens}"
+        else:
+            try:
+                return RequestLoad(
+                    req_id=req_id,
+                    groups=[
+                        _group_load(group, plan, block_ids[group.group_id], coord, request.block_hashes)
+                        for group in coord.groups
+                    ],
+                    hit_tokens=plan.hit.hit_tokens,
+                    trace_context=trace_context,
+                )
+            except (IndexError, KeyError):
+                problem = "its blocks are not where the lookup planned them"
+        logger.warning(
+            "KVPoolConnector refused a load of %d tokens vLLM allocated (%s): the request recomputes",
+            num_external,
+            problem,
+        )
+        return RequestLoad(req_id=req_id, groups=[], hit_tokens=0, trace_context=trace_context, refused=True)
+
+    # --- per step ---------------------------------------------------------------
+    def build_connector_meta(
+        self, scheduler_output: Any, block_ids_of: Callable[[str], Sequence[list[int]]]
+    ) -> PoolConnectorMetadata:
+        meta = PoolConnectorMetadata(
+            loads=self._pending_loads,
+            forward_tokens=scheduler_output.total_num_scheduled_tokens,
+        )
+        self._pending_loads = []
+        if self.can_save and self.coordinator is not None:
+            offers = boundary_state_offers(scheduler_output)
+            scheduled = scheduler_output.num_scheduled_tokens
+            save_decode = self.save_decode_cache
+            for req_id, tracked in list(self._saving.items()):
+                num_new = scheduled.get(req_id, 0)
+                if num_new <= 0:
+                    continue
+                request = tracked.request
+                savable = request.num_tokens if save_decode else request.num_prompt_tokens
+                if min(request.num_computed_tokens + num_new, savable) >= tracked.next_save_at:
+                    offered = None if offers is None else offers.get(req_id, ())
+                    save = self._plan_save(tracked, req_id, num_new, block_ids_of, offered)
+                    if save is not None:
+                        meta.saves.append(save)
+                if not save_decode and request.num_prompt_tokens < tracked.next_save_at:
+                    del self._saving[req_id]  # its prompt's blocks are all planned
+        # The lookups vLLM asked for during this schedule() go to the master together.
+        self._queue.flush()
+        if meta.forward_tokens == 0:
+            # An idle step: the engine only waits. Let the lookup thread answer (it needs
+            # the GIL the engine's loop would hold), so the next step admits the requests.
+            started = time.perf_counter()
+            self._queue.wait_idle(self.idle_step_wait_s)
+            self.idle_wait_s += time.perf_counter() - started
+        return meta
+
+    def _plan_save(
+        self,
+        tracked: _Tracked,
+        req_id: str,
+        num_new: int,
+        block_ids_of: Callable[[str], Sequence[list[int]]],
+        offered: Sequence[tuple[int, int, int]] | None = None,
+    ) -> RequestSave | None:
+        """The blocks of ``req_id`` this step completes, to save after its forward.
+
+        A Mamba group's state blocks are the ones vLLM hands off this step
+        (``offered``: ``(group, block id, boundary tokens)``), never read by position
+        from the block table, where speculative blocks relocate and checkpoints move;
+        None (no hand-off from this vLLM) falls back to the table.
+        """
+        coord = self.coordinator
+        assert coord is not None
+        request = tracked.request
+        savable = request.num_tokens if self.save_decode_cache else request.num_prompt_tokens
+        computed_after = min(request.num_computed_tokens + num_new, savable)
+        block_sizes = [g.block_size for g in coord.groups]
+        tracked.note_saved(block_sizes)  # unknown after a rewind
+        if computed_after < tracked.next_save_at:
+            return None  # completes no block: nothing to plan
+        block_ids = block_ids_of(req_id)
+        block_hashes = request.block_hashes
+        groups: list[GroupTransfer] = []
+        digest_of: dict[bytes, str] = {}  # groups of one block size share their hashes
+        boundaries: dict[bool, Any] = {}  # replay boundaries, by use_eagle
+        for group in coord.groups:
+            gid = group.group_id
+            if not group.prefix_cacheable:
+                groups.append(GroupTransfer(group_id=gid))
+                continue
+            view = coord.group_block_hashes(gid, block_hashes)
+            end = min(computed_after // group.block_size, len(view), len(block_ids[gid]))
+            start = tracked.saved_upto[gid]
+            transfer = GroupTransfer(group_id=gid)
+            if end > start:
+                mask = group.manager_cls.reachable_block_mask(
+                    start,
+                    end,
+                    coord.alignment_tokens,
+                    group.spec,
+                    group.use_eagle,
+                    # Dense: a future prompt may share any aligned prefix, not
+                    # only this prompt's replay boundary.
+                    retention_interval=None,
+                    reachable_boundaries=_replay_boundaries(boundaries, request, coord, group.use_eagle),
+                    dcp_world_size=group.dcp_world_size,
+                    final_segment_end_block=cdiv(request.num_prompt_tokens, group.block_size),
+                )
+                states = _boundary_states(group, offered)
+                ids, digests, kept = block_ids[gid], transfer.digests, transfer.block_ids
+                replace_below = tracked.replace_upto[gid] if tracked.replace_upto else 0
+                for index in range(start, end):
+                    block_id = ids[index] if states is None else states.get(index, 0)
+                    if (mask is not None and not mask[index - start]) or block_id <= 0:
+                        transfer.masked += 1
+                        continue
+                    block_hash = bytes(view[index])
+                    digest = digest_of.get(block_hash)
+                    if digest is None:
+                        digest = digest_of[block_hash] = hash_digest(block_hash)
+                    digests.append(digest)
+                    kept.append(block_id)
+                    if index < replace_below:
+                        transfer.replacing += 1
+                tracked.saved_upto[gid] = end
+            groups.append(transfer)
+        tracked.note_saved(block_sizes)
+        if not any(len(g) for g in groups) and not any(g.masked for g in groups):
+            return None
+        return RequestSave(req_id=req_id, groups=groups, trace_context=tracked.trace_context)
+
+    # --- completion ---------------------------------------------------------------
+    def on_worker_output(
+        self,
+        finished_recving: set[str],
+        failed_recving: set[str],
+        invalid_blocks: set[int],
+        block_ids_of: Callable[[str], Sequence[list[int]]] | None = None,
+    ) -> None:
+        """Note completed loads, and which requests a failed load sends back to recompute."""
+        self._loading.difference_update(finished_recving)
+        self._load_failed.update(failed_recving)
+        if invalid_blocks:
+            for req_id, blocks in self._loaded_blocks.items():
+                if blocks & invalid_blocks:
+                    self._load_failed.add(req_id)
+            if block_ids_of is not None:
+                self._rewind_over_failed_blocks(invalid_blocks, block_ids_of)
+        for req_id in finished_recving:
+            self._loaded_blocks.pop(req_id, None)
+
+    def _rewind_over_failed_blocks(
+        self, invalid_blocks: set[int], block_ids_of: Callable[[str], Sequence[list[int]]]
+    ) -> None:
+        """Save again what vLLM recomputes in place of blocks whose load failed.
+
+        vLLM has already moved each affected request back (``num_computed_tokens``) to
+        before its first failed block; its blocks from there on are recomputed and must be
+        saved then, replacing anything the pool holds for them. Block ids name blocks across
+        requests only in a single-group layout, the only one vLLM reports failed blocks for.
+        """
+        coord = self.coordinator
+        if coord is None or len(coord.groups) != 1:
+            return
+        (group,) = coord.groups
+        for req_id, tracked in self._tracked.items():
+            try:
+                (ids,) = block_ids_of(req_id)
+            except (KeyError, ValueError):
+                continue
+            if invalid_blocks.isdisjoint(ids):
+                continue
+            _rewind(tracked, [tracked.request.num_computed_tokens // group.block_size])
+            self._saving[req_id] = tracked
+
+    def request_finished(self, req_id: str) -> bool:
+        """Forget ``req_id``; True when an async load may still write its blocks.
+
+        vLLM then frees them when the worker reports that load finished
+        receiving (``finished_recving`` of a finished request frees its blocks).
+        """
+        self._tracked.pop(req_id, None)
+        self._saving.pop(req_id, None)
+        self._plans.pop(req_id, None)
+        self._looked_up.pop(req_id, None)
+        self._queue.forget(req_id)
+        self._local_tokens.pop(req_id, None)
+        self._loaded_blocks.pop(req_id, None)
+        self._load_failed.discard(req_id)
+        if req_id in self._loading:
+            self._loading.discard(req_id)
+            return True
+        return False
+
+
+def _rewind(tracked: _Tracked, upto: Sequence[int]) -> None:
+    """Save ``tracked`` again from block ``upto[g]`` of each group; the blocks re-saved below
+    the old mark replace whatever the pool holds under their keys."""
+    if not tracked.replace_upto:
+        tracked.replace_upto = [0] * len(tracked.saved_upto)
+    for gid, mark in enumerate(upto):
+        if mark < tracked.saved_upto[gid]:
+            tracked.replace_upto[gid] = max(tracked.replace_upto[gid], tracked.saved_upto[gid])
+            tracked.saved_upto[gid] = mark
+    tracked.next_save_at = 0
+
+
+def boundary_state_offers(scheduler_output: Any) -> Mapping[str, Sequence[tuple[int, int, int]]] | None:
+    """vLLM's Mamba boundary-state hand-offs of this step by request; None when it gives none."""
+    state = getattr(scheduler_output, "kv_connector_block_state", None)
+    return getattr(state, "boundary_state_offloads", None)
+
+
+def _boundary_states(group: Any, offered: Sequence[tuple[int, int, int]] | None) -> dict[int, int] | None:
+    """A Mamba group's handed-off state blocks by block index; None: read the block table."""
+    if offered is None or not isinstance(group.spec, MambaSpec):
+        return None
+    return {
+        tokens // group.block_size - 1: block_id
+        for group_id, block_id, tokens in offered
+        if group_id == group.group_id and tokens > 0 and tokens % group.block_size == 0
+    }
+
+
+def _replay_boundaries(cache: dict[bool, Any], request: Any, coord: Any, use_eagle: bool) -> Any:
+    """vLLM's replay boundaries of ``request``'s prompt, computed once per ``use_eagle``."""
+    if use_eagle not in cache:
+        cache[use_eagle] = replay_boundaries(request.num_prompt_tokens, coord.scheduler_block_size, use_eagle)
+    return cache[use_eagle]
+
+
+def _group_load(
+    group: Any, plan: _Plan, block_ids: Sequence[int], coord: HybridHitCoordinator, block_hashes: Any
+) -> GroupTransfer:
+    """One group's part of a load: the blocks its mask needs past the local hit, and how
+    many the hit covers without moving them.
+
+    An attention group loads every real block vLLM allocated for the hit, not only those its
+    hit needed: with multi-module MTP vLLM keeps ``extra_retained_tokens`` below a sliding
+    window, allocates real blocks for them and caches them once the load is reported, so a
+    block left unloaded there would be a cached block of garbage. (A Mamba group loads its
+    last state only: the other blocks vLLM allocates it are never read as KV.)
+    """
+    gid = group.group_id
+    transfer = GroupTransfer(group_id=gid)
+    first_block = plan.local_tokens // group.block_size
+    covered = cdiv(plan.hit.hit_tokens, group.block_size)
+    wanted = [index for index in plan.hit.needed_blocks[gid] if index >= first_block]
+    if not isinstance(group.spec, MambaSpec):
+        needed = set(wanted)
+        retained = [i for i in range(first_block, covered) if block_ids[i] > 0 and i not in needed]
+        wanted = sorted(needed.union(retained))
+    view = None
+    for index in wanted:
+        digest = plan.digests[gid].get(index)
+        if digest is None:  # retained below the window: never asked about; its load says
+            view = view if view is not None else coord.group_block_hashes(gid, block_hashes)
+            digest = hash_digest(bytes(view[index]))
+        transfer.digests.append(digest)
+        transfer.block_ids.append(block_ids[index])
+    transfer.masked = max(0, covered - first_block) - len(transfer.block_ids)
+    return transfer
+
+
+def hit_unit(coord: HybridHitCoordinator) -> int:
+    """What every hit is a multiple of: the finest block any group hashes. A hit never covers a
+    prompt's last token either, so none reaches past ``(num_tokens - 1) // unit * unit``."""
+    return min([coord.hash_block_size, *(g.block_size for g in coord.groups)])

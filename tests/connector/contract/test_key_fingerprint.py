@@ -1,0 +1,141 @@
+"""The key fingerprint: every input that makes KV bytes or block hashes differ separates keys."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from kvpool.connector.contract.identity import KVIdentity, fingerprint_inputs, key_fingerprint
+from kvpool.connector.contract.layout import GroupKind, KVGroup, KVLayout, fingerprint
+
+LAYOUT = KVLayout(model="m", dtype="bfloat16", groups=[KVGroup(kind=GroupKind.FULL, block_size=32)])
+
+VARIANTS = {
+    "cache_dtype": ["fp8_e4m3", "fp8_e5m2"],
+    "kv_quantization": ["skip=0"],
+    "model_revision": ["v2"],
+    "weight_quantization": ["awq"],
+    "hf_overrides": ["0123456789ab"],
+    "kv_cache_layout": ["LBHNC"],
+    "block_hash_algorithm": ["sha256_cbor"],
+    "block_hash_seed": ["deadbeef0000"],
+}
+
+
+def test_every_identity_input_separates_keys() -> None:
+    base = KVIdentity()
+    prints = {key_fingerprint(LAYOUT, base)}
+    for name, values in VARIANTS.items():
+        for value in values:
+            prints.add(key_fingerprint(LAYOUT, base.model_copy(update={name: value})))
+    assert len(prints) == 1 + sum(len(v) for v in VARIANTS.values())
+    # The shape still separates too, and equal inputs give equal keys.
+    assert key_fingerprint(LAYOUT.model_copy(update={"tp_size": 2}), base) not in prints
+    assert key_fingerprint(LAYOUT, KVIdentity()) == key_fingerprint(LAYOUT, base)
+
+
+def test_layout_fingerprint_is_unchanged_by_the_identity() -> None:
+    """The declared-layout fingerprint the operator renders describes the shape only."""
+    inputs = fingerprint_inputs(LAYOUT, KVIdentity(cache_dtype="fp8_e5m2"))
+    assert inputs["layout_fingerprint"] == fingerprint(LAYOUT)
+    assert inputs["fingerprint"] == key_fingerprint(LAYOUT, KVIdentity(cache_dtype="fp8_e5m2"))
+    assert inputs["cache_dtype"] == "fp8_e5m2" and inputs["parallel"] == "tp1-pp1-pcp1-dcp1"
+
+
+def _configs(**cache: object) -> tuple[SimpleNamespace, SimpleNamespace]:
+    """Stand-ins for the few vLLM config fields identity_from_vllm reads (no engine needed)."""
+    cache_config = SimpleNamespace(
+        **{
+            "cache_dtype": "auto",
+            "prefix_caching_hash_algo": "sha256",
+            "kv_cache_dtype_skip_layers": [],
+            "mamba_cache_dtype": "auto",
+            "mamba_ssm_cache_dtype": "auto",
+            "kv_cache_layout": None,
+            **cache,
+        }
+    )
+    model_config = SimpleNamespace(revision=None, quantization=None, hf_overrides={})
+    return SimpleNamespace(cache_config=cache_config, model_config=model_config), SimpleNamespace(
+        kv_cache_layout=None
+    )
+
+
+def test_identity_reads_vllm_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvpool.connector.vllm_layout import identity_from_vllm
+
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    e4m3 = identity_from_vllm(*_configs(cache_dtype="fp8_e4m3"))
+    assert e4m3 == identity_from_vllm(*_configs(cache_dtype="fp8"))  # vLLM's alias
+    assert e4m3 != identity_from_vllm(*_configs(cache_dtype="fp8_e5m2"))
+    assert identity_from_vllm(*_configs(kv_cache_dtype_skip_layers=["0"])).kv_quantization == "skip=0"
+    default_seed = identity_from_vllm(*_configs()).block_hash_seed
+    monkeypatch.setenv("PYTHONHASHSEED", "7")
+    seven = identity_from_vllm(*_configs()).block_hash_seed
+    assert seven != default_seed and seven != "7"  # a digest, never the seed itself
+    monkeypatch.delenv("PYTHONHASHSEED")
+    assert identity_from_vllm(*_configs(prefix_caching_hash_algo="xxhash")).block_hash_seed == "per-process"
+    vllm_config, kv_cache_config = _configs()
+    vllm_config.model_config.revision = "v2"
+    vllm_config.model_config.hf_overrides = {"num_hidden_layers": 2}
+    identity = identity_from_vllm(vllm_config, kv_cache_config)
+    assert identity.model_revision == "v2" and len(identity.hf_overrides) == 12
+    kv_cache_config.kv_cache_layout = "LBHNC"
+    assert identity_from_vllm(vllm_config, kv_cache_config).kv_cache_layout == "LBHNC"
+
+
+def test_pipeline_stages_and_scheduler_share_the_key_fingerprint() -> None:
+    """Each stage (and the scheduler, given stage 0's config) sees its own layer count."""
+    full = KVGroup(kind=GroupKind.FULL, block_size=32, num_layers=3)
+    swa = KVGroup(kind=GroupKind.SLIDING_WINDOW, block_size=32, sliding_window=64, num_layers=2)
+    stage0 = KVLayout(model="m", groups=[full, swa], pp_size=2)
+    stage1 = stage0.model_copy(update={"groups": [full.model_copy(update={"num_layers": 1}), swa]})
+    identity = KVIdentity()
+    assert key_fingerprint(stage0, identity) == key_fingerprint(stage1, identity)
+    # Another split of the layers over the stages is another deployment.
+    split = identity.model_copy(update={"pp_layer_partition": "3,1"})
+    assert key_fingerprint(stage0, split) != key_fingerprint(stage0, identity)
+
+
+def test_the_info_metric_carries_every_input_and_says_why_two_deployments_differ() -> None:
+    """``vllm:kvpool_key_fingerprint_info`` has one label per input of the fingerprint."""
+    pytest.importorskip("vllm")
+    import functools
+
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+    from kvpool.connector.contract import metric_names as m
+    from kvpool.connector.observability.vllm_metrics import (
+        PoolConnectorStats,
+        PoolPromMetrics,
+        fingerprint_info_key,
+    )
+
+    base, other = KVIdentity(), KVIdentity(model_revision="v2")
+    assert list(m.FINGERPRINT_LABELS) == list(fingerprint_inputs(LAYOUT, base))
+
+    registry = CollectorRegistry()
+    types = {cls: functools.partial(cls, registry=registry) for cls in (Counter, Gauge, Histogram)}
+    prom = PoolPromMetrics(
+        SimpleNamespace(kv_transfer_config=None),
+        types,
+        ["model_name", "engine"],
+        {0: ["m", "0"], 1: ["m", "1"]},
+    )
+    for engine, identity in enumerate((base, other)):
+        stats = PoolConnectorStats(
+            data={"gauges": {fingerprint_info_key(fingerprint_inputs(LAYOUT, identity)): 1.0}}
+        )
+        prom.observe(PoolConnectorStats().aggregate(stats).data, engine)
+    rows = [
+        s.labels
+        for metric in registry.collect()
+        if metric.name == m.KEY_FINGERPRINT_INFO.name
+        for s in metric.samples
+        if s.value == 1.0
+    ]
+    assert len(rows) == 2
+    differing = {name for name in m.FINGERPRINT_LABELS if rows[0][name] != rows[1][name]}
+    assert differing == {"fingerprint", "model_revision"}  # why engine 1 does not share with engine 0
+    assert {r["fingerprint"] for r in rows} == {key_fingerprint(LAYOUT, base), key_fingerprint(LAYOUT, other)}

@@ -1,0 +1,111 @@
+"""``kvpool-local-pool`` as a process: the JSON it prints, its stops, and its refusals.
+
+Serving vLLM's OpenAI server from it is ``tests/connector/local/test_serving_local_pool.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from kvpool.connector.contract.settings import ConnectorSettings
+from kvpool.connector.local.pool import port_open
+
+pytestmark = pytest.mark.mooncake
+
+COMMAND = [sys.executable, "-m", "kvpool.connector.local.pool_command"]
+STARTUP_S = 120.0
+
+
+def start(*args: str) -> tuple[subprocess.Popen[str], dict, str]:
+    """The command, its JSON line, and its note (which names the log directories)."""
+    process = subprocess.Popen(
+        [*COMMAND, "--segment-size", "32MB", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    assert process.stdout is not None and process.stderr is not None
+    line = process.stdout.readline()
+    assert line, process.stderr.read()
+    note = process.stderr.readline()
+    return process, json.loads(line), note
+
+
+def master_port(config: dict) -> int:
+    return int(config["kv_connector_extra_config"]["master_server_address"].rsplit(":", 1)[1])
+
+
+def wait_exit(process: subprocess.Popen[str]) -> int:
+    return process.wait(STARTUP_S)
+
+
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM])
+def test_it_prints_the_transfer_config_and_stops_cleanly(stop: signal.Signals) -> None:
+    process, config, note = start("--cache-prefix", "team-a", "--kv-role", "kv_consumer")
+    try:
+        assert config["kv_connector"] == "KVPoolConnector"
+        assert config["kv_connector_module_path"] == "kvpool.connector"
+        assert config["kv_role"] == "kv_consumer"
+        assert config["kv_load_failure_policy"] == "recompute"
+        settings = ConnectorSettings.parse(config["kv_connector_extra_config"])
+        assert settings.cache_prefix == "team-a"
+        assert settings.master_server_address.startswith("127.0.0.1:")
+        assert port_open(master_port(config))  # it serves when the JSON appears
+        assert f"master {settings.master_server_address}" in note
+        process.send_signal(stop)
+        assert wait_exit(process) == 0
+        assert not port_open(master_port(config))
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def test_a_dead_store_stops_the_pool_with_an_error() -> None:
+    process, config, _ = start()
+    try:
+        os.kill(_child_named(process.pid, b"mooncake_client"), signal.SIGKILL)  # the store, by PID
+        assert wait_exit(process) == 1
+        assert "exited unexpectedly: store" in process.stderr.read()
+        assert not port_open(master_port(config))  # the master was stopped with it
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def _child_named(parent: int, name: bytes) -> int:
+    """The PID of ``parent``'s child whose program ends with ``name``."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                program = f.read().split(b"\0")[0]
+        except OSError:
+            continue
+        if ppid == parent and program.endswith(name):
+            return int(entry)
+    raise AssertionError(f"no {name.decode()} child of {parent}")
+
+
+@pytest.mark.parametrize(
+    ("args", "option"),
+    [
+        (["--segment-size", "12x"], "--segment-size"),
+        (["--segment-size", "512KB"], "--segment-size"),
+        (["--rpc-port", "70000"], "--rpc-port"),
+        (["--cache-prefix", "a/b"], "--cache-prefix"),
+        (["--kv-role", "kv_sideways"], "--kv-role"),
+    ],
+)
+def test_bad_arguments_are_refused_naming_the_option(args: list[str], option: str) -> None:
+    result = subprocess.run([*COMMAND, *args], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert option in result.stderr
+    assert result.stdout == ""  # nothing started, nothing printed

@@ -1,0 +1,427 @@
+"""Metrics and traces say exactly what happened — checked against ground truth.
+
+* stats payloads and Prometheus series from known records (unit);
+* spans and their parent links, in the SDK's in-memory exporter;
+* a real engine run: every counter equals what the test counts itself, and a
+  real Prometheus scraping vLLM's metrics registry answers the per-group hit
+  rate and p99 latency queries with those numbers;
+* spans over the wire to an OTLP/HTTP receiver, joined to the caller's trace;
+* no prompt token ids in any span attribute, metric label or log line.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import logging
+import random
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import prometheus_client
+import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from kvpool.connector.contract import metric_names as m
+from kvpool.connector.contract.keys import KeySpace
+from kvpool.connector.local.pool import LOOPBACK, free_port
+from kvpool.connector.metadata import GroupTransfer, PoolConnectorMetadata, RequestLoad, RequestSave
+from kvpool.connector.observability.records import LookupRecord, StatsCollector, TransferRecord
+from kvpool.connector.observability.vllm_metrics import (
+    PoolConnectorStats,
+    PoolPromMetrics,
+    parse_key,
+    records_to_data,
+)
+from kvpool.connector.worker.side import WorkerSide
+from testing.engine import (
+    EngineOptions,
+    create_llm,
+    engine_core,
+    generate,
+    run_engine_subprocess,
+    shutdown_llm,
+    transfer_config,
+    worker_connector,
+)
+from testing.models import build_gemma3
+from testing.prompts import MAX_TOKENS, P1, P2, PREFIX_HIT
+from testing.services import OTLPReceiver, PrometheusServer
+from testing.worker import run_loads
+
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+PARENT_SPAN = "00f067aa0ba902b7"
+TRACEPARENT = {"traceparent": f"00-{TRACE_ID}-{PARENT_SPAN}-01"}
+
+_exporter = InMemorySpanExporter()
+
+
+@pytest.fixture(scope="module")
+def spans() -> InMemorySpanExporter:
+    """The process's tracer provider, exporting to memory (installed once)."""
+    if isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
+        provider = TracerProvider()
+        provider.add_span_processor(SimpleSpanProcessor(_exporter))
+        trace.set_tracer_provider(provider)
+    _exporter.clear()
+    return _exporter
+
+
+@pytest.fixture(scope="module")
+def gemma_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_gemma3(tmp_path_factory.mktemp("gemma3-obs"))
+
+
+# --- unit: payloads and series -------------------------------------------------------
+
+
+def _lookup(hit: int) -> LookupRecord:
+    return LookupRecord(
+        query_tokens=350,
+        hit_tokens=hit,
+        group_kinds=("sliding_window", "full"),
+        looked_up_blocks=(10, 10),
+        present_blocks=(9, 9),
+        needed_blocks=(2, 9),
+        group_hit_tokens=(288, 288),
+        seconds=0.003,
+        keys=20,
+    )
+
+
+def _load() -> TransferRecord:
+    return TransferRecord(
+        operation="load",
+        group_kinds=("sliding_window", "full"),
+        blocks=(2, 8),
+        masked=(7, 0),
+        bytes=(2 * 1024, 8 * 1024),
+        failures={"missing": 1},
+        seconds=0.02,
+        group_failures=({}, {"missing": 1}),
+        group_seconds=(0.005, 0.015),
+        group_attempted=(True, True),
+        load_error_blocks=0,
+        recomputed=True,
+    )
+
+
+def test_payload_aggregates_and_becomes_series() -> None:
+    first = PoolConnectorStats(data=records_to_data([_lookup(288)], [_load()]))
+    second = PoolConnectorStats(data=records_to_data([_lookup(0)], []))
+    total = first.aggregate(second)
+    assert total.counter(m.LOOKUPS) == 2
+    assert total.counter(m.LOOKUP_HIT_TOKENS) == 288
+    assert total.reduce() == {
+        "lookups": 2,
+        "hit_rate": round(288 / 700, 4),
+        "bytes_moved": 10 * 1024,
+        "failures": 1,
+    }
+    assert not total.is_empty() and PoolConnectorStats().is_empty()
+
+    registry = CollectorRegistry()
+    types = {cls: functools.partial(cls, registry=registry) for cls in (Counter, Gauge, Histogram)}
+    prom = PoolPromMetrics(
+        SimpleNamespace(kv_transfer_config=None), types, ["model_name", "engine"], {0: ["tiny", "0"]}
+    )
+    prom.observe(total.data, 0)
+
+    def value(name: str, **labels: str) -> float | None:
+        return registry.get_sample_value(name, {"model_name": "tiny", "engine": "0", **labels})
+
+    assert value("vllm:kvpool_lookups_total") == 2
+    assert value("vllm:kvpool_group_hit_tokens_total", group="0", group_kind="sliding_window") == 576
+    assert value("vllm:kvpool_hit_blocks_total", group="1", group_kind="full") == 9  # only the hit
+    assert (
+        value("vllm:kvpool_masked_blocks_total", group="0", group_kind="sliding_window", operation="load")
+        == 7
+    )
+    assert (
+        value("vllm:kvpool_failures_total", group="1", group_kind="full", operation="load", reason="missing")
+        == 1
+    )
+    assert value("vllm:kvpool_recomputed_requests_total") == 1
+    assert value("vllm:kvpool_operation_seconds_count", operation="load", group_kind="full") == 1
+    assert value("vllm:kvpool_operation_seconds_count", operation="lookup", group_kind="all") == 2
+    assert value("vllm:kvpool_transfer_size_bytes_sum", operation="load") == 10 * 1024
+
+
+def test_every_metric_name_is_prometheus_valid() -> None:
+    names = [spec.exported for spec in m.ALL]
+    assert len(set(names)) == len(names)
+    for spec in m.ALL:
+        assert spec.name.startswith("vllm:kvpool_")
+        assert not set(spec.labels) & set(m.VLLM_LABELS)
+        if spec.kind is m.Kind.COUNTER:
+            assert not spec.name.endswith("_total")
+    assert parse_key("vllm:kvpool_x|group=1|group_kind=full") == ("vllm:kvpool_x", ("1", "full"))
+
+
+# --- spans in memory -----------------------------------------------------------------
+
+
+def test_worker_spans_join_the_request_trace(spans, pool_client, cache_prefix) -> None:
+    import torch
+
+    stats = StatsCollector(group_kinds=("sliding_window", "full"))
+    worker = WorkerSide(
+        client=pool_client,
+        keyspace=KeySpace(cache_prefix, "fp"),
+        tp_rank=0,
+        pp_rank=0,
+        group_layers=[["a"], ["b"]],
+        num_blocks=8,
+        stats=stats,
+    )
+    try:
+        worker.register_kv_caches({"a": torch.randn(8, 2, 32, 16), "b": torch.randn(8, 2, 32, 16)})
+        save = RequestSave("req-s", [GroupTransfer(0, ["x"], [1]), GroupTransfer(1, ["y"], [2])], TRACEPARENT)
+        worker.start_saves(PoolConnectorMetadata(saves=[save]))
+        worker.before_forward()
+        worker.wait_for_saves()
+        load = RequestLoad(
+            "req-l",
+            [GroupTransfer(0, ["x"], [3], masked=4), GroupTransfer(1, ["y", "gone"], [4, 5])],
+            hit_tokens=64,
+            trace_context=TRACEPARENT,
+        )
+        run_loads(worker, [load])
+    finally:
+        worker.shutdown()
+    finished = spans.get_finished_spans()
+    (load_span,) = [s for s in finished if s.name == "kvpool.load"]
+    groups = [s for s in finished if s.name == "kvpool.load.group"]
+    assert format(load_span.context.trace_id, "032x") == TRACE_ID
+    assert format(load_span.parent.span_id, "016x") == PARENT_SPAN
+    assert {g.parent.span_id for g in groups} == {load_span.context.span_id}
+    by_group = {g.attributes["kvpool.group"]: g for g in groups}
+    assert by_group[0].attributes["kvpool.masked_blocks"] == 4
+    assert by_group[0].attributes["kvpool.blocks"] == 1
+    assert by_group[1].attributes["kvpool.failures.missing"] == 1
+    assert not by_group[1].status.is_ok and not load_span.status.is_ok
+    assert {s.name for s in finished} >= {"kvpool.save", "kvpool.save.group"}
+
+
+def test_lookup_span_joins_the_request_trace(spans, pool_settings, tmp_path_factory) -> None:
+    from testing.kv_cache import GroupDesc
+    from testing.scheduler import admit, make_request, make_scheduler, pool_transfer
+
+    model = build_gemma3(tmp_path_factory.mktemp("gemma3-span"))
+    scheduler = make_scheduler(
+        model,
+        [GroupDesc("full", 32), GroupDesc("sliding_window", 32, window=64)],
+        pool_transfer(
+            {
+                "master_server_address": pool_settings.master_server_address,
+                "cache_prefix": pool_settings.cache_prefix,
+            }
+        ),
+    )
+    try:
+        request = make_request(scheduler, list(range(5, 5 + 3 * 32)))
+        request.trace_headers = TRACEPARENT
+        scheduler.add_request(request)
+        admit(scheduler)
+    finally:
+        scheduler.shutdown()
+    (lookup,) = [s for s in spans.get_finished_spans() if s.name == "kvpool.lookup"]
+    assert format(lookup.context.trace_id, "032x") == TRACE_ID
+    assert lookup.attributes["kvpool.request_id"] == request.request_id
+    assert list(lookup.attributes["kvpool.groups"]) == ["full", "sliding_window"]
+    assert list(lookup.attributes["kvpool.looked_up_blocks"]) == [2, 2]
+    assert lookup.attributes["kvpool.hit_tokens"] == 0
+
+
+# --- a real engine: counters equal ground truth, and Prometheus agrees ------------------
+
+
+def _truth_bytes_per_block(llm: Any) -> list[int]:
+    config = engine_core(llm).scheduler.kv_cache_config
+    return [g.kv_cache_spec.page_size_bytes * len(g.layer_names) for g in config.kv_cache_groups]
+
+
+def _series(llm: Any) -> dict[tuple[str, tuple[tuple[str, str], ...]], Any]:
+    out = {}
+    for metric in llm.get_metrics():
+        if metric.name.startswith("vllm:kvpool_"):
+            labels = tuple(sorted((k, v) for k, v in metric.labels.items() if k not in m.VLLM_LABELS))
+            out[(metric.name, labels)] = metric
+    return out
+
+
+def test_metrics_equal_ground_truth_and_prometheus_agrees(gemma_dir, pool_settings, spans) -> None:
+    config = transfer_config(pool_settings)
+    llm = create_llm(EngineOptions(model=str(gemma_dir), kv_transfer_config=config))
+    try:
+        generate(llm, [P1], MAX_TOKENS)
+    finally:
+        shutdown_llm(llm)
+
+    llm = create_llm(EngineOptions(model=str(gemma_dir), kv_transfer_config=config, disable_log_stats=False))
+    try:
+        (result,) = generate(llm, [P2], MAX_TOKENS)
+        per_block = _truth_bytes_per_block(llm)
+        kinds = [
+            "full" if type(g.kv_cache_spec).__name__ == "FullAttentionSpec" else "sliding_window"
+            for g in engine_core(llm).scheduler.kv_cache_config.kv_cache_groups
+        ]
+        transfers = list(worker_connector().recording.transfers)
+        series = _series(llm)
+        _check_counters(series, result, kinds, per_block)
+        _check_prometheus(kinds, transfers)
+    finally:
+        shutdown_llm(llm)
+
+
+def _check_counters(series: dict, result: Any, kinds: list[str], per_block: list[int]) -> None:
+    # Ground truth, counted from the prompts: P2 shares 9 whole blocks with P1; a
+    # 64-token window at token 288 needs 2 blocks; P2's prompt completes block 9,
+    # which B saves (block 10, completed while decoding, is not: save_decode_cache off).
+    assert result.num_cached_tokens == PREFIX_HIT
+    loaded = [9 if k == "full" else 2 for k in kinds]
+
+    def value(name: str, **labels: object) -> float:
+        key = (name, tuple(sorted((k, str(v)) for k, v in labels.items())))
+        return series[key].value if key in series else 0.0  # a zero counter has no series yet
+
+    assert value("vllm:kvpool_lookups") == 1
+    assert value("vllm:kvpool_lookup_query_tokens") == len(P2)
+    assert value("vllm:kvpool_lookup_hit_tokens") == PREFIX_HIT
+    for g, kind in enumerate(kinds):
+        group = {"group": g, "group_kind": kind}
+        assert value("vllm:kvpool_group_hit_tokens", **group) == PREFIX_HIT
+        assert value("vllm:kvpool_present_blocks", **group) == 9
+        assert value("vllm:kvpool_hit_blocks", **group) == loaded[g]
+        assert value("vllm:kvpool_transfer_blocks", operation="load", **group) == loaded[g]
+        assert value("vllm:kvpool_transfer_bytes", operation="load", **group) == loaded[g] * per_block[g]
+        assert value("vllm:kvpool_masked_blocks", operation="load", **group) == 9 - loaded[g]
+        assert value("vllm:kvpool_transfer_blocks", operation="save", **group) == 1
+        assert value("vllm:kvpool_transfer_bytes", operation="save", **group) == per_block[g]
+    assert not [k for k in series if k[0] == "vllm:kvpool_failures"]
+
+
+def _check_prometheus(kinds: list[str], transfers: list[TransferRecord]) -> None:
+    """A real Prometheus scrapes the registry vLLM's /metrics serves."""
+    server, thread = prometheus_client.start_http_server(free_port(), addr=LOOPBACK)
+    port = server.server_address[1]
+    try:
+        with PrometheusServer({"vllm": [f"{LOOPBACK}:{port}"]}) as prom:
+            prom.wait_for_scrapes("vllm")
+            rates = prom.query(
+                "sum by (group) (vllm:kvpool_group_hit_tokens_total)"
+                " / scalar(sum(vllm:kvpool_lookup_query_tokens_total))"
+            )
+            assert {r["metric"]["group"]: float(r["value"][1]) for r in rates} == {
+                str(g): PREFIX_HIT / len(P2) for g in range(len(kinds))
+            }
+            hybrid = prom.query(
+                "sum(vllm:kvpool_lookup_hit_tokens_total) / sum(vllm:kvpool_lookup_query_tokens_total)"
+            )
+            assert float(hybrid[0]["value"][1]) == PREFIX_HIT / len(P2)
+            p99 = prom.query(
+                "histogram_quantile(0.99, sum by (le, group_kind) "
+                '(vllm:kvpool_operation_seconds_bucket{operation="load"}))'
+            )
+            loads = [t for t in transfers if t.operation == "load"]
+            for row in p99:
+                kind = row["metric"]["group_kind"]
+                truth = max(s for t in loads for s, k in zip(t.group_seconds, t.group_kinds) if k == kind)
+                bounds = (0.0, *m.LATENCY_BUCKETS, float("inf"))
+                i = bisect.bisect_left(bounds, truth)
+                assert bounds[i - 1] <= float(row["value"][1]) <= bounds[i]
+            assert {r["metric"]["group_kind"] for r in p99} == set(kinds)
+    finally:
+        server.shutdown()
+        thread.join(5)
+
+
+# --- over the wire -----------------------------------------------------------------------
+
+
+def test_spans_reach_an_otlp_receiver_in_the_callers_trace(gemma_dir, pool_settings) -> None:
+    config = transfer_config(pool_settings)
+    run_engine_subprocess(EngineOptions(model=str(gemma_dir), kv_transfer_config=config), [[P1]], MAX_TOKENS)
+    with OTLPReceiver() as receiver:
+        env = {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": receiver.endpoint, "OTEL_SERVICE_NAME": "engine-b"}
+        run_engine_subprocess(
+            EngineOptions(model=str(gemma_dir), kv_transfer_config=config),
+            [[P2]],
+            MAX_TOKENS,
+            trace_headers=TRACEPARENT,
+            env=env,
+        )
+        received = receiver.received()
+    by_name: dict[str, list[Any]] = {}
+    for s in received:
+        by_name.setdefault(s.name, []).append(s)
+    assert {"kvpool.lookup", "kvpool.load", "kvpool.load.group", "kvpool.save"} <= set(by_name)
+    for s in received:
+        assert s.trace_id.hex() == TRACE_ID
+    (lookup,) = by_name["kvpool.lookup"]
+    (load,) = by_name["kvpool.load"]
+    assert lookup.parent_span_id.hex() == PARENT_SPAN and load.parent_span_id.hex() == PARENT_SPAN
+    assert {g.parent_span_id for g in by_name["kvpool.load.group"]} == {load.span_id}
+    assert len(by_name["kvpool.load.group"]) == 3
+
+
+# --- privacy -----------------------------------------------------------------------------
+
+
+def _renderings(tokens: list[int], width: int = 4) -> set[str]:
+    out = set()
+    for i in range(len(tokens) - width + 1):
+        window = tokens[i : i + width]
+        for sep in (", ", ",", " "):
+            out.add(sep.join(str(t) for t in window))
+    return out
+
+
+def test_no_token_ids_in_spans_labels_or_logs(gemma_dir, pool_settings, spans) -> None:
+    rng = random.Random(99)
+    shared = [rng.randrange(100, 500) for _ in range(200)]
+    prompts = [
+        shared + [rng.randrange(100, 500) for _ in range(30)],
+        shared + [rng.randrange(100, 500) for _ in range(40)],
+    ]
+    forbidden = set().union(*(_renderings(p) for p in prompts))
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = records.append  # type: ignore[method-assign]
+    root = logging.getLogger("vllm")
+    previous = root.level
+    root.addHandler(handler)
+    root.setLevel(logging.DEBUG)
+    spans.clear()
+    config = transfer_config(pool_settings)
+    try:
+        llm = create_llm(
+            EngineOptions(model=str(gemma_dir), kv_transfer_config=config, disable_log_stats=False)
+        )
+        try:
+            generate(llm, prompts[:1], 4, trace_headers=TRACEPARENT)
+            generate(llm, prompts[1:], 4, trace_headers=TRACEPARENT)
+            exposition = prometheus_client.generate_latest().decode()
+        finally:
+            shutdown_llm(llm)
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(previous)
+
+    ours = [r for r in records if r.name.startswith("vllm.kvpool")]
+    assert ours, "the connector logged nothing to check"
+    texts = [r.getMessage() for r in ours]
+    texts += [
+        str(dict(s.attributes or {})) for s in spans.get_finished_spans() if s.name.startswith("kvpool.")
+    ]
+    texts += [line for line in exposition.splitlines() if "kvpool" in line]
+    assert len(texts) > 10
+    for text in texts:
+        leaked = [w for w in forbidden if w in text]
+        assert not leaked, f"token ids leaked into: {text[:200]}"

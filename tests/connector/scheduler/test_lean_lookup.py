@@ -1,0 +1,272 @@
+"""The lookup path's parts that cost nothing unless used: spans, per-group statistics, keys."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import os
+import threading
+import time
+from dataclasses import asdict
+
+import pytest
+from opentelemetry import trace
+
+from kvpool.connector.contract.keys import KeySpace, hash_digest, hash_digests
+from kvpool.connector.observability import tracing
+from kvpool.connector.observability.records import Deferred, LookupRecord
+from kvpool.connector.scheduler.hybrid_hit import HybridHitCoordinator
+from kvpool.connector.scheduler.lookup_statistics import PresenceBackfill
+from testing.engine import scheduler_of
+from testing.kv_cache import GroupDesc, make_coordinator
+
+
+def test_span_is_a_shared_no_op_without_a_tracer_provider(monkeypatch) -> None:
+    monkeypatch.setattr(trace, "get_tracer_provider", trace.ProxyTracerProvider)
+    assert not tracing.enabled()
+    first = tracing.span("kvpool.lookup", {"traceparent": "00-" + "1" * 32 + "-" + "2" * 16 + "-01"}, a=1)
+    assert first is tracing.span("kvpool.load")
+    with first as span:
+        assert not span.is_recording()
+        tracing.set_attributes(span, hit_tokens=3)
+        tracing.mark_failed(span, {"timeout": 1})
+
+
+def test_deferred_counts_are_computed_once_on_first_read() -> None:
+    calls: list[int] = []
+
+    def compute() -> tuple[int, ...]:
+        calls.append(1)
+        return (64, 32)
+
+    counts = Deferred(compute)
+    assert calls == []
+    assert counts[0] == 64 and list(counts) == [64, 32] and len(counts) == 2
+    assert counts == (64, 32) and calls == [1]
+    record = LookupRecord(
+        query_tokens=1,
+        hit_tokens=0,
+        group_kinds=("full", "sliding_window"),
+        looked_up_blocks=(2, 2),
+        present_blocks=(0, 0),
+        needed_blocks=(0, 0),
+        group_hit_tokens=Deferred(lambda: (5, 6)),
+        seconds=0.0,
+        keys=4,
+    )
+    # Copied (as the local engine's recording hands records out), it is the plain counts.
+    assert asdict(record)["group_hit_tokens"] == (5, 6)
+    assert copy.deepcopy(counts) == (64, 32) and type(copy.deepcopy(counts)) is tuple
+
+
+def test_per_group_hits_are_computed_only_when_read() -> None:
+    groups = [GroupDesc("full", 32), GroupDesc("sliding_window", 32, window=64)]
+    ours = HybridHitCoordinator.from_vllm_coordinator(make_coordinator(groups))
+    block_hashes = [os.urandom(32) for _ in range(12)]
+    present = {
+        0: {bytes(h): i for i, h in enumerate(block_hashes)},
+        1: {bytes(h): i for i, h in enumerate(block_hashes[:6])},
+    }
+    hit = ours.find_hit_indexed(block_hashes, present, 12 * 32 - 1)
+    assert "group_hit_tokens" not in vars(hit)
+    assert hit.hit_tokens == 6 * 32 and hit.needed_blocks[1] == (4, 5)
+    assert hit.group_hit_tokens == (11 * 32, 6 * 32)
+    assert hit == ours.find_hit(block_hashes, {g: set(p) for g, p in present.items()}, 12 * 32 - 1)
+
+
+def test_rank_prefix_plus_digest_is_the_key() -> None:
+    keyspace = KeySpace("pool", "f" * 16)
+    digest = hash_digest(b"block")
+    prefixes = keyspace.rank_prefixes(2, tp_size=2, pp_size=2)
+    assert [p + digest for p in prefixes] == [
+        keyspace.key(2, tp, pp, digest) for pp in range(2) for tp in range(2)
+    ]
+    assert keyspace.rank_keys(2, 2, 2, digest) == [p + digest for p in prefixes]
+
+
+def test_a_block_hash_is_named_by_its_hex_and_a_merged_one_by_its_blake2b() -> None:
+    sha = hashlib.sha256(b"prefix").digest()  # vLLM's default block hash: 32 bytes
+    assert hash_digest(sha) == sha.hex()
+    assert hash_digest(bytearray(sha)) == sha.hex()  # any bytes-like hash
+    merged = sha + hashlib.sha256(b"next").digest()  # a group spanning two hash blocks
+    assert hash_digest(merged) == hashlib.blake2b(merged, digest_size=32).hexdigest()
+    assert len(hash_digest(merged)) == len(hash_digest(sha)) == 64
+    assert hash_digest(merged) != hash_digest(merged[:32]) != hash_digest(merged[32:])
+    hashes = [sha, merged, hashlib.sha256(b"x").digest()]
+    assert hash_digests(hashes, [2, 0, 1]) == [hash_digest(hashes[i]) for i in (2, 0, 1)]
+
+
+def test_lookups_share_one_read_only_marker_per_block_index() -> None:
+    from kvpool.connector.scheduler.hybrid_hit import AskingBlockPool
+
+    known = {0: {0: True, 1: False}}
+    index_of = {0: {b"a": 0, b"b": 1, b"c": 2}}
+    first = AskingBlockPool(32, index_of, known, assume_present=True)
+    second = AskingBlockPool(32, index_of, known, assume_present=False)
+    [marker] = first.get_cached_block(b"a", [0])
+    assert marker.block_id == 0 and not marker.is_null
+    assert second.get_cached_block(b"a", [0])[0] is marker
+    assert first.get_cached_block(b"b", [0]) is None  # asked: absent
+    assert first.get_cached_block(b"c", [0])[0].block_id == 2  # not asked: taken as present, noted
+    assert first.read_unknown == {0: {2: None}}
+    assert second.get_cached_block(b"c", [0]) is None and second.read_unknown == {}
+    assert first.get_cached_block(b"a", [0, 0]) == [marker, marker]  # groups sharing a spec
+
+
+# --- statistics over every looked-up block, asked about off the lookup's path ------------
+
+
+@pytest.mark.mooncake
+def test_statistics_count_blocks_the_lookup_did_not_ask_about(
+    tmp_path_factory, pool_settings, pool_client
+) -> None:
+    from testing.models import build_gemma3
+    from testing.scheduler import local_pool_transfer, make_request, make_scheduler, matched_tokens
+
+    groups = [GroupDesc("full", 32), GroupDesc("sliding_window", 32, window=64)]
+    transfer = local_pool_transfer(pool_settings)
+    scheduler = make_scheduler(build_gemma3(tmp_path_factory.mktemp("gemma3-stats")), groups, transfer)
+    try:
+        connector = scheduler.connector
+        request = make_request(scheduler, list(range(10, 10 + 12 * 32 + 5)))
+        coord = scheduler_of(connector).coordinator
+        # Full attention holds 4 blocks, the window group all 12.
+        for group_id, count in ((0, 4), (1, 12)):
+            view = coord.group_block_hashes(group_id, request.block_hashes)
+            for i in range(count):
+                key = connector.keyspace.key(group_id, 0, 0, hash_digest(bytes(view[i])))
+                assert pool_client.put_bytes(key, b"kv" * 8) == 0
+
+        hit, _ = matched_tokens(connector, request)
+        assert hit == 4 * 32
+        record = connector.stats.lookups[-1]
+        # Asked: full attention's 12 blocks, the window at the longest hit's end and at 4 blocks.
+        assert record.keys == 12 + 2 + 2
+        assert record.looked_up_blocks == (12, 12)
+        assert tuple(record.present_blocks) == (4, 12)
+        # Alone, the window group could have served all 12 blocks.
+        assert tuple(record.group_hit_tokens) == (4 * 32, 12 * 32)
+    finally:
+        scheduler.shutdown()
+
+
+def until(predicate, what: str) -> None:
+    deadline = time.monotonic() + 30
+    while not predicate():
+        assert time.monotonic() < deadline, f"never: {what}"
+        time.sleep(0.01)
+
+
+class _Gate:
+    """The real client's existence check, held until released; counts its calls."""
+
+    def __init__(self, exists):
+        self.exists = exists
+        self.calls: list[int] = []
+        self.open = threading.Event()
+
+    def __call__(self, keys: list[str]) -> list[bool]:
+        self.calls.append(len(keys))
+        self.open.wait(30)
+        return self.exists(keys)
+
+
+@pytest.mark.mooncake
+def test_backfill_batches_waiting_questions_and_never_waits_past_its_deadline(pool_client) -> None:
+    held = "kvpool-test/held"
+    assert pool_client.put_bytes(held, b"kv") == 0
+    gate = _Gate(pool_client.exists)
+    now = [0.0]
+    backfill = PresenceBackfill(gate, timeout_s=1.0, clock=lambda: now[0])
+    try:
+        first = backfill.submit(lambda: [held])
+        until(lambda: gate.calls == [1], "the first question is in flight")
+        waiting = [backfill.submit(lambda k=k: [held, f"kvpool-test/absent-{k}"]) for k in range(3)]
+        now[0] = 2.0  # the first call is past its deadline: its statistics do not wait for it
+        assert first.result(clock=lambda: now[0]) is None
+        late = backfill.submit(lambda: [held])  # a call stuck past the deadline: no answer, at once
+        assert late.result(clock=lambda: now[0]) is None
+        now[0] = 0.0
+        gate.open.set()
+        assert backfill.wait_idle(30)
+        # The three questions that waited went out in one call, in order.
+        assert gate.calls == [1, 6]
+        assert [w.result() for w in waiting] == [[True, False]] * 3
+    finally:
+        gate.open.set()
+        backfill.close()
+    closed = backfill.submit(lambda: [held])
+    assert closed.result() is None
+
+
+def test_backfill_follow_ups_run_once_whether_queued_before_or_after_the_answer() -> None:
+    """What a lookup queues with ``then`` runs once on the backfill's thread after the answer,
+    or at once when the answer came first (never lost, never twice)."""
+    gate = _Gate(lambda keys: [True] * len(keys))
+    backfill = PresenceBackfill(gate, timeout_s=30.0)
+    ran: list[tuple[str, str]] = []
+    try:
+        early = backfill.submit(lambda: ["k"])
+        early.then(lambda: ran.append(("early", threading.current_thread().name)))
+        until(lambda: gate.calls == [1], "the question is in flight")
+        assert ran == [], "nothing runs before the answer"
+        gate.open.set()
+        assert backfill.wait_idle(30)
+        assert ran == [("early", "kvpool-lookup-stats")]
+        late = backfill.submit(lambda: ["k"])
+        assert backfill.wait_idle(30)
+        late.then(lambda: ran.append(("late", threading.current_thread().name)))
+        assert ran[1:] == [("late", threading.current_thread().name)]
+        assert late.result() == [True]
+    finally:
+        gate.open.set()
+        backfill.close()
+
+
+# --- a request vLLM could not allocate yet keeps its lookup ----------------------------------
+
+
+@pytest.mark.mooncake
+def test_a_request_retried_under_memory_pressure_is_looked_up_and_counted_once(
+    tmp_path_factory, pool_settings, pool_client
+) -> None:
+    from vllm.v1.request import RequestStatus
+
+    from testing.models import build_gemma3
+    from testing.scheduler import local_pool_transfer, make_request, make_scheduler, schedule_answered
+
+    groups = [GroupDesc("full", 32), GroupDesc("sliding_window", 32, window=64)]
+    transfer = local_pool_transfer(pool_settings)
+    model = build_gemma3(tmp_path_factory.mktemp("gemma3-retry"))
+    scheduler = make_scheduler(model, groups, transfer, num_blocks=24)
+    try:
+        connector = scheduler.connector
+        coord = scheduler_of(connector).coordinator
+        # A occupies most of the blocks; B's prompt is in the pool but does not fit yet.
+        first = make_request(scheduler, [1] * (7 * 32), max_tokens=64)
+        second = make_request(scheduler, list(range(10, 10 + 8 * 32 + 5)))
+        for group_id in (0, 1):
+            view = coord.group_block_hashes(group_id, second.block_hashes)
+            for i in range(8):
+                key = connector.keyspace.key(group_id, 0, 0, hash_digest(bytes(view[i])))
+                assert pool_client.put_bytes(key, b"kv" * 8) == 0
+        scheduler.add_request(first)
+        scheduler.schedule()
+        scheduler.add_request(second)
+        for _ in range(3):
+            schedule_answered(scheduler)
+            assert second.status == RequestStatus.WAITING
+        looked_up = [r for r in connector.stats.lookups if r.query_tokens == second.num_tokens]
+        assert len(looked_up) == 1 and looked_up[0].hit_tokens == 8 * 32
+
+        # Room again: B is admitted with the hit it was looked up with, and loads it.
+        scheduler.finish_requests([first.request_id], RequestStatus.FINISHED_ABORTED)
+        output = scheduler.schedule()
+        assert second.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        (load,) = [x for x in output.kv_connector_metadata.loads if x.req_id == second.request_id]
+        assert load.hit_tokens == 8 * 32 and len(load.groups[0].block_ids) == 8
+        assert len([r for r in connector.stats.lookups if r.query_tokens == second.num_tokens]) == 1
+        # Allocated: a later lookup of it would ask the master again.
+        assert second.request_id not in scheduler_of(connector)._looked_up
+    finally:
+        scheduler.shutdown()

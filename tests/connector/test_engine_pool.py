@@ -1,0 +1,259 @@
+"""Two real vLLM CPU engines sharing a prefix through a real Mooncake pool.
+
+Engine A serves P1 and stores its blocks; engine B serves P2, which shares a
+288-token prefix with P1. B's output must equal a reference run of P2 without
+any connector, B must have taken the prefix from the pool, and a corrupted
+pool must change B's output (so the loaded KV is really used).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from testing.engine import (
+    EngineOptions,
+    create_llm,
+    generate,
+    reference_tokens,
+    run_engine_subprocess,
+    scheduler_connector,
+    shutdown_llm,
+    transfer_config,
+    worker_connector,
+)
+from testing.models import build_gemma3, build_gpt_oss
+from testing.objects import over_payload
+from testing.prompts import MAX_TOKENS, P1, P2, PREFIX, PREFIX_HIT, pool_keys
+
+pytestmark = [pytest.mark.engine, pytest.mark.mooncake]
+
+
+@pytest.fixture(scope="session")
+def gemma_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_gemma3(tmp_path_factory.mktemp("gemma3"))
+
+
+@pytest.fixture(scope="session")
+def gemma_reference(gemma_dir: Path) -> list[int]:
+    """P2's output from an engine without any connector (its own process)."""
+    return reference_tokens(gemma_dir, [P2], MAX_TOKENS)[0]
+
+
+def run_in_process(model: Path, config: dict[str, Any], prompts: list[list[int]]) -> tuple[Any, Any]:
+    """Run prompts on an in-process engine; return (results, (keyspace, groups, stats))."""
+    llm = create_llm(EngineOptions(model=str(model), kv_transfer_config=config))
+    try:
+        results = generate(llm, prompts, MAX_TOKENS)
+        connector = scheduler_connector(llm)
+        worker = worker_connector()
+        info = (connector.keyspace, len(connector.layout.groups), list(worker.recording.transfers))
+        return results, info
+    finally:
+        shutdown_llm(llm)
+
+
+def test_engine_b_takes_the_prefix_from_the_pool(gemma_dir, gemma_reference, pool_settings) -> None:
+    config = transfer_config(pool_settings)
+    run_engine_subprocess(EngineOptions(model=str(gemma_dir), kv_transfer_config=config), [[P1]], MAX_TOKENS)
+    b = run_engine_subprocess(
+        EngineOptions(model=str(gemma_dir), kv_transfer_config=config, disable_log_stats=False),
+        [[P2]],
+        MAX_TOKENS,
+    )
+    assert b.token_ids[0] == gemma_reference
+    # A fresh process has no local cache: every cached token came from the pool.
+    assert b.results[0].num_cached_tokens == PREFIX_HIT
+    assert b.metrics is not None
+    assert b.metrics["vllm:external_prefix_cache_hits"] == PREFIX_HIT
+
+
+def test_corrupted_pool_changes_the_output(gemma_dir, gemma_reference, pool_settings, pool_client) -> None:
+    """Negative control: noise in the stored blocks must show in B's output.
+
+    Each object keeps its header (so it passes the check a load makes) and gets noise
+    for its K/V bytes.
+    """
+    from kvpool.connector.contract.object_header import HEADER_BYTES
+
+    config = transfer_config(pool_settings)
+    _, (keyspace, num_groups, _) = run_in_process(gemma_dir, config, [P1])
+    keys = pool_keys(keyspace, PREFIX, num_groups)
+    stored = {key: pool_client._store.get(key) for key in keys}
+    assert all(len(data) > HEADER_BYTES for data in stored.values()), "engine A stored every prefix block"
+    pool_client.remove(keys)
+    for key, data in stored.items():
+        assert pool_client.put_bytes(key, over_payload(data, os.urandom(len(data) - HEADER_BYTES))) == 0
+
+    b = run_engine_subprocess(
+        EngineOptions(model=str(gemma_dir), kv_transfer_config=config), [[P2]], MAX_TOKENS
+    )
+    assert b.results[0].num_cached_tokens == PREFIX_HIT
+    assert b.token_ids[0] != gemma_reference
+
+
+def test_window_groups_move_only_their_window(gemma_dir, gemma_reference, pool_settings) -> None:
+    config = transfer_config(pool_settings)
+    run_in_process(gemma_dir, config, [P1])
+    results, (_, _, transfers) = run_in_process(gemma_dir, config, [P2])
+    assert results[0].token_ids == gemma_reference
+    (load,) = [t for t in transfers if t.operation == "load"]
+    kinds = load.group_kinds
+    per_block = {k: b // n for k, b, n in zip(kinds, load.bytes, load.blocks) if n}
+    for kind, blocks, masked, nbytes in zip(kinds, load.blocks, load.masked, load.bytes):
+        if kind == "full":
+            assert (blocks, masked) == (9, 0)
+        else:
+            # A 64-token window at token 288 needs blocks 7 and 8 only.
+            assert (blocks, masked) == (2, 7)
+        assert nbytes == blocks * per_block[kind]
+
+
+def test_an_engine_holding_a_segment_reads_its_hit_ahead(
+    gemma_dir, gemma_reference, pool_settings, monkeypatch
+) -> None:
+    """An engine contributing memory (embedded pools) keeps its saves there and reads a hit
+    ahead: here one object a batch, so P2's nine prefix blocks per group move through both
+    halves of the staging buffer. Its local cache is dropped between the prompts, so the
+    hit comes from the pool; the output is the reference's."""
+    from kvpool.connector.worker import side as worker_side
+
+    halves: list[int] = []
+    original = worker_side.load_batches
+
+    def spied(*args: Any) -> tuple[int, int]:
+        plan = original(*args)
+        halves.append(plan[1])
+        return plan
+
+    monkeypatch.setattr(worker_side, "load_batches", spied)
+    config = transfer_config(pool_settings, global_segment_size="64MB", load_batch_bytes=1)
+    llm = create_llm(EngineOptions(model=str(gemma_dir), kv_transfer_config=config))
+    try:
+        generate(llm, [P1], MAX_TOKENS)
+        assert llm.reset_prefix_cache(), "vLLM's own cache dropped: P2's prefix can come only from the pool"
+        (result,) = generate(llm, [P2], MAX_TOKENS)
+        transfers = list(worker_connector().recording.transfers)
+    finally:
+        shutdown_llm(llm)
+    assert result.token_ids == gemma_reference
+    assert result.num_cached_tokens == PREFIX_HIT
+    (load,) = [t for t in transfers if t.operation == "load"]
+    assert not load.failures
+    assert {kind: blocks for kind, blocks in zip(load.group_kinds, load.blocks)} == {
+        "full": 9,
+        "sliding_window": 2,
+    }
+    assert 2 in halves, "the full-attention group's nine blocks were read ahead"
+
+
+def test_keys_deleted_between_lookup_and_load(
+    gemma_dir, gemma_reference, pool_settings, pool_client, monkeypatch
+):
+    from kvpool.connector.scheduler import side as scheduler_side
+
+    config = transfer_config(pool_settings)
+    _, (keyspace, num_groups, _) = run_in_process(gemma_dir, config, [P1])
+    doomed = pool_keys(keyspace, PREFIX, num_groups, blocks=range(4, 9))
+    original = scheduler_side.SchedulerSide.update_state_after_alloc
+
+    def delete_then_alloc(self, request, block_ids, num_external):
+        pool_client.remove(doomed)
+        return original(self, request, block_ids, num_external)
+
+    monkeypatch.setattr(scheduler_side.SchedulerSide, "update_state_after_alloc", delete_then_alloc)
+    results, (_, _, transfers) = run_in_process(gemma_dir, config, [P2])
+    assert results[0].token_ids == gemma_reference
+    first, *retries = [t for t in transfers if t.operation == "load"]
+    # The failed load sends the request back; its retry may hit the blocks left.
+    # Full attention lost blocks 4..8 of its 9; each window group both of its 2.
+    assert num_groups == 3
+    assert first.failures == {"missing": 5 + 2 + 2}
+    assert all(not r.failures for r in retries)
+
+
+def test_master_killed_during_load(gemma_dir, gemma_reference, cache_prefix, monkeypatch) -> None:
+    from kvpool.connector.contract.settings import ConnectorSettings
+    from kvpool.connector.local.pool import LocalPool
+    from kvpool.connector.worker import side as worker_side
+
+    with LocalPool(segment_size="128MB") as pool:
+        settings = ConnectorSettings.parse(
+            {"master_server_address": pool.address, "cache_prefix": cache_prefix}
+        )
+        config = transfer_config(settings)
+        run_in_process(gemma_dir, config, [P1])
+        original = worker_side.WorkerSide._load_request
+
+        def kill_then_load(self, load):
+            pool.master.kill()
+            return original(self, load)
+
+        monkeypatch.setattr(worker_side.WorkerSide, "_load_request", kill_then_load)
+        results, (_, _, transfers) = run_in_process(gemma_dir, config, [P2, P1])
+    assert results[0].token_ids == gemma_reference
+    assert all(r.finish_reason == "length" for r in results)
+    loads = [t for t in transfers if t.operation == "load"]
+    assert loads and sum(sum(t.failures.values()) for t in loads) > 0
+
+
+def test_gpt_oss_layout_shares_prefixes(tmp_path_factory, pool_settings) -> None:
+    model = build_gpt_oss(tmp_path_factory.mktemp("gpt_oss"))
+    reference = reference_tokens(model, [P2], MAX_TOKENS)[0]
+    config = transfer_config(pool_settings)
+    run_in_process(model, config, [P1])
+    b = run_engine_subprocess(EngineOptions(model=str(model), kv_transfer_config=config), [[P2]], MAX_TOKENS)
+    assert b.token_ids[0] == reference
+    assert b.results[0].num_cached_tokens == PREFIX_HIT
+
+
+def test_blocks_that_always_fail_are_recomputed_once(gemma_dir, gemma_reference, pool_settings, pool_client):
+    """Objects of the wrong size fail every load: the request recomputes, it never loops."""
+    config = transfer_config(pool_settings)
+    _, (keyspace, num_groups, _) = run_in_process(gemma_dir, config, [P1])
+    keys = pool_keys(keyspace, PREFIX, num_groups)
+    pool_client.remove(keys)
+    for key in keys:
+        assert pool_client.put_bytes(key, b"short") == 0
+    results, (_, _, transfers) = run_in_process(gemma_dir, config, [P2])
+    assert results[0].token_ids == gemma_reference
+    loads = [t for t in transfers if t.operation == "load"]
+    assert len(loads) == 1 and sum(loads[0].failures.values()) == 9 + 2 + 2
+
+
+def test_single_group_model_loads_and_hands_back_failed_blocks(
+    tmp_path_factory, pool_settings, pool_client, monkeypatch
+):
+    """All-full-attention model: one KV group, so a failed load hands back its block ids."""
+    from kvpool.connector.scheduler import side as scheduler_side
+
+    model = build_gemma3(
+        tmp_path_factory.mktemp("gemma3-full"), layer_types=["full_attention"] * 4, num_hidden_layers=4
+    )
+    reference = reference_tokens(model, [P2], MAX_TOKENS)[0]
+    config = transfer_config(pool_settings)
+    run_in_process(model, config, [P1])
+    results, (keyspace, num_groups, transfers) = run_in_process(model, config, [P2])
+    assert num_groups == 1
+    assert results[0].token_ids == reference
+    assert results[0].num_cached_tokens == PREFIX_HIT
+    (load,) = [t for t in transfers if t.operation == "load"]
+    assert load.blocks == (9,) and not load.failures
+
+    # Blocks 4..8 vanish between lookup and load: vLLM gets their ids back and
+    # recomputes from block 4 on; the output is still the reference.
+    doomed = pool_keys(keyspace, PREFIX, 1, blocks=range(4, 9))
+    original = scheduler_side.SchedulerSide.update_state_after_alloc
+
+    def delete_then_alloc(self, request, block_ids, num_external):
+        pool_client.remove(doomed)
+        return original(self, request, block_ids, num_external)
+
+    monkeypatch.setattr(scheduler_side.SchedulerSide, "update_state_after_alloc", delete_then_alloc)
+    results, (_, _, transfers) = run_in_process(model, config, [P2])
+    assert results[0].token_ids == reference
+    (load,) = [t for t in transfers if t.operation == "load"]
+    assert load.failures == {"missing": 5} and load.load_error_blocks == 5

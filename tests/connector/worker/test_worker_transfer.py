@@ -1,0 +1,286 @@
+"""Worker-side transfers through a real Mooncake pool, byte for byte.
+
+The cache tensors mimic vLLM's: one tensor per layer, ``(2, num_blocks, ...)``
+(K and V apart), and layers of different groups sharing one tensor as vLLM's
+hybrid allocator does on CPU.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from kvpool.connector.contract.keys import KeySpace
+from kvpool.connector.metadata import GroupTransfer, PoolConnectorMetadata, RequestLoad, RequestSave
+from kvpool.connector.observability.records import StatsCollector
+from kvpool.connector.pool_client import Outcome, classify
+from kvpool.connector.worker.side import WorkerSide
+from testing.worker import run_loads, single_group_worker
+
+pytestmark = pytest.mark.mooncake
+
+NUM_BLOCKS = 16
+SHAPE = (2, NUM_BLOCKS, 32, 2, 16)  # K/V, blocks, tokens, heads, head size
+
+
+def make_caches() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    shared = torch.randn(SHAPE, generator=gen)
+    return {
+        "l0": shared,  # group 0
+        "l1": shared,  # group 1, same memory as l0 (hybrid allocator)
+        "l2": torch.randn(SHAPE, generator=gen),  # group 0
+        "l3": torch.randn(SHAPE, generator=gen),  # group 1
+    }
+
+
+GROUP_LAYERS = [["l0", "l2"], ["l1", "l3"]]
+
+
+@pytest.fixture
+def worker(pool_client, cache_prefix):
+    stats = StatsCollector(group_kinds=("full", "sliding_window"))
+    w = WorkerSide(
+        client=pool_client,
+        keyspace=KeySpace(cache_prefix, "fp"),
+        tp_rank=0,
+        pp_rank=0,
+        group_layers=GROUP_LAYERS,
+        num_blocks=NUM_BLOCKS,
+        stats=stats,
+    )
+    caches = make_caches()
+    w.register_kv_caches(caches)
+    yield w, caches
+    w.shutdown()
+
+
+def wait_results(w: WorkerSide, req_id: str, timeout: float = 30.0) -> tuple[set, set]:
+    deadline = time.monotonic() + timeout
+    recving, failed = set(), set()
+    while time.monotonic() < deadline:
+        r, f = w.transfer_results()
+        recving |= r
+        failed |= f
+        if req_id in recving:
+            return recving, failed
+        time.sleep(0.01)
+    raise AssertionError(f"{req_id} never finished receiving")
+
+
+def test_group_tables_hold_only_their_layers(worker) -> None:
+    w, caches = worker
+    bases = [[layer.base for layer in group] for group in w.groups]
+    assert bases == [
+        [caches["l0"].data_ptr(), caches["l2"].data_ptr()],
+        [caches["l1"].data_ptr(), caches["l3"].data_ptr()],
+    ]
+    block_bytes = 2 * 32 * 2 * 16 * 4  # K and V of one block of one layer
+    assert w.group_block_bytes(0) == w.group_block_bytes(1) == 2 * block_bytes
+
+
+def test_save_then_load_moves_exact_bytes(worker) -> None:
+    w, caches = worker
+    save = RequestSave(
+        "r1",
+        [GroupTransfer(0, ["a", "b"], [1, 2]), GroupTransfer(1, ["c"], [3])],
+    )
+    w.start_saves(PoolConnectorMetadata(saves=[save]))
+    w.before_forward()  # the barrier: saves have read their blocks
+    w.wait_for_saves()  # ... and published them
+
+    load = RequestLoad(
+        "r2",
+        [GroupTransfer(0, ["a", "b"], [5, 6]), GroupTransfer(1, ["c"], [7])],
+        hit_tokens=64,
+    )
+    for name in ("l0", "l2", "l3"):
+        caches[name][:, 5:8] = 0
+    run_loads(w, [load])
+    assert w.take_load_errors() == set()
+    for name in ("l0", "l2"):
+        assert torch.equal(caches[name][:, 5], caches[name][:, 1])
+        assert torch.equal(caches[name][:, 6], caches[name][:, 2])
+    for name in ("l1", "l3"):
+        assert torch.equal(caches[name][:, 7], caches[name][:, 3])
+    # Blocks outside the plan were not touched (l0 block 7 is group 1's write).
+    _, transfers = w.stats.drain()
+    save_rec, load_rec = transfers
+    assert save_rec.blocks == (2, 1) and load_rec.blocks == (2, 1)
+    assert load_rec.bytes == (2 * w.group_block_bytes(0), w.group_block_bytes(1))
+
+
+def test_empty_load_finishes_at_once(worker) -> None:
+    """Regression: a request whose every block is masked out must not hang."""
+    w, _ = worker
+    load = RequestLoad("empty", [GroupTransfer(0), GroupTransfer(1)], hit_tokens=32)
+    w.start_loads(PoolConnectorMetadata(loads=[load]))
+    recving, failed = wait_results(w, "empty")
+    assert "empty" in recving and not failed
+
+
+def test_missing_keys_fail_the_hybrid_load(worker) -> None:
+    w, caches = worker
+    before = caches["l2"][:, 9].clone()
+    load = RequestLoad("gone", [GroupTransfer(0, ["never-saved"], [9]), GroupTransfer(1)], hit_tokens=32)
+    w.start_loads(PoolConnectorMetadata(loads=[load]))
+    recving, failed = wait_results(w, "gone")
+    assert "gone" in recving and "gone" in failed
+    assert torch.equal(caches["l2"][:, 9], before)
+    _, (record,) = w.stats.drain()
+    assert record.failures == {"missing": 1}
+
+
+def test_single_group_reports_failed_block_ids(pool_client, cache_prefix) -> None:
+    w = single_group_worker(pool_client, cache_prefix, num_blocks=NUM_BLOCKS, fingerprint="fp1")
+    try:
+        caches = {"l0": torch.randn(SHAPE)}
+        w.register_kv_caches(caches)
+        w.start_saves(PoolConnectorMetadata(saves=[RequestSave("s", [GroupTransfer(0, ["x"], [1])])]))
+        w.before_forward()
+        w.wait_for_saves()
+        load = RequestLoad("r", [GroupTransfer(0, ["x", "missing"], [4, 5])], hit_tokens=64)
+        run_loads(w, [load])
+        assert w.take_load_errors() == {5}
+        assert torch.equal(caches["l0"][:, 4], caches["l0"][:, 1])
+    finally:
+        w.shutdown()
+
+
+def test_a_load_is_reported_once(worker) -> None:
+    """Finished receiving exactly once: for an aborted request that is what frees its blocks."""
+    w, _ = worker
+    load = RequestLoad("once", [GroupTransfer(0), GroupTransfer(1)], hit_tokens=32)
+    w.start_loads(PoolConnectorMetadata(loads=[load]))
+    wait_results(w, "once")
+    assert w.transfer_results() == (set(), set())
+
+
+@pytest.mark.parametrize(
+    ("code", "expected", "outcome"),
+    [
+        (1024, 1024, Outcome.OK),
+        (512, 1024, Outcome.TRANSFER_FAILED),
+        (-704, None, Outcome.MISSING),
+        (-200, None, Outcome.STORE_FULL),
+        (-800, None, Outcome.TRANSFER_FAILED),
+        (-900, None, Outcome.RPC_FAILED),
+        (-600, None, Outcome.OTHER),
+    ],
+)
+def test_classify(code, expected, outcome) -> None:
+    assert classify(code, expected) is outcome
+
+
+def test_a_broken_transfer_is_a_failure_not_an_exception(pool_client, cache_prefix) -> None:
+    w = single_group_worker(pool_client, cache_prefix, num_blocks=NUM_BLOCKS, fingerprint="fp2")
+    try:
+        w.register_kv_caches({"l0": torch.randn(SHAPE)})
+        # Block 999 does not exist: addressing it raises inside the worker.
+        load = RequestLoad("r", [GroupTransfer(0, ["x"], [999])], hit_tokens=32)
+        run_loads(w, [load])
+        assert w.take_load_errors() == {999}
+        (record,) = w.stats.transfers  # nothing drains it here
+        assert record.failures == {"other_error": 1}
+    finally:
+        w.shutdown()
+
+
+def test_an_engine_after_another_on_the_same_client_registers_its_memory(pool_client, cache_prefix) -> None:
+    """The client outlives an engine in the process: the next engine's KV cache may reuse the
+    freed memory in a span that overlaps the first one's, which Mooncake refuses to register
+    (-600) while the first is still registered. Its loads must still work."""
+    import numpy as np
+
+    elements = int(np.prod(SHAPE))
+    block = elements // (2 * NUM_BLOCKS)
+    memory = np.random.default_rng(0).standard_normal(elements + block).astype(np.float32)
+    # Two storages of their own over one allocation, the second one block further on.
+    first_cache = torch.from_numpy(memory[:elements]).view(SHAPE)
+    second_cache = torch.from_numpy(memory[block:]).view(SHAPE)
+    first = single_group_worker(pool_client, cache_prefix, num_blocks=NUM_BLOCKS, fingerprint="fp3")
+    first.register_kv_caches({"l0": first_cache})
+    first.start_saves(PoolConnectorMetadata(saves=[RequestSave("s", [GroupTransfer(0, ["y"], [1])])]))
+    first.before_forward()
+    first.wait_for_saves()
+    stored = first_cache[:, 1].clone()
+    assert first.shutdown()
+    second = single_group_worker(pool_client, cache_prefix, num_blocks=NUM_BLOCKS, fingerprint="fp3")
+    try:
+        second.register_kv_caches({"l0": second_cache})
+        load = RequestLoad("r", [GroupTransfer(0, ["y"], [3])], hit_tokens=32)
+        run_loads(second, [load])
+        assert second.take_load_errors() == set()
+        assert torch.equal(second_cache[:, 3], stored)
+    finally:
+        second.shutdown()
+
+
+def test_a_refused_load_is_reported_failed_without_touching_anything(worker) -> None:
+    """The scheduler refuses a load vLLM allocated other than planned: every worker reports
+    it finished and failed (its request recomputes), and moves nothing."""
+    w, caches = worker
+    before = {name: t.clone() for name, t in caches.items()}
+    load = RequestLoad("refused", [], hit_tokens=0, refused=True)
+    finished, failed = run_loads(w, [load])
+    assert finished == {"refused"} and failed == {"refused"}
+    assert all(torch.equal(caches[name], before[name]) for name in caches)
+    assert not w.stats.transfers, "nothing was transferred"
+
+
+def test_shutdown_forgets_transfers_that_never_started(pool_client, cache_prefix, monkeypatch) -> None:
+    """Saves still queued behind busy transfer threads are cancelled at shutdown: they never
+    ran, so once the busy ones return nothing is in flight (no call is reported stuck)."""
+    import threading
+
+    from kvpool.connector.worker.side import TRANSFER_THREADS, Deadlines
+
+    gate = threading.Event()
+    ran: list[str] = []
+
+    def busy_save(self, save) -> None:
+        ran.append(save.req_id)
+        gate.wait(30)
+
+    monkeypatch.setattr(WorkerSide, "_save_request", busy_save)
+    w = single_group_worker(
+        pool_client, cache_prefix, num_blocks=NUM_BLOCKS, deadlines=Deadlines(shutdown_s=0.05)
+    )
+    w.register_kv_caches({"l0": torch.randn(SHAPE)})
+    saves = [
+        RequestSave(f"s{i}", [GroupTransfer(0, [f"d{i}"], [1 + i])]) for i in range(TRANSFER_THREADS + 2)
+    ]
+    w.start_saves(PoolConnectorMetadata(saves=saves))
+    deadline = time.monotonic() + 30
+    while len(ran) < TRANSFER_THREADS:
+        assert time.monotonic() < deadline, "the transfer threads never started"
+        time.sleep(0.01)
+    try:
+        assert w.shutdown() is False, "the busy saves are still in flight"
+    finally:
+        gate.set()
+    while w._jobs.stalled:
+        assert time.monotonic() < deadline, "a transfer that never started is still taken for stuck"
+        time.sleep(0.01)
+    assert w.shutdown() is True
+    assert len(ran) == TRANSFER_THREADS, "the queued saves never ran"
+
+
+def test_get_finished_refuses_rather_than_report_a_failed_load_as_a_success() -> None:
+    """vLLM's older ``get_finished`` has no way to say a load failed: a caller of it (vLLM
+    0.32 calls ``get_transfer_results``) is told so at once, never handed a success."""
+    pytest.importorskip("vllm")
+    from kvpool.connector.connector import KVPoolConnector
+
+    with pytest.raises(NotImplementedError, match="get_transfer_results"):
+        KVPoolConnector.get_finished(object(), set())  # type: ignore[arg-type]
+
+
+def test_a_worker_runs_the_transfer_threads_its_settings_name(pool_client, cache_prefix) -> None:
+    w = single_group_worker(pool_client, cache_prefix, num_blocks=NUM_BLOCKS, transfer_threads=2)
+    try:
+        assert w._pool._max_workers == 2 and w.retired_max == 2
+    finally:
+        w.shutdown()
