@@ -35,7 +35,7 @@ from kvpool.connector.contract.mooncake_env import CONFIG_PATH_ENV
 MAX_BATCH_KEYS = 1000
 MAX_TIMEOUT_S = 3600.0
 # Load and save deadlines stay below Mooncake's own 60 s limit on one transfer: the
-# connector, not Mooncake, gives up on a stuck call (see worker_side's staging buffers).
+# connector, not Mooncake, gives up on a stuck call (see worker/side.py's staging buffers).
 MAX_TRANSFER_TIMEOUT_S = 30.0
 CONNECTOR_NAME = "KVPoolConnector"
 CONNECTOR_MODULE = "kvpool.connector"
