@@ -28,6 +28,7 @@ from typing import Any
 
 from benchmarks import common
 from benchmarks.common import Options, Report, Stat, Table, Target, stopwatch
+from testing.pool_store import raw_store
 from testing.worker import run_loads
 
 BLOCKS = 16
@@ -51,7 +52,7 @@ class Rig:
 
     @property
     def store(self) -> Any:
-        return self.client._store
+        return raw_store(self.client)
 
     def keys(self, digests: list[str]) -> list[str]:
         return [self.worker.keyspace.key(0, 0, 0, d) for d in digests]

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from testing.pool_store import raw_store
+
 PUT_CHUNK = 500
 
 
@@ -23,7 +25,7 @@ def client(address: str, cache_prefix: str = "bench", **extra: Any) -> Any:
 
 def put_markers(pool_client: Any, keys: Sequence[str], value: bytes = b"kv" * 8) -> None:
     """Store a small value under every key (lookups only ask whether keys exist)."""
-    store = pool_client._store
+    store = raw_store(pool_client)
     for start in range(0, len(keys), PUT_CHUNK):
         part = list(keys[start : start + PUT_CHUNK])
         code = store.put_batch(part, [value] * len(part))

@@ -70,11 +70,11 @@ def _ttft(llm: Any, prompt: list[int]) -> tuple[float, int]:
 
 def _wait_for_saves() -> None:
     """Every save started so far has published its blocks (or was abandoned at its deadline)."""
-    from testing.engine import worker_connector
+    from testing.engine import worker_connector, worker_of
 
     connector = worker_connector()
     if connector is not None:
-        connector._work().wait_for_saves()
+        worker_of(connector).wait_for_saves()
 
 
 def _records(llm: Any) -> dict[str, list[float]]:

@@ -27,6 +27,7 @@ from testing.engine import (
 )
 from testing.models import build_gemma3, build_gpt_oss
 from testing.objects import over_payload
+from testing.pool_store import raw_store
 from testing.prompts import MAX_TOKENS, P1, P2, PREFIX, PREFIX_HIT, pool_keys
 
 pytestmark = [pytest.mark.engine, pytest.mark.mooncake]
@@ -82,7 +83,7 @@ def test_corrupted_pool_changes_the_output(gemma_dir, gemma_reference, pool_sett
     config = transfer_config(pool_settings)
     _, (keyspace, num_groups, _) = run_in_process(gemma_dir, config, [P1])
     keys = pool_keys(keyspace, PREFIX, num_groups)
-    stored = {key: pool_client._store.get(key) for key in keys}
+    stored = {key: raw_store(pool_client).get(key) for key in keys}
     assert all(len(data) > HEADER_BYTES for data in stored.values()), "engine A stored every prefix block"
     pool_client.remove(keys)
     for key, data in stored.items():

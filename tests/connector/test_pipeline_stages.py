@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 
+from testing.engine import worker_of
 from testing.prompts import hashed_request
 from testing.scheduler import local_pool_transfer, scheduler_over
 
@@ -92,7 +93,7 @@ class Stage:
 
     def drain(self) -> None:
         """Every save of this stage has returned."""
-        assert self.connector._work().shutdown(), "a save of this stage is stuck"
+        assert worker_of(self.connector).shutdown(), "a save of this stage is stuck"
 
     def block_bytes(self, layer: str, block_id: int) -> bytes:
         return self.kv[layer][:, block_id].contiguous().view(-1).numpy().tobytes()

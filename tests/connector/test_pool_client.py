@@ -8,6 +8,7 @@ import pytest
 from kvpool.connector.contract.settings import ConnectorSettings
 from kvpool.connector.local.pool import LocalPool
 from kvpool.connector.pool_client import CODE_RPC_FAILED, open_client
+from testing.pool_store import raw_store, replace_raw_store
 
 pytestmark = pytest.mark.mooncake
 
@@ -41,8 +42,8 @@ def test_a_dead_master_makes_transfers_fail_fast() -> None:
             buf = np.zeros(4096, dtype=np.uint8)
             client.register(buf.ctypes.data, buf.nbytes)
             assert client.put_from(["a"], [[buf.ctypes.data]], [[64]]) == [0]
-            spy = CountingStore(client._store)
-            client._store = spy
+            spy = CountingStore(raw_store(client))
+            replace_raw_store(client, spy)
             pool.master.kill()
             # Batches in a row wait out their RPC timeout and fail...
             assert client.put_from(["b"], [[buf.ctypes.data]], [[64]]) == [CODE_RPC_FAILED]
@@ -60,8 +61,8 @@ def test_a_dead_master_makes_transfers_fail_fast() -> None:
 
 
 def test_batches_stay_within_the_bound(pool_client) -> None:
-    spy = CountingStore(pool_client._store)
-    pool_client._store = spy
+    spy = CountingStore(raw_store(pool_client))
+    replace_raw_store(pool_client, spy)
     keys = [f"bound-{i}" for i in range(2 * pool_client.batch_size + 1)]
     buf = np.zeros(64, dtype=np.uint8)
     pool_client.register(buf.ctypes.data, buf.nbytes)
@@ -76,8 +77,8 @@ def test_calls_stay_within_the_buffer_bound(pool_client) -> None:
     """Each key gathers many buffers (one per layer and K/V): calls are cut by buffers too."""
     from kvpool.connector.pool_client import MAX_BATCH_ENTRIES
 
-    spy = CountingStore(pool_client._store)
-    pool_client._store = spy
+    spy = CountingStore(raw_store(pool_client))
+    replace_raw_store(pool_client, spy)
     buf = np.arange(64 * 8, dtype=np.uint8)
     pool_client.register(buf.ctypes.data, buf.nbytes)
     per_key = 12  # e.g. 6 layers x (K, V)

@@ -28,6 +28,7 @@ from kvpool.connector.contract.settings import ConnectorSettings
 from testing.engine import EngineOptions, EngineReport, run_engine_subprocess, transfer_config
 from testing.models import build_gemma3_one_kv_head
 from testing.objects import over_payload
+from testing.pool_store import raw_store
 from testing.prompts import BLOCK, block_hashes
 from tests.connector.test_tensor_parallel import (
     FOLLOWERS,
@@ -106,7 +107,7 @@ def test_one_object_per_shard_read_by_every_rank_and_by_another_tp_size(
     # Negative control: noise in every K/V byte of the second prompt's shared blocks.
     for digest in [hash_digest(h) for h in block_hashes(NOISY)[: NOISY_HIT // BLOCK]]:
         noisy_key = keyspace.key(0, 0, 0, digest)
-        data = pool_client._store.get(noisy_key)
+        data = raw_store(pool_client).get(noisy_key)
         assert len(data) == HEADER_BYTES + page, noisy_key
         assert pool_client.remove([noisy_key]) == [0]
         assert pool_client.put_bytes(noisy_key, over_payload(data, os.urandom(page))) == 0

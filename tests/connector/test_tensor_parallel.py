@@ -41,6 +41,7 @@ from kvpool.connector.contract.settings import ConnectorSettings
 from testing.engine import EngineOptions, EngineReport, run_engine_subprocess, transfer_config
 from testing.models import build_gemma3, build_gemma3_full
 from testing.objects import over_payload
+from testing.pool_store import raw_store
 from testing.prompts import BLOCK, block_hashes
 
 pytestmark = [pytest.mark.engine, pytest.mark.mooncake]
@@ -162,7 +163,7 @@ def test_tp2_engine_b_loads_what_tp2_engine_a_stored(
         for b in range(NOISY_HIT // BLOCK)
     ]
     for noisy_key in noisy_keys:
-        data = pool_client._store.get(noisy_key)
+        data = raw_store(pool_client).get(noisy_key)
         assert len(data) > HEADER_BYTES, noisy_key
         assert pool_client.remove([noisy_key]) == [0]
         noise = os.urandom(len(data) - HEADER_BYTES)

@@ -39,6 +39,7 @@ from testing.engine import (
 )
 from testing.models import build_gemma3, build_gemma3_full
 from testing.mooncake_faults import FailingReads, digests_of
+from testing.pool_store import raw_store
 from testing.prompts import BLOCK, P1, P2, pool_keys
 
 pytestmark = [pytest.mark.faults, pytest.mark.engine, pytest.mark.mooncake, pytest.mark.timeout(600)]
@@ -141,7 +142,7 @@ def _scenario(
         client = open_client(settings, global_segment_size=0)
         try:
             for key in pool_keys(a.keyspace, P1, model.groups, FAILED_BLOCKS):
-                assert MooncakeDistributedStore.upsert(client._store, key, b"x") == 0
+                assert MooncakeDistributedStore.upsert(raw_store(client), key, b"x") == 0
         finally:
             client.close()
     b = _run(model.path, transfer_config(settings, role), [PROMPTS])

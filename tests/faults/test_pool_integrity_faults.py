@@ -43,6 +43,7 @@ from kvpool.connector.contract.settings import ConnectorSettings
 from kvpool.connector.local.pool import LOOPBACK, LocalPool, free_port
 from kvpool.connector.pool_client import PoolClient, open_client
 from testing.engine import transfer_config, worker_of
+from testing.pool_store import raw_store
 from testing.prompts import block_hashes
 from tests.faults.helpers import PREFIX_BLOCKS, PREFIX_TOKENS, prompt
 
@@ -346,9 +347,9 @@ def replace_from_donor(setup: Setup, scenario: int, make: Callable[[bytes, bytes
     client = setup.client()
     try:
         for mine, theirs in zip(setup.keys(prefix, TAMPERED), setup.keys(donor, TAMPERED), strict=True):
-            own, other = client._store.get(mine), client._store.get(theirs)
+            own, other = raw_store(client).get(mine), raw_store(client).get(theirs)
             assert len(own) == len(other) > HEADER_BYTES, "both prefixes are stored"
-            assert client._store.upsert(mine, make(own, other)) == 0
+            assert raw_store(client).upsert(mine, make(own, other)) == 0
     finally:
         client.close()
     return prefix
@@ -368,9 +369,9 @@ def test_a_store_frozen_mid_load_is_recomputed_and_its_late_read_writes_no_block
     client = setup.client()
     try:
         for key in setup.keys(prefix, TAMPERED):
-            stored = client._store.get(key)
+            stored = raw_store(client).get(key)
             assert len(stored) > HEADER_BYTES, "the prefix is stored"
-            assert client._store.upsert(key, os.urandom(len(stored))) == 0
+            assert raw_store(client).upsert(key, os.urandom(len(stored))) == 0
     finally:
         client.close()
     store = setup.pool.store
@@ -440,7 +441,7 @@ def test_objects_that_are_not_their_block_are_recomputed_and_removed(setup: Setu
     digests = [key.rsplit("/", 1)[-1] for key in keys]
     client = setup.client()
     try:
-        store = client._store
+        store = raw_store(client)
         objects = [store.get(key) for key in keys]
         payload = len(objects[0]) - HEADER_BYTES
         group = setup.full_group()

@@ -27,6 +27,7 @@ from kvpool.connector.observability.records import StatsCollector
 from kvpool.connector.scheduler.side import SchedulerSide
 from kvpool.connector.worker.side import Deadlines, WorkerSide
 from testing.mooncake_faults import Stall
+from testing.pool_store import raw_store
 from testing.worker import run_loads
 
 pytestmark = pytest.mark.mooncake
@@ -117,7 +118,7 @@ def test_an_object_that_is_not_the_block_never_becomes_kv(
 ) -> None:
     save(worker, ["a", "b"], [1, 2])
     key = worker.keyspace.key(0, 0, 0, "a")
-    store = pool_client._store
+    store = raw_store(pool_client)
     stored = store.get(key)
     if case == "another_layout":
         other = make_worker(pool_client, cache_prefix, fingerprint="another-layout")

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from kvpool.connector.pool_client import open_client
+from testing.pool_store import raw_store
 
 pytestmark = pytest.mark.mooncake
 
@@ -39,7 +40,7 @@ def _store(client, keys: list[str], payload: np.ndarray) -> None:
 
 
 def _endpoints(client, keys: list[str]) -> set[str]:
-    held = client._store.batch_get_replica_desc(keys)
+    held = raw_store(client).batch_get_replica_desc(keys)
     return {
         replica.get_memory_descriptor().buffer_descriptor.transport_endpoint
         for key in keys

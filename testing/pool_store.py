@@ -1,0 +1,21 @@
+"""The Mooncake store under a connector's pool client, for tests that act on the pool itself.
+
+Tests replace objects (``upsert``), read them back byte for byte, or wrap the store to count
+calls; this is the one place that reaches under :class:`PoolClient` to do so.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvpool.connector.pool_client import PoolClient
+
+
+def raw_store(client: PoolClient) -> Any:
+    """The ``MooncakeDistributedStore`` the client calls."""
+    return client._store
+
+
+def replace_raw_store(client: PoolClient, store: Any) -> None:
+    """Make the client call ``store`` (a wrapper of its own store) from now on."""
+    client._store = store
