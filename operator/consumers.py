@@ -127,8 +127,12 @@ def managed_by_operator(deployment: Mapping[str, Any]) -> bool:
     )
 
 
-def refusal(deployment: Mapping[str, Any], pool: str) -> Refusal | None:
-    """Why ``pool`` may not patch ``deployment``; None when its owner let it."""
+def refusal(
+    deployment: Mapping[str, Any], pool: str, consent_labels: Mapping[str, Any] | None = None, on: str = ""
+) -> Refusal | None:
+    """Why ``pool`` may not patch ``deployment``; None when its owner let it. The consent
+    label is read from ``consent_labels`` (default: the Deployment's own), which ``on`` names
+    in the message (e.g. " on its pod template")."""
     meta = deployment.get("metadata") or {}
     where = f"Deployment {meta.get('namespace', '')}/{meta.get('name', '')}"
     if managed_by_operator(deployment):
@@ -136,11 +140,12 @@ def refusal(deployment: Mapping[str, Any], pool: str) -> Refusal | None:
     other = owner_pool(deployment)
     if other is not None and other != pool:
         return Refusal("other-pool", f"{where} carries pool {other!r}'s connector settings")
-    allowed = (meta.get("labels") or {}).get(names.LABEL_ALLOW_POOL)
+    labels = meta.get("labels") if consent_labels is None else consent_labels
+    allowed = (labels or {}).get(names.LABEL_ALLOW_POOL)
     if allowed != pool:
         found = "has no such label" if allowed is None else f"allows pool {allowed!r}"
         label = f"{names.LABEL_ALLOW_POOL}={pool}"
-        return Refusal("consent", f"{where} needs the label {label} to take its settings ({found})")
+        return Refusal("consent", f"{where} needs the label {label}{on} to take its settings ({found})")
     return None
 
 
@@ -337,7 +342,7 @@ def _set_or_drop(obj: dict[str, Any], key: str, value: Any) -> None:
         obj.pop(key, None)
 
 
-def _preconditions(patch: dict[str, Any], live: Mapping[str, Any]) -> dict[str, Any]:
+def guarded(patch: dict[str, Any], live: Mapping[str, Any]) -> dict[str, Any]:
     """A non-empty patch applies only to the object it was computed from (409 otherwise)."""
     meta = live.get("metadata", {})
     if patch:
@@ -410,7 +415,7 @@ def injected(deployment: Mapping[str, Any], injection: Injection) -> dict[str, A
 
 def inject_patch(deployment: Mapping[str, Any], injection: Injection) -> dict[str, Any]:
     """The merge patch that injects the settings; empty when they are already in place."""
-    return _preconditions(diff(deployment, injected(deployment, injection)), deployment)
+    return guarded(diff(deployment, injected(deployment, injection)), deployment)
 
 
 # --- restoring --------------------------------------------------------------------------
@@ -523,7 +528,7 @@ def restored(deployment: Mapping[str, Any]) -> dict[str, Any]:
 
 def restore_patch(deployment: Mapping[str, Any]) -> dict[str, Any]:
     """The merge patch that takes the injected settings back out; empty when none are in."""
-    return _preconditions(diff(deployment, restored(deployment)), deployment)
+    return guarded(diff(deployment, restored(deployment)), deployment)
 
 
 def owner_pool(deployment: Mapping[str, Any]) -> str | None:

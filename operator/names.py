@@ -88,6 +88,8 @@ PART_OF = "mooncake-kvpool"  # on every object of this project: pool children an
 ANNOTATION_CONFIG_HASH = f"{PREFIX}/config-hash"
 ANNOTATION_LAST_APPLIED = f"{PREFIX}/last-applied"
 ANNOTATION_RESTORE = f"{PREFIX}/restore"
+# On a Pod the admission webhook injected: what it added (JSON; the Deployment is unchanged).
+ANNOTATION_INJECTED = f"{PREFIX}/injected"
 # On a pool: "true" pauses it (nothing applied, rolled or patched; teardown still runs).
 ANNOTATION_PAUSED = f"{PREFIX}/paused"
 # On a pool: "true" lets a pool being deleted go without teardown (the escape hatch).

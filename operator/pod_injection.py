@@ -1,0 +1,312 @@
+"""Injection at Pod admission: the pool's settings go into each new Pod, never into its Deployment.
+
+The mutating webhook (``app``) hands every new Pod that carries the opt-in label
+``kvpool.mooncake.io/allow-pool: <pool>`` to ``admit_pod``, with the pool the label names.
+The Pod gets what Deployment patching would put into its template (``consumers.injected``,
+applied to the Pod seen as its Deployment's template), plus a record of what was injected
+(the ``kvpool.mooncake.io/injected`` annotation). Whatever cannot be injected is refused
+with the rule and the fix (fail closed): a Pod never starts without the settings its label
+asks for.
+
+The Deployment in Git is never changed. When the settings change, the operator writes one
+annotation on the Deployment's pod template (``restart_patch``: the config hash), which
+rolls it; its new Pods are injected with the new settings.
+
+Everything here is pure: Pods, Deployments and pools in, patches and refusals out.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvpool.operator import names
+from kvpool.operator.consumers import (
+    ConsumerError,
+    Injection,
+    Refusal,
+    choose_container,
+    config_hash_of,
+    guarded,
+    injected,
+    injection_refusal,
+    refusal,
+)
+from kvpool.operator.merge_patch import diff
+from kvpool.operator.plan import build_plan
+from kvpool.operator.policy import OperatorPolicy
+from kvpool.operator.status import condition_of, conflicts_of, paused
+
+POD_ADMISSION = "podAdmission"
+DEPLOYMENT_PATCH = "deploymentPatch"
+INJECTION_MODES = (POD_ADMISSION, DEPLOYMENT_PATCH)
+RECORD_VERSION = 1
+POD_TEMPLATE_HASH = "pod-template-hash"  # the label the Deployment controller puts on its Pods
+ON_TEMPLATE = " on its pod template (spec.template.metadata.labels)"
+# A pool serves its consumers once these are True for its current spec.
+SERVING = ("ConfigValid", "MasterReady", "StoreReady")
+
+
+@dataclass(frozen=True)
+class PodInjection:
+    """What a new Pod gets: a JSON merge patch (empty: already injected) and the record."""
+
+    patch: dict[str, Any]
+    record: dict[str, Any]
+
+
+def owning_deployment(pod: Mapping[str, Any]) -> str | None:
+    """The Deployment a Pod belongs to: its controller is a ReplicaSet named
+    ``<deployment>-<pod-template-hash>``; None for any other Pod."""
+    meta = pod.get("metadata") or {}
+    template_hash = (meta.get("labels") or {}).get(POD_TEMPLATE_HASH)
+    if not template_hash:
+        return None
+    for ref in meta.get("ownerReferences") or []:
+        name = str(ref.get("name", ""))
+        if (
+            ref.get("kind") == "ReplicaSet"
+            and ref.get("apiVersion") == "apps/v1"
+            and ref.get("controller")
+            and name.endswith(f"-{template_hash}")
+        ):
+            return name[: -len(template_hash) - 1] or None
+    return None
+
+
+def as_template(pod: Mapping[str, Any], namespace: str, deployment: str) -> dict[str, Any]:
+    """The Pod seen as its Deployment's pod template, so that ``consumers`` reads (and names)
+    it as the Deployment it comes from."""
+    meta = pod.get("metadata") or {}
+    return {
+        "metadata": {
+            "namespace": namespace,
+            "name": deployment,
+            "labels": dict(meta.get("labels") or {}),
+        },
+        "spec": {
+            "template": {
+                "metadata": {
+                    "labels": dict(meta.get("labels") or {}),
+                    "annotations": dict(meta.get("annotations") or {}),
+                },
+                "spec": copy.deepcopy(dict(pod.get("spec") or {})),
+            }
+        },
+    }
+
+
+def pool_refusal(where: str, namespace: str, name: str, pool: Mapping[str, Any] | None) -> Refusal | None:
+    """Why ``pool`` cannot serve a new consumer Pod now: gone, being deleted, or not serving
+    its current spec (not ready, paused with a newer spec, or some child not its own)."""
+    label = f"{names.LABEL_ALLOW_POOL}={name}"
+    if pool is None:
+        return Refusal(
+            "no-pool",
+            f"{where} carries {label} but there is no MooncakeKVPool {namespace}/{name}: "
+            f"create the pool, or remove the label from the Deployment's pod template",
+        )
+    meta = pool.get("metadata") or {}
+    if meta.get("deletionTimestamp"):
+        return Refusal(
+            "pool-deleting",
+            f"{where} carries {label} but the pool is being deleted: "
+            "remove the label from the Deployment's pod template",
+        )
+    status = pool.get("status") or {}
+    waiting = "its Pods are admitted once the pool is Ready (the ReplicaSet controller retries)"
+    if status.get("observedGeneration") != meta.get("generation"):
+        why = f"{names.ANNOTATION_PAUSED}=true: remove it" if paused(pool) else waiting
+        return Refusal(
+            "pool-not-ready",
+            f"{where}: pool {namespace}/{name} has not applied its current spec "
+            f"(generation {meta.get('generation')}, observed {status.get('observedGeneration')}): {why}",
+        )
+    for kind in SERVING:
+        item = condition_of(status, kind) or {}
+        if item.get("status") != "True":
+            return Refusal(
+                "pool-not-ready",
+                f"{where}: pool {namespace}/{name} does not serve ({kind}="
+                f"{item.get('status', 'Unknown')}: {item.get('message', 'no status yet')}): {waiting}",
+            )
+    not_own = [c for c in conflicts_of(status) if c.endswith("[ownership]")]
+    if not_own:
+        return Refusal(
+            "held-back",
+            f"{where}: pool {namespace}/{name} does not own every object it needs ({not_own[0]}): "
+            "consumers are held back until it does (see the pool's Conflict condition)",
+        )
+    return None
+
+
+def consumer_of(
+    where: str, namespace: str, name: str, pool: Mapping[str, Any], deployment: str, policy: OperatorPolicy
+) -> Injection | Refusal:
+    """The injection the pool's spec declares for ``deployment``, or why there is none."""
+    plan = build_plan(name, namespace, pool.get("spec"), policy)
+    if not plan.valid:
+        problems = ", ".join(str(p) for p in plan.problems)
+        return Refusal(
+            "pool-invalid", f"{where}: pool {namespace}/{name} has an invalid spec ({problems}): fix the pool"
+        )
+    for injection in plan.consumers:
+        if injection.deployment == deployment:
+            return injection
+    return Refusal(
+        "not-a-consumer",
+        f"{where} carries {names.LABEL_ALLOW_POOL}={name} but pool {namespace}/{name} does not list it: "
+        f"add it to the pool's spec.consumers (with its layout), or remove the label",
+    )
+
+
+def injection_record(injection: Injection, container: str | None) -> dict[str, Any]:
+    """What the webhook injected into a Pod (the ``injected`` annotation)."""
+    return {
+        "version": RECORD_VERSION,
+        "pool": injection.pool,
+        "deployment": injection.deployment,
+        "container": container,
+        "configHash": injection.config_hash,
+        "layoutFingerprint": injection.layout_fingerprint,
+        "args": [f"--kv-transfer-config={injection.kv_transfer_config}"],
+        "env": [name for name, _ in injection.env],
+        "volume": {"name": names.CONNECTOR_VOLUME, "configMap": injection.config_map},
+        "mountPath": names.CONNECTOR_MOUNT_PATH,
+    }
+
+
+def injected_pod(pod: Mapping[str, Any], namespace: str, injection: Injection) -> dict[str, Any]:
+    """The Pod with the injection applied (a new object): its spec is what Deployment
+    patching would give the template, its labels and annotations too, plus the record."""
+    view = as_template(pod, namespace, injection.deployment)
+    chosen = choose_container(view, injection)
+    if isinstance(chosen, Refusal):
+        raise ConsumerError(str(chosen))
+    template = injected(view, injection)["spec"]["template"]
+    new = copy.deepcopy(dict(pod))
+    meta = new.setdefault("metadata", {})
+    meta["labels"] = template["metadata"]["labels"]
+    annotations = dict(template["metadata"]["annotations"])
+    annotations[names.ANNOTATION_INJECTED] = json.dumps(
+        injection_record(injection, chosen.get("name")), sort_keys=True, separators=(",", ":")
+    )
+    meta["annotations"] = annotations
+    new["spec"] = template["spec"]
+    return new
+
+
+def admit_pod(
+    pod: Mapping[str, Any],
+    namespace: str,
+    pool: Mapping[str, Any] | None,
+    policy: OperatorPolicy | None = None,
+) -> PodInjection | Refusal:
+    """The patch a new Pod with the opt-in label gets from ``pool`` (the one the label names,
+    None if there is none), or why it is refused."""
+    meta = pod.get("metadata") or {}
+    name = str((meta.get("labels") or {}).get(names.LABEL_ALLOW_POOL, ""))
+    deployment = owning_deployment(pod)
+    if deployment is None:
+        shown = meta.get("name") or meta.get("generateName") or ""
+        return Refusal(
+            "no-deployment",
+            f"Pod {namespace}/{shown} carries {names.LABEL_ALLOW_POOL}={name} but no Deployment made it "
+            "(its controller is not a Deployment's ReplicaSet): only Pods of a Deployment the pool "
+            "lists take its settings: remove the label",
+        )
+    view = as_template(pod, namespace, deployment)
+    where = f"Deployment {namespace}/{deployment}"
+    found = (
+        refusal(view, name, on=ON_TEMPLATE)
+        or pool_refusal(where, namespace, name, pool)
+        or (
+            consumer_of(where, namespace, name, pool, deployment, policy or OperatorPolicy())
+            if pool
+            else None
+        )
+    )
+    if isinstance(found, Refusal):
+        return found
+    assert isinstance(found, Injection)
+    refused = injection_refusal(view, found)
+    if refused is not None:
+        return refused
+    new = injected_pod(pod, namespace, found)
+    record = json.loads(new["metadata"]["annotations"][names.ANNOTATION_INJECTED])
+    current = (meta.get("annotations") or {}).get(names.ANNOTATION_INJECTED)
+    if (
+        current is not None
+        and _same_injection(current, record)
+        and diff(_unrecorded(pod), _unrecorded(new)) == {}
+    ):
+        return PodInjection({}, record)  # injected already (a reinvocation, a copied manifest)
+    return PodInjection(diff(pod, new), record)
+
+
+def _same_injection(raw: str, record: Mapping[str, Any]) -> bool:
+    try:
+        return bool(json.loads(raw) == record)
+    except ValueError:
+        return False
+
+
+def _unrecorded(pod: Mapping[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(dict(pod))
+    ((out.get("metadata") or {}).get("annotations") or {}).pop(names.ANNOTATION_INJECTED, None)
+    return out
+
+
+# --- the Deployment side: consent, and one restart annotation -------------------------------
+
+
+def template_refusal(deployment: Mapping[str, Any], injection: Injection) -> Refusal | None:
+    """Why the Deployment's Pods would be refused: consent is the opt-in label on its pod
+    template (what the webhook sees), then what ``consumers.injection_refusal`` detects."""
+    template_labels = (((deployment.get("spec") or {}).get("template") or {}).get("metadata") or {}).get(
+        "labels"
+    ) or {}
+    return refusal(deployment, injection.pool, template_labels, ON_TEMPLATE) or injection_refusal(
+        deployment, injection
+    )
+
+
+def pod_config_hashes(pods: Iterable[Mapping[str, Any]], deployment: str) -> list[str]:
+    """The config hashes the webhook recorded on ``deployment``'s Pods (its injected ones)."""
+    hashes = []
+    for pod in pods:
+        meta = pod.get("metadata") or {}
+        if meta.get("deletionTimestamp"):
+            continue
+        raw = (meta.get("annotations") or {}).get(names.ANNOTATION_INJECTED)
+        try:
+            record = json.loads(raw) if raw else None
+        except ValueError:
+            record = None
+        if isinstance(record, dict) and record.get("deployment") == deployment:
+            hashes.append(str(record.get("configHash")))
+    return hashes
+
+
+def carries_settings(deployment: Mapping[str, Any], injection: Injection, pod_hashes: list[str]) -> bool:
+    """Whether the Deployment's Pods get the current settings without a restart: its template
+    carries their hash (the restart annotation), or it never did and every injected Pod of
+    it carries them already (it was created while the pool served)."""
+    current = config_hash_of(deployment)
+    if current is not None:
+        return current == injection.config_hash
+    return bool(pod_hashes) and all(h == injection.config_hash for h in pod_hashes)
+
+
+def restart_patch(
+    deployment: Mapping[str, Any], injection: Injection, pod_hashes: list[str]
+) -> dict[str, Any]:
+    """The one write to a consumer in pod-admission mode: the config hash as an annotation on
+    its pod template, which rolls it when the settings changed; empty when nothing must."""
+    if carries_settings(deployment, injection, pod_hashes):
+        return {}
+    annotations = {names.ANNOTATION_CONFIG_HASH: injection.config_hash}
+    return guarded({"spec": {"template": {"metadata": {"annotations": annotations}}}}, deployment)
