@@ -322,6 +322,7 @@ def _header_cost(rig: Rig, n: int, reps: int) -> dict[str, Any]:
         pack_header,
         payload_matches,
     )
+    from kvpool.connector.contract.payload_checks import Checksum
 
     worker = rig.worker
     copier = worker.copiers[0]
@@ -342,7 +343,10 @@ def _header_cost(rig: Rig, n: int, reps: int) -> dict[str, Any]:
             headers = slot.read_headers(count, size)
             bad = [mismatch(h, i) for h, i in zip(headers, ids, strict=True)]
             crcs = slot.payload_crcs(range(count), size)
-            bad += [None if payload_matches(h, c) else "payload" for h, c in zip(headers, crcs, strict=True)]
+            bad += [
+                None if payload_matches(h, Checksum.CRC32C, c) else "payload"
+                for h, c in zip(headers, crcs, strict=True)
+            ]
         load.append(t[0] / count)
         if any(bad):
             raise RuntimeError(f"a header did not read back: {next(b for b in bad if b)}")

@@ -5,18 +5,26 @@ the layout fingerprint and the digest of the block's prefix hash (as 8- and
 16-byte BLAKE2b tags), its KV-cache group, the tensor shard and pipeline rank
 that produced it (the shard is the tensor rank unless ranks hold copies of the
 KV: :mod:`kvpool.connector.contract.shards`) and the payload length, with a
-CRC-32 of those fields; then the CRC-32C of the payload. Everything in the first
-part follows from the key a block is stored under, so a load compares it with
-the identity it expects (one ``bytes`` comparison), then the payload with its
-CRC, before any payload reaches vLLM's cache: an object of another layout, a
+CRC-32 of those fields; then which checksum its writer took of the payload and
+its value (:mod:`kvpool.connector.contract.payload_checks`: CRC-32C from a
+writer staging in host memory, ``WORD_SUMS`` from one staging on an
+accelerator). Everything in the first part follows from the key a block is
+stored under, so a load compares it with the identity it expects (one
+``bytes`` comparison), then the payload with the checksum the header names,
+before any payload reaches vLLM's cache: an object of another layout, a
 truncated object, an object copied under another key, or one whose payload is
 not what its writer wrote never becomes KV.
 
-The payload CRC matters even without faulty hardware: Mooncake's TCP transport
+The payload check matters even without faulty hardware: Mooncake's TCP transport
 reports a write done once the writer's kernel holds its bytes, before the store
 has copied them, so a reader can overtake a published object's write and read
-its header with stale bytes behind it. CRC-32C (Castagnoli), because CPUs compute
-it in hardware (``google_crc32c``: 10-17 GB/s here, zlib's CRC-32 3.5 GB/s).
+its header with stale bytes behind it.
+
+``VERSION`` is the object format; it is part of every key
+(:mod:`kvpool.connector.contract.keys`). Version 3 names the payload checksum
+(version 2 always meant CRC-32C): an object of another version never shares a
+key, and one found under a key anyway fails the identity comparison (a failed
+load, recomputed), never read as this format.
 """
 
 from __future__ import annotations
@@ -25,21 +33,21 @@ import hashlib
 import struct
 import zlib
 from dataclasses import dataclass
-from typing import Any
 
-import google_crc32c
+from kvpool.connector.contract.payload_checks import Checksum, crc32c, crc32c_in_hardware
 
 MAGIC = b"KVPH"
-VERSION = 2
+VERSION = 3
 HEADER_BYTES = 64
 
 # magic, version, flags, header length, layout tag, digest, group, tp rank, pp rank,
 # reserved, payload length: 48 bytes; the CRC-32 of those 48 (the identity ends here);
-# the CRC-32C of the payload; zero padding.
+# the payload checksum's kind (one byte), three zero bytes, its value (8 bytes).
 _FIELDS = struct.Struct("<4sBBH8s16sHHHHQ")
 _CRC = struct.Struct("<I")
 IDENTITY_BYTES = _FIELDS.size + _CRC.size
-_PADDING = bytes(HEADER_BYTES - IDENTITY_BYTES - _CRC.size)
+_CHECK = struct.Struct("<B3xQ")
+assert IDENTITY_BYTES + _CHECK.size == HEADER_BYTES
 
 
 @dataclass(frozen=True)
@@ -86,34 +94,42 @@ def identity_bytes(identity: ObjectIdentity) -> bytes:
     return fields + _CRC.pack(zlib.crc32(fields))
 
 
-def pack_header(identity: ObjectIdentity, payload_crc: int) -> bytes:
-    """The 64 header bytes of ``identity`` over a payload whose CRC-32C is ``payload_crc``."""
-    return restate_payload_crc(identity_bytes(identity), payload_crc)
+def pack_header(identity: ObjectIdentity, check: int, kind: Checksum = Checksum.CRC32C) -> bytes:
+    """The 64 header bytes of ``identity`` over a payload whose ``kind`` checksum is ``check``."""
+    return restate_payload_check(identity_bytes(identity), check, kind)
+
+
+def restate_payload_check(header: bytes, check: int, kind: Checksum = Checksum.CRC32C) -> bytes:
+    """``header``'s identity over a payload whose ``kind`` checksum is ``check``: 64 bytes."""
+    return bytes(header[:IDENTITY_BYTES]) + _CHECK.pack(kind, check)
 
 
 def restate_payload_crc(header: bytes, payload_crc: int) -> bytes:
     """``header``'s identity over a payload whose CRC-32C is ``payload_crc``: 64 bytes."""
-    return bytes(header[:IDENTITY_BYTES]) + _CRC.pack(payload_crc) + _PADDING
+    return restate_payload_check(header, payload_crc, Checksum.CRC32C)
 
 
-def payload_crc(payload: Any) -> int:
-    """The CRC-32C of ``payload`` (any contiguous buffer)."""
-    return int(google_crc32c.value(payload))
+#: The CRC-32C of a payload (any contiguous buffer): a CPU writer's checksum.
+payload_crc = crc32c
+payload_crc_in_hardware = crc32c_in_hardware
 
 
-def payload_crc_in_hardware() -> bool:
-    """Whether :func:`payload_crc` runs compiled (else pure Python: correct, far slower)."""
-    return google_crc32c.implementation == "c"
+def stated_check(header: bytes) -> tuple[int, int]:
+    """(checksum kind, value) a header states of its payload; the kind as stored (it may
+    name no :class:`Checksum`: then no payload matches)."""
+    kind, value = _CHECK.unpack_from(header, IDENTITY_BYTES)
+    return int(kind), int(value)
 
 
-def stated_payload_crc(header: bytes) -> int:
-    """The payload CRC-32C a header states."""
-    return int(_CRC.unpack_from(header, IDENTITY_BYTES)[0])
+def stated_checksum(header: bytes) -> Checksum | None:
+    """The checksum a header names; None when it names none this version knows."""
+    kind = stated_check(header)[0]
+    return Checksum(kind) if kind in Checksum._value2member_map_ else None
 
 
-def payload_matches(header: bytes, crc: int) -> bool:
-    """Whether a payload whose CRC-32C is ``crc`` is the one ``header`` was written with."""
-    return stated_payload_crc(header) == crc
+def payload_matches(header: bytes, kind: Checksum, value: int) -> bool:
+    """Whether a payload whose ``kind`` checksum is ``value`` is the one ``header`` was written with."""
+    return stated_check(header) == (kind, value)
 
 
 @dataclass(frozen=True)

@@ -146,6 +146,7 @@ class WorkerSide:
         load_batch_bytes: int | None = None,
         transfer_threads: int = TRANSFER_THREADS,
         idle_step_wait_s: float = IDLE_STEP_WAIT_S,
+        device_path: bool | None = None,
     ):
         self.client = client
         self.keyspace = keyspace
@@ -166,6 +167,8 @@ class WorkerSide:
         self.groups: list[list[LayerBlocks]] = [[] for _ in group_layers]
         self.copiers: list[GroupCopier | None] = [None for _ in group_layers]
         self._device: Any = None
+        # None: the device path where the KV cache is on an accelerator; True: on CPU tensors too.
+        self.device_path = device_path
         # At most one staging buffer per transfer thread rests after a call given up on.
         self.retired_max = transfer_threads
         self.idle_step_wait_s = idle_step_wait_s
@@ -213,7 +216,7 @@ class WorkerSide:
                 self._device = tensor.device
             if tensors:
                 self.copiers[group_id] = GroupCopier(
-                    self.groups[group_id], tensors, use_memmove=tensors[0].device.type == "cpu"
+                    self.groups[group_id], tensors, use_memmove=not self._on_device_path(tensors[0])
                 )
             else:  # every layer of the group is on other pipeline stages
                 self.copiers[group_id] = GroupCopier.header_only(self.num_blocks)
@@ -225,6 +228,10 @@ class WorkerSide:
             len(spans),
             [self.group_block_bytes(g) for g in range(len(self.groups))],
         )
+
+    def _on_device_path(self, tensor: Any) -> bool:
+        """Whether copies and checksums take the device path for a cache like ``tensor``."""
+        return self.device_path if self.device_path is not None else tensor.device.type != "cpu"
 
     def group_block_bytes(self, group_id: int) -> int:
         return sum(layer.block_bytes for layer in self.groups[group_id])
@@ -259,7 +266,9 @@ class WorkerSide:
                 return None
         if slot is None:
             largest = max((c.object_bytes for c in self.copiers if c is not None), default=0)
-            slot = StagingSlot(max(self.staging_bytes, largest), self._device)
+            slot = StagingSlot(
+                max(self.staging_bytes, largest), self._device, device_path=bool(self.device_path)
+            )
             self.client.register(slot.ptr, slot.nbytes)
             with self._lock:
                 self._slots.append(slot)
@@ -693,11 +702,12 @@ class WorkerSide:
                 result.fail(transfer.block_ids[start:], Outcome.TIMEOUT)
                 break
             try:
-                crcs = copier.stage(slot, part_blocks)
+                checks = copier.stage(slot, part_blocks)
             finally:
                 job.end_touch(last=last and start + per_call >= len(keys))
             identities = [self._identity(transfer, start + i, copier) for i in range(len(part_keys))]
-            slot.write_headers([pack_header(h, crc) for h, crc in zip(identities, crcs)], size)
+            headers = [pack_header(h, check, copier.checksum) for h, check in zip(identities, checks)]
+            slot.write_headers(headers, size)
             if start < replacing:
                 self.client.remove(part_keys[: replacing - start])
             self._put_staged(result, job, slot, part_keys, part_blocks, copier)

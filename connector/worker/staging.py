@@ -11,9 +11,15 @@ own copies between that buffer and the blocks. Hence:
 * a loaded object reaches the blocks only after its header is checked;
 * a save reads its blocks once, quickly, and never while the store is slow.
 
-On the CPU the copies are ``memmove`` s of each block's runs; on an accelerator
-they are indexed copies on the device, synchronised before the buffer is handed
-to Mooncake or the blocks to the forward.
+On the CPU the copies are ``memmove`` s of each block's runs and a payload's
+checksum is its CRC-32C; on an accelerator (the *device path*) they are indexed
+copies on the device, and a payload's checksum is ``WORD_SUMS``, computed on the
+device: only headers and 8-byte checksums cross to the host, never a payload.
+A load checks each payload with the checksum its header names, whichever path
+wrote it (:mod:`kvpool.connector.contract.payload_checks`); a CRC-32C object
+read on the device path is the one case whose payload is copied to the host.
+The device path's copies are synchronised before the buffer is handed to
+Mooncake or the blocks to the forward.
 """
 
 from __future__ import annotations
@@ -23,7 +29,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvpool.connector.contract.object_header import HEADER_BYTES, payload_crc, payload_matches
+from kvpool.connector.contract.object_header import HEADER_BYTES, payload_matches, stated_checksum
+from kvpool.connector.contract.payload_checks import Checksum, crc32c, word_sums
 from kvpool.connector.worker.block_regions import LayerBlocks
 
 
@@ -54,6 +61,8 @@ class GroupCopier:
         self.object_bytes = offset
         self.payload_bytes = offset - HEADER_BYTES
         self.use_memmove = use_memmove
+        # The checksum this copier's saves take (a load checks whichever its header names).
+        self.checksum = Checksum.CRC32C if use_memmove else Checksum.WORD_SUMS
         self.num_blocks = min((run.num_blocks for run in runs), default=0)
         self._views: list[Any] | None = None
 
@@ -91,21 +100,22 @@ class GroupCopier:
         slot.synchronize()
 
     def stage(self, slot: StagingSlot, block_ids: Sequence[int]) -> list[int]:
-        """:meth:`from_blocks`, returning each staged payload's CRC-32C.
+        """:meth:`from_blocks`, returning each staged payload's checksum (of kind ``checksum``).
 
         On the CPU each object's CRC is taken right after its copy, while its payload
-        is still in the core's cache.
+        is still in the core's cache; on the device path the sums are taken on the
+        device and only they cross to the host.
         """
         if not self.use_memmove:
             self.from_blocks(slot, block_ids)
-            return slot.payload_crcs(range(len(block_ids)), self.object_bytes)
+            return slot.payload_word_sums(range(len(block_ids)), self.object_bytes)
         self.check(block_ids)
         payload = ctypes.c_char * self.payload_bytes
         crcs = []
         for i, block in enumerate(block_ids):
             obj = slot.ptr + i * self.object_bytes
             self._block_into_object(block, obj)
-            crcs.append(payload_crc(payload.from_address(obj + HEADER_BYTES)))
+            crcs.append(crc32c(payload.from_address(obj + HEADER_BYTES)))
         return crcs
 
     # --- staging -> blocks (loads) ---------------------------------------------
@@ -133,25 +143,22 @@ class GroupCopier:
     ) -> list[int]:
         """Like :meth:`to_blocks`, but only objects whose payload is as header ``headers[k]`` states.
 
-        Returns the positions ``k`` in ``pairs`` whose payload did not match its header's
-        CRC-32C (nothing of them is copied). On the CPU each object is checked and copied
-        before the next one is read, so the copy reads the payload from the cache the check
-        just filled.
+        Returns the positions ``k`` in ``pairs`` whose payload did not match the checksum
+        its header states, of the kind it names (nothing of them is copied). On the CPU
+        each object is checked and copied before the next one is read, so the copy reads
+        the payload from the cache the check just filled.
         """
         if not self.use_memmove:
-            crcs = slot.payload_crcs([i for i, _ in pairs], self.object_bytes)
-            checked = enumerate(zip(headers, crcs, strict=True))
-            bad = [k for k, (header, crc) in checked if not payload_matches(header, crc)]
+            matches = slot.payloads_match([i for i, _ in pairs], headers, self.object_bytes)
+            bad = [k for k, ok in enumerate(matches) if not ok]
             rejected = set(bad)
             self.to_blocks(slot, [pair for k, pair in enumerate(pairs) if k not in rejected])
             return bad
         self.check([b for _, b in pairs])
-        payload = ctypes.c_char * self.payload_bytes
         bad = []
         for k, ((i, block), header) in enumerate(zip(pairs, headers, strict=True)):
-            obj = slot.ptr + i * self.object_bytes
-            if payload_matches(header, payload_crc(payload.from_address(obj + HEADER_BYTES))):
-                self._object_into_block(obj, block)
+            if slot.payload_matches_at(i, header, self.object_bytes):
+                self._object_into_block(slot.ptr + i * self.object_bytes, block)
             else:
                 bad.append(k)
         return bad
@@ -183,26 +190,30 @@ class GroupCopier:
 
 
 class StagingSlot:
-    """One registered staging buffer, on the device of the KV cache."""
+    """One registered staging buffer, on the device of the KV cache.
 
-    def __init__(self, nbytes: int, device: Any):
+    ``device_path``: take the accelerator's code paths even in host memory (tests and
+    benchmarks run them on CPU tensors).
+    """
+
+    def __init__(self, nbytes: int, device: Any, *, device_path: bool = False):
         import torch
 
-        self._hold(torch.empty(nbytes, dtype=torch.uint8, device=device))
+        self._hold(torch.empty(nbytes, dtype=torch.uint8, device=device), device_path)
 
-    def _hold(self, tensor: Any) -> None:
+    def _hold(self, tensor: Any, device_path: bool) -> None:
         """Be the buffer of ``tensor`` (a 1-D byte tensor)."""
         self.tensor = tensor
         self.ptr = int(tensor.data_ptr())
         self.nbytes = int(tensor.numel())
-        self.on_cpu = tensor.device.type == "cpu"
+        self.on_cpu = tensor.device.type == "cpu" and not device_path
 
     def part(self, offset: int, nbytes: int) -> StagingSlot:
         """Bytes ``offset..offset+nbytes`` of this buffer, as a buffer of its own (same registration)."""
         if offset < 0 or offset + nbytes > self.nbytes:
             raise ValueError(f"part {offset}+{nbytes} outside a {self.nbytes}-byte buffer")
         part = StagingSlot.__new__(StagingSlot)
-        part._hold(self.tensor[offset : offset + nbytes])
+        part._hold(self.tensor[offset : offset + nbytes], not self.on_cpu)
         return part
 
     def objects(self, count: int, object_bytes: int) -> Any:
@@ -229,23 +240,67 @@ class StagingSlot:
         return [bytes(row.numpy().tobytes()) for row in host]
 
     def payload_crcs(self, indices: Sequence[int], object_bytes: int) -> list[int]:
-        """The CRC-32C of the payload (the bytes after the header) of each object in ``indices``."""
+        """The CRC-32C of the payload (the bytes after the header) of each object in ``indices``.
+
+        On the device path the payloads are copied to the host: only for objects a CPU
+        writer stored (their header names CRC-32C).
+        """
         if self.on_cpu:
             view = ctypes.c_char * (object_bytes - HEADER_BYTES)
             start = self.ptr + HEADER_BYTES
-            return [payload_crc(view.from_address(start + i * object_bytes)) for i in indices]
+            return [crc32c(view.from_address(start + i * object_bytes)) for i in indices]
         if not indices:
             return []
-        import torch
+        host = self._payloads(indices, object_bytes).cpu().contiguous()
+        return [crc32c(row.numpy()) for row in host]
 
-        rows = torch.tensor(list(indices), dtype=torch.long, device=self.tensor.device)
-        objects = self.objects(max(indices) + 1, object_bytes).index_select(0, rows)
-        host = objects[:, HEADER_BYTES:].cpu().contiguous()
-        return [payload_crc(row.numpy()) for row in host]
+    def payload_word_sums(self, indices: Sequence[int], object_bytes: int) -> list[int]:
+        """The ``WORD_SUMS`` of the payload of each object in ``indices``, taken where the
+        buffer is: 8 bytes an object cross to the host."""
+        if not indices:
+            return []
+        return [int(v) for v in word_sums(self._payloads(indices, object_bytes)).tolist()]
+
+    def payloads_match(
+        self, indices: Sequence[int], headers: Sequence[bytes], object_bytes: int
+    ) -> list[bool]:
+        """Whether each object's payload has the checksum its header (``headers[k]``) states,
+        of the kind it names: one pass per kind."""
+        matches = [False] * len(indices)
+        for kind, checksums in (
+            (Checksum.WORD_SUMS, self.payload_word_sums),
+            (Checksum.CRC32C, self.payload_crcs),
+        ):
+            ks = [k for k, header in enumerate(headers) if stated_checksum(header) is kind]
+            values = checksums([indices[k] for k in ks], object_bytes)
+            for k, value in zip(ks, values, strict=True):
+                matches[k] = payload_matches(headers[k], kind, value)
+        return matches
+
+    def payload_matches_at(self, index: int, header: bytes, object_bytes: int) -> bool:
+        """Whether object ``index``'s payload has the checksum ``header`` states (one object)."""
+        kind = stated_checksum(header)
+        if kind is Checksum.CRC32C:
+            return payload_matches(header, kind, self.payload_crcs([index], object_bytes)[0])
+        if kind is Checksum.WORD_SUMS:
+            return payload_matches(header, kind, self.payload_word_sums([index], object_bytes)[0])
+        return False
+
+    def _payloads(self, indices: Sequence[int], object_bytes: int) -> Any:
+        """The payloads of objects ``indices`` as a ``(len(indices), payload bytes)`` view
+        (a gathered copy on the device when they are not ``0..n-1``)."""
+        count = max(indices) + 1
+        objects = self.objects(count, object_bytes)
+        if list(indices) != list(range(count)):
+            import torch
+
+            rows = torch.tensor(list(indices), dtype=torch.long, device=self.tensor.device)
+            objects = objects.index_select(0, rows)
+        return objects[:, HEADER_BYTES:]
 
     def synchronize(self) -> None:
-        """Wait for this thread's device copies (nothing to wait for on the CPU)."""
-        if self.on_cpu:
+        """Wait for this thread's device copies (nothing to wait for in host memory)."""
+        if self.tensor.device.type == "cpu":
             return
         import torch
 

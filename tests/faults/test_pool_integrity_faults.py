@@ -510,7 +510,7 @@ def test_a_payload_not_as_its_header_states_is_recomputed_and_without_the_check_
 
     prefix = replace_from_donor(setup, STALE, lambda own, other: own[:HEADER_BYTES] + other[HEADER_BYTES:])
     with monkeypatch.context() as unchecked:
-        unchecked.setattr(staging, "payload_matches", lambda header, crc: True)
+        unchecked.setattr(staging, "payload_matches", lambda header, kind, value: True)
         served = setup.engine.serve((prefix, 1))
     assert served.cached >= PREFIX_TOKENS, "the stale payloads were loaded"
     with pytest.raises(AssertionError):

@@ -1,12 +1,14 @@
 """Staging copies: the CPU path (memmove) and the device path (indexed torch copies, run here on
-CPU tensors) move the same bytes between blocks and staged objects, and never outside the cache."""
+CPU tensors) move the same bytes between blocks and staged objects, and never outside the cache;
+each takes its own payload checksum and checks whichever one a header names."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kvpool.connector.contract.object_header import HEADER_BYTES
+from kvpool.connector.contract.object_header import HEADER_BYTES, ObjectIdentity, pack_header
+from kvpool.connector.contract.payload_checks import Checksum, crc32c, word_sums_of
 from kvpool.connector.worker.block_regions import describe_layer
 from kvpool.connector.worker.staging import GroupCopier, StagingSlot
 
@@ -26,8 +28,8 @@ def copier(tensors: list[torch.Tensor], *, use_memmove: bool) -> GroupCopier:
 @pytest.fixture
 def device_slot(monkeypatch: pytest.MonkeyPatch) -> StagingSlot:
     """A CPU buffer that takes the accelerator's code paths (nothing queued to wait for)."""
-    slot = StagingSlot(1 << 20, torch.device("cpu"))
-    slot.on_cpu = False
+    slot = StagingSlot(1 << 20, torch.device("cpu"), device_path=True)
+    assert not slot.on_cpu
     monkeypatch.setattr(StagingSlot, "synchronize", lambda self: None)
     return slot
 
@@ -49,24 +51,28 @@ def test_both_paths_stage_the_same_bytes(device_slot: StagingSlot) -> None:
         assert torch.equal(payload, torch.cat(runs))
 
 
-@pytest.mark.parametrize("use_memmove", [True, False])
-def test_staging_returns_each_payloads_crc(use_memmove: bool, device_slot: StagingSlot) -> None:
-    """A save's copy into staging and its CRCs (taken object by object on the CPU): the same
-    bytes as :meth:`GroupCopier.from_blocks` stages, and the CRC-32C of each payload."""
-    import google_crc32c
+CHECKSUMS = {Checksum.CRC32C: crc32c, Checksum.WORD_SUMS: word_sums_of}
 
+
+@pytest.mark.parametrize(("use_memmove", "kind"), [(True, Checksum.CRC32C), (False, Checksum.WORD_SUMS)])
+def test_staging_returns_each_payloads_checksum(
+    use_memmove: bool, kind: Checksum, device_slot: StagingSlot
+) -> None:
+    """A save's copy into staging and its checksums (CRC-32C object by object on the CPU, word
+    sums on the device): the same bytes as :meth:`GroupCopier.from_blocks` stages."""
     tensors = caches()
     slot = StagingSlot(1 << 20, torch.device("cpu")) if use_memmove else device_slot
     reference = StagingSlot(1 << 20, torch.device("cpu"))
     group = copier(tensors, use_memmove=use_memmove)
-    crcs = group.stage(slot, [4, 0, 9])
+    checks = group.stage(slot, [4, 0, 9])
+    assert group.checksum is kind
     copier(tensors, use_memmove=True).from_blocks(reference, [4, 0, 9])
     size = group.object_bytes
-    for i, crc in enumerate(crcs):
+    for i, check in enumerate(checks):
         payload = slot.tensor[i * size + HEADER_BYTES : (i + 1) * size]
         assert torch.equal(payload, reference.tensor[i * size + HEADER_BYTES : (i + 1) * size])
-        assert crc == google_crc32c.value(payload.numpy().tobytes())
-    assert len(set(crcs)) == 3
+        assert check == CHECKSUMS[kind](payload.numpy().tobytes())
+    assert len(set(checks)) == 3
 
 
 @pytest.mark.parametrize("use_memmove", [True, False])
@@ -83,14 +89,14 @@ def test_staged_objects_fill_exactly_their_blocks(use_memmove: bool, device_slot
         assert torch.equal(t[:, untouched], old[:, untouched])
 
 
+@pytest.mark.parametrize("kind", list(Checksum))
 @pytest.mark.parametrize("use_memmove", [True, False])
 def test_only_payloads_as_their_headers_state_reach_the_blocks(
-    use_memmove: bool, device_slot: StagingSlot
+    use_memmove: bool, kind: Checksum, device_slot: StagingSlot
 ) -> None:
-    """The load's check and copy, object by object on the CPU: a payload whose CRC-32C is not
-    its header's is reported and leaves its block as it was; the others are copied."""
-    from kvpool.connector.contract.object_header import ObjectIdentity, pack_header, payload_crc
-
+    """The load's check and copy (object by object on the CPU), with the checksum each header
+    names whichever path reads it: a payload whose checksum is not its header's is reported and
+    leaves its block as it was; the others are copied."""
     tensors = caches()
     slot = StagingSlot(1 << 20, torch.device("cpu")) if use_memmove else device_slot
     group = copier(tensors, use_memmove=use_memmove)
@@ -98,7 +104,7 @@ def test_only_payloads_as_their_headers_state_reach_the_blocks(
     size = group.object_bytes
     payloads = [slot.tensor[i * size + HEADER_BYTES : (i + 1) * size].numpy().tobytes() for i in range(3)]
     identity = ObjectIdentity("f" * 16, "d" * 64, 0, 0, 0, payload_bytes=size - HEADER_BYTES)
-    headers = [pack_header(identity, payload_crc(p)) for p in payloads]
+    headers = [pack_header(identity, CHECKSUMS[kind](p), kind) for p in payloads]
     slot.tensor[1 * size + HEADER_BYTES + 5] += 1  # object 1's payload after its header was written
     before = [t.clone() for t in tensors]
     assert group.to_blocks_if_intact(slot, [(0, 9), (1, 10), (2, 11)], headers) == [1]
@@ -112,6 +118,17 @@ def test_headers_round_trip_on_both_paths(device_slot: StagingSlot) -> None:
     for slot in (StagingSlot(1 << 20, torch.device("cpu")), device_slot):
         slot.write_headers(headers, 4096)
         assert slot.read_headers(3, 4096) == headers
+
+
+def test_a_header_naming_no_known_checksum_matches_no_payload(device_slot: StagingSlot) -> None:
+    tensors = caches()
+    for use_memmove, slot in ((True, StagingSlot(1 << 20, torch.device("cpu"))), (False, device_slot)):
+        group = copier(tensors, use_memmove=use_memmove)
+        group.from_blocks(slot, [1])
+        identity = ObjectIdentity("f" * 16, "d" * 64, 0, 0, 0, payload_bytes=group.payload_bytes)
+        header = bytearray(pack_header(identity, 0))
+        header[52] = 9  # a checksum kind of a later version
+        assert group.to_blocks_if_intact(slot, [(0, 5)], [bytes(header)]) == [0]
 
 
 def test_payload_crcs_are_the_crc_of_each_payload_on_both_paths(device_slot: StagingSlot) -> None:
