@@ -236,8 +236,10 @@ class StagingSlot:
         """The first ``HEADER_BYTES`` of objects ``0..count-1``."""
         if self.on_cpu:
             return [ctypes.string_at(self.ptr + i * object_bytes, HEADER_BYTES) for i in range(count)]
-        host = self.objects(count, object_bytes)[:, :HEADER_BYTES].cpu()
-        return [bytes(row.numpy().tobytes()) for row in host]
+        if not count:
+            return []
+        # One copy to the host of the headers only (``tolist``: a device-to-host copy of them).
+        return [bytes(row) for row in self.objects(count, object_bytes)[:, :HEADER_BYTES].tolist()]
 
     def payload_crcs(self, indices: Sequence[int], object_bytes: int) -> list[int]:
         """The CRC-32C of the payload (the bytes after the header) of each object in ``indices``.
