@@ -1,8 +1,13 @@
 """The kopf app: the operator's run options, its kopf settings, its handlers, and ``run``.
 
 Handlers are thin: each hands its event to ``reconcile.Reconciler`` (or, for the
-webhook, to ``validation``). They are built per run into their own registry, so
-intervals come from the options and several operators (tests) never share handlers.
+webhooks, to ``validation`` and ``pod_injection``). They are built per run into their
+own registry, so intervals come from the options and several operators (tests) never
+share handlers.
+
+The admission webhooks only read, so every replica answers them: the one that holds the
+Lease in its kopf run, each standby in a kopf run of the admission handlers alone (no
+watches, no writes) until it takes the Lease over.
 """
 
 from __future__ import annotations
@@ -23,11 +28,13 @@ import kopf
 from kubernetes_asyncio.client import ApiClient, Configuration
 
 from kvpool.operator import names
+from kvpool.operator.consumers import Refusal
 from kvpool.operator.election import LeaseElector, LeaseLost, LeaseOptions
 from kvpool.operator.kube import USER_AGENT, ApiError, KubeClient, connection_info, load_configuration
 from kvpool.operator.leader import SERVICE_HEALTH_URL
 from kvpool.operator.metrics import OperatorMetrics, serve_metrics
-from kvpool.operator.names import DEPLOYMENTS, POOLS
+from kvpool.operator.names import DEPLOYMENTS, PODS, POOLS
+from kvpool.operator.pod_injection import DEPLOYMENT_PATCH, POD_ADMISSION, admit_pod
 from kvpool.operator.policy import OperatorPolicy
 from kvpool.operator.reconcile import Notify, Reconciler, pool_of
 from kvpool.operator.validation import admission_problems, admission_warnings
@@ -35,6 +42,9 @@ from kvpool.operator.validation import admission_problems, admission_warnings
 POOL = (POOLS.group, POOLS.version, POOLS.plural)
 CHILDREN = (DEPLOYMENTS.group, DEPLOYMENTS.version, DEPLOYMENTS.plural)
 VALIDATE_ID = "validate-pool"
+INJECT_ID = "inject-pod"
+# The webhook's read of the pool a new Pod names: well within the API server's call timeout.
+POOL_LOOKUP_TIMEOUT = 5.0
 RETRYABLE = (ApiError, aiohttp.ClientError, asyncio.TimeoutError)
 
 
@@ -48,7 +58,7 @@ class WebhookOptions:
     certfile: str | None = None
     pkeyfile: str | None = None
     insecure: bool = False
-    managed: str | None = None  # name of the ValidatingWebhookConfiguration kopf keeps
+    managed: str | None = None  # name of the webhook configurations kopf keeps (tests, dev)
 
 
 @dataclass(frozen=True)
@@ -72,10 +82,20 @@ class OperatorOptions:
     master_health_url: str = SERVICE_HEALTH_URL
     # Several replicas: only the holder of this Lease acts (None: this replica always acts).
     leader_election: LeaseOptions | None = None
+    # How consumers get the pool's settings: injected into each new Pod by the mutating
+    # webhook (POD_ADMISSION; needs ``webhook``), or patched into their Deployments.
+    injection_mode: str = DEPLOYMENT_PATCH
+
+    def __post_init__(self) -> None:
+        if self.injection_mode == POD_ADMISSION and self.webhook is None:
+            raise ValueError("pod-admission injection needs the webhook server (--webhook-port)")
+        if self.injection_mode not in (POD_ADMISSION, DEPLOYMENT_PATCH):
+            raise ValueError(f"unknown injection mode {self.injection_mode!r}")
 
 
-def kopf_settings(options: OperatorOptions) -> kopf.OperatorSettings:
-    """kopf's settings: own annotations and finalizer, no cluster scanning, no peering."""
+def kopf_settings(options: OperatorOptions, standby: bool = False) -> kopf.OperatorSettings:
+    """kopf's settings: own annotations and finalizer, no cluster scanning, no peering. A
+    ``standby`` never writes the webhook configurations (only the Lease holder may)."""
     settings = kopf.OperatorSettings()
     settings.persistence.finalizer = names.FINALIZER
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=names.PREFIX)
@@ -107,7 +127,7 @@ def kopf_settings(options: OperatorOptions) -> kopf.OperatorSettings:
             pkeyfile=hook.pkeyfile,
             insecure=hook.insecure,
         )
-        settings.admission.managed = hook.managed
+        settings.admission.managed = None if standby else hook.managed
     return settings
 
 
@@ -195,28 +215,114 @@ def make_registry(
         except RETRYABLE as exc:
             raise temporary("delete", exc) from exc
 
-    if options.webhook is not None:  # kopf refuses admission handlers without a server
-
-        @kopf.on.validate(*POOL, registry=registry, id=VALIDATE_ID, operations=["CREATE", "UPDATE"])
-        def validate(
-            body: kopf.Body,
-            warnings: list[str],
-            old: Any = None,
-            operation: str | None = None,
-            **_: Any,
-        ) -> None:
-            if operation == "UPDATE" and not spec_changed(old, body):
-                return  # metadata/status updates (e.g. a finalizer's removal) never block
-            message = admission_problems(body, options.policy)
-            if message:
-                raise kopf.AdmissionError(message, code=422)
-            warnings.extend(admission_warnings(body, options.policy))
+    register_admission(registry, options, reconciler.kube)
 
     @kopf.on.probe(registry=registry, id="pools")
     def pools(**_: Any) -> int:
         return len(metrics.conditions)
 
     return registry
+
+
+def register_admission(registry: kopf.OperatorRegistry, options: OperatorOptions, kube: KubeClient) -> None:
+    """The admission handlers: pool validation, and (pod-admission mode) the injection into
+    new consumer Pods. Neither writes anything."""
+    if options.webhook is None:  # kopf refuses admission handlers without a server
+        return
+
+    @kopf.on.validate(*POOL, registry=registry, id=VALIDATE_ID, operations=["CREATE", "UPDATE"])
+    def validate(
+        body: kopf.Body,
+        warnings: list[str],
+        old: Any = None,
+        operation: str | None = None,
+        **_: Any,
+    ) -> None:
+        if operation == "UPDATE" and not spec_changed(old, body):
+            return  # metadata/status updates (e.g. a finalizer's removal) never block
+        message = admission_problems(body, options.policy)
+        if message:
+            raise kopf.AdmissionError(message, code=422)
+        warnings.extend(admission_warnings(body, options.policy))
+
+    if options.injection_mode != POD_ADMISSION:
+        return
+
+    # Only Pods with the opt-in label (kopf's filter; the webhook configuration's
+    # objectSelector sends no others): every other Pod is admitted as it is.
+    @kopf.on.mutate(
+        PODS.version,
+        PODS.plural,
+        registry=registry,
+        id=INJECT_ID,
+        operations=["CREATE"],
+        labels={names.LABEL_ALLOW_POOL: kopf.PRESENT},
+    )
+    async def inject(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
+        meta = body.get("metadata") or {}
+        namespace = str(meta.get("namespace") or "")
+        if options.namespaces and namespace not in options.namespaces:
+            return  # another operator's namespace: its own webhook answers for it
+        pool_name = str((meta.get("labels") or {}).get(names.LABEL_ALLOW_POOL, ""))
+        # A fresh read of the pool (never an index that may lag a spec change or a status
+        # that just turned Ready): Pods are created rarely, and one GET is cheap.
+        try:
+            pool = await asyncio.wait_for(kube.get(POOLS, namespace, pool_name), POOL_LOOKUP_TIMEOUT)
+        except RETRYABLE as exc:
+            raise kopf.AdmissionError(
+                f"pool {namespace}/{pool_name} could not be read ({exc or type(exc).__name__}): "
+                "the Pod is refused, the ReplicaSet controller retries [pool-unreachable]",
+                code=503,
+            ) from exc
+        answer = admit_pod(dict(body), namespace, pool, options.policy)
+        if isinstance(answer, Refusal):
+            raise kopf.AdmissionError(str(answer), code=403)
+        patch.update(answer.patch)
+
+
+def admission_registry(
+    configuration: Configuration, options: OperatorOptions, kube: KubeClient
+) -> kopf.OperatorRegistry:
+    """A standby's handlers: the admission webhooks alone (and the login)."""
+    registry = kopf.OperatorRegistry()
+
+    @kopf.on.login(registry=registry)
+    async def login(**_: Any) -> kopf.ConnectionInfo:
+        return await connection_info(configuration)
+
+    register_admission(registry, options, kube)
+    return registry
+
+
+@contextlib.asynccontextmanager
+async def standby_admission(
+    options: OperatorOptions, configuration: Configuration, kube: KubeClient, stopped: asyncio.Event
+) -> AsyncIterator[None]:
+    """While a standby waits for the Lease, it answers the admission webhooks: kopf with the
+    admission handlers alone. A signal that stops it stops the replica (``stopped``)."""
+    if options.webhook is None:
+        yield
+        return
+    leaving = asyncio.Event()
+    task = asyncio.create_task(
+        kopf.operator(
+            registry=admission_registry(configuration, options, kube),
+            settings=kopf_settings(options, standby=True),
+            clusterwide=not options.namespaces,
+            namespaces=list(options.namespaces),
+            standalone=True,
+            liveness_endpoint=None,
+            stop_flag=leaving,
+        )
+    )
+    task.add_done_callback(lambda _: None if leaving.is_set() else stopped.set())
+    try:
+        yield
+    finally:
+        leaving.set()
+        for outcome in await asyncio.gather(task, return_exceptions=True):
+            if isinstance(outcome, BaseException):
+                logging.getLogger(__name__).warning("the standby's webhook server: %r", outcome)
 
 
 async def run(
@@ -235,13 +341,18 @@ async def run(
             await stack.enter_async_context(
                 serve_metrics(metrics.registry, options.metrics_host, options.metrics_port)
             )
-        reconciler = Reconciler(kube, metrics, options.policy, options.master_health_url)
+        reconciler = Reconciler(
+            kube, metrics, options.policy, options.master_health_url, injection_mode=options.injection_mode
+        )
         stopped = asyncio.Event()
         stack.enter_context(_forward(stop_flag, stopped))
         elector = None
         if options.leader_election is not None:
             elector = LeaseElector(kube, options.leader_election)
-            async with standby_liveness(options.liveness_endpoint):
+            async with (
+                standby_liveness(options.liveness_endpoint),
+                standby_admission(options, configuration, kube, stopped),
+            ):
                 if not await elector.acquire(stopped):
                     return
         holding = asyncio.create_task(elector.hold()) if elector is not None else None

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from kvpool.operator.crd import render_crd
 from kvpool.operator.leader import SERVICE_HEALTH_URL
+from kvpool.operator.pod_injection import DEPLOYMENT_PATCH, INJECTION_MODES, POD_ADMISSION
 from kvpool.operator.rbac import RULES, TENANT_RULES, WEBHOOK_RULES, render_rules
 
 if TYPE_CHECKING:
@@ -134,6 +135,14 @@ def _parser() -> argparse.ArgumentParser:
         "(the others stand by); default: no election, this replica always acts",
     )
     run.add_argument("--leader-election-id", default="kvpool-operator", help="the Lease's name")
+    run.add_argument(
+        "--injection-mode",
+        choices=INJECTION_MODES,
+        default=DEPLOYMENT_PATCH,
+        help=f"{POD_ADMISSION}: the webhook injects the settings into each new consumer Pod (needs "
+        f"--webhook-port; a Deployment gets one restart annotation when its settings change); "
+        f"{DEPLOYMENT_PATCH} (default): the operator patches them into the consumer Deployments",
+    )
     run.add_argument("-v", "--verbose", action="store_true")
     return parser
 
@@ -182,7 +191,10 @@ def options_from_args(args: argparse.Namespace) -> OperatorOptions:
             pkeyfile=args.webhook_key,
             managed=args.webhook_managed,
         )
+    if args.injection_mode == POD_ADMISSION and webhook is None:
+        raise SystemExit(f"--injection-mode={POD_ADMISSION} needs the webhook server: --webhook-port")
     return OperatorOptions(
+        injection_mode=args.injection_mode,
         namespaces=tuple(args.namespace),
         kubeconfig=args.kubeconfig,
         liveness_endpoint=args.liveness or None,

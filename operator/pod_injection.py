@@ -291,22 +291,41 @@ def pod_config_hashes(pods: Iterable[Mapping[str, Any]], deployment: str) -> lis
     return hashes
 
 
+def pods_refused(deployment: Mapping[str, Any]) -> bool:
+    """Whether the Deployment's ReplicaSet could not create Pods (``ReplicaFailure``), e.g.
+    refused at admission while the pool did not serve yet."""
+    conditions = (deployment.get("status") or {}).get("conditions") or []
+    return any(c.get("type") == "ReplicaFailure" and c.get("status") == "True" for c in conditions)
+
+
 def carries_settings(deployment: Mapping[str, Any], injection: Injection, pod_hashes: list[str]) -> bool:
-    """Whether the Deployment's Pods get the current settings without a restart: its template
-    carries their hash (the restart annotation), or it never did and every injected Pod of
-    it carries them already (it was created while the pool served)."""
+    """Whether the Deployment's Pods run the current settings: its template carries their
+    hash (the restart annotation), or it never did and every injected Pod of it carries them
+    (it was created while the pool served)."""
     current = config_hash_of(deployment)
     if current is not None:
         return current == injection.config_hash
     return bool(pod_hashes) and all(h == injection.config_hash for h in pod_hashes)
 
 
+def needs_restart(deployment: Mapping[str, Any], injection: Injection, pod_hashes: list[str]) -> bool:
+    """Whether only a restart brings the current settings: the template's hash is another, or
+    (none yet) a Pod runs other settings, or its Pods were refused (a restart retries at once,
+    where the ReplicaSet controller backs off). A Deployment whose Pods are still coming waits."""
+    current = config_hash_of(deployment)
+    if current is not None:
+        return current != injection.config_hash
+    if pod_hashes:
+        return any(h != injection.config_hash for h in pod_hashes)
+    return pods_refused(deployment)
+
+
 def restart_patch(
     deployment: Mapping[str, Any], injection: Injection, pod_hashes: list[str]
 ) -> dict[str, Any]:
     """The one write to a consumer in pod-admission mode: the config hash as an annotation on
-    its pod template, which rolls it when the settings changed; empty when nothing must."""
-    if carries_settings(deployment, injection, pod_hashes):
+    its pod template, which rolls it; empty when no restart is needed."""
+    if not needs_restart(deployment, injection, pod_hashes):
         return {}
     annotations = {names.ANNOTATION_CONFIG_HASH: injection.config_hash}
     return guarded({"spec": {"template": {"metadata": {"annotations": annotations}}}}, deployment)

@@ -49,6 +49,14 @@ from kvpool.operator.metrics import OperatorMetrics
 from kvpool.operator.names import DEPLOYMENTS, PODS, POOLS
 from kvpool.operator.network import read_namespace_network
 from kvpool.operator.plan import Plan, build_plan, children_names
+from kvpool.operator.pod_injection import (
+    DEPLOYMENT_PATCH,
+    POD_ADMISSION,
+    carries_settings,
+    pod_config_hashes,
+    restart_patch,
+    template_refusal,
+)
 from kvpool.operator.policy import OperatorPolicy
 from kvpool.operator.status import (
     ConsumerState,
@@ -81,13 +89,17 @@ def skips_teardown(pool: Mapping[str, Any]) -> bool:
 
 
 def pool_of(deployment: Mapping[str, Any]) -> str | None:
-    """The pool a Deployment belongs to: as its child (ownerReference), or as a consumer it
-    patched (label); None for any other Deployment."""
+    """The pool a Deployment belongs to: as its child (ownerReference), as a consumer it
+    patched (label), or as one whose Pods opt in (the label on its pod template); None for
+    any other Deployment."""
     meta = deployment.get("metadata") or {}
     for ref in meta.get("ownerReferences") or []:
         if ref.get("kind") == POOLS.kind and ref.get("apiVersion") == POOLS.api_version:
             return str(ref.get("name"))
-    return (meta.get("labels") or {}).get(names.LABEL_CONSUMER_OF)
+    template = ((deployment.get("spec") or {}).get("template") or {}).get("metadata") or {}
+    return (meta.get("labels") or {}).get(names.LABEL_CONSUMER_OF) or (template.get("labels") or {}).get(
+        names.LABEL_ALLOW_POOL
+    )
 
 
 def utcnow() -> str:
@@ -142,11 +154,33 @@ def announce_change(child: str, applied: Applied, notify: Notify) -> None:
         notify("Normal", "ChildUpdated", f"{child}: {fields} updated")
 
 
+def consumer_state(
+    injection: Injection, rolled_out: bool, message: str, refused: str | None = None, stalled: bool = False
+) -> ConsumerState:
+    return ConsumerState(
+        injection.deployment,
+        injection.config_hash,
+        injection.layout_fingerprint,
+        rolled_out,
+        message,
+        refused,
+        stalled,
+    )
+
+
 def not_rolled(injection: Injection, message: str) -> ConsumerState:
     """A consumer left as it is this pass, and why."""
-    return ConsumerState(
-        injection.deployment, injection.config_hash, injection.layout_fingerprint, False, message
-    )
+    return consumer_state(injection, False, message)
+
+
+def consumer_refusal(deployment: Mapping[str, Any], injection: Injection, mode: str) -> str | None:
+    """Why the consumer is refused in ``mode``: consent on the Deployment (patching) or on its
+    pod template (pod admission), and what injection cannot do."""
+    if mode == POD_ADMISSION:
+        found = template_refusal(deployment, injection)
+    else:
+        found = refusal(deployment, injection.pool) or injection_refusal(deployment, injection)
+    return None if found is None else str(found)
 
 
 HELD_BACK = "held back: not every object of the pool is its own (see the Conflict condition)"
@@ -155,7 +189,7 @@ NOT_SERVING = "not rolled: the pool does not serve yet (MasterReady and StoreRea
 
 
 async def roll_consumer(
-    kube: KubeClient, namespace: str, injection: Injection, notify: Notify
+    kube: KubeClient, namespace: str, injection: Injection, notify: Notify, mode: str = DEPLOYMENT_PATCH
 ) -> ConsumerState:
     """Patch one consumer (with its consent) when its settings differ; report whether it is
     rolled out, or why it was refused."""
@@ -163,22 +197,16 @@ async def roll_consumer(
     def state(
         rolled_out: bool, message: str, refused: str | None = None, stalled: bool = False
     ) -> ConsumerState:
-        return ConsumerState(
-            injection.deployment,
-            injection.config_hash,
-            injection.layout_fingerprint,
-            rolled_out,
-            message,
-            refused,
-            stalled,
-        )
+        return consumer_state(injection, rolled_out, message, refused, stalled)
 
     deployment = await kube.get(DEPLOYMENTS, namespace, injection.deployment)
     if deployment is None:
         return state(False, MISSING)
-    refused = refusal(deployment, injection.pool) or injection_refusal(deployment, injection)
+    refused = consumer_refusal(deployment, injection, mode)
     if refused is not None:
-        return state(False, str(refused), str(refused))
+        return state(False, refused, refused)
+    if mode == POD_ADMISSION:
+        return await restart_consumer(kube, namespace, injection, deployment, notify)
     try:
         patch = inject_patch(deployment, injection)
     except ConsumerError as exc:
@@ -196,26 +224,51 @@ async def roll_consumer(
     return state(progress.done, progress.message, stalled=progress.stalled)
 
 
-async def check_consumer(kube: KubeClient, namespace: str, injection: Injection) -> ConsumerState:
+async def restart_consumer(
+    kube: KubeClient, namespace: str, injection: Injection, deployment: dict[str, Any], notify: Notify
+) -> ConsumerState:
+    """Pod admission: the Deployment is written only when its Pods need a restart for the
+    current settings (one annotation on its pod template); its new Pods get them at admission."""
+    hashes: list[str] = []
+    if config_hash_of(deployment) is None:  # never restarted: what its injected Pods run
+        pods = await kube.list(PODS, namespace, label_selector=f"{names.LABEL_POOL}={injection.pool}")
+        hashes = pod_config_hashes(pods, injection.deployment)
+    patch = restart_patch(deployment, injection, hashes)
+    if patch:
+        deployment = await kube.patch(DEPLOYMENTS, namespace, injection.deployment, patch)
+        notify(
+            "Normal",
+            "ConsumerRestarted",
+            f"{injection.deployment}: restarted for connector settings {injection.config_hash} "
+            "(its new Pods get them at admission)",
+        )
+    if not carries_settings(deployment, injection, hashes):
+        return consumer_state(
+            injection, False, "waiting for its Pods to be admitted with the current settings"
+        )
+    progress = deployment_progress(deployment)
+    return consumer_state(injection, progress.done, progress.message, stalled=progress.stalled)
+
+
+async def check_consumer(
+    kube: KubeClient, namespace: str, injection: Injection, mode: str = DEPLOYMENT_PATCH
+) -> ConsumerState:
     """A consumer not rolled while the pool does not serve; a refusal is said already."""
     deployment = await kube.get(DEPLOYMENTS, namespace, injection.deployment)
     if deployment is None:
         return not_rolled(injection, MISSING)
-    refused = refusal(deployment, injection.pool) or injection_refusal(deployment, injection)
+    refused = consumer_refusal(deployment, injection, mode)
     if refused is not None:
-        return ConsumerState(
-            injection.deployment,
-            injection.config_hash,
-            injection.layout_fingerprint,
-            False,
-            str(refused),
-            str(refused),
-        )
+        return consumer_state(injection, False, refused, refused)
     return not_rolled(injection, NOT_SERVING)
 
 
 async def roll_consumers(
-    kube: KubeClient, namespace: str, injections: list[Injection], notify: Notify
+    kube: KubeClient,
+    namespace: str,
+    injections: list[Injection],
+    notify: Notify,
+    mode: str = DEPLOYMENT_PATCH,
 ) -> list[ConsumerState]:
     """Roll consumers one Deployment at a time, in the spec's order: the next one is patched
     only once the one before is available with the current settings; the rollout stops at
@@ -227,7 +280,7 @@ async def roll_consumers(
         if waiting_for is not None:
             states.append(not_rolled(injection, f"waiting: {waiting_for}"))
             continue
-        state = await roll_consumer(kube, namespace, injection, notify)
+        state = await roll_consumer(kube, namespace, injection, notify, mode)
         states.append(state)
         if state.rolled_out or state.refused or state.message == MISSING:
             continue
@@ -277,8 +330,10 @@ async def converge(
     notify: Notify,
     now: str,
     leader_check: LeaderCheck | None = None,
+    mode: str = DEPLOYMENT_PATCH,
 ) -> dict[str, Any]:
-    """Apply a valid plan to what the pool owns; the status it leads to."""
+    """Apply a valid plan to what the pool owns; the status it leads to. ``mode``: how
+    consumers get their settings (Deployment patching, or Pod admission)."""
     meta = pool.get("metadata", {})
     name, namespace, uid = meta["name"], meta["namespace"], meta["uid"]
     live: dict[str, dict[str, Any]] = {}
@@ -323,11 +378,13 @@ async def converge(
         consumers = [not_rolled(c, HELD_BACK) for c in plan.consumers]
     elif not serves:
         # A connector that cannot reach its pool fails vLLM's start: roll only onto a pool that serves.
-        consumers = [await check_consumer(kube, namespace, c) for c in plan.consumers]
+        consumers = [await check_consumer(kube, namespace, c, mode) for c in plan.consumers]
     else:
-        consumers = await roll_consumers(kube, namespace, plan.consumers, notify)
+        consumers = await roll_consumers(kube, namespace, plan.consumers, notify, mode)
     conflicts += [c.refused for c in consumers if c.refused]
-    await release_consumers(kube, namespace, name, {c.deployment for c in plan.consumers}, notify)
+    # Pod admission patches no Deployment: what patching put in one before is taken out.
+    keep = {c.deployment for c in plan.consumers} if mode == DEPLOYMENT_PATCH else set()
+    await release_consumers(kube, namespace, name, keep, notify)
     return valid_status(
         master_address=plan.master_address,
         master=master,
@@ -357,8 +414,10 @@ class Reconciler:
         policy: OperatorPolicy | None = None,
         master_health_url: str = SERVICE_HEALTH_URL,
         leader_timeout: float = 3.0,
+        injection_mode: str = DEPLOYMENT_PATCH,
     ):
         self.kube = kube
+        self.injection_mode = injection_mode
         self.metrics = metrics
         self.policy = policy or OperatorPolicy()
         self.master_health_url = master_health_url
@@ -424,7 +483,9 @@ class Reconciler:
             plan = build_plan(name, namespace, pool.get("spec"), self.policy, network)
             valid = plan.valid
             if plan.valid:
-                status = await converge(self.kube, pool, plan, notify, utcnow(), self.check_leader)
+                status = await converge(
+                    self.kube, pool, plan, notify, utcnow(), self.check_leader, self.injection_mode
+                )
             else:
                 status = invalid_status(plan.problems, old, pool["metadata"].get("generation"), utcnow())
         if status != old:

@@ -221,6 +221,11 @@ def test_pods_injected_with_the_current_settings_need_no_restart() -> None:
     hashes = pod_config_hashes([pod, {"metadata": {"name": "unrelated"}}], "llm")
     assert hashes == [injection.config_hash]
     assert restart_patch(deployment, injection, hashes) == {}
-    # Pods refused so far (none runs), or from older settings: one restart.
-    assert restart_patch(deployment, injection, []) != {}
+    # Pods from older settings, or Pods refused so far (none runs): one restart; Pods still
+    # coming: none.
     assert restart_patch(deployment, injection, ["older"]) != {}
+    assert restart_patch(deployment, injection, []) == {}
+    deployment["status"] = {
+        "conditions": [{"type": "ReplicaFailure", "status": "True", "reason": "FailedCreate"}]
+    }
+    assert restart_patch(deployment, injection, []) != {}

@@ -1,0 +1,261 @@
+"""Injection at Pod admission, end to end: the real operator (kopf's webhook server and all)
+answers AdmissionReviews as the API server sends them, and in this mode never writes a
+consumer Deployment but for one restart annotation when the settings change."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import kmock
+import pytest
+import pytest_asyncio
+
+from kvpool.operator import names
+from kvpool.operator.app import INJECT_ID, OperatorOptions, WebhookOptions
+from kvpool.operator.consumers import injected
+from kvpool.operator.election import LeaseOptions
+from kvpool.operator.names import DEPLOYMENTS, POOLS
+from kvpool.operator.plan import build_plan
+from kvpool.operator.pod_injection import POD_ADMISSION
+from kvpool.operator.rbac import LEASE_RULES, RULES, allowed, request_permission
+from testing.kube_api import (
+    DEPLOYMENTS_PATH,
+    NAMESPACE,
+    ApiServer,
+    Cluster,
+    OperatorThread,
+    declare_resources,
+    eventually,
+    free_port,
+    quick_options,
+    write_kubeconfig,
+)
+from testing.operator_objects import Operator, as_created, pool_manifest, pool_spec, vllm_deployment
+from testing.pod_admission import admitted, pod_review, replica_set_pod, serving_pool
+
+pytestmark = pytest.mark.asyncio
+LEASE_NAMESPACE = "kvpool-system"
+POD_ADMISSION_CONFIG = {"webhook": True, "injection_mode": POD_ADMISSION}
+
+
+def opted_in(name: str = "llm") -> dict[str, Any]:
+    """A vLLM Deployment as in Git: the opt-in label on its pod template, nothing else."""
+    deployment = vllm_deployment(name, allow_pool=None)
+    deployment["spec"]["template"]["metadata"]["labels"][names.LABEL_ALLOW_POOL] = "pool"
+    return deployment
+
+
+async def review(url: str, pod: dict[str, Any]) -> dict[str, Any]:
+    """The webhook's response to a Pod CREATE review (waiting for it to listen)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 60
+    async with aiohttp.ClientSession() as session:
+        while True:
+            try:
+                async with session.post(url, json=pod_review(pod)) as response:
+                    if response.status == 200:
+                        answer = await response.json()
+                        assert (
+                            answer["kind"] == "AdmissionReview" and answer["response"]["uid"] == "review-pod"
+                        )
+                        return dict(answer["response"])
+            except aiohttp.ClientConnectionError:
+                pass
+            assert loop.time() < deadline, "the webhook never answered"
+            await asyncio.sleep(0.05)
+
+
+def consumer_writes(cluster: Cluster, start: int = 0) -> list[kmock.Request]:
+    path = DEPLOYMENTS.path(NAMESPACE, "llm")
+    return [r for r in cluster.writes(start) if r.url.path == path]
+
+
+async def serving(cluster: Cluster) -> None:
+    """Play the Deployment controller until the pool's master and store serve."""
+
+    def ready() -> bool:
+        cluster.settle()
+        return all(
+            cluster.condition("pool", kind).get("status") == "True" for kind in ("MasterReady", "StoreReady")
+        )
+
+    await eventually(ready, what="the pool serves")
+
+
+async def start_pod(cluster: Cluster, url: str, deployment: dict[str, Any], template_hash: str) -> dict:
+    """A Pod of ``deployment`` through admission, stored as the API server would store it."""
+    pod = replica_set_pod(deployment, template_hash)
+    response = await review(url, pod)
+    assert response["allowed"] is True, response
+    stored = admitted(pod, response)
+    stored["metadata"]["name"] = stored["metadata"].pop("generateName") + "x"
+    await cluster.create(stored)
+    return stored
+
+
+@pytest.mark.parametrize("operator_config", [POD_ADMISSION_CONFIG])
+async def test_pods_are_injected_and_the_deployment_in_git_is_never_written(
+    cluster: Cluster, operator: Operator
+) -> None:
+    url = f"{operator.webhook_url}/{INJECT_ID}"
+    deployment = opted_in()
+    await cluster.create(deployment)
+    await cluster.create(pool_manifest())
+
+    # Before the pool serves, its consumers' Pods are refused (fail closed), rule and fix named.
+    early = await review(url, replica_set_pod(deployment))
+    assert early["allowed"] is False and early["status"]["code"] == 403
+    assert "[pool-not-ready]" in early["status"]["message"]
+    assert "the ReplicaSet controller retries" in early["status"]["message"]
+
+    await serving(cluster)
+    pod = await start_pod(cluster, url, deployment, "aaa")
+    # The Pod runs exactly what Deployment patching would have put into its template.
+    injection = build_plan("pool", NAMESPACE, pool_spec()).consumers[0]
+    assert pod["spec"] == injected(deployment, injection)["spec"]["template"]["spec"]
+    record = json.loads(pod["metadata"]["annotations"][names.ANNOTATION_INJECTED])
+    assert record["configHash"] == injection.config_hash and record["deployment"] == "llm"
+
+    await eventually(
+        lambda: cluster.settle() or cluster.pool_status("pool").get("phase") == "Ready", what="Ready"
+    )
+    await cluster.quiet("pool")
+    assert consumer_writes(cluster) == []
+    stored = cluster.get(DEPLOYMENTS_PATH, "llm")
+    created = as_created(cluster, "llm")
+    assert stored is not None and stored["spec"] == created["spec"]
+    assert stored["metadata"].get("labels") == deployment["metadata"]["labels"]
+    assert "annotations" not in stored["metadata"]
+
+    # A settings change: one write to the Deployment, the restart annotation and nothing else.
+    start = cluster.mark()
+    await cluster.patch_pool("pool", {"spec": {"connector": {"cache_prefix": "team-b"}}})
+    new_hash = (
+        build_plan("pool", NAMESPACE, pool_spec(connector={"cache_prefix": "team-b"}))
+        .consumers[0]
+        .config_hash
+    )
+    await eventually(lambda: consumer_writes(cluster, start), what="the restart annotation")
+    await serving(cluster)
+    restarted = cluster.get(DEPLOYMENTS_PATH, "llm")
+    assert restarted is not None
+    new_pod = await start_pod(cluster, url, restarted, "bbb")
+    assert json.loads(new_pod["metadata"]["annotations"][names.ANNOTATION_INJECTED])["configHash"] == new_hash
+    await eventually(
+        lambda: cluster.settle() or cluster.pool_status("pool").get("phase") == "Ready", what="Ready"
+    )
+    await cluster.quiet("pool")
+    (write,) = consumer_writes(cluster, start)
+    assert write.method.upper() == "PATCH"
+    body = dict(write.data)
+    # metadata: only the preconditions (the emulator notes the generation in what it received)
+    assert set(body["metadata"]) <= {"uid", "resourceVersion", "generation"}
+    assert body["spec"] == {
+        "template": {"metadata": {"annotations": {names.ANNOTATION_CONFIG_HASH: new_hash}}}
+    }
+    assert restarted["spec"]["template"]["spec"] == created["spec"]["template"]["spec"]
+
+
+@pytest.mark.parametrize("operator_config", [POD_ADMISSION_CONFIG])
+async def test_refusals_are_denied_reviews_and_unlabelled_pods_are_never_touched(
+    cluster: Cluster, operator: Operator
+) -> None:
+    url = f"{operator.webhook_url}/{INJECT_ID}"
+    await cluster.create(opted_in())
+    await cluster.create(pool_manifest())
+    await serving(cluster)
+
+    stranger = await review(url, replica_set_pod(opted_in("other")))
+    assert stranger["allowed"] is False and stranger["status"]["code"] == 403
+    message = stranger["status"]["message"]
+    assert message.endswith("[not-a-consumer]") and "add it to the pool's spec.consumers" in message
+    assert "patch" not in stranger
+
+    shell = opted_in()
+    vllm = shell["spec"]["template"]["spec"]["containers"][0]
+    vllm["command"] = ["sh", "-c", "vllm serve org/model"]
+    del vllm["args"]
+    refused = await review(url, replica_set_pod(shell))
+    assert refused["allowed"] is False and "[shell-launch]" in refused["status"]["message"]
+
+    unlabelled = replica_set_pod(vllm_deployment(allow_pool=None))
+    answer = await review(url, unlabelled)
+    assert answer["allowed"] is True and "patch" not in answer
+    assert admitted(unlabelled, answer) == unlabelled
+
+
+# --- a standby answers too ---------------------------------------------------------------
+
+
+@pytest_asyncio.fixture
+async def own_cluster() -> AsyncIterator[Cluster]:
+    """An emulated API of this test's own (the Lease is granted apart from the chart's rules)."""
+    async with ApiServer() as api, kmock.Server(api, host="127.0.0.1"):
+        declare_resources(api)
+        yield Cluster(api)
+
+
+async def test_a_standby_answers_the_webhook_and_writes_nothing(
+    own_cluster: Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    cluster = own_cluster
+    # Another replica holds the Lease for the whole test: this one stays a standby.
+    lease = {
+        "apiVersion": "coordination.k8s.io/v1",
+        "kind": "Lease",
+        "metadata": {"name": "kvpool-operator", "namespace": LEASE_NAMESPACE},
+        "spec": {"holderIdentity": "elsewhere", "leaseDurationSeconds": 3600},
+    }
+    await cluster.create(lease)
+    await cluster.create(opted_in())
+    pool = await cluster.create(serving_pool())  # Ready, as the leader left it
+    response = await cluster.api.patch(
+        POOLS.path(NAMESPACE, "pool", "status"),
+        json={"status": serving_pool(generation=pool["metadata"].get("generation", 1))["status"]},
+        headers={"Content-Type": "application/merge-patch+json"},
+    )
+    assert response.status == 200, await response.text()
+
+    port = free_port()
+    options = OperatorOptions(
+        **quick_options(
+            write_kubeconfig(tmp_path / "kubeconfig", cluster.url),
+            leader_election=LeaseOptions(LEASE_NAMESPACE, identity="standby", lease_duration=3600.0),
+            webhook=WebhookOptions(port=port, addr="127.0.0.1", host="127.0.0.1", insecure=True),
+            injection_mode=POD_ADMISSION,
+        )
+    )
+    standby = OperatorThread(options)
+    start = cluster.mark()
+    standby.start()
+    try:
+        answer = await review(f"http://127.0.0.1:{port}/{INJECT_ID}", replica_set_pod(opted_in()))
+        assert answer["allowed"] is True and "patch" in answer
+        injected_pod = admitted(replica_set_pod(opted_in()), answer)
+        assert names.ANNOTATION_INJECTED in injected_pod["metadata"]["annotations"]
+        refused = await review(f"http://127.0.0.1:{port}/{INJECT_ID}", replica_set_pod(opted_in("other")))
+        assert refused["allowed"] is False and "[not-a-consumer]" in refused["status"]["message"]
+    finally:
+        await standby.stop()
+    assert standby.error is None, repr(standby.error)
+    assert cluster.writes(start) == []  # the standby acted on nothing, wrote nothing
+    assert not cluster.watching_pools(start)
+    for request in cluster.requests(start):
+        permission = request_permission(request.method, str(request.url))
+        assert permission is None or allowed(permission, RULES + LEASE_RULES), request.url
+
+
+def test_the_cli_sets_the_mode_and_pod_admission_needs_the_webhook() -> None:
+    from kvpool.operator.cli import _parser, options_from_args
+
+    assert options_from_args(_parser().parse_args(["run"])).injection_mode == "deploymentPatch"
+    args = ["run", "--webhook-port", "9443", "--injection-mode", POD_ADMISSION]
+    assert options_from_args(_parser().parse_args(args)).injection_mode == POD_ADMISSION
+    with pytest.raises(SystemExit, match="--webhook-port"):
+        options_from_args(_parser().parse_args(["run", "--injection-mode", POD_ADMISSION]))
