@@ -382,8 +382,9 @@ async def converge(
     else:
         consumers = await roll_consumers(kube, namespace, plan.consumers, notify, mode)
     conflicts += [c.refused for c in consumers if c.refused]
-    # Pod admission patches no Deployment: what patching put in one before is taken out.
-    keep = {c.deployment for c in plan.consumers} if mode == DEPLOYMENT_PATCH else set()
+    # Pod admission patches no Deployment: what patching put in one before is taken out,
+    # but from a refused one (its owner has yet to move the label onto its pod template).
+    keep = {c.name for c in consumers if mode == DEPLOYMENT_PATCH or c.refused}
     await release_consumers(kube, namespace, name, keep, notify)
     return valid_status(
         master_address=plan.master_address,

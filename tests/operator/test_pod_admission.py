@@ -35,7 +35,15 @@ from testing.kube_api import (
     quick_options,
     write_kubeconfig,
 )
-from testing.operator_objects import Operator, as_created, pool_manifest, pool_spec, vllm_deployment
+from testing.operator_objects import (
+    Operator,
+    as_created,
+    consumer,
+    kv_flags,
+    pool_manifest,
+    pool_spec,
+    vllm_deployment,
+)
 from testing.pod_admission import admitted, pod_review, replica_set_pod, serving_pool
 
 pytestmark = pytest.mark.asyncio
@@ -259,3 +267,32 @@ def test_the_cli_sets_the_mode_and_pod_admission_needs_the_webhook() -> None:
     assert options_from_args(_parser().parse_args(args)).injection_mode == POD_ADMISSION
     with pytest.raises(SystemExit, match="--webhook-port"):
         options_from_args(_parser().parse_args(["run", "--injection-mode", POD_ADMISSION]))
+
+
+@pytest.mark.parametrize("operator_config", [POD_ADMISSION_CONFIG])
+async def test_what_patching_put_in_is_taken_out_once_the_template_opts_in(
+    cluster: Cluster, operator: Operator
+) -> None:
+    spec = pool_spec(consumers=[consumer("legacy"), consumer("llm")])
+    injections = {c.deployment: c for c in build_plan("pool", NAMESPACE, spec).consumers}
+    moved = injected(opted_in("llm"), injections["llm"])  # patched before, label now on the template
+    legacy = injected(vllm_deployment("legacy"), injections["legacy"])  # label on the Deployment only
+    for deployment in (moved, legacy):
+        deployment["metadata"]["labels"][names.LABEL_CONSUMER_OF] = "pool"
+        await cluster.create(deployment)
+    await cluster.create(pool_manifest(spec=spec))
+    await serving(cluster)
+
+    await eventually(lambda: not kv_flags(cluster.get(DEPLOYMENTS_PATH, "llm")), what="llm restored")
+    restored = cluster.get(DEPLOYMENTS_PATH, "llm")
+    assert restored is not None and names.LABEL_CONSUMER_OF not in restored["metadata"]["labels"]
+    # Refused (its owner has yet to move the label onto its pod template): left as it is, and said.
+    conflict = await eventually(
+        lambda: (
+            cluster.condition("pool", "Conflict").get("status") == "True"
+            and cluster.condition("pool", "Conflict")["message"]
+        ),
+        what="Conflict",
+    )
+    assert "Deployment team-a/legacy needs the label" in conflict and "on its pod template" in conflict
+    assert kv_flags(cluster.get(DEPLOYMENTS_PATH, "legacy"))

@@ -65,6 +65,30 @@ app.kubernetes.io/managed-by: {{ $root.Release.Service }}
 {{- end }}
 {{- end }}
 
+{{/* How consumers get their settings: podAdmission or deploymentPatch (see injection.mode). */}}
+{{- define "kvpool.injectionMode" -}}
+{{- $mode := .Values.injection.mode | default (ternary "podAdmission" "deploymentPatch" .Values.webhook.enabled) }}
+{{- if and (eq $mode "podAdmission") (not .Values.webhook.enabled) }}
+{{- fail "injection.mode podAdmission needs webhook.enabled=true (the operator serves the mutating webhook); on a cluster that cannot run webhooks set injection.mode=deploymentPatch" }}
+{{- end }}
+{{- $mode }}
+{{- end }}
+
+{{/* "true" when the operator runs leader election: asked for, or needed by pod admission
+(every replica answers the webhook, only the Lease holder acts). */}}
+{{- define "kvpool.leaderElection" -}}
+{{- if or .Values.operator.leaderElection.enabled (eq (include "kvpool.injectionMode" .) "podAdmission") }}true{{ end }}
+{{- end }}
+
+{{/* Operator replicas: as asked with leader election (two at least with pod admission), else one. */}}
+{{- define "kvpool.replicas" -}}
+{{- if eq (include "kvpool.injectionMode" .) "podAdmission" }}
+{{- max 2 (int .Values.operator.replicas) }}
+{{- else if .Values.operator.leaderElection.enabled }}
+{{- .Values.operator.replicas }}
+{{- else }}1{{ end }}
+{{- end }}
+
 {{- define "kvpool.webhookSecretName" -}}
 {{- if .Values.webhook.certManager.enabled }}
 {{- printf "%s-webhook-tls" (include "kvpool.fullname" .) }}
