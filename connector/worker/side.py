@@ -37,7 +37,7 @@ from kvpool.connector.contract.settings import ConnectorSettings
 from kvpool.connector.contract.shards import shard_of, writes_shard
 from kvpool.connector.cpu_affinity import unpin_this_thread
 from kvpool.connector.integrity.deadlines import IDLE_STEP_WAIT_S, Job, JobBoard
-from kvpool.connector.integrity.device_order import Marker, TransferOrder, wait_for
+from kvpool.connector.integrity.device_order import Marker, TransferOrder
 from kvpool.connector.metadata import GroupTransfer, PoolConnectorMetadata, RequestLoad, RequestSave
 from kvpool.connector.observability import tracing
 from kvpool.connector.observability.logs import get_logger
@@ -172,8 +172,10 @@ class WorkerSide:
         # At most one staging buffer per transfer thread rests after a call given up on.
         self.retired_max = transfer_threads
         self.idle_step_wait_s = idle_step_wait_s
+        # Transfers touch blocks only after the device work queued before them.
+        self.order = order or TransferOrder()
         self._pool = ThreadPoolExecutor(
-            transfer_threads, thread_name_prefix="kvpool-xfer", initializer=unpin_this_thread
+            transfer_threads, thread_name_prefix="kvpool-xfer", initializer=self._enter_transfer_thread
         )
         # One read-ahead in flight per transfer thread at most: the next batch of its load.
         self._fetchers = ThreadPoolExecutor(
@@ -197,8 +199,8 @@ class WorkerSide:
         # The KV caches' memory registered with the client: unregistered at shutdown with
         # the staging buffers, as the client may outlive this engine in the process.
         self._kv_spans: list[tuple[int, int]] = []
-        # Transfers touch blocks only after the device work queued before them.
-        self.order = order or TransferOrder()
+        # Per save job: a marker after its queued reads of its blocks (device path), for the barrier.
+        self._blocks_read: dict[Job, Marker] = {}
 
     # --- registration --------------------------------------------------------
     def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
@@ -287,10 +289,18 @@ class WorkerSide:
             with self._lock:
                 self._retired.append((time.monotonic(), slot))
 
+    def _enter_transfer_thread(self) -> None:
+        """A transfer thread's start: its CPU affinity, and its own device stream."""
+        unpin_this_thread()
+        self.order.enter_transfer_thread()
+
     # --- per step -------------------------------------------------------------
     def before_forward(self) -> None:
         """Barrier: saves of earlier steps must have copied their blocks before blocks are reused.
 
+        On the CPU a save is released once its copies are done; on the device path once
+        they are queued on its transfer stream, and the engine's stream then waits for them
+        (``TransferOrder.before_block_writes``): the host never waits for the device here.
         Bounded: a save that has not copied them ``save_timeout_s`` after its last
         progress is abandoned (it copies nothing afterwards and publishes nothing).
         Saves that copied their blocks but are overdue in the pool are abandoned too.
@@ -301,6 +311,9 @@ class WorkerSide:
         for job in pending:
             if not job.wait(until_released=True):
                 job.abandon()
+        with self._lock:
+            blocks_read = [self._blocks_read.pop(job) for job in pending if job in self._blocks_read]
+        self.order.before_block_writes(blocks_read)
         self._jobs.abandon_overdue([j for j in self._jobs.live() if j.kind == "save"])
 
     def wait_for_saves(self) -> None:
@@ -317,7 +330,7 @@ class WorkerSide:
         """Start this step's loads; each is reported by ``transfer_results`` once it returned
         or passed its deadline. The forward never waits for a load: its request is not
         scheduled (and its blocks are not cached) until the load is reported."""
-        self.order.before_loads(meta.loads)
+        zeroed = self.order.before_loads(meta.loads)
         stalled = self._jobs.stalled
         for load in meta.loads:
             job = Job("load", self.deadlines.load_s)
@@ -330,7 +343,7 @@ class WorkerSide:
                 job.abandon()
                 self._load_abandoned(load, job)
             else:
-                future = self._submit(job, load, self._load_request)
+                future = self._submit(job, load, partial(self._load_request, after=zeroed))
                 with self._lock:
                     self._async_loads[load.req_id] = future
 
@@ -352,8 +365,8 @@ class WorkerSide:
             self.before_forward()
 
     def _save_after_forward(self, save: RequestSave, forward_done: Marker | None) -> None:
-        """A save that reads its blocks only once the forward that computed them is done."""
-        wait_for(forward_done)
+        """A save whose reads of its blocks are queued after the forward that computed them."""
+        self.order.after(forward_done)
         self._save_request(save)
 
     def transfer_results(self, *, idle: bool = False) -> tuple[set[str], set[str]]:
@@ -445,11 +458,15 @@ class WorkerSide:
         return job if job is not None else Job(kind, timeout_s)
 
     # --- loads -------------------------------------------------------------------
-    def _load_request(self, load: RequestLoad) -> bool:
-        """Load one request's blocks; False when the request must recompute instead."""
+    def _load_request(self, load: RequestLoad, after: Marker | None = None) -> bool:
+        """Load one request's blocks; False when the request must recompute instead.
+
+        ``after``: the device work the load's writes into the blocks are queued after.
+        """
         job = self._job(load, self.deadlines.load_s)
         if job.abandoned:
             return False
+        self.order.after(after)
         started = time.perf_counter()
         with tracing.span(
             "kvpool.load", load.trace_context, request_id=load.req_id, hit_tokens=load.hit_tokens
@@ -702,9 +719,15 @@ class WorkerSide:
                 result.fail(transfer.block_ids[start:], Outcome.TIMEOUT)
                 break
             try:
-                checks = copier.stage(slot, part_blocks)
+                if copier.use_memmove:
+                    checks = copier.stage(slot, part_blocks)
+                else:  # queued on this thread's stream; released before the device ran it
+                    copier.from_blocks(slot, part_blocks, synchronize=False)
+                    self._note_blocks_read(job)
             finally:
                 job.end_touch(last=last and start + per_call >= len(keys))
+            if not copier.use_memmove:  # taken where the bytes are; waits for this thread's stream
+                checks = slot.payload_word_sums(range(len(part_blocks)), size)
             identities = [self._identity(transfer, start + i, copier) for i in range(len(part_keys))]
             headers = [pack_header(h, check, copier.checksum) for h, check in zip(identities, checks)]
             slot.write_headers(headers, size)
@@ -712,6 +735,13 @@ class WorkerSide:
                 self.client.remove(part_keys[: replacing - start])
             self._put_staged(result, job, slot, part_keys, part_blocks, copier)
         return result
+
+    def _note_blocks_read(self, job: Job) -> None:
+        """Keep a marker after ``job``'s queued reads of its blocks, for the save barrier."""
+        marker = self.order.blocks_read()
+        if marker is not None:
+            with self._lock:
+                self._blocks_read[job] = marker
 
     def _put_staged(
         self,

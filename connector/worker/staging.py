@@ -84,8 +84,12 @@ class GroupCopier:
             raise IndexError(f"block id outside 0..{self.num_blocks - 1}: {min(block_ids)}..{max(block_ids)}")
 
     # --- blocks -> staging (saves) ---------------------------------------------
-    def from_blocks(self, slot: StagingSlot, block_ids: Sequence[int]) -> None:
-        """Copy each block's payload into object ``i`` of ``slot``."""
+    def from_blocks(self, slot: StagingSlot, block_ids: Sequence[int], *, synchronize: bool = True) -> None:
+        """Copy each block's payload into object ``i`` of ``slot``.
+
+        ``synchronize=False`` (device path): return once the copies are queued on this
+        thread's stream; whatever it queues next runs after them.
+        """
         self.check(block_ids)
         if self.use_memmove:
             for i, block in enumerate(block_ids):
@@ -97,7 +101,8 @@ class GroupCopier:
         objects = slot.objects(len(block_ids), self.object_bytes)
         for run, view in zip(self.runs, self._block_views()):
             objects[:, run.offset : run.offset + run.size].copy_(view.index_select(0, index))
-        slot.synchronize()
+        if synchronize:
+            slot.synchronize()
 
     def stage(self, slot: StagingSlot, block_ids: Sequence[int]) -> list[int]:
         """:meth:`from_blocks`, returning each staged payload's checksum (of kind ``checksum``).

@@ -9,7 +9,8 @@ save barrier must therefore sit in ``handle_preemptions``, the step's first call
 
 A real in-process engine (vLLM's V1 CPU model runner) with the connector. Each step's
 saves wait on a marker of "the forward is still running" (the connector's device-order
-hook) that only ``_update_states`` or a timeout releases: a save that has not read its
+hook; ``testing.device_queues.BlockingQueues`` plays the stream's wait by blocking the transfer
+thread) that only ``_update_states`` or a timeout releases: a save that has not read its
 blocks when ``_update_states`` runs is caught there. With the barrier in place it waits
 out the marker, so no step ever starts with such a save; with the barrier moved back to
 ``bind_connector_metadata`` (the negative control) the very next step does.
@@ -24,6 +25,7 @@ from typing import Any
 
 import pytest
 
+from testing.device_queues import BlockingQueues
 from testing.engine import (
     EngineOptions,
     create_llm,
@@ -49,7 +51,7 @@ class StillComputing:
 
     def synchronize(self) -> None:
         if not threading.current_thread().name.startswith("kvpool-xfer"):
-            return  # the loads' wait, on the step's own thread
+            return  # the engine's stream waiting for a save's reads: nothing held here
         with self.watch.lock:
             self.watch.waiting += 1
         try:
@@ -112,7 +114,7 @@ def _serve(model: Path, settings: Any, watch: Watch) -> None:
     try:
         worker = worker_of()
         assert not worker.order.drain_saves, "the V1 runner: saves overlap the next step"
-        worker.order.record_marker = watch.marker
+        worker.order.queues = BlockingQueues(watch.marker)
         generate(llm, [P1], 4)  # a 10-block prefill, then decode steps
         generate(llm, [P2], 4)
     finally:
@@ -141,7 +143,7 @@ def test_under_a_runner_that_writes_blocks_first_saves_read_theirs_within_the_st
     """vLLM's V2 model runner zeroes and copies blocks before ``handle_preemptions`` (it needs
     Triton, so it cannot run here): there ``start_saves`` returns only once this step's saves
     have read their blocks. A real ``WorkerSide`` and pool; the forward still "on the device"
-    until the save thread synchronizes."""
+    until the save thread's stream waits for it."""
     import torch
 
     from kvpool.connector.integrity.device_order import TransferOrder
@@ -159,7 +161,7 @@ def test_under_a_runner_that_writes_blocks_first_saves_read_theirs_within_the_st
         pool_client,
         cache_prefix,
         num_blocks=4,
-        order=TransferOrder(record_marker=Forward, drain_saves=True),
+        order=TransferOrder(queues=BlockingQueues(Forward), drain_saves=True),
     )
     try:
         worker.register_kv_caches({"l0": torch.zeros((2, 4, 32, 2, 16))})
