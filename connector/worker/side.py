@@ -193,7 +193,9 @@ class WorkerSide:
         self._futures: dict[Job, Future[Any]] = {}  # of jobs submitted and not yet returned
         self._load_errors: set[int] = set()
         self._local = threading.local()
-        self._slots: list[StagingSlot] = []
+        self._slots: list[StagingSlot] = []  # every staging buffer allocated (and registered)
+        self._idle_slots: list[StagingSlot] = []  # allocated at registration, no thread's yet
+        self.transfer_threads = transfer_threads
         self._retired: list[tuple[float, StagingSlot]] = []  # (when, buffer) given up on
         self._closed = False
         # The KV caches' memory registered with the client: unregistered at shutdown with
@@ -225,11 +227,37 @@ class WorkerSide:
         for ptr, size in sorted(spans):
             self.client.register(ptr, size)
             self._kv_spans.append((ptr, size))
+        self._allocate_staging()
         logger.info(
-            "KVPoolConnector registered %d memory span(s); bytes per block by group: %s",
+            "KVPoolConnector registered %d memory span(s); bytes per block by group: %s; "
+            "staging: %d x %d bytes on %s",
             len(spans),
             [self.group_block_bytes(g) for g in range(len(self.groups))],
+            len(self._idle_slots),
+            self.slot_bytes(),
+            self._device,
         )
+
+    def slot_bytes(self) -> int:
+        """One staging buffer's size: ``staging_buffer_size``, or one object if that is larger."""
+        largest = max((c.object_bytes for c in self.copiers if c is not None), default=0)
+        return max(self.staging_bytes, largest)
+
+    def _allocate_staging(self) -> None:
+        """One staging buffer per transfer thread, allocated and registered now, with the KV
+        caches: on an accelerator the memory is taken once, at startup, never by a first
+        transfer (``docs/architecture.md``: how it relates to vLLM's memory budget)."""
+        if self._device is None:
+            return  # no layer on this rank
+        for _ in range(self.transfer_threads):
+            self._idle_slots.append(self._new_slot())
+
+    def _new_slot(self) -> StagingSlot:
+        slot = StagingSlot(self.slot_bytes(), self._device, device_path=bool(self.device_path))
+        self.client.register(slot.ptr, slot.nbytes)
+        with self._lock:
+            self._slots.append(slot)
+        return slot
 
     def _on_device_path(self, tensor: Any) -> bool:
         """Whether copies and checksums take the device path for a cache like ``tensor``."""
@@ -264,16 +292,12 @@ class WorkerSide:
             if ready:
                 self._retired.remove(ready[0])
                 slot = ready[0][1]
+            elif self._idle_slots:
+                slot = self._idle_slots.pop()
             elif len(self._retired) >= self.retired_max:
                 return None
-        if slot is None:
-            largest = max((c.object_bytes for c in self.copiers if c is not None), default=0)
-            slot = StagingSlot(
-                max(self.staging_bytes, largest), self._device, device_path=bool(self.device_path)
-            )
-            self.client.register(slot.ptr, slot.nbytes)
-            with self._lock:
-                self._slots.append(slot)
+        if slot is None:  # a thread whose buffer was retired: one more, until it is free again
+            slot = self._new_slot()
         self._local.slot = slot
         return slot
 

@@ -284,3 +284,41 @@ def test_a_worker_runs_the_transfer_threads_its_settings_name(pool_client, cache
         assert w._pool._max_workers == 2 and w.retired_max == 2
     finally:
         w.shutdown()
+
+
+@pytest.mark.parametrize("device_path", [None, True])
+def test_staging_is_allocated_and_registered_with_the_kv_caches(
+    pool_client, cache_prefix, monkeypatch, device_path
+) -> None:
+    """One buffer per transfer thread, sized from the settings, exists right after
+    ``register_kv_caches``: on an accelerator the memory is taken at startup, never by a
+    first transfer; transfers then allocate nothing."""
+    registered: list[tuple[int, int]] = []
+    register = type(pool_client).register
+    monkeypatch.setattr(
+        type(pool_client),
+        "register",
+        lambda self, ptr, size: registered.append((ptr, size)) or register(self, ptr, size),
+    )
+    w = single_group_worker(
+        pool_client,
+        cache_prefix,
+        num_blocks=NUM_BLOCKS,
+        transfer_threads=3,
+        staging_bytes=1 << 20,
+        device_path=device_path,
+    )
+    try:
+        cache = torch.randn(SHAPE)
+        w.register_kv_caches({"l0": cache})
+        buffers = [(slot.ptr, slot.nbytes) for slot in w._slots]
+        assert [size for _, size in buffers] == [1 << 20] * 3
+        assert set(buffers) <= set(registered), "every buffer registered with Mooncake at once"
+        w.start_saves(PoolConnectorMetadata(saves=[RequestSave("s", [GroupTransfer(0, ["a"], [1])])]))
+        w.before_forward()
+        w.wait_for_saves()
+        run_loads(w, [RequestLoad("l", [GroupTransfer(0, ["a"], [2])], 32)])
+        assert torch.equal(cache[:, 2], cache[:, 1])
+        assert [(slot.ptr, slot.nbytes) for slot in w._slots] == buffers, "no buffer allocated by a transfer"
+    finally:
+        w.shutdown()
