@@ -17,9 +17,10 @@ with a Mooncake client. The same blocks move three ways:
 The connector moves each block as one object (its 64-byte header, then the block)
 through a registered staging buffer per transfer thread; raw moves the bare block
 with one scatter entry per K and V run. The header's own cost per block (the
-payload's CRC-32C, packing and writing the header for a save; reading and checking
+payload's checksum, packing and writing the header for a save; reading and checking
 both for a load; its bytes) is measured apart and set against the connector's
-run-to-run spread. The load's read-ahead
+run-to-run spread, on the CPU path (CRC-32C) and on the device path run on CPU tensors
+(``WORD_SUMS`` with torch operations: its cost here is not a GPU's, its bytes are). The load's read-ahead
 (the next batch read into one half of the staging buffer while the other half is checked
 and copied into the blocks, which the connector does when its client holds a segment of
 the pool) is set against batches four times larger and against one read a group, paired,
@@ -230,7 +231,13 @@ def _measure(rig: Rig, n: int, reps: int) -> dict[str, Any]:
         if nbytes != total:
             raise RuntimeError(f"connector {op} moved {nbytes} bytes, expected {total}")
     rig.client.remove(load_keys[0] + load_keys[1] + raw_keys[0] + raw_keys[1])
-    return {"blocks_per_group": n, "bytes": total, "seconds": seconds, "header": _header_cost(rig, n, reps)}
+    return {
+        "blocks_per_group": n,
+        "bytes": total,
+        "seconds": seconds,
+        "header": _header_cost(rig, n, reps),
+        "header_device": _header_cost(rig, n, reps, device_path=True),
+    }
 
 
 # Read-ahead batches compared with the connector's (``LOAD_BATCH_BYTES``): this many times it.
@@ -311,42 +318,43 @@ def _read_ahead_table(rows: list[dict[str, Any]], reps: int) -> Table:
     return table
 
 
-def _header_cost(rig: Rig, n: int, reps: int) -> dict[str, Any]:
-    """Seconds the object header adds per block: the payload's CRC, packing and writing the
-    header (save); reading and checking the header and the payload's CRC (load), on this
-    thread's staging buffer; and the bytes it adds."""
-    from kvpool.connector.contract.object_header import (
-        HEADER_BYTES,
-        ObjectIdentity,
-        mismatch,
-        pack_header,
-        payload_matches,
-    )
+def _header_cost(rig: Rig, n: int, reps: int, *, device_path: bool = False) -> dict[str, Any]:
+    """Seconds the object header adds per block: the payload's checksum, packing and writing
+    the header (save); reading and checking the header and the payload's checksum (load), on
+    this thread's staging buffer; and the bytes it adds.
+
+    ``device_path``: the accelerator's code on a copy of the buffer in host memory (indexed
+    torch copies, ``WORD_SUMS`` taken with torch operations), else the CPU's (CRC-32C).
+    """
+    from kvpool.connector.contract.object_header import HEADER_BYTES, ObjectIdentity, mismatch, pack_header
     from kvpool.connector.contract.payload_checks import Checksum
+    from kvpool.connector.worker.staging import StagingSlot
 
     worker = rig.worker
     copier = worker.copiers[0]
     slot = worker._slot()
     if copier is None or slot is None:
         raise RuntimeError("the worker has no staging buffer")
+    if device_path:
+        staged = slot
+        slot = StagingSlot(staged.nbytes, staged.tensor.device, device_path=True)
+        slot.tensor.copy_(staged.tensor)
     size = copier.object_bytes
     count = min(n, slot.nbytes // size)
+    kind = Checksum.WORD_SUMS if device_path else Checksum.CRC32C
+    checksums = slot.payload_word_sums if device_path else slot.payload_crcs
     fingerprint, payload = worker.keyspace.fingerprint, copier.payload_bytes
     ids = [ObjectIdentity(fingerprint, f"h-{i}", 0, 0, 0, payload) for i in range(count)]
     save, load = [], []
     for _ in range(reps):
         with stopwatch() as t:
-            crcs = slot.payload_crcs(range(count), size)
-            slot.write_headers([pack_header(i, crc) for i, crc in zip(ids, crcs, strict=True)], size)
+            checks = checksums(range(count), size)
+            slot.write_headers([pack_header(i, c, kind) for i, c in zip(ids, checks, strict=True)], size)
         save.append(t[0] / count)
         with stopwatch() as t:
             headers = slot.read_headers(count, size)
             bad = [mismatch(h, i) for h, i in zip(headers, ids, strict=True)]
-            crcs = slot.payload_crcs(range(count), size)
-            bad += [
-                None if payload_matches(h, Checksum.CRC32C, c) else "payload"
-                for h, c in zip(headers, crcs, strict=True)
-            ]
+            bad += [None if ok else "payload" for ok in slot.payloads_match(range(count), headers, size)]
         load.append(t[0] / count)
         if any(bad):
             raise RuntimeError(f"a header did not read back: {next(b for b in bad if b)}")
@@ -473,45 +481,54 @@ def _probe_one_call(rig: Rig, n: int) -> list[dict[str, Any]]:
     return out
 
 
-def _header_share(row: dict[str, Any], op: str) -> tuple[float, float]:
+def _header_share(row: dict[str, Any], op: str, field: str = "header") -> tuple[float, float]:
     """(the header's median seconds per block / the connector's, the connector's spread (max-min)/median)."""
     connector = Stat.of(row["seconds"][op]["connector"])
     per_block = connector.median / (2 * row["blocks_per_group"])
-    header = Stat.of(row["header"][f"{op}_s"]).median
-    extra = row["header"]["bytes"] / row["header"]["object_bytes"]  # more bytes on the wire
+    header = Stat.of(row[field][f"{op}_s"]).median
+    extra = row[field]["bytes"] / row[field]["object_bytes"]  # more bytes on the wire
     return header / per_block + extra, (connector.high - connector.low) / connector.median
 
 
 def _header_table(rows: list[dict[str, Any]], reps: int) -> Table:
     table = Table(
         f"the object header: its cost per block, median (min..max) of {reps}, against the connector's time "
-        "per block and its run-to-run spread",
+        "per block and its run-to-run spread; the CPU path (CRC-32C) and the device path run on CPU "
+        "tensors (indexed torch copies, WORD_SUMS)",
         [
+            "path",
             "blocks/group",
             "header bytes / object",
-            "save: CRC + pack + write µs",
-            "load: read + check + CRC µs",
+            "save: checksum + pack + write µs",
+            "load: read + check + checksum µs",
             "save share",
             "load share",
             "save spread",
             "load spread",
         ],
     )
-    for r in rows:
-        h = r["header"]
-        save_share, save_spread = _header_share(r, "save")
-        load_share, load_spread = _header_share(r, "load")
-        table.add(
-            r["blocks_per_group"],
-            f"{h['bytes']} / {h['object_bytes']}",
-            Stat.of(h["save_s"]).fmt(1e6),
-            Stat.of(h["load_s"]).fmt(1e6),
-            f"{100 * save_share:.2f}%",
-            f"{100 * load_share:.2f}%",
-            f"{100 * save_spread:.0f}%",
-            f"{100 * load_spread:.0f}%",
-        )
+    for path, field in (("CPU", "header"), ("device, on CPU tensors", "header_device")):
+        for r in rows:
+            if field in r:
+                _header_row(table, path, r, field)
     return table
+
+
+def _header_row(table: Table, path: str, r: dict[str, Any], field: str) -> None:
+    h = r[field]
+    save_share, save_spread = _header_share(r, "save", field)
+    load_share, load_spread = _header_share(r, "load", field)
+    table.add(
+        path,
+        r["blocks_per_group"],
+        f"{h['bytes']} / {h['object_bytes']}",
+        Stat.of(h["save_s"]).fmt(1e6),
+        Stat.of(h["load_s"]).fmt(1e6),
+        f"{100 * save_share:.2f}%",
+        f"{100 * load_share:.2f}%",
+        f"{100 * save_spread:.0f}%",
+        f"{100 * load_spread:.0f}%",
+    )
 
 
 def _gbps(nbytes: int, seconds: list[float]) -> Stat:
