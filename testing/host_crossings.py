@@ -22,7 +22,10 @@ CROSSINGS = ("cpu", "numpy", "tolist", "item", "__array__", "__int__", "__float_
 class HostBytes:
     """Bytes handed to the host per method, while installed (thread-safe: transfer threads count)."""
 
-    def __init__(self) -> None:
+    def __init__(self, thread_prefix: str = "") -> None:
+        """``thread_prefix``: count only calls made on threads whose name starts with it
+        (``kvpool-``: the connector's transfer threads, not an engine's own reads)."""
+        self.thread_prefix = thread_prefix
         self.by_method: Counter[str] = Counter()
         self._lock = threading.Lock()
 
@@ -35,6 +38,8 @@ class HostBytes:
             self.by_method.clear()
 
     def _count(self, method: str, tensor: torch.Tensor) -> None:
+        if not threading.current_thread().name.startswith(self.thread_prefix):
+            return
         with self._lock:
             self.by_method[method] += tensor.numel() * tensor.element_size()
 
