@@ -2,24 +2,17 @@
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
-import subprocess
-import sys
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from testing.operator_objects import NAMESPACE as SCENARIO_NAMESPACE
-from tests.chart.helm import CHART, ROOT, Helm, HelmUnavailable, extract_helm
-from tests.chart.recorder import NAMESPACES_ENV, RECORD_ENV
+from tests.chart.helm import CHART, Helm, HelmUnavailable, extract_helm
+from tests.chart.recorder import ScenarioRun, SessionRecorder, is_scenario
 
-# The operator's integration scenarios, run once per RBAC mode in a pytest of their own.
-SCENARIOS = ROOT / "tests" / "operator"
-SCENARIO_TIMEOUT = 420
+SCENARIO_TIMEOUT = 420  # seconds a pytest of the operator's scenarios may take
 
 
 @pytest.fixture(scope="session")
@@ -51,59 +44,79 @@ class Recording:
     tests: tuple[str, ...]
 
 
+MODES = {"cluster": (), "namespaced": (SCENARIO_NAMESPACE,)}
+_SESSION = pytest.StashKey[SessionRecorder]()
+_RUNS = pytest.StashKey[dict[str, ScenarioRun]]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.stash[_SESSION] = SessionRecorder()
+    config.stash[_RUNS] = {}
+    config.pluginmanager.register(config.stash[_SESSION], "kvpool-rbac-session-recorder")
+    config.pluginmanager.register(_ScenarioRuns(config), "kvpool-rbac-scenario-runs")
+
+
+def _uses_recordings(item: pytest.Item) -> bool:
+    return "recordings" in getattr(item, "fixturenames", ())
+
+
+def _start(config: pytest.Config, mode: str) -> ScenarioRun:
+    runs = config.stash[_RUNS]
+    if mode not in runs:
+        runs[mode] = ScenarioRun(mode, MODES[mode])
+    return runs[mode]
+
+
+class _ScenarioRuns:
+    """Orders the tests that read the recordings after the operator's scenarios, and starts the
+    namespaced run of the scenarios beside the session's own (cluster-wide) run of them."""
+
+    def __init__(self, config: pytest.Config):
+        self.config = config
+        self.wanted = False
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
+        readers = [item for item in items if _uses_recordings(item)]
+        items[:] = [item for item in items if not _uses_recordings(item)] + readers
+        self.wanted = bool(readers)
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_setup(self, item: pytest.Item) -> None:
+        if self.wanted and is_scenario(item):
+            _start(self.config, "namespaced")
+
+    def pytest_sessionfinish(self) -> None:
+        for run in self.config.stash[_RUNS].values():
+            run.stop()
+
+
 @pytest.fixture(scope="session")
-def recordings(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Recording]]:
+def recordings(request: pytest.FixtureRequest) -> dict[str, Recording]:
     """The operator's integration scenarios (tests/operator, kmock as the API server), run
     cluster-wide and watching one namespace, with every request the operator made recorded.
 
-    Both runs go at once, each in its own pytest process with ``tests.chart.recorder``.
+    Cluster-wide: the session's own run of the scenarios when it holds all of them (these
+    tests run last), else a pytest of their own; namespaced: a pytest of its own, started
+    beside the session's first scenario (``tests.chart.recorder``).
     """
-    folder = tmp_path_factory.mktemp("rbac-recordings")
-    modes = {"cluster": (), "namespaced": (SCENARIO_NAMESPACE,)}
-    runs = {}
-    try:
-        for mode, namespaces in modes.items():
-            record = folder / f"{mode}.jsonl"
-            env = dict(os.environ)
-            env[RECORD_ENV] = str(record)
-            env[NAMESPACES_ENV] = ",".join(namespaces)
-            env.pop("PYTEST_ADDOPTS", None)
-            command = [
-                sys.executable,
-                "-m",
-                "pytest",
-                str(SCENARIOS),
-                "-p",
-                "tests.chart.recorder",
-                "-p",
-                "no:cacheprovider",
-                "-q",
-                "--no-header",
-            ]
-            log = (folder / f"{mode}.log").open("w")
-            process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-            runs[mode] = (process, record, log, namespaces)
-        results = {}
-        for mode, (process, record, log, namespaces) in runs.items():
-            try:
-                code = process.wait(timeout=SCENARIO_TIMEOUT)
-            finally:
-                log.close()
-            output = (folder / f"{mode}.log").read_text()
-            assert code == 0, f"the operator scenarios failed ({mode}):\n{output[-6000:]}"
-            lines = [json.loads(line) for line in record.read_text().splitlines()]
-            requests = tuple(
-                Request(r["test"], r["method"], r["url"], tuple(tuple(p) for p in r.get("implied", [])))
-                for r in lines
-            )
-            results[mode] = Recording(namespaces, requests, tuple(sorted({r.test for r in requests})))
-        yield results
-    finally:
-        for process, _, log, _ in runs.values():
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-            log.close()
+    config = request.config
+    session = config.stash[_SESSION]
+    in_session = session.complete()
+    runs = {mode: _start(config, mode) for mode in MODES if mode != "cluster" or not in_session}
+    results = {}
+    for mode, namespaces in MODES.items():
+        if mode in runs:
+            lines = runs[mode].requests(timeout=SCENARIO_TIMEOUT)
+        else:
+            assert not session.failed, f"the operator scenarios failed in this session: {session.failed}"
+            lines = session.requests
+        requests = tuple(
+            Request(r["test"], r["method"], r["url"], tuple(tuple(p) for p in r.get("implied", [])))
+            for r in lines
+        )
+        results[mode] = Recording(namespaces, requests, tuple(sorted({r.test for r in requests})))
+    return results
 
 
 @pytest.fixture
