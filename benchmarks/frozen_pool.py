@@ -3,11 +3,11 @@
 One master and one store process on loopback, frozen with SIGSTOP and thawed
 with SIGCONT. Side by side, on the same client:
 
-* **connector** — the scheduler's lookup (``SchedulerSide._exists``, bounded by
-  ``lookup_timeout_s``) and the worker's part of one engine step, exactly what
-  vLLM calls: the save barrier (``before_forward``), a synchronous load of 16
-  blocks (``start_loads``, bounded by ``load_timeout_s``) and the save of 16
-  fresh blocks (``start_saves``);
+* **connector** — the scheduler's existence check (a question to its presence
+  service, ``PresenceService.ask``, bounded by ``lookup_timeout_s``) and the
+  worker's part of one engine step, exactly what vLLM calls: the save barrier
+  (``before_forward``), a synchronous load of 16 blocks (``start_loads``, bounded
+  by ``load_timeout_s``) and the save of 16 fresh blocks (``start_saves``);
 * **raw** — the same Mooncake calls with nothing around them (``batch_is_exist``;
   ``batch_get_into_multi_buffers`` and ``batch_put_from_multi_buffers`` on the
   same blocks): what a connector without deadlines waits, until Mooncake's own
@@ -168,7 +168,7 @@ def _episode(rig: Rig, process: Any, steps: int, variant: str) -> dict[str, list
         for step in range(steps if variant == "connector" else 1):
             with stopwatch() as t:
                 if variant == "connector":
-                    rig.sched._exists(rig.lookup_keys)
+                    rig.sched.presence.ask(lambda: rig.lookup_keys).result()
                 else:
                     rig.store.batch_is_exist(rig.lookup_keys)
             out["lookup"].append(t[0])

@@ -8,10 +8,11 @@ of its rank-0 worker, measured with that worker in the scheduler's process (as
 vLLM's ``UniProcExecutor`` runs it) and in a process of its own (as
 ``MultiprocExecutor`` does). Every variant must return the same hit length.
 
-Ours runs its synchronous path (``batch_lookups`` off): each call asks the master
-itself and returns the hit, which is what one request costs the batched path's
-thread when it is alone in its step (in an engine the call returns ``None`` at
-once and the hit a step later; ``benchmarks.scheduler_overhead`` measures that).
+Ours is asked and waited for (``testing.scheduler.matched_tokens``): its first
+call queues the lookup, the presence service's thread answers it, and a second
+call takes the hit, all timed as one call. That is what one request costs when it
+is alone in its step (in an engine the first call returns ``None`` at once and the
+hit comes a step later; ``benchmarks.scheduler_overhead`` measures that).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from benchmarks.common import Options, Report, Stat, Table, Target, ratios, rota
 from benchmarks.vllm_env import bench_scheduler, ours_transfer, tiny_long_model
 from testing.engine import scheduler_of
 from testing.kv_cache import GroupDesc
-from testing.scheduler import make_request
+from testing.scheduler import make_request, matched_tokens, settle
 
 LENGTHS = (1024, 8192, 32768)
 SMOKE_LENGTHS = (1024,)
@@ -90,6 +91,17 @@ def _intree_key_count(worker_connector: Any, request: Any) -> int:
     return total
 
 
+def _asker(scheduler: Any) -> Any:
+    """A call of ``scheduler``'s lookup for a request, returning the hit (ours: asked and
+    waited for, see the module docstring)."""
+    from kvpool.connector.connector import KVPoolConnector
+
+    connector = scheduler.connector
+    if isinstance(connector, KVPoolConnector):
+        return lambda request: matched_tokens(connector, request)[0]
+    return lambda request: connector.get_num_new_matched_tokens(request, 0)[0]
+
+
 def _diagnose(scheduler: Any, request: Any, reps: int) -> dict[str, list[float]]:
     """Time the parts of our lookup that can be called alone; the rest is derived in the report."""
     from kvpool.connector.contract.keys import hash_digest
@@ -101,16 +113,16 @@ def _diagnose(scheduler: Any, request: Any, reps: int) -> dict[str, list[float]]
     hashes = request.block_hashes
     wanted = coord.lookup_blocks(hashes, max_hit)
     keys = [keyspace.key(g, 0, 0, hash_digest(h)) for g, blocks in wanted.items() for h in blocks]
-    side.get_num_new_matched_tokens(request, 0)
-    side.settle_statistics(5.0)
-    side.forget_lookup(request.request_id)
+    ask = _asker(scheduler)
+    ask(request)
+    _settle(scheduler, request)
     asked = keys[: side.stats.lookups[-1].keys]  # as many keys as it asks; the pool holds none
 
     def absent(questions: Any) -> dict[int, list[bool]]:
         return {g: [False] * len(indices) for g, indices in questions.items()}
 
     parts = {
-        TOTAL: lambda: side.get_num_new_matched_tokens(request, 0),
+        TOTAL: lambda: ask(request),
         "lookup_blocks (per-group hash views)": lambda: coord.lookup_blocks(hashes, max_hit),
         f"store.exists ({len(asked)} keys asked)": lambda: client.exists(asked),
         "find_hit_asking (fixed point, answers without I/O)": lambda: coord.find_hit_asking(
@@ -126,21 +138,19 @@ def _diagnose(scheduler: Any, request: Any, reps: int) -> dict[str, list[float]]
             with stopwatch() as t:
                 fn()
             out[label].append(t[0])
-            side.settle_statistics(5.0)
-            side.forget_lookup(request.request_id)
+            _settle(scheduler, request)
     return out
 
 
 def _settle(scheduler: Any, request: Any) -> None:
     """Untimed, after each of our calls: let the statistics' check (off the lookup's path)
-    finish, and forget the request's lookup, which it would keep until allocated, so the
-    next call looks it up again."""
+    finish, and forget the request (as vLLM does when it finishes): its lookup would be kept
+    until allocated, and the next call looks it up again."""
     from kvpool.connector.connector import KVPoolConnector
 
     if isinstance(scheduler.connector, KVPoolConnector):
-        side = scheduler_of(scheduler.connector)
-        side.settle_statistics(5.0)
-        side.forget_lookup(request.request_id)
+        settle(scheduler.connector, 5.0)
+        scheduler_of(scheduler.connector).request_finished(request.request_id)
 
 
 def freeze_gc_heap() -> None:
@@ -168,7 +178,7 @@ def _measure_layout(
         "intree_process": bench_scheduler(model, groups, it_transfer[1], num_blocks=NUM_BLOCKS),
     }
     # One request's lookup, asked and answered within the call (see the module docstring).
-    scheduler_of(schedulers["ours"].connector).batch_lookups = False
+    asks = {v: _asker(s) for v, s in schedulers.items()}
     worker = intree.start_worker(model, groups, it_transfer[0], NUM_BLOCKS, config_path)
     rows: list[dict[str, Any]] = []
     rng = random.Random(1000 + index)
@@ -190,14 +200,12 @@ def _measure_layout(
                     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
                     hits: dict[str, set[int]] = {v: set() for v in VARIANTS}
                     for v in VARIANTS:  # warm-up, untimed
-                        hits[v].add(
-                            int(schedulers[v].connector.get_num_new_matched_tokens(requests[v], 0)[0] or 0)
-                        )
+                        hits[v].add(int(asks[v](requests[v]) or 0))
                         _settle(schedulers[v], requests[v])
                     for rep in range(reps):
                         for v in rotate(VARIANTS, rep):
                             with stopwatch() as t:
-                                got, _ = schedulers[v].connector.get_num_new_matched_tokens(requests[v], 0)
+                                got = asks[v](requests[v])
                             times[v].append(t[0])
                             hits[v].add(int(got or 0))
                             _settle(schedulers[v], requests[v])
@@ -314,7 +322,8 @@ def _report(rows: list[dict[str, Any]], reps: int, opts: Options) -> Report:
             parts.add(label, st.fmt(1e3), f"{st.median / total * 100:.0f}%")
         rest = total - named
         parts.add(
-            "the rest: digests, key strings, presence by position, stats record",
+            "the rest: the hand-off to the presence thread and back, digests, key strings, "
+            "presence by position, stats record",
             f"{rest * 1e3:.2f}",
             f"{rest / total * 100:.0f}%",
         )
@@ -339,8 +348,8 @@ def _report(rows: list[dict[str, Any]], reps: int, opts: Options) -> Report:
         "'keys ours' are the keys our lookup asked about: every full-attention block up to the "
         "longest possible hit and each other group's blocks at a candidate hit's end (a second, "
         "small round trip when the hit is shorter); in-tree asks about every block of every group. "
-        "Our per-group statistics ask about the other blocks on a thread of their own after the "
-        "lookup returns; each call waits for that (untimed) before the next variant runs."
+        "Our per-group statistics ask about the other blocks on the presence service's thread after "
+        "the lookup is answered; each call waits for that (untimed) before the next variant runs."
     )
     report.data["rows"] = rows
     path = common.plot_path("lookup", opts)

@@ -11,10 +11,11 @@ requests (fresh 128-token prompts) to each and runs steps (``schedule`` +
 admitted: the connector's lookups are batched, so its scheduler skips the
 requests in the step that queues their lookups and admits them in a later
 one. Admission is the scheduler time summed over those steps; after each, the
-benchmark waits, untimed, until the connector's threads have answered the
-lookups and their statistics' existence checks (in an engine the model's
+benchmark waits, untimed, until the connector's presence service has answered
+the lookups and their statistics' existence checks (in an engine the model's
 forward runs then), and reports that wait apart, with the pause an idle step
-takes for its lookups (``IDLE_STEP_WAIT_S``). Then the decode steps
+takes for its lookups (``IDLE_STEP_WAIT_S``); ``testing.scheduler.PresenceMeter``
+counts the checks and times the pauses. Then the decode steps
 after it are timed; requests are then aborted (untimed). A last pass, not in
 the ratios, times each of the connector's hooks over a few more admissions:
 where the extra time per admitted request goes, and what is left for vLLM's
@@ -35,9 +36,8 @@ from benchmarks import common
 from benchmarks.common import Options, Report, Stat, Table, Target, ratios, rotate, stopwatch
 from benchmarks.vllm_env import bench_scheduler, ours_transfer, tiny_long_model
 from testing.deferring_connector import TRANSFER as DEFERRING_TRANSFER
-from testing.engine import scheduler_of
 from testing.kv_cache import GroupDesc
-from testing.scheduler import make_request
+from testing.scheduler import PresenceMeter, make_request, settle
 
 WAITING = (64, 256)
 SMOKE_WAITING = (8,)
@@ -78,39 +78,33 @@ def _step(scheduler: Any) -> tuple[Any, float]:
     return output, t[0]
 
 
-def _pool_side(scheduler: Any) -> Any:
-    """KVPoolConnector's scheduler side in ``scheduler``; None with another connector or none."""
-    from kvpool.connector.connector import KVPoolConnector
-
-    connector = scheduler.connector
-    return scheduler_of(connector) if isinstance(connector, KVPoolConnector) else None
-
-
-def _admit(scheduler: Any, count: int) -> tuple[float, float, int, int]:
+def _admit(scheduler: Any, count: int, meter: PresenceMeter | None) -> tuple[float, float, int, int]:
     """Steps until ``count`` waiting requests are all admitted: (scheduler s summed over them,
-    s waited between them for the lookups' answers, steps, existence checks made)."""
-    side = _pool_side(scheduler)
-    calls = 0 if side is None else side._queue.calls
+    s waited between them for the lookups' answers, steps, existence checks made).
+
+    ``meter``: KVPoolConnector's, None with another connector or none.
+    """
+    checks = 0 if meter is None else meter.checks
     busy = waited = 0.0
     admitted: set[str] = set()
     steps = 0
     while len(admitted) < count:
         if steps == MAX_ADMIT_STEPS:
             raise RuntimeError(f"admitted {len(admitted)} of {count} waiting requests in {steps} steps")
-        paused_before = 0.0 if side is None else side.idle_wait_s
+        paused_before = 0.0 if meter is None else meter.idle_paused_s
         output, seconds = _step(scheduler)
         # An idle step's pause for its lookups is waiting, not scheduler work.
-        paused = 0.0 if side is None else side.idle_wait_s - paused_before
+        paused = 0.0 if meter is None else meter.idle_paused_s - paused_before
         busy += seconds - paused
         waited += paused
         steps += 1
         admitted.update(output.num_scheduled_tokens)
-        if side is not None:  # the connector's threads finish what the step started
+        if meter is not None:  # the presence service finishes what the step started
             with stopwatch() as t:
-                if not (side.wait_lookups(30) and side.settle_statistics(30)):
+                if not settle(scheduler.connector):
                     raise RuntimeError("lookups or their statistics unanswered after 30 s")
             waited += t[0]
-    return busy, waited, steps, 0 if side is None else side._queue.calls - calls
+    return busy, waited, steps, 0 if meter is None else meter.checks - checks
 
 
 class HookTimer:
@@ -139,24 +133,25 @@ class HookTimer:
         return taken
 
 
-def _breakdown(schedulers: dict[str, Any], timer: HookTimer, n: int, rng: random.Random) -> dict[str, float]:
+def _breakdown(
+    schedulers: dict[str, Any], timer: HookTimer, meter: PresenceMeter, n: int, rng: random.Random
+) -> dict[str, float]:
     """Per admitted request, µs: each hook's time over admission, and the rest of the difference
     (vLLM's own work for the connector: the skipped step, its local lookup asked again)."""
-    side = scheduler_of(schedulers["with"].connector)
     per_hook = dict.fromkeys(HOOKS, 0.0)
     admit = {v: 0.0 for v in BREAKDOWN_VARIANTS}
     for _ in range(BREAKDOWN_CYCLES):
         for v in BREAKDOWN_VARIANTS:
             requests = _add(schedulers[v], [[rng.randrange(3, 500) for _ in range(PROMPT)] for _ in range(n)])
             timer.on = v == "with"
-            paused = side.idle_wait_s
-            admit[v] += _admit(schedulers[v], len(requests))[0]
+            paused = meter.idle_paused_s
+            admit[v] += _admit(schedulers[v], len(requests), meter if v == "with" else None)[0]
             timer.on = False
             if v == "with":
                 for name, seconds in timer.take().items():
                     per_hook[name] += seconds
                 # The idle step's pause for the lookups is not scheduler work (as in _admit).
-                per_hook["build_connector_meta"] -= side.idle_wait_s - paused
+                per_hook["build_connector_meta"] -= meter.idle_paused_s - paused
             _finish(schedulers[v], requests)
     scale = 1e6 / (BREAKDOWN_CYCLES * n)
     out = {name: seconds * scale for name, seconds in per_hook.items()}
@@ -179,11 +174,11 @@ def _finish(scheduler: Any, requests: list[Any]) -> None:
     _step(scheduler)  # hands the finished ids to the connector, as the next real step would
 
 
-def _cycle(scheduler: Any, prompts: list[list[int]]) -> dict[str, float]:
+def _cycle(scheduler: Any, prompts: list[list[int]], meter: PresenceMeter | None) -> dict[str, float]:
     """Admit ``prompts`` and decode: admission's scheduler s, wait s, steps and existence checks;
     the median decode step s."""
     requests = _add(scheduler, prompts)
-    admit, waited, steps, calls = _admit(scheduler, len(requests))
+    admit, waited, steps, calls = _admit(scheduler, len(requests), meter)
     decode = [_step(scheduler)[1] for _ in range(DECODE_STEPS)]
     _finish(scheduler, requests)
     return {
@@ -222,10 +217,12 @@ def run(opts: Options) -> Report:
         recording = Recording()  # the lookups' own timings
         recording.tap(schedulers["with"].connector.stats)
         timer = HookTimer(schedulers["with"].connector)  # off but in the breakdown pass
+        meters = {"with": PresenceMeter(schedulers["with"].connector)}
         try:
             for n in sizes:
                 for v in VARIANTS:  # warm-up
-                    _cycle(schedulers[v], [[rng.randrange(3, 500) for _ in range(PROMPT)] for _ in range(n)])
+                    prompts = [[rng.randrange(3, 500) for _ in range(PROMPT)] for _ in range(n)]
+                    _cycle(schedulers[v], prompts, meters.get(v))
                 freeze_gc_heap()  # as vLLM's EngineCore does after start-up
                 seen = len(recording.lookups)
                 measured: dict[str, dict[str, list[float]]] = {
@@ -234,10 +231,10 @@ def run(opts: Options) -> Report:
                 for rep in range(reps):
                     for v in rotate(VARIANTS, rep):
                         prompts = [[rng.randrange(3, 500) for _ in range(PROMPT)] for _ in range(n)]
-                        for key, value in _cycle(schedulers[v], prompts).items():
+                        for key, value in _cycle(schedulers[v], prompts, meters.get(v)).items():
                             measured[key][v].append(value)
                 lookups = [rec.seconds for rec in recording.lookups[seen:]]
-                breakdown = _breakdown(schedulers, timer, n, rng)
+                breakdown = _breakdown(schedulers, timer, meters["with"], n, rng)
                 rows.append({"waiting": n, **measured, "lookup_seconds": lookups, "breakdown": breakdown})
                 print(f"  {n} waiting: done", file=sys.stderr, flush=True)
         finally:
@@ -288,14 +285,14 @@ def _report(rows: list[dict[str, Any]], reps: int, opts: Options) -> Report:
             )
     report.tables.append(table)
     own = Table(
-        "admission with the connector: steps, the lookups' batched existence checks, and the wait after "
-        "each step for the connector's threads (lookups, statistics; untimed above: in an engine the "
-        "model's forward runs then)",
+        "admission with the connector: steps, the batched existence checks (the lookups', then their "
+        "statistics'), and the wait after each step for the presence service's thread (untimed above: "
+        "in an engine the model's forward runs then)",
         [
             "waiting",
             "steps to admit all (with / deferring only / without)",
             "existence checks per admission",
-            "wait for the threads ms",
+            "wait for the thread ms",
             "lookup ms per request (first call to answer)",
         ],
     )
@@ -344,9 +341,9 @@ def _report(rows: list[dict[str, Any]], reps: int, opts: Options) -> Report:
     report.notes.append(
         "Lookups are batched: the step that first sees the waiting requests queues their lookups and "
         "schedules none of them; the lookups go to the master in one batch_is_exist (per round of the "
-        "hybrid fixed point) on a thread of their own when the step ends, and the next step admits them. "
-        "Admission counts the scheduler's time in all those steps, including the save plan of every "
-        "admitted request; decode steps include the per-step save planning."
+        "hybrid fixed point) on the presence service's thread when the step ends, and the next step "
+        "admits them. Admission counts the scheduler's time in all those steps, including the save plan "
+        "of every admitted request; decode steps include the per-step save planning."
     )
     report.notes.append(
         "'deferring only' (testing/deferring_connector.py) is the protocol alone: vLLM skips each "

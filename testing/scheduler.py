@@ -1,8 +1,18 @@
-"""vLLM's real ``Scheduler``, with KVPoolConnector by module path, another connector, or none."""
+"""vLLM's real ``Scheduler``, with KVPoolConnector by module path, another connector, or none;
+and public ways to wait for, and measure, its scheduler side's presence service.
+
+The connector's lookups are batched: a request's first ``get_num_new_matched_tokens``
+queues its lookup, the step's lookups go to the presence service's thread when the step
+ends, and the request's next call takes the answer. :func:`answer_lookups` and
+:func:`settle` stand in for the step's end (and the model's forward, while which the
+thread answers); :func:`matched_tokens` asks and waits; :class:`PresenceMeter` counts the
+existence checks and times the idle steps' pauses for lookups.
+"""
 
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -116,12 +126,28 @@ def make_request(scheduler: Any, prompt: list[int], max_tokens: int = 4) -> Any:
     )
 
 
+def answer_lookups(target: Any, timeout_s: float = 30.0) -> bool:
+    """Hand the lookups ``target``'s scheduler side queued to its presence service and wait
+    until they are answered (not their statistics); False past ``timeout_s``."""
+    presence = scheduler_of(target).presence
+    presence.flush()
+    return bool(presence.wait_idle(timeout_s, lookups_only=True))
+
+
+def settle(target: Any, timeout_s: float = 30.0) -> bool:
+    """As :func:`answer_lookups`, and wait for the statistics' existence checks too: the
+    presence service is idle; False past ``timeout_s``."""
+    presence = scheduler_of(target).presence
+    presence.flush()
+    return bool(presence.wait_idle(timeout_s))
+
+
 def matched_tokens(connector: Any, request: Any, num_computed_tokens: int = 0) -> tuple[int, bool]:
     """``get_num_new_matched_tokens`` of a scheduler-side connector, past its batched lookup:
     the first call queues the lookup (None), the second, once it is answered, takes the hit."""
     got = connector.get_num_new_matched_tokens(request, num_computed_tokens)
     if got[0] is None:
-        assert scheduler_of(connector).wait_lookups(30), "the lookup was never answered"
+        assert answer_lookups(connector), "the lookup was never answered"
         got = connector.get_num_new_matched_tokens(request, num_computed_tokens)
     assert got[0] is not None
     return got
@@ -133,7 +159,7 @@ def schedule_answered(scheduler: Any) -> Any:
     output = scheduler.schedule()
     connector = scheduler.connector
     if connector is not None:
-        assert scheduler_of(connector).wait_lookups(30), "the lookups were never answered"
+        assert answer_lookups(connector), "the lookups were never answered"
     return output
 
 
@@ -142,3 +168,36 @@ def admit(scheduler: Any) -> Any:
     and waits for the answers; the second admits them with their hits. The second's output."""
     schedule_answered(scheduler)
     return scheduler.schedule()
+
+
+class PresenceMeter:
+    """Counts the existence checks of ``target``'s scheduler side and times the pauses its idle
+    steps take for their lookups (benchmarks).
+
+    It wraps two public members of that side: its client's ``exists`` (every check the
+    presence service makes: lookups' and statistics'; a client the process shares counts
+    its other users' checks too) and its presence service's ``wait_idle`` (calls for lookups
+    only: an idle step's pause, which :func:`answer_lookups` also takes).
+    """
+
+    def __init__(self, target: Any):
+        self.checks = 0
+        self.idle_paused_s = 0.0
+        side = scheduler_of(target)
+        exists, wait_idle = side.client.exists, side.presence.wait_idle
+
+        def counted(keys: list[str]) -> list[bool]:
+            self.checks += 1
+            return exists(keys)
+
+        def timed(timeout_s: float, *, lookups_only: bool = False) -> bool:
+            if not lookups_only:
+                return bool(wait_idle(timeout_s))
+            started = time.perf_counter()
+            try:
+                return bool(wait_idle(timeout_s, lookups_only=True))
+            finally:
+                self.idle_paused_s += time.perf_counter() - started
+
+        side.client.exists = counted
+        side.presence.wait_idle = timed

@@ -19,7 +19,6 @@ instead of queueing behind them.
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
 from collections.abc import Iterable
@@ -204,81 +203,3 @@ class JobBoard:
             if job.overdue() and job.abandon():
                 out.append(job)
         return out
-
-
-class _Call:
-    """One call handed to a :class:`BoundedCall`'s thread; ``finished`` is released when it returned."""
-
-    __slots__ = ("args", "error", "finished", "fn", "value")
-
-    def __init__(self, fn: Any, args: tuple[Any, ...]):
-        self.fn = fn
-        self.args = args
-        self.value: Any = None
-        self.error: BaseException | None = None
-        self.finished = threading.Lock()
-        self.finished.acquire()
-
-
-class BoundedCall:
-    """Calls on one thread of their own, each waited for at most a deadline.
-
-    A call past its deadline keeps that thread until it returns (Mooncake's own
-    RPC timeout ends it); until then every new call is refused at once instead of
-    queueing behind it, so stuck calls never pile up threads.
-
-    The hand-off is a queue and a lock per call, not an executor's future: a lookup
-    makes one call a round, and a future's hand-off cost ~100 µs against ~30 µs.
-    """
-
-    TIMED_OUT = "timed_out"  # this call passed its deadline
-    REFUSED = "refused"  # an earlier call is still stuck
-
-    def __init__(self, thread_name: str):
-        self._thread_name = thread_name
-        self._calls: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-        self._start = threading.Lock()
-        self._stuck: _Call | None = None
-        self._closed = False
-
-    def run(self, timeout_s: float, fn: Any, *args: Any) -> tuple[Any, str | None]:
-        """``(fn(*args), None)``, or ``(None, TIMED_OUT | REFUSED)``; ``fn``'s exception is raised."""
-        stuck = self._stuck
-        if stuck is not None:
-            if not stuck.finished.acquire(blocking=False):
-                return None, self.REFUSED
-            self._stuck = None
-        if self._closed:
-            raise RuntimeError("cannot run a call after close()")
-        self._ensure_thread()
-        call = _Call(fn, args)
-        self._calls.put(call)
-        if not call.finished.acquire(timeout=max(timeout_s, 0.0)):
-            self._stuck = call
-            return None, self.TIMED_OUT
-        if call.error is not None:
-            raise call.error
-        return call.value, None
-
-    def _ensure_thread(self) -> None:
-        if self._thread is None:
-            with self._start:
-                if self._thread is None:
-                    thread = threading.Thread(target=self._serve, name=self._thread_name, daemon=True)
-                    thread.start()
-                    self._thread = thread
-
-    def _serve(self) -> None:
-        while (call := self._calls.get()) is not None:
-            try:
-                call.value = call.fn(*call.args)
-            except BaseException as error:  # handed to the caller, which raises it
-                call.error = error
-            finally:
-                call.finished.release()
-
-    def close(self) -> None:
-        """Stop the thread once the calls queued before return (a stuck one: when it returns)."""
-        self._closed = True
-        self._calls.put(None)

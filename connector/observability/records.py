@@ -22,7 +22,7 @@ class LookupRecord:
     hit_tokens: int
     group_kinds: tuple[str, ...]
     looked_up_blocks: tuple[int, ...]
-    present_blocks: tuple[int, ...]
+    present_blocks: Sequence[int]  # a statistic: may be a Deferred, computed when read
     needed_blocks: tuple[int, ...]
     group_hit_tokens: Sequence[int]  # a statistic: may be a Deferred, computed when read
     seconds: float

@@ -2,150 +2,71 @@
 
 A lookup asks the master only about the blocks its fixed point reads. Its
 statistics (blocks present per group, each group's own hit) count every block a
-hit could have used, so :class:`PresenceBackfill` asks about the rest on a
-thread of its own, the keys of every lookup waiting for it in one call, and
-computes the statistics there once answered (:meth:`Backfill.then`), off the
-scheduler thread that exports them. Read earlier, a record's statistics wait
-for that answer, never past the lookup deadline: then they count what the
-lookup itself asked about.
+hit could have used, so :func:`lookup_statistics` asks the presence service
+about the rest (after the lookups waiting there) and computes the statistics on
+its thread once answered, off the scheduler thread that exports them. Read
+earlier, a record's statistics wait for that answer, never past its deadline:
+then they count what the lookup itself asked about.
 """
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
-from kvpool.connector.observability.logs import get_logger
+if TYPE_CHECKING:
+    from kvpool.connector.scheduler.lookups import Lookup
+    from kvpool.connector.scheduler.presence import Question
 
-logger = get_logger(__name__)
-
-Clock = Callable[[], float]
-
-
-class Backfill:
-    """One lookup's question; :meth:`result` is its answer (None: none in time)."""
-
-    def __init__(self, make_keys: Callable[[], list[str]], deadline: float):
-        self.make_keys = make_keys
-        self.deadline = deadline
-        self.flags: list[bool] | None = None
-        self.keys = 0
-        self._done = threading.Event()
-        self._then: list[Callable[[], object]] = []
-        self._then_lock = threading.Lock()  # the answering thread and a late then() may race
-
-    def then(self, follow_up: Callable[[], object]) -> None:
-        """Run ``follow_up`` on the backfill's thread once answered (statistics computed
-        there, not on the scheduler thread when they are exported); at once, on this
-        thread, when the answer is already in."""
-        with self._then_lock:
-            self._then.append(follow_up)
-        if self._done.is_set():  # answered before this was queued: nobody else runs it
-            self.follow_up()
-
-    def answer(self, flags: list[bool] | None) -> None:
-        self.flags = flags
-        self._done.set()
-
-    def follow_up(self) -> None:
-        """Run what :meth:`then` queued so far, each once."""
-        with self._then_lock:
-            queued, self._then = self._then, []
-        for follow_up in queued:
-            try:
-                follow_up()
-            except Exception:  # statistics only: computed again when read
-                logger.debug("KVPoolConnector lookup statistics failed to compute", exc_info=True)
-
-    def result(self, clock: Clock = time.monotonic) -> list[bool] | None:
-        """Presence of each key, waiting at most until the deadline."""
-        self._done.wait(max(0.0, self.deadline - clock()))
-        return self.flags
+#: Per group: blocks present, and the group's own hit in tokens.
+Statistics = tuple[tuple[int, ...], tuple[int, ...]]
 
 
-class PresenceBackfill:
-    """Existence checks for statistics: one thread, pending questions batched into one call.
+def lookup_statistics(
+    lookup: Lookup,
+    known: dict[int, dict[int, bool]],
+    ask: Callable[[Callable[[], list[str]]], Question] | None,
+    ranks: Callable[[int], int],
+) -> Callable[[], Statistics]:
+    """``lookup``'s statistics over every looked-up block, given what it ``known`` (per group,
+    block index -> held).
 
-    While a call has been in flight for longer than ``timeout_s`` (a frozen master),
-    new questions get no answer at once instead of queueing behind it.
+    ``ask`` (the presence service's; None after a failed lookup: nothing more is asked)
+    asks about the blocks the lookup did not; the statistics are computed on the thread
+    that has that answer, or at once without a question. The result reads them (computing
+    them first if nobody has, never waiting past the question's deadline).
     """
+    coord, wanted = lookup.coord, lookup.wanted
+    rest: dict[int, list[int]] = {}  # the blocks not asked about: found on the service's thread
 
-    def __init__(
-        self, exists: Callable[[list[str]], list[bool]], timeout_s: float, clock: Clock = time.monotonic
-    ):
-        self._exists = exists
-        self._timeout_s = timeout_s
-        self._clock = clock
-        self._cond = threading.Condition()
-        self._queue: list[Backfill] = []
-        self._busy_since: float | None = None
-        self._closed = False
-        self._thread: threading.Thread | None = None
+    def rest_keys() -> list[str]:
+        for g, hashes in wanted.items():
+            asked = known[g]
+            if indices := [i for i in range(len(hashes)) if i not in asked]:
+                rest[g] = indices
+        return lookup.keys_of(rest)
 
-    def submit(self, make_keys: Callable[[], list[str]]) -> Backfill:
-        """Ask about the keys ``make_keys`` builds (on the backfill's thread)."""
-        handle = Backfill(make_keys, self._clock() + self._timeout_s)
-        with self._cond:
-            stuck = self._busy_since is not None and self._clock() - self._busy_since > self._timeout_s
-            if self._closed or stuck:
-                handle.answer(None)
-                return handle
-            self._queue.append(handle)
-            if self._thread is None:
-                # A daemon: a call stuck inside Mooncake never holds up the process's exit.
-                self._thread = threading.Thread(target=self._run, name="kvpool-lookup-stats", daemon=True)
-                self._thread.start()
-            self._cond.notify_all()
-        return handle
+    question = None if ask is None else ask(rest_keys)
+    memo: list[Statistics] = []
 
-    def wait_idle(self, timeout_s: float) -> bool:
-        """Wait until every question so far is answered (benchmarks); False past ``timeout_s``."""
-        end = self._clock() + timeout_s
-        with self._cond:
-            while self._queue or self._busy_since is not None:
-                left = end - self._clock()
-                if left <= 0:
-                    return False
-                self._cond.wait(left)
-        return True
+    def compute() -> Statistics:
+        if not memo:
+            held = {g: dict(k) for g, k in known.items()}
+            flags = None if question is None else question.result()
+            if flags is not None:
+                for g, answers in read_by_position(rest, flags, ranks).items():
+                    held[g].update(zip(rest[g], answers))
+            groups = range(len(coord.groups))
+            present = tuple(sum(held.get(g, {}).values()) for g in groups)
+            memo.append((present, coord.group_hits(lookup.query.block_hashes, wanted, held, lookup.max_hit)))
+        return memo[0]
 
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            pending, self._queue = self._queue, []
-            self._cond.notify_all()
-        for handle in pending:
-            handle.answer(None)
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._queue and not self._closed:
-                    self._cond.wait()
-                if self._closed:
-                    return
-                batch, self._queue = self._queue, []
-                self._busy_since = self._clock()
-            try:
-                keys: list[str] = []
-                for handle in batch:
-                    handle_keys = handle.make_keys()
-                    handle.keys = len(handle_keys)
-                    keys += handle_keys
-                flags: list[bool] | None = self._exists(keys) if keys else []
-            except Exception:  # statistics only: count what the lookups asked
-                logger.debug("KVPoolConnector statistics' existence check failed", exc_info=True)
-                flags = None
-            at = 0
-            for handle in batch:
-                handle.answer(None if flags is None else flags[at : at + handle.keys])
-                at += handle.keys
-            for handle in batch:
-                handle.follow_up()
-            with self._cond:
-                self._busy_since = None
-                self._cond.notify_all()
+    # Computed ahead, where the answer is (vLLM exports them at its next step anyway).
+    if question is None:
+        compute()
+    else:
+        question.then(compute)
+    return compute
 
 
 def read_by_position(

@@ -3,17 +3,16 @@
 A :class:`Lookup` is one request's hybrid fixed point (``find_hit_asking``) over
 what the master holds, built from a copy of what it needs of vLLM's request
 (block hashes, length), so it can run off the scheduler thread while vLLM
-mutates the request. :meth:`Lookup.ask_directly` answers it with its own
-round trips (the synchronous path). :func:`answer_together` answers many: each
-round re-runs every unfinished fixed point over the answers so far, gathers the
-blocks each one reads next, and asks the master about all of them in one call;
-a fixed point's result depends only on what it read, so each hit is exactly the
-one its synchronous lookup finds (usually two rounds at most: the first
-questions, and a few keys for a shorter candidate).
+mutates the request. :func:`answer_together` answers many: each round re-runs
+every unfinished fixed point over the answers so far, gathers the blocks each
+one reads next, and asks the master about all of them in one call; a fixed
+point's result depends only on what it read, so each hit is exactly the one it
+finds answered alone (usually two rounds at most: the first questions, and a
+few keys for a shorter candidate).
 
-:class:`LookupQueue` holds the lookups vLLM asked for during a ``schedule()``
-and hands them to its thread when the step's scheduling ends
-(:meth:`LookupQueue.flush`, from ``build_connector_meta``), so every request
+The presence service (:mod:`kvpool.connector.scheduler.presence`) holds the
+lookups vLLM asked for during a ``schedule()`` and hands them to its thread when
+the step's scheduling ends (from ``build_connector_meta``), so every request
 that waited in one step is answered by one batched call while the model runs,
 instead of one call per request inside the scheduler loop. Flushing per step
 rather than per request keeps each step to one call (the first request of a
@@ -25,8 +24,6 @@ README, finding 3).
 
 from __future__ import annotations
 
-import threading
-import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -34,13 +31,11 @@ from functools import cached_property
 from typing import Any
 
 from kvpool.connector.contract.keys import hash_digests
-from kvpool.connector.observability.logs import get_logger
 from kvpool.connector.scheduler.hybrid_hit import HybridHit, HybridHitCoordinator
 from kvpool.connector.scheduler.lookup_statistics import read_by_position
 
-logger = get_logger(__name__)
-
-#: ``exists(keys, timeout_s)`` -> (presence of each key, failure reason or None).
+#: ``exists(keys, deadline)`` -> (presence of each key, failure reason or None); the deadline is
+#: on the clock of the lookups' queries.
 Exists = Callable[[list[str], float], tuple[list[bool], str | None]]
 Questions = Mapping[int, Sequence[int]]
 
@@ -104,22 +99,7 @@ class Lookup:
                 keys += [prefix + digest for digest in ordered]
         return keys
 
-    def ask_directly(self, exists: Exists) -> tuple[HybridHit, dict[int, dict[int, bool]]]:
-        """The fixed point, each round asked with a call of its own (the synchronous path)."""
-
-        def ask(questions: Questions) -> dict[int, list[bool]] | None:
-            keys = self.keys_of(questions)
-            self.asked_keys += len(keys)
-            flags, failure = exists(keys, self.query.deadline - time.perf_counter())
-            if failure:
-                self.failures[failure] = 1
-                return None
-            return read_by_position(dict(questions), flags, self._ranks)
-
-        self.result = self.coord.find_hit_asking(self.query.block_hashes, self.wanted, self.max_hit, ask)
-        return self.result
-
-    # --- batched: rounds answered from outside --------------------------------------------
+    # --- rounds answered from outside ---------------------------------------------------
     def attempt(self) -> Questions | None:
         """Run the fixed point over the answers so far: the questions it needs answered next,
         or None when it is done (:attr:`result`)."""
@@ -171,7 +151,7 @@ def answer_together(lookups: Sequence[Lookup], exists: Exists) -> int:
         if not asking:
             break
         deadline = min(lookup.query.deadline for lookup, _, _ in asking)
-        flags, failure = exists(keys, deadline - time.perf_counter())
+        flags, failure = exists(keys, deadline)
         calls += 1
         at = 0
         for lookup, questions, count in asking:
@@ -179,110 +159,3 @@ def answer_together(lookups: Sequence[Lookup], exists: Exists) -> int:
             at += count
         waiting = [lookup for lookup, _, _ in asking]
     return calls
-
-
-@dataclass
-class Pending:
-    """A queued lookup; :attr:`outcome` is set, then :attr:`answered`, when answered
-    (nobody blocks on one lookup: the scheduler polls it once a step)."""
-
-    lookup: Lookup
-    outcome: Any = None
-    answered: bool = False
-
-
-class LookupQueue:
-    """Lookups queued during a step, answered together on a thread of their own (a daemon:
-    a call stuck in Mooncake never holds up the process's exit).
-
-    ``conclude`` turns an answered :class:`Lookup` into the outcome the scheduler takes
-    (on this queue's thread); a lookup forgotten before that is dropped.
-    """
-
-    def __init__(self, exists: Exists, conclude: Callable[[Lookup], Any], name: str = "kvpool-lookups"):
-        self._exists = exists
-        self._conclude = conclude
-        self._name = name
-        self._cond = threading.Condition()
-        self._queued: list[Pending] = []
-        self._sent: list[Pending] = []
-        self._by_id: dict[str, Pending] = {}
-        self._thread: threading.Thread | None = None
-        self._closed = False
-        self._busy = False  # the thread is answering a batch
-        self.calls = 0  # existence checks made (benchmarks)
-
-    def get(self, req_id: str) -> Pending | None:
-        return self._by_id.get(req_id)  # one dict read: atomic, no lock needed
-
-    def put(self, lookup: Lookup) -> Pending:
-        """Queue ``lookup`` (replacing any of the same request) until the next :meth:`flush`."""
-        pending = Pending(lookup)
-        with self._cond:
-            self._by_id[lookup.query.req_id] = pending
-            self._queued.append(pending)
-        return pending
-
-    def forget(self, req_id: str) -> None:
-        """Drop ``req_id``'s lookup, queued, in flight or answered."""
-        with self._cond:
-            self._by_id.pop(req_id, None)
-
-    def flush(self) -> None:
-        """Hand the queued lookups to the thread."""
-        if not self._queued:  # most steps queue none (put and flush share the scheduler thread)
-            return
-        with self._cond:
-            if not self._queued or self._closed:
-                return
-            self._sent += self._queued
-            self._queued = []
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
-                self._thread.start()
-            self._cond.notify_all()
-
-    def wait_idle(self, timeout_s: float) -> bool:
-        """Until every lookup flushed so far is answered (tests, benchmarks); False past the timeout."""
-        end = time.monotonic() + timeout_s
-        with self._cond:
-            while self._sent or self._busy:
-                left = end - time.monotonic()
-                if left <= 0:
-                    return False
-                self._cond.wait(left)
-        return True
-
-    def __len__(self) -> int:
-        with self._cond:
-            return len(self._by_id)
-
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._queued, self._sent = [], []
-            self._by_id.clear()
-            self._cond.notify_all()
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._sent and not self._closed:
-                    self._cond.wait()
-                if self._closed:
-                    return
-                batch = [p for p in self._sent if self._by_id.get(p.lookup.query.req_id) is p]
-                self._sent = []
-                self._busy = True
-            try:
-                self.calls += answer_together([p.lookup for p in batch], self._exists)
-                for pending in batch:
-                    pending.outcome = self._conclude(pending.lookup)
-            except Exception:  # a lookup must never stop a request: those left are misses
-                logger.exception("KVPoolConnector batched lookup failed; its requests miss")
-            finally:
-                for pending in batch:
-                    pending.answered = True
-                with self._cond:
-                    self._busy = False
-                    self._cond.notify_all()

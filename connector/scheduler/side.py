@@ -2,12 +2,12 @@
 
 ``get_num_new_matched_tokens`` runs the hybrid fixed point over what the pool
 holds, asking the master only about the blocks it reads, and remembers a load
-plan. Lookups are batched (``lookup_batch``): a request's first call queues its
-lookup and answers ``None`` (vLLM skips it this step); the step's lookups go to
-the master together when scheduling ends, and the request's next call takes the
-answer; ``update_state_after_alloc`` pins the plan to the
-blocks vLLM allocated; ``build_connector_meta`` hands each step's loads and the
-saves of newly computed blocks to the workers.
+plan. Lookups are batched (``lookups``) and asked on the presence service's thread
+(``presence``): a request's first call queues its lookup and answers ``None`` (vLLM
+skips it this step); the step's lookups go to the master together when scheduling
+ends, and the request's next call takes the answer; ``update_state_after_alloc``
+pins the plan to the blocks vLLM allocated; ``build_connector_meta`` hands each
+step's loads and the saves of newly computed blocks to the workers.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from vllm.v1.kv_cache_interface import MambaSpec
 
 from kvpool.connector.contract.keys import KeySpace, hash_digest
 from kvpool.connector.contract.settings import ConnectorSettings
-from kvpool.connector.integrity.deadlines import IDLE_STEP_WAIT_S, BoundedCall
+from kvpool.connector.integrity.deadlines import IDLE_STEP_WAIT_S
 from kvpool.connector.metadata import (
     GroupTransfer,
     PoolConnectorMetadata,
@@ -35,8 +35,9 @@ from kvpool.connector.observability.logs import get_logger
 from kvpool.connector.observability.records import Deferred, LookupRecord, StatsCollector
 from kvpool.connector.pool_client import Outcome, PoolClient
 from kvpool.connector.scheduler.hybrid_hit import HybridHit, HybridHitCoordinator
-from kvpool.connector.scheduler.lookup_statistics import PresenceBackfill, read_by_position
-from kvpool.connector.scheduler.lookups import Lookup, LookupQuery, LookupQueue
+from kvpool.connector.scheduler.lookup_statistics import lookup_statistics
+from kvpool.connector.scheduler.lookups import Lookup, LookupQuery
+from kvpool.connector.scheduler.presence import PendingLookup, PresenceService
 
 logger = get_logger(__name__)
 
@@ -97,7 +98,6 @@ class SchedulerSide:
         can_save: bool,
         stats: StatsCollector,
         lookup_timeout_s: float = LOOKUP_TIMEOUT_S,
-        batch_lookups: bool = True,
         idle_step_wait_s: float = IDLE_STEP_WAIT_S,
     ):
         self.client = client
@@ -114,13 +114,12 @@ class SchedulerSide:
         self.stats = stats
         self.lookup_timeout_s = lookup_timeout_s
         self.idle_step_wait_s = idle_step_wait_s
-        self._lookups = BoundedCall("kvpool-lookup")
-        # Bound on first use: a connector out of the pool has a client with no calls at all.
-        self._backfill = PresenceBackfill(lambda keys: self.client.exists(keys), lookup_timeout_s)
-        # Off: each lookup asks the master itself, inside vLLM's schedule() (tests, benchmarks).
-        self.batch_lookups = batch_lookups
-        self._queue = LookupQueue(self._exists, self._conclude)
-        self.idle_wait_s = 0.0  # seconds idle steps waited for lookups (benchmarks)
+        # Every existence check, on one thread. The client is bound on first use: a
+        # connector out of the pool has a client with no calls at all.
+        self.presence = PresenceService(
+            lambda keys: self.client.exists(keys), self._conclude, lookup_timeout_s
+        )
+        self._pending: dict[str, PendingLookup] = {}  # lookups queued or in flight
         self.coordinator: HybridHitCoordinator | None = None
         self._hit_unit = 1  # set with the coordinator (bind)
         self._plans: dict[str, _Plan] = {}
@@ -157,16 +156,10 @@ class SchedulerSide:
         if looked_up is not None and self._stale(looked_up):
             looked_up = None  # the pool may have changed since: ask again
         if looked_up is None or looked_up.num_tokens != request.num_tokens:
-            if self.batch_lookups:
-                answered = self._take_answer(coord, request, num_computed_tokens)
-                if answered is None:
-                    return None, False  # in flight: vLLM skips the request this step
-                query, record, looked_up = answered
-            else:
-                query = self._query(request, num_computed_tokens)
-                lookup = self._new_lookup(coord, query)
-                lookup.ask_directly(self._exists)
-                record, looked_up = self._conclude(lookup)
+            answered = self._take_answer(coord, request, num_computed_tokens)
+            if answered is None:
+                return None, False  # in flight: vLLM skips the request this step
+            query, record, looked_up = answered
             self._trace(query, record)
             self.stats.record_lookup(record, request)
             self._looked_up[req_id] = looked_up
@@ -192,19 +185,23 @@ class SchedulerSide:
         """The answer to ``request``'s queued lookup; None while it is in flight (a request
         with none, or one of another length, is queued now)."""
         req_id = request.request_id
-        pending = self._queue.get(req_id)
+        pending = self._pending.get(req_id)
         if pending is None or pending.lookup.query.num_tokens != request.num_tokens:
-            self._queue.put(self._new_lookup(coord, self._query(request, num_computed_tokens)))
+            self._forget_pending(req_id)
+            query = self._query(request, num_computed_tokens)
+            self._pending[req_id] = self.presence.queue(
+                Lookup(coord, query, self._rank_prefixes, self._ranks)
+            )
             return None
         query = pending.lookup.query
         answered = pending.answered
         if not answered and time.perf_counter() < query.deadline:
             return None
-        self._queue.forget(req_id)
+        self._forget_pending(req_id)
         if answered and pending.outcome is not None:
             record, looked_up = pending.outcome
             return query, record, looked_up
-        # Past its deadline (or its batch failed): a miss.
+        # Past its deadline (or its batch failed, or it was refused): a miss.
         if not answered:
             logger.warning(
                 "KVPoolConnector lookup passed its %.2f s deadline unanswered: a miss", self.lookup_timeout_s
@@ -230,11 +227,15 @@ class SchedulerSide:
             deadline=now + self.lookup_timeout_s,
         )
 
-    def _new_lookup(self, coord: HybridHitCoordinator, query: LookupQuery) -> Lookup:
-        return Lookup(coord, query, self._rank_prefixes, self._ranks)
+    def _forget_pending(self, req_id: str) -> None:
+        """Drop the lookup queued or in flight for ``req_id``, if any: nobody takes its answer."""
+        pending = self._pending.pop(req_id, None)
+        if pending is not None:
+            pending.cancel()
 
     def _conclude(self, lookup: Lookup) -> tuple[LookupRecord, _LookedUp]:
-        """An answered lookup's record and what the request keeps of it."""
+        """An answered lookup's record and what the request keeps of it (on the presence
+        service's thread)."""
         assert lookup.result is not None
         hit, known = lookup.result
         return self._record(lookup, hit, known, lookup.failures, lookup.asked_keys)
@@ -247,13 +248,11 @@ class SchedulerSide:
         failures: dict[str, int],
         asked_keys: int,
     ) -> tuple[LookupRecord, _LookedUp]:
-        coord, query = lookup.coord, lookup.query
+        query = lookup.query
         num_computed_tokens = query.num_computed_tokens
         num_external = max(0, hit.hit_tokens - num_computed_tokens)
-        statistics = self._statistics(
-            coord, query.block_hashes, lookup.wanted, known, lookup.max_hit, lookup.keys_of, bool(failures)
-        )
-        groups = range(len(coord.groups))
+        statistics = lookup_statistics(lookup, known, None if failures else self.presence.ask, self._ranks)
+        groups = range(len(lookup.coord.groups))
         record = LookupRecord(
             query_tokens=max(0, query.num_tokens - num_computed_tokens),
             hit_tokens=num_external,
@@ -295,70 +294,6 @@ class SchedulerSide:
                 )
                 tracing.mark_failed(span, record.failures)
 
-    def wait_lookups(self, timeout_s: float) -> bool:
-        """Send the queued lookups and wait until every one is answered (tests, benchmarks)."""
-        self._queue.flush()
-        return self._queue.wait_idle(timeout_s)
-
-    def _statistics(
-        self,
-        coord: HybridHitCoordinator,
-        block_hashes: Sequence[Any],
-        wanted: dict[int, list[bytes]],
-        known: dict[int, dict[int, bool]],
-        max_hit: int,
-        keys_of: Callable[[Mapping[int, Sequence[int]]], list[str]],
-        failed: bool,
-    ) -> Callable[[], tuple[tuple[int, ...], tuple[int, ...]]]:
-        """Per group: blocks present and the group's own hit, over every looked-up block.
-
-        The blocks the lookup did not ask about are asked about off its path (not
-        after a failed lookup). The statistics are computed once that answer is in, on
-        the thread that has it, or when read if they are read first (never past the
-        lookup deadline).
-        """
-        rest: dict[int, list[int]] = {}  # the blocks not asked about: found on the backfill's thread
-
-        def rest_keys() -> list[str]:
-            for g, hashes in wanted.items():
-                asked = known[g]
-                if indices := [i for i in range(len(hashes)) if i not in asked]:
-                    rest[g] = indices
-            return keys_of(rest)
-
-        backfill = None if failed else self._backfill.submit(rest_keys)
-        memo: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
-
-        def compute() -> tuple[tuple[int, ...], tuple[int, ...]]:
-            if not memo:
-                held = {g: dict(k) for g, k in known.items()}
-                flags = None if backfill is None else backfill.result()
-                if flags is not None:
-                    for g, answers in read_by_position(rest, flags, self._ranks).items():
-                        held[g].update(zip(rest[g], answers))
-                groups = range(len(coord.groups))
-                present = tuple(sum(held.get(g, {}).values()) for g in groups)
-                memo.append((present, coord.group_hits(block_hashes, wanted, held, max_hit)))
-            return memo[0]
-
-        # Batched, computed ahead where the lookup is answered (the lookups' or the
-        # backfill's thread): vLLM exports them at its next step anyway. A direct lookup
-        # runs on the scheduler thread: its statistics wait to be read.
-        if self.batch_lookups:
-            if backfill is None:
-                compute()
-            else:
-                backfill.then(compute)
-        return compute
-
-    def forget_lookup(self, req_id: str) -> None:
-        """Drop ``req_id``'s kept lookup: its next one asks the master again (benchmarks)."""
-        self._looked_up.pop(req_id, None)
-
-    def settle_statistics(self, timeout_s: float) -> bool:
-        """Wait until the statistics' existence checks so far are answered (benchmarks)."""
-        return self._backfill.wait_idle(timeout_s)
-
     def _ranks(self, group_id: int) -> int:
         return len(self._rank_prefixes(group_id))
 
@@ -371,34 +306,8 @@ class SchedulerSide:
             self._key_prefixes[group_id] = prefixes
         return prefixes
 
-    def _exists(self, keys: list[str], timeout_s: float | None = None) -> tuple[list[bool], str | None]:
-        """Presence of ``keys``, within ``timeout_s`` (default ``lookup_timeout_s``): past it
-        every key is absent.
-
-        The call runs on a thread of its own; while one stuck call has not returned,
-        lookups are misses at once (reason ``timeout``).
-        """
-        if not keys:
-            return [], None
-        timeout_s = self.lookup_timeout_s if timeout_s is None else timeout_s
-        if timeout_s <= 0:
-            return [False] * len(keys), Outcome.TIMEOUT.value
-        flags, refused = self._lookups.run(timeout_s, self.client.exists, keys)
-        if refused is None:
-            return flags, None
-        if refused == BoundedCall.TIMED_OUT:
-            logger.warning(
-                "KVPoolConnector lookup of %d keys passed its %.2f s deadline: a miss; lookups "
-                "miss until it returns",
-                len(keys),
-                self.lookup_timeout_s,
-            )
-        return [False] * len(keys), Outcome.TIMEOUT.value
-
     def close(self) -> None:
-        self._queue.close()
-        self._lookups.close()
-        self._backfill.close()
+        self.presence.close()
 
     # --- allocation ------------------------------------------------------------
     def update_state_after_alloc(
@@ -406,7 +315,7 @@ class SchedulerSide:
     ) -> None:
         req_id = request.request_id
         self._looked_up.pop(req_id, None)
-        self._queue.forget(req_id)  # one vLLM scheduled without waiting for its answer
+        self._forget_pending(req_id)  # one vLLM scheduled without waiting for its answer
         plan = self._plans.pop(req_id, None)
         local_tokens = self._local_tokens.pop(req_id, request.num_computed_tokens)
         if self.can_save and self.coordinator is not None:
@@ -498,13 +407,12 @@ class SchedulerSide:
                 if not save_decode and request.num_prompt_tokens < tracked.next_save_at:
                     del self._saving[req_id]  # its prompt's blocks are all planned
         # The lookups vLLM asked for during this schedule() go to the master together.
-        self._queue.flush()
+        self.presence.flush()
         if meta.forward_tokens == 0:
-            # An idle step: the engine only waits. Let the lookup thread answer (it needs
-            # the GIL the engine's loop would hold), so the next step admits the requests.
-            started = time.perf_counter()
-            self._queue.wait_idle(self.idle_step_wait_s)
-            self.idle_wait_s += time.perf_counter() - started
+            # An idle step: the engine only waits. Let the presence thread answer the
+            # lookups (it needs the GIL the engine's loop would hold), so the next step
+            # admits the requests.
+            self.presence.wait_idle(self.idle_step_wait_s, lookups_only=True)
         return meta
 
     def _plan_save(
@@ -636,7 +544,7 @@ class SchedulerSide:
         self._saving.pop(req_id, None)
         self._plans.pop(req_id, None)
         self._looked_up.pop(req_id, None)
-        self._queue.forget(req_id)
+        self._forget_pending(req_id)
         self._local_tokens.pop(req_id, None)
         self._loaded_blocks.pop(req_id, None)
         self._load_failed.discard(req_id)

@@ -1,13 +1,10 @@
-"""Job deadlines and bounded calls, on a clock the test moves (no sleeping on deadlines)."""
+"""Job deadlines, on a clock the test moves (no sleeping on deadlines)."""
 
 from __future__ import annotations
 
 import threading
-import time
 
-import pytest
-
-from kvpool.connector.integrity.deadlines import BoundedCall, Job, JobBoard, JobState
+from kvpool.connector.integrity.deadlines import Job, JobBoard, JobState
 
 
 class Clock:
@@ -84,42 +81,3 @@ def test_the_board_is_stalled_while_an_abandoned_job_has_not_returned() -> None:
     stuck.returned()
     board.remove(stuck)
     assert not board.stalled
-
-
-def test_a_bounded_call_times_out_and_refuses_while_stuck() -> None:
-    calls = BoundedCall("test-bounded")
-    release = threading.Event()
-    try:
-        assert calls.run(5.0, lambda x: x + 1, 1) == (2, None)
-        assert calls.run(0.05, release.wait) == (None, BoundedCall.TIMED_OUT)
-        assert calls.run(5.0, lambda: "never runs") == (None, BoundedCall.REFUSED)
-        release.set()
-        for _ in range(500):  # the stuck call returns; then calls run again
-            value, refused = calls.run(5.0, lambda: "ran")
-            if refused is None:
-                break
-            time.sleep(0.01)
-        assert (value, refused) == ("ran", None)
-    finally:
-        release.set()
-        calls.close()
-
-
-def test_a_bounded_call_raises_what_the_call_raised_and_its_thread_stops_at_close() -> None:
-    calls = BoundedCall("test-bounded-errors")
-
-    def broken() -> None:
-        raise ValueError("pool said no")
-
-    try:
-        with pytest.raises(ValueError, match="pool said no"):
-            calls.run(5.0, broken)
-        assert calls.run(5.0, lambda: "next") == ("next", None), "an error leaves the thread serving"
-    finally:
-        calls.close()
-    thread = calls._thread
-    assert thread is not None
-    thread.join(5.0)
-    assert not thread.is_alive()
-    with pytest.raises(RuntimeError, match="after close"):
-        calls.run(5.0, lambda: "closed")

@@ -397,6 +397,8 @@ def test_shutdown_with_a_save_in_flight_returns_and_leaves_nothing_half_written(
 def test_a_lookup_past_its_deadline_is_a_miss_and_lookups_do_not_pile_up(
     pool_client: Any, cache_prefix: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """The scheduler's existence checks (its presence service's) against a stalled master call:
+    none waits past its deadline, and none queues behind the stuck call."""
     sched = SchedulerSide(
         client=pool_client,
         keyspace=KeySpace(cache_prefix, "fp"),
@@ -407,15 +409,18 @@ def test_a_lookup_past_its_deadline_is_a_miss_and_lookups_do_not_pile_up(
         stats=StatsCollector(),
         lookup_timeout_s=0.2,
     )
+    presence = sched.presence
     key = f"{cache_prefix}/present"
     assert pool_client.put_bytes(key, b"x") == 0
     try:
-        assert sched._exists([key]) == ([True], None)
+        assert presence.ask(lambda: [key]).result() == [True]
         stall = Stall("batch_is_exist").install(monkeypatch)
-        assert sched._exists([key]) == ([False], "timeout")
-        assert sched._exists([key]) == ([False], "timeout")
-        assert stall.stalled == 1, "the second lookup did not queue behind the stuck one"
+        assert presence.ask(lambda: [key]).result() is None, "no answer by the deadline"
+        until(lambda: presence.stuck, "the stalled call is past its deadline")
+        refused = presence.ask(lambda: [key])
+        assert refused.done and refused.result() is None, "refused at once"
+        assert stall.stalled == 1, "the second check did not queue behind the stuck one"
         stall.release()
-        until(lambda: sched._exists([key]) == ([True], None), "lookups answer again")
+        until(lambda: presence.ask(lambda: [key]).result() == [True], "checks answer again")
     finally:
         sched.close()

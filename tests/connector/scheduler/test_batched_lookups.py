@@ -1,4 +1,4 @@
-"""Batched scheduler lookups: the same hits as synchronous ones, one call for a step's waiting
+"""Batched scheduler lookups: the same hits as each asked alone, one call for a step's waiting
 requests, nothing kept for a request that leaves, and a miss past the deadline."""
 
 from __future__ import annotations
@@ -29,16 +29,16 @@ def _query(req_id: str, block_hashes: list, max_hit: int) -> LookupQuery:
     return LookupQuery(req_id, list(block_hashes), max_hit + 1, 0, {}, now, 0, now + 3600)
 
 
-# --- the batched fixed points find the synchronous hits ----------------------------------------
+# --- the batched fixed points find the hits each finds alone ----------------------------------
 
 
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(groups=layouts(), data=st.data(), ranks=st.integers(1, 2), requests=st.integers(1, 4))
-def test_batched_lookups_find_the_synchronous_hits(
+def test_batched_lookups_find_the_hits_each_finds_alone(
     groups: list[GroupDesc], data: st.DataObject, ranks: int, requests: int
 ) -> None:
     """Drawn requests (each its own prompt and pool contents) asked together give each the hit,
-    masks, answers and key count of its own synchronous lookup, and vLLM's hit; the batch makes
+    masks, answers and key count of its lookup answered alone, and vLLM's hit; the batch makes
     as many calls as the request needing the most rounds."""
     cases = [_drawn_case(groups, data) for _ in range(requests)]
     present_keys: set[str] = set()
@@ -51,8 +51,8 @@ def test_batched_lookups_find_the_synchronous_hits(
                     present_keys.add(f"c{n}/r1/g{group_id}/{hash_digest(h)}")
     calls: list[int] = []
 
-    def exists(keys: list[str], timeout_s: float) -> tuple[list[bool], str | None]:
-        if keys:  # as SchedulerSide._exists, no call for no keys
+    def exists(keys: list[str], deadline: float) -> tuple[list[bool], str | None]:
+        if keys:  # as the presence service, no call for no keys
             calls.append(len(keys))
         return [k in present_keys for k in keys], None
 
@@ -70,7 +70,7 @@ def test_batched_lookups_find_the_synchronous_hits(
     rounds = []
     for lookup in alone:
         before = len(calls)
-        lookup.ask_directly(exists)
+        answer_together([lookup], exists)
         rounds.append(len(calls) - before)
     together = lookups()
     before = len(calls)
@@ -100,7 +100,7 @@ def test_a_round_the_pool_cannot_answer_is_a_miss_for_every_lookup_in_it() -> No
         )
         for n in range(3)
     ]
-    assert answer_together(lookups, lambda keys, timeout_s: ([False] * len(keys), "timeout")) == 1
+    assert answer_together(lookups, lambda keys, deadline: ([False] * len(keys), "timeout")) == 1
     for lookup in lookups:
         hit, _ = lookup.result
         assert hit.hit_tokens == 0 and lookup.failures == {"timeout": 1}
@@ -175,7 +175,13 @@ def test_lookup_statistics_are_computed_before_vllm_exports_them(
     """Per-group statistics are computed on the connector's threads once the master has
     answered, so the scheduler step that exports them only reads them."""
     from kvpool.connector.observability.records import Deferred
-    from testing.scheduler import local_pool_transfer, make_request, make_scheduler, schedule_answered
+    from testing.scheduler import (
+        local_pool_transfer,
+        make_request,
+        make_scheduler,
+        schedule_answered,
+        settle,
+    )
 
     scheduler = make_scheduler(model_dir, FULL_SWA, local_pool_transfer(pool_settings))
     try:
@@ -187,7 +193,7 @@ def test_lookup_statistics_are_computed_before_vllm_exports_them(
         schedule_answered(scheduler)
         scheduler.schedule()
         side = scheduler_of(scheduler.connector)
-        assert side.settle_statistics(30)
+        assert settle(scheduler.connector)
         lookups = scheduler.connector.stats.lookups
         assert len(lookups) == 4
         assert all(isinstance(r.group_hit_tokens, Deferred) for r in lookups)
@@ -206,7 +212,7 @@ def test_lookup_statistics_are_computed_before_vllm_exports_them(
 def test_a_request_that_leaves_while_its_lookup_is_in_flight_is_forgotten(
     model_dir, pool_settings, pool_client
 ) -> None:
-    from testing.scheduler import local_pool_transfer, make_request, make_scheduler
+    from testing.scheduler import answer_lookups, local_pool_transfer, make_request, make_scheduler
 
     scheduler = make_scheduler(model_dir, FULL_SWA, local_pool_transfer(pool_settings))
     side = scheduler_of(scheduler.connector)
@@ -225,15 +231,16 @@ def test_a_request_that_leaves_while_its_lookup_is_in_flight_is_forgotten(
         scheduler.add_request(staying)
         scheduler.schedule()
         assert asked.wait(30)
+        leaving_lookup = side._pending[leaving.request_id]
         scheduler.finish_requests([leaving.request_id], RequestStatus.FINISHED_ABORTED)
         scheduler.schedule()  # hands the finished id to the connector
         gate.set()
-        assert side.wait_lookups(30)
+        assert answer_lookups(scheduler.connector)
+        assert leaving_lookup.cancelled, "its lookup, in flight when it left, is dropped"
         output = scheduler.schedule()
         assert list(output.num_scheduled_tokens) == [staying.request_id]
-        for kept in (side._looked_up, side._plans, side._local_tokens):
-            assert leaving.request_id not in kept
-        assert len(side._queue) == 0, "nothing is left queued or answered"
+        for kept in (side._looked_up, side._plans, side._local_tokens, side._pending):
+            assert leaving.request_id not in kept, "nothing is kept of it"
         assert [r.query_tokens for r in scheduler.connector.stats.lookups] == [6 * 32]
     finally:
         gate.set()

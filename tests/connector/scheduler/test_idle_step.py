@@ -70,29 +70,45 @@ def test_the_connector_calls_a_step_without_scheduled_tokens_idle() -> None:
     assert not connector._idle_step()
 
 
-class _RecordingQueue:
+class _RecordingPresence:
+    """Records the scheduler side's waits; stands in for its presence service (no pool here)."""
+
     def __init__(self) -> None:
-        self.waits: list[float] = []
+        self.waits: list[tuple[float, bool]] = []
 
     def flush(self) -> None:
         pass
 
-    def wait_idle(self, timeout_s: float) -> bool:
-        self.waits.append(timeout_s)
+    def wait_idle(self, timeout_s: float, *, lookups_only: bool = False) -> bool:
+        self.waits.append((timeout_s, lookups_only))
         return True
 
+    def close(self) -> None:
+        pass
 
-@pytest.mark.parametrize(("tokens", "waits"), [(0, [IDLE_STEP_WAIT_S]), (16, [])])
-def test_an_idle_scheduler_step_lets_its_lookups_be_answered(tokens: int, waits: list[float]) -> None:
+
+@pytest.mark.parametrize(("tokens", "waits"), [(0, [(IDLE_STEP_WAIT_S, True)]), (16, [])])
+def test_an_idle_scheduler_step_lets_its_lookups_be_answered(
+    tokens: int, waits: list[tuple[float, bool]]
+) -> None:
     from types import SimpleNamespace
 
+    from kvpool.connector.contract.keys import KeySpace
+    from kvpool.connector.integrity.layout_verdict import OutOfPool
+    from kvpool.connector.observability.records import StatsCollector
     from kvpool.connector.scheduler.side import SchedulerSide
 
-    side = object.__new__(SchedulerSide)
-    side._pending_loads, side.can_save = [], False
-    side._queue = _RecordingQueue()
-    side.idle_wait_s = 0.0
-    side.idle_step_wait_s = IDLE_STEP_WAIT_S
+    side = SchedulerSide(
+        client=OutOfPool(),  # type: ignore[arg-type]
+        keyspace=KeySpace("p", "0123456789abcdef"),
+        tp_size=1,
+        pp_size=1,
+        can_load=True,
+        can_save=False,
+        stats=StatsCollector(group_kinds=("full",)),
+    )
+    side.close()
+    side.presence = recording = _RecordingPresence()  # type: ignore[assignment]
     meta = side.build_connector_meta(SimpleNamespace(total_num_scheduled_tokens=tokens), lambda _: [])
     assert meta.forward_tokens == tokens
-    assert side._queue.waits == waits  # bounded: the queue's wait takes the deadline
+    assert recording.waits == waits  # bounded, and for the lookups only

@@ -5,8 +5,6 @@ from __future__ import annotations
 import copy
 import hashlib
 import os
-import threading
-import time
 from dataclasses import asdict
 
 import pytest
@@ -16,7 +14,6 @@ from kvpool.connector.contract.keys import KeySpace, hash_digest, hash_digests
 from kvpool.connector.observability import tracing
 from kvpool.connector.observability.records import Deferred, LookupRecord
 from kvpool.connector.scheduler.hybrid_hit import HybridHitCoordinator
-from kvpool.connector.scheduler.lookup_statistics import PresenceBackfill
 from testing.engine import scheduler_of
 from testing.kv_cache import GroupDesc, make_coordinator
 
@@ -114,6 +111,7 @@ def test_lookups_share_one_read_only_marker_per_block_index() -> None:
 
 
 # --- statistics over every looked-up block, asked about off the lookup's path ------------
+# (The presence service that asks: test_presence.py.)
 
 
 @pytest.mark.mooncake
@@ -148,79 +146,6 @@ def test_statistics_count_blocks_the_lookup_did_not_ask_about(
         assert tuple(record.group_hit_tokens) == (4 * 32, 12 * 32)
     finally:
         scheduler.shutdown()
-
-
-def until(predicate, what: str) -> None:
-    deadline = time.monotonic() + 30
-    while not predicate():
-        assert time.monotonic() < deadline, f"never: {what}"
-        time.sleep(0.01)
-
-
-class _Gate:
-    """The real client's existence check, held until released; counts its calls."""
-
-    def __init__(self, exists):
-        self.exists = exists
-        self.calls: list[int] = []
-        self.open = threading.Event()
-
-    def __call__(self, keys: list[str]) -> list[bool]:
-        self.calls.append(len(keys))
-        self.open.wait(30)
-        return self.exists(keys)
-
-
-@pytest.mark.mooncake
-def test_backfill_batches_waiting_questions_and_never_waits_past_its_deadline(pool_client) -> None:
-    held = "kvpool-test/held"
-    assert pool_client.put_bytes(held, b"kv") == 0
-    gate = _Gate(pool_client.exists)
-    now = [0.0]
-    backfill = PresenceBackfill(gate, timeout_s=1.0, clock=lambda: now[0])
-    try:
-        first = backfill.submit(lambda: [held])
-        until(lambda: gate.calls == [1], "the first question is in flight")
-        waiting = [backfill.submit(lambda k=k: [held, f"kvpool-test/absent-{k}"]) for k in range(3)]
-        now[0] = 2.0  # the first call is past its deadline: its statistics do not wait for it
-        assert first.result(clock=lambda: now[0]) is None
-        late = backfill.submit(lambda: [held])  # a call stuck past the deadline: no answer, at once
-        assert late.result(clock=lambda: now[0]) is None
-        now[0] = 0.0
-        gate.open.set()
-        assert backfill.wait_idle(30)
-        # The three questions that waited went out in one call, in order.
-        assert gate.calls == [1, 6]
-        assert [w.result() for w in waiting] == [[True, False]] * 3
-    finally:
-        gate.open.set()
-        backfill.close()
-    closed = backfill.submit(lambda: [held])
-    assert closed.result() is None
-
-
-def test_backfill_follow_ups_run_once_whether_queued_before_or_after_the_answer() -> None:
-    """What a lookup queues with ``then`` runs once on the backfill's thread after the answer,
-    or at once when the answer came first (never lost, never twice)."""
-    gate = _Gate(lambda keys: [True] * len(keys))
-    backfill = PresenceBackfill(gate, timeout_s=30.0)
-    ran: list[tuple[str, str]] = []
-    try:
-        early = backfill.submit(lambda: ["k"])
-        early.then(lambda: ran.append(("early", threading.current_thread().name)))
-        until(lambda: gate.calls == [1], "the question is in flight")
-        assert ran == [], "nothing runs before the answer"
-        gate.open.set()
-        assert backfill.wait_idle(30)
-        assert ran == [("early", "kvpool-lookup-stats")]
-        late = backfill.submit(lambda: ["k"])
-        assert backfill.wait_idle(30)
-        late.then(lambda: ran.append(("late", threading.current_thread().name)))
-        assert ran[1:] == [("late", threading.current_thread().name)]
-        assert late.result() == [True]
-    finally:
-        gate.open.set()
-        backfill.close()
 
 
 # --- a request vLLM could not allocate yet keeps its lookup ----------------------------------

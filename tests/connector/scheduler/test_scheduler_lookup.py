@@ -25,6 +25,7 @@ from testing.scheduler import (
     make_scheduler,
     matched_tokens,
     schedule_answered,
+    settle,
 )
 
 pytestmark = pytest.mark.mooncake
@@ -40,7 +41,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def store_blocks(client, scheduler, request, blocks_per_group: dict[int, range]) -> None:
     """Write the blocks a worker would have saved for ``request``."""
     connector = scheduler.connector
-    coord = connector._sched().coordinator
+    coord = scheduler_of(connector).coordinator
     for group_id, indices in blocks_per_group.items():
         view = coord.group_block_hashes(group_id, request.block_hashes)
         for i in indices:
@@ -89,9 +90,9 @@ def test_hybrid_hit_loads_window_only(model_dir, pool_settings, pool_client) -> 
         assert len(full.block_ids) == 8 and full.masked == 0
         # A 64-token window needs the last two blocks; six are masked out.
         assert len(window.block_ids) == 2 and window.masked == 6
+        coord = scheduler_of(scheduler.connector).coordinator
         assert window.digests == [
-            hash_digest(bytes(h))
-            for h in scheduler.connector._sched().coordinator.group_block_hashes(1, second.block_hashes)[6:8]
+            hash_digest(bytes(h)) for h in coord.group_block_hashes(1, second.block_hashes)[6:8]
         ]
         blocks = scheduler.kv_cache_manager.get_block_ids(second.request_id)
         assert full.block_ids == blocks[0][:8]
@@ -200,7 +201,7 @@ def test_one_round_trip_per_lookup(model_dir, pool_settings, local_pool) -> None
         # 40 full-attention blocks; a 64-token window needs its last 2 blocks.
         assert scheduler.connector.stats.lookups[-1].keys == 40 + 2
         # The statistics ask about the other 38 window blocks, off the lookup's path.
-        assert scheduler.connector._sched().settle_statistics(5.0)
+        assert settle(scheduler.connector, 5.0)
         assert _master_counter(local_pool, "master_batch_exist_key_requests_total") - calls == 2
         assert _master_counter(local_pool, "master_batch_exist_key_items_total") - items == 2 * 40
         (record,) = scheduler.connector.stats.lookups
