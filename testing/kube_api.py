@@ -494,6 +494,15 @@ def quick_options(kubeconfig: Path, **overrides: Any) -> dict[str, Any]:
 
 
 @contextlib.asynccontextmanager
+async def emulated_cluster(server: type[ApiServer] = ApiServer) -> AsyncIterator[Cluster]:
+    """A fresh emulated API server (``server``) on 127.0.0.1 that knows the builtins and the
+    CRD, until the block ends: the one cluster set-up of the operator's tests and benchmarks."""
+    async with server() as api, kmock.Server(api, host="127.0.0.1"):
+        declare_resources(api)
+        yield Cluster(api)
+
+
+@contextlib.asynccontextmanager
 async def running_operator(cluster: Cluster, options: OperatorOptions) -> AsyncIterator[OperatorThread]:
     """The real operator against ``cluster`` until the block ends: started, watching pools,
     then stopped; its errors and any request the RBAC rules would refuse fail the block."""

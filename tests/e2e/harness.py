@@ -25,7 +25,7 @@ import kmock
 from kvpool.operator import names
 from kvpool.operator.names import POOLS
 from kvpool.operator.rbac import implied_permissions
-from testing.kube_api import WRITE_METHODS, ApiServer, by_operator, declare_resources
+from testing.kube_api import WRITE_METHODS, ApiServer, by_operator, emulated_cluster
 from tests.chart.grants import Grant, refused
 
 NAMESPACE = "team-a"
@@ -121,10 +121,10 @@ class ApiThread:
     async def _main(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
-        async with SessionApiServer() as api, kmock.Server(api, host="127.0.0.1"):
-            declare_resources(api)
-            self.api = api
-            self.url = str(api.url).rstrip("/")
+        async with emulated_cluster(SessionApiServer) as cluster:
+            assert isinstance(cluster.api, SessionApiServer)
+            self.api = cluster.api
+            self.url = cluster.url
             self._ready.set()
             await self._stop.wait()
 

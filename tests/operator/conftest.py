@@ -6,15 +6,13 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import kmock
 import pytest
 import pytest_asyncio
 
 from kvpool.operator.app import OperatorOptions, WebhookOptions
 from testing.kube_api import (
-    ApiServer,
     Cluster,
-    declare_resources,
+    emulated_cluster,
     free_port,
     quick_options,
     running_operator,
@@ -26,9 +24,8 @@ from testing.operator_objects import Operator
 @pytest_asyncio.fixture
 async def cluster() -> AsyncIterator[Cluster]:
     """A fresh emulated API server on 127.0.0.1 that knows the builtins and the CRD."""
-    async with ApiServer() as api, kmock.Server(api, host="127.0.0.1"):
-        declare_resources(api)
-        yield Cluster(api)
+    async with emulated_cluster() as cluster:
+        yield cluster
 
 
 @pytest.fixture

@@ -22,10 +22,9 @@ from kvpool.operator.names import POOLS
 from kvpool.operator.rbac import LEASE_RULES, RULES, allowed, request_permission
 from testing.kube_api import (
     DEPLOYMENTS_PATH,
-    ApiServer,
     Cluster,
     OperatorThread,
-    declare_resources,
+    emulated_cluster,
     eventually,
     quick_options,
     write_kubeconfig,
@@ -93,9 +92,8 @@ def pool_watches(cluster: Cluster, start: int) -> int:
 async def own_cluster() -> AsyncIterator[Cluster]:
     """An emulated API of this test's own (not the ``cluster`` fixture: the chart's RBAC check
     replays those scenarios with the operator's rules, and the Lease is granted apart)."""
-    async with ApiServer() as api, kmock.Server(api, host="127.0.0.1"):
-        declare_resources(api)
-        yield Cluster(api)
+    async with emulated_cluster() as cluster:
+        yield cluster
 
 
 async def test_of_two_replicas_one_acts_and_the_other_takes_over(

@@ -36,7 +36,7 @@ from testing.kube_api import (
     Cluster,
     Fault,
     OperatorThread,
-    declare_resources,
+    emulated_cluster,
     eventually,
     operator_request,
     quick_options,
@@ -91,9 +91,8 @@ class SlowApiServer(ApiServer):
 
 @pytest_asyncio.fixture
 async def cluster() -> AsyncIterator[Cluster]:
-    async with SlowApiServer() as api, kmock.Server(api, host="127.0.0.1"):
-        declare_resources(api)
-        yield Cluster(api)
+    async with emulated_cluster(SlowApiServer) as cluster:
+        yield cluster
 
 
 _runs = itertools.count()
