@@ -26,10 +26,9 @@ from kvpool.operator.rbac import LEASE_RULES, RULES, allowed, request_permission
 from testing.kube_api import (
     DEPLOYMENTS_PATH,
     NAMESPACE,
-    ApiServer,
     Cluster,
     OperatorThread,
-    declare_resources,
+    emulated_cluster,
     eventually,
     free_port,
     quick_options,
@@ -203,9 +202,8 @@ async def test_refusals_are_denied_reviews_and_unlabelled_pods_are_never_touched
 @pytest_asyncio.fixture
 async def own_cluster() -> AsyncIterator[Cluster]:
     """An emulated API of this test's own (the Lease is granted apart from the chart's rules)."""
-    async with ApiServer() as api, kmock.Server(api, host="127.0.0.1"):
-        declare_resources(api)
-        yield Cluster(api)
+    async with emulated_cluster() as cluster:
+        yield cluster
 
 
 async def test_a_standby_answers_the_webhook_and_writes_nothing(
