@@ -7,14 +7,14 @@ plan. Lookups are batched (``lookups``) and asked on the presence service's thre
 skips it this step); the step's lookups go to the master together when scheduling
 ends, and the request's next call takes the answer; ``update_state_after_alloc``
 pins the plan to the blocks vLLM allocated; ``build_connector_meta`` hands each
-step's loads and the saves of newly computed blocks to the workers.
+step's loads and the saves of newly computed blocks to the workers. What the side
+keeps of a request is one :class:`RequestState`, forgotten in ``request_finished``.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from vllm.utils.math_utils import cdiv
@@ -37,49 +37,17 @@ from kvpool.connector.pool_client import Outcome, PoolClient
 from kvpool.connector.scheduler.hybrid_hit import HybridHit, HybridHitCoordinator
 from kvpool.connector.scheduler.lookup_statistics import lookup_statistics
 from kvpool.connector.scheduler.lookups import Lookup, LookupQuery
-from kvpool.connector.scheduler.presence import PendingLookup, PresenceService
+from kvpool.connector.scheduler.presence import PresenceService
+from kvpool.connector.scheduler.request_state import (
+    LoadPlan,
+    LookedUp,
+    RequestState,
+    SaveProgress,
+)
 
 logger = get_logger(__name__)
 
 LOOKUP_TIMEOUT_S: float = ConnectorSettings.model_fields["lookup_timeout_s"].default
-
-
-@dataclass
-class _Plan:
-    """A lookup's outcome for one request, before vLLM allocates blocks."""
-
-    hit: HybridHit
-    local_tokens: int
-    digests: dict[int, dict[int, str]]  # group -> block index -> digest (of the blocks asked)
-
-
-@dataclass
-class _LookedUp:
-    """A request's lookup, kept until vLLM allocates the request's blocks (or it grows stale)."""
-
-    hit: HybridHit
-    digests: dict[int, dict[int, str]]  # group -> block index -> digest (of the blocks asked)
-    num_tokens: int  # the request's length when it was looked up
-    answered_at: float = field(default_factory=time.perf_counter)
-
-
-@dataclass
-class _Tracked:
-    """A request the connector saves blocks for."""
-
-    request: Any
-    saved_upto: list[int]  # per group: block index below which nothing is left to save
-    trace_context: dict[str, str] = field(default_factory=dict)
-    # Per group: blocks below this index that are saved again after a failed load
-    # replace whatever the pool holds under their keys.
-    replace_upto: list[int] = field(default_factory=list)
-    # Tokens computed from which some group completes a block it has not saved
-    # (0: not known). Below it a step plans nothing: most decode steps.
-    next_save_at: int = 0
-
-    def note_saved(self, block_sizes: Sequence[int]) -> None:
-        """Recompute :attr:`next_save_at` after ``saved_upto`` moved."""
-        self.next_save_at = min((done + 1) * size for done, size in zip(self.saved_upto, block_sizes))
 
 
 class SchedulerSide:
@@ -119,22 +87,14 @@ class SchedulerSide:
         self.presence = PresenceService(
             lambda keys: self.client.exists(keys), self._conclude, lookup_timeout_s
         )
-        self._pending: dict[str, PendingLookup] = {}  # lookups queued or in flight
         self.coordinator: HybridHitCoordinator | None = None
         self._hit_unit = 1  # set with the coordinator (bind)
-        self._plans: dict[str, _Plan] = {}
-        self._looked_up: dict[str, _LookedUp] = {}
+        # What the side keeps of each request, by id, until it finishes.
+        self.requests: dict[str, RequestState] = {}
+        # The requests that may still complete a block to save (decode steps of prompts
+        # saved in full look at none): an index into ``requests``.
+        self._saving: dict[str, SaveProgress] = {}
         self._pending_loads: list[RequestLoad] = []
-        self._loading: set[str] = set()
-        self._tracked: dict[str, _Tracked] = {}
-        # The tracked requests that may still complete a block to save (decode steps
-        # of prompts saved in full look at none).
-        self._saving: dict[str, _Tracked] = {}
-        self._local_tokens: dict[str, int] = {}
-        # Block ids each request's load wrote, and requests whose load failed:
-        # those recompute and never take the pool's word for them again.
-        self._loaded_blocks: dict[str, set[int]] = {}
-        self._load_failed: set[str] = set()
         self._key_prefixes: dict[int, tuple[str, ...]] = {}
 
     def bind(self, vllm_coordinator: Any) -> None:
@@ -145,59 +105,59 @@ class SchedulerSide:
     # --- lookup ------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         coord = self.coordinator
-        if not self.can_load or coord is None or request.request_id in self._load_failed:
+        req_id = request.request_id
+        state = self.requests.get(req_id)
+        if not self.can_load or coord is None or (state is not None and state.load_failed):
             return 0, False
         if (request.num_tokens - 1) // self._hit_unit * self._hit_unit <= num_computed_tokens:
             return 0, False  # nothing the pool could add: admitted now, not a step later
-        req_id = request.request_id
+        if state is None:
+            state = self.requests[req_id] = RequestState()
         # A request vLLM could not allocate yet comes back: its lookup stands until
         # its blocks are allocated, without asking the master or counting it again.
-        looked_up = self._looked_up.get(req_id)
+        looked_up = state.looked_up
         if looked_up is not None and self._stale(looked_up):
             looked_up = None  # the pool may have changed since: ask again
         if looked_up is None or looked_up.num_tokens != request.num_tokens:
-            answered = self._take_answer(coord, request, num_computed_tokens)
+            answered = self._take_answer(coord, state, request, num_computed_tokens)
             if answered is None:
                 return None, False  # in flight: vLLM skips the request this step
             query, record, looked_up = answered
             self._trace(query, record)
             self.stats.record_lookup(record, request)
-            self._looked_up[req_id] = looked_up
-        self._local_tokens[req_id] = num_computed_tokens
+            state.looked_up = looked_up
+        state.local_tokens = num_computed_tokens
         num_external = max(0, looked_up.hit.hit_tokens - num_computed_tokens)
         if num_external == 0:
-            self._plans.pop(req_id, None)
+            state.plan = None
             return 0, False
-        self._plans[req_id] = _Plan(looked_up.hit, num_computed_tokens, looked_up.digests)
+        state.plan = LoadPlan(looked_up.hit, num_computed_tokens, looked_up.digests)
         # Always asynchronous: vLLM then caches the request's blocks only once the load
         # is reported finished, and only those it delivered. A block of a failed load
         # never becomes a local prefix hit, whatever happens to the request meanwhile.
         return num_external, True
 
-    def _stale(self, looked_up: _LookedUp) -> bool:
+    def _stale(self, looked_up: LookedUp) -> bool:
         """Whether a kept answer is older than ``lookup_timeout_s`` (memory pressure kept the
         request waiting): its blocks may have left the pool since."""
         return time.perf_counter() - looked_up.answered_at > self.lookup_timeout_s
 
     def _take_answer(
-        self, coord: HybridHitCoordinator, request: Any, num_computed_tokens: int
-    ) -> tuple[LookupQuery, LookupRecord, _LookedUp] | None:
+        self, coord: HybridHitCoordinator, state: RequestState, request: Any, num_computed_tokens: int
+    ) -> tuple[LookupQuery, LookupRecord, LookedUp] | None:
         """The answer to ``request``'s queued lookup; None while it is in flight (a request
         with none, or one of another length, is queued now)."""
-        req_id = request.request_id
-        pending = self._pending.get(req_id)
+        pending = state.pending
         if pending is None or pending.lookup.query.num_tokens != request.num_tokens:
-            self._forget_pending(req_id)
+            state.cancel_lookup()
             query = self._query(request, num_computed_tokens)
-            self._pending[req_id] = self.presence.queue(
-                Lookup(coord, query, self._rank_prefixes, self._ranks)
-            )
+            state.pending = self.presence.queue(Lookup(coord, query, self._rank_prefixes, self._ranks))
             return None
         query = pending.lookup.query
         answered = pending.answered
         if not answered and time.perf_counter() < query.deadline:
             return None
-        self._forget_pending(req_id)
+        state.cancel_lookup()
         if answered and pending.outcome is not None:
             record, looked_up = pending.outcome
             return query, record, looked_up
@@ -227,13 +187,7 @@ class SchedulerSide:
             deadline=now + self.lookup_timeout_s,
         )
 
-    def _forget_pending(self, req_id: str) -> None:
-        """Drop the lookup queued or in flight for ``req_id``, if any: nobody takes its answer."""
-        pending = self._pending.pop(req_id, None)
-        if pending is not None:
-            pending.cancel()
-
-    def _conclude(self, lookup: Lookup) -> tuple[LookupRecord, _LookedUp]:
+    def _conclude(self, lookup: Lookup) -> tuple[LookupRecord, LookedUp]:
         """An answered lookup's record and what the request keeps of it (on the presence
         service's thread)."""
         assert lookup.result is not None
@@ -247,7 +201,7 @@ class SchedulerSide:
         known: dict[int, dict[int, bool]],
         failures: dict[str, int],
         asked_keys: int,
-    ) -> tuple[LookupRecord, _LookedUp]:
+    ) -> tuple[LookupRecord, LookedUp]:
         query = lookup.query
         num_computed_tokens = query.num_computed_tokens
         num_external = max(0, hit.hit_tokens - num_computed_tokens)
@@ -268,7 +222,7 @@ class SchedulerSide:
             keys=asked_keys,
             failures=failures,
         )
-        return record, _LookedUp(hit, lookup.digests, query.num_tokens)
+        return record, LookedUp(hit, lookup.digests, query.num_tokens)
 
     def _trace(self, query: LookupQuery, record: LookupRecord) -> None:
         """The lookup's span, from the request's first call until its answer was taken."""
@@ -314,37 +268,45 @@ class SchedulerSide:
         self, request: Any, block_ids: Sequence[list[int]], num_external: int
     ) -> None:
         req_id = request.request_id
-        self._looked_up.pop(req_id, None)
-        self._forget_pending(req_id)  # one vLLM scheduled without waiting for its answer
-        plan = self._plans.pop(req_id, None)
-        local_tokens = self._local_tokens.pop(req_id, request.num_computed_tokens)
+        state = self.requests.get(req_id)
+        plan: LoadPlan | None = None
+        local_tokens = request.num_computed_tokens
+        if state is not None:  # its lookup is spent (one vLLM scheduled without its answer too)
+            state.cancel_lookup()
+            state.looked_up = None
+            plan, state.plan = state.plan, None
+            if state.local_tokens is not None:
+                local_tokens, state.local_tokens = state.local_tokens, None
         if self.can_save and self.coordinator is not None:
             # Blocks the request starts with (local or pool hit) need no saving;
             # after a failed load, the blocks it recomputes instead do.
             start_tokens = local_tokens + num_external
             start = [start_tokens // g.block_size for g in self.coordinator.groups]
-            tracked = self._tracked.get(req_id)
-            if tracked is None:
-                self._tracked[req_id] = self._saving[req_id] = _Tracked(
+            if state is None:
+                state = self.requests[req_id] = RequestState()
+            if state.saves is None:
+                state.saves = self._saving[req_id] = SaveProgress(
                     request=request,
                     saved_upto=start,
                     trace_context=self.stats.trace_context(request),
                 )
-            elif req_id in self._load_failed:
-                _rewind(tracked, start)
-                self._saving[req_id] = tracked
+            elif state.load_failed:
+                state.saves.rewind(start)
+                self._saving[req_id] = state.saves
         if num_external == 0:
             return  # nothing external (or vLLM declined the hit): vLLM expects no load
         load = self._load_plan(request, block_ids, num_external, plan)
         self._pending_loads.append(load)
+        if state is None:
+            state = self.requests[req_id] = RequestState()
         # Its request comes back to lookup after a failure: remember what it loads.
-        self._loaded_blocks[req_id] = {b for g in load.groups for b in g.block_ids}
-        self._loading.add(req_id)
+        state.loaded_blocks = {b for g in load.groups for b in g.block_ids}
+        state.loading = True
         if load.refused:
-            self._load_failed.add(req_id)
+            state.load_failed = True
 
     def _load_plan(
-        self, request: Any, block_ids: Sequence[list[int]], num_external: int, plan: _Plan | None
+        self, request: Any, block_ids: Sequence[list[int]], num_external: int, plan: LoadPlan | None
     ) -> RequestLoad:
         """The load of exactly the ``num_external`` tokens vLLM allocated blocks for.
 
@@ -417,7 +379,7 @@ class SchedulerSide:
 
     def _plan_save(
         self,
-        tracked: _Tracked,
+        tracked: SaveProgress,
         req_id: str,
         num_new: int,
         block_ids_of: Callable[[str], Sequence[list[int]]],
@@ -499,16 +461,20 @@ class SchedulerSide:
         block_ids_of: Callable[[str], Sequence[list[int]]] | None = None,
     ) -> None:
         """Note completed loads, and which requests a failed load sends back to recompute."""
-        self._loading.difference_update(finished_recving)
-        self._load_failed.update(failed_recving)
+        requests = self.requests
+        for req_id in failed_recving:
+            if (state := requests.get(req_id)) is not None:
+                state.load_failed = True
         if invalid_blocks:
-            for req_id, blocks in self._loaded_blocks.items():
-                if blocks & invalid_blocks:
-                    self._load_failed.add(req_id)
+            for state in requests.values():
+                if state.loaded_blocks and not state.loaded_blocks.isdisjoint(invalid_blocks):
+                    state.load_failed = True
             if block_ids_of is not None:
                 self._rewind_over_failed_blocks(invalid_blocks, block_ids_of)
         for req_id in finished_recving:
-            self._loaded_blocks.pop(req_id, None)
+            if (state := requests.get(req_id)) is not None:
+                state.loading = False
+                state.loaded_blocks = None
 
     def _rewind_over_failed_blocks(
         self, invalid_blocks: set[int], block_ids_of: Callable[[str], Sequence[list[int]]]
@@ -524,14 +490,17 @@ class SchedulerSide:
         if coord is None or len(coord.groups) != 1:
             return
         (group,) = coord.groups
-        for req_id, tracked in self._tracked.items():
+        for req_id, state in self.requests.items():
+            tracked = state.saves
+            if tracked is None:
+                continue
             try:
                 (ids,) = block_ids_of(req_id)
             except (KeyError, ValueError):
                 continue
             if invalid_blocks.isdisjoint(ids):
                 continue
-            _rewind(tracked, [tracked.request.num_computed_tokens // group.block_size])
+            tracked.rewind([tracked.request.num_computed_tokens // group.block_size])
             self._saving[req_id] = tracked
 
     def request_finished(self, req_id: str) -> bool:
@@ -540,30 +509,12 @@ class SchedulerSide:
         vLLM then frees them when the worker reports that load finished
         receiving (``finished_recving`` of a finished request frees its blocks).
         """
-        self._tracked.pop(req_id, None)
         self._saving.pop(req_id, None)
-        self._plans.pop(req_id, None)
-        self._looked_up.pop(req_id, None)
-        self._forget_pending(req_id)
-        self._local_tokens.pop(req_id, None)
-        self._loaded_blocks.pop(req_id, None)
-        self._load_failed.discard(req_id)
-        if req_id in self._loading:
-            self._loading.discard(req_id)
-            return True
-        return False
-
-
-def _rewind(tracked: _Tracked, upto: Sequence[int]) -> None:
-    """Save ``tracked`` again from block ``upto[g]`` of each group; the blocks re-saved below
-    the old mark replace whatever the pool holds under their keys."""
-    if not tracked.replace_upto:
-        tracked.replace_upto = [0] * len(tracked.saved_upto)
-    for gid, mark in enumerate(upto):
-        if mark < tracked.saved_upto[gid]:
-            tracked.replace_upto[gid] = max(tracked.replace_upto[gid], tracked.saved_upto[gid])
-            tracked.saved_upto[gid] = mark
-    tracked.next_save_at = 0
+        state = self.requests.pop(req_id, None)
+        if state is None:
+            return False
+        state.cancel_lookup()
+        return state.loading
 
 
 def boundary_state_offers(scheduler_output: Any) -> Mapping[str, Sequence[tuple[int, int, int]]] | None:
@@ -591,7 +542,7 @@ def _replay_boundaries(cache: dict[bool, Any], request: Any, coord: Any, use_eag
 
 
 def _group_load(
-    group: Any, plan: _Plan, block_ids: Sequence[int], coord: HybridHitCoordinator, block_hashes: Any
+    group: Any, plan: LoadPlan, block_ids: Sequence[int], coord: HybridHitCoordinator, block_hashes: Any
 ) -> GroupTransfer:
     """One group's part of a load: the blocks its mask needs past the local hit, and how
     many the hit covers without moving them.

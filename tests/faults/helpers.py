@@ -329,12 +329,12 @@ class Engine:
 
     def stored_prefix_keys(self, key: tuple[int, int]) -> int:
         """How many keys of ``key``'s shared prefix the pool holds (asked through the engine's client)."""
-        from testing.engine import scheduler_connector
+        from testing.engine import scheduler_connector, scheduler_of
         from testing.prompts import pool_keys
 
         sched = scheduler_connector(self.llm)
         keys = pool_keys(sched.keyspace, prompt(*key), len(sched.layout.groups), range(PREFIX_BLOCKS))
-        return sum(sched._client.exists(keys))
+        return sum(scheduler_of(sched).client.exists(keys))
 
     def undrained_failures(self, timeout: float = 30.0) -> Counter[str]:
         """Failures recorded but not yet handed to vLLM's metrics (after in-flight saves end)."""

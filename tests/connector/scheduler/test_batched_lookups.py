@@ -231,7 +231,7 @@ def test_a_request_that_leaves_while_its_lookup_is_in_flight_is_forgotten(
         scheduler.add_request(staying)
         scheduler.schedule()
         assert asked.wait(30)
-        leaving_lookup = side._pending[leaving.request_id]
+        leaving_lookup = side.requests[leaving.request_id].pending
         scheduler.finish_requests([leaving.request_id], RequestStatus.FINISHED_ABORTED)
         scheduler.schedule()  # hands the finished id to the connector
         gate.set()
@@ -239,8 +239,7 @@ def test_a_request_that_leaves_while_its_lookup_is_in_flight_is_forgotten(
         assert leaving_lookup.cancelled, "its lookup, in flight when it left, is dropped"
         output = scheduler.schedule()
         assert list(output.num_scheduled_tokens) == [staying.request_id]
-        for kept in (side._looked_up, side._plans, side._local_tokens, side._pending):
-            assert leaving.request_id not in kept, "nothing is kept of it"
+        assert leaving.request_id not in side.requests, "nothing is kept of it"
         assert [r.query_tokens for r in scheduler.connector.stats.lookups] == [6 * 32]
     finally:
         gate.set()

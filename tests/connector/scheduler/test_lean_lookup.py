@@ -192,6 +192,6 @@ def test_a_request_retried_under_memory_pressure_is_looked_up_and_counted_once(
         assert load.hit_tokens == 8 * 32 and len(load.groups[0].block_ids) == 8
         assert len([r for r in connector.stats.lookups if r.query_tokens == second.num_tokens]) == 1
         # Allocated: a later lookup of it would ask the master again.
-        assert second.request_id not in scheduler_of(connector)._looked_up
+        assert scheduler_of(connector).requests[second.request_id].looked_up is None
     finally:
         scheduler.shutdown()
