@@ -49,3 +49,18 @@ def run_loads(worker: WorkerSide, loads: Any, timeout_s: float = 120.0) -> tuple
         finished |= done
         failed |= bad
     return finished, failed
+
+
+def before_each_load(monkeypatch: Any, action: Any) -> None:
+    """Run ``action()`` on the transfer thread at the start of every request's load in this process.
+
+    The one place that wraps the worker's per-request load (a fault fired mid-load: a store
+    killed, a master restarted, a load slowed); ``monkeypatch.undo()`` removes it.
+    """
+    original = WorkerSide._load_request
+
+    def load_after_action(self: WorkerSide, *args: Any, **kwargs: Any) -> bool:
+        action()
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(WorkerSide, "_load_request", load_after_action)

@@ -29,6 +29,7 @@ from testing.models import build_gemma3, build_gpt_oss
 from testing.objects import over_payload
 from testing.pool_store import raw_store
 from testing.prompts import MAX_TOKENS, P1, P2, PREFIX, PREFIX_HIT, pool_keys
+from testing.worker import before_each_load
 
 pytestmark = [pytest.mark.engine, pytest.mark.mooncake]
 
@@ -179,7 +180,6 @@ def test_keys_deleted_between_lookup_and_load(
 def test_master_killed_during_load(gemma_dir, gemma_reference, cache_prefix, monkeypatch) -> None:
     from kvpool.connector.contract.settings import ConnectorSettings
     from kvpool.connector.local.pool import LocalPool
-    from kvpool.connector.worker import side as worker_side
 
     with LocalPool(segment_size="128MB") as pool:
         settings = ConnectorSettings.parse(
@@ -187,13 +187,7 @@ def test_master_killed_during_load(gemma_dir, gemma_reference, cache_prefix, mon
         )
         config = transfer_config(settings)
         run_in_process(gemma_dir, config, [P1])
-        original = worker_side.WorkerSide._load_request
-
-        def kill_then_load(self, load):
-            pool.master.kill()
-            return original(self, load)
-
-        monkeypatch.setattr(worker_side.WorkerSide, "_load_request", kill_then_load)
+        before_each_load(monkeypatch, pool.master.kill)
         results, (_, _, transfers) = run_in_process(gemma_dir, config, [P2, P1])
     assert results[0].token_ids == gemma_reference
     assert all(r.finish_reason == "length" for r in results)

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from kvpool.connector.worker.side import WorkerSide
 from testing.engine import transfer_config
+from testing.worker import before_each_load
 from tests.faults.helpers import PREFIX_TOKENS, Engine, prompt
 
 pytestmark = [pytest.mark.faults, pytest.mark.engine, pytest.mark.mooncake, pytest.mark.timeout(180)]
@@ -29,13 +29,7 @@ def test_abort_during_async_load_frees_once_and_serving_goes_on(
     engine = Engine(gemma_dir, transfer_config(pool_settings))
     try:
         engine.serve((0, 0))  # stores the prefix
-        original = WorkerSide._load_request
-
-        def slow_load(self: WorkerSide, load: Any) -> bool:
-            time.sleep(SLOW_LOAD_S)
-            return original(self, load)
-
-        monkeypatch.setattr(WorkerSide, "_load_request", slow_load)
+        before_each_load(monkeypatch, lambda: time.sleep(SLOW_LOAD_S))
         llm_engine = engine.llm.llm_engine
         assert llm_engine.reset_prefix_cache()
         from vllm import SamplingParams

@@ -26,6 +26,7 @@ from kvpool.connector.local.pool import wait_for_capacity
 from kvpool.connector.pool_client import PoolClient, open_client
 from kvpool.connector.worker.side import WorkerSide
 from testing.engine import transfer_config
+from testing.worker import before_each_load
 from tests.faults.helpers import (
     PREFIX_TOKENS,
     Engine,
@@ -153,13 +154,7 @@ def test_master_killed_and_restarted_mid_load(
     assert engine.stored_prefix_keys((1, 0)) > 0
 
     fault = Restarter(pool)
-    original = WorkerSide._load_request
-
-    def kill_then_load(self: WorkerSide, load: Any) -> bool:
-        fault.fire()
-        return original(self, load)
-
-    monkeypatch.setattr(WorkerSide, "_load_request", kill_then_load)
+    before_each_load(monkeypatch, fault.fire)
     mark = window.mark()
     faulted = engine.serve((0, 2))
     monkeypatch.undo()
@@ -223,15 +218,13 @@ def test_store_process_lost(
     warm = [engine.serve(k) for k in [(3, 0), (3, 1)]]
     assert warm[1].hit
     lost: dict[str, float] = {}
-    original = WorkerSide._load_request
 
-    def kill_store_then_load(self: WorkerSide, load: Any) -> bool:
+    def kill_store_once() -> None:
         if not lost:
             pool.kill_store()
             lost["at"] = time.monotonic()
-        return original(self, load)
 
-    monkeypatch.setattr(WorkerSide, "_load_request", kill_store_then_load)
+    before_each_load(monkeypatch, kill_store_once)
     mark = window.mark()
     faulted = engine.serve((3, 2))
     monkeypatch.undo()
