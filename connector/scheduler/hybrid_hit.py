@@ -103,31 +103,6 @@ MAX_ASK_ROUNDS = 3
 Ask = Callable[[Mapping[int, Sequence[int]]], Mapping[int, Sequence[bool]] | None]
 
 
-class PresenceBlockPool:
-    """Duck-typed ``BlockPool``: ``get_cached_block`` answers from a presence set.
-
-    Each group's block hashes (viewed at the group's block size) map to the
-    block index; a cached "block" is a marker whose ``block_id`` is that index.
-    """
-
-    def __init__(self, hash_block_size: int, present: Mapping[int, Mapping[bytes, int]]):
-        self.hash_block_size = hash_block_size
-        self.null_block = KVCacheBlock(block_id=-1, is_null=True)
-        self._present = present
-
-    def get_cached_block(
-        self, block_hash: Any, kv_cache_group_ids: Sequence[int]
-    ) -> list[KVCacheBlock] | None:
-        key = block_hash if type(block_hash) is bytes else bytes(block_hash)
-        blocks: list[KVCacheBlock] = []
-        for group_id in kv_cache_group_ids:
-            index = self._present.get(group_id, _NONE).get(key)
-            if index is None:
-                return None
-            blocks.append(_MARKERS.upto(index + 1)[index])
-        return blocks
-
-
 class AskingBlockPool:
     """Duck-typed ``BlockPool`` over what the pool was asked so far (group -> index -> held).
 
@@ -264,30 +239,6 @@ class HybridHitCoordinator:
         return wanted
 
     # --- the fixed point ---------------------------------------------------
-    def find_hit(
-        self,
-        block_hashes: Sequence[Any],
-        present: dict[int, set[bytes]],
-        max_hit_tokens: int,
-    ) -> HybridHit:
-        """Longest hit ≤ ``max_hit_tokens`` every group can serve from ``present``."""
-        index: dict[int, dict[bytes, int]] = {}
-        for group_id, hashes in present.items():
-            view = self.group_block_hashes(group_id, block_hashes)
-            index[group_id] = {h: i for i in range(len(view)) if (h := bytes(view[i])) in hashes}
-        return self.find_hit_indexed(block_hashes, index, max_hit_tokens)
-
-    def find_hit_indexed(
-        self,
-        block_hashes: Sequence[Any],
-        present: Mapping[int, Mapping[bytes, int]],
-        max_hit_tokens: int,
-    ) -> HybridHit:
-        """:meth:`find_hit`, given per group each present block's hash (at the group's block
-        size, as :meth:`lookup_blocks` names it) mapped to the block's index."""
-        pool = PresenceBlockPool(self.hash_block_size, present)
-        return self._reconcile(block_hashes, pool, max_hit_tokens, pool)
-
     def find_hit_asking(
         self,
         block_hashes: Sequence[Any],
@@ -296,7 +247,7 @@ class HybridHitCoordinator:
         ask: Ask,
         max_rounds: int = MAX_ASK_ROUNDS,
     ) -> tuple[HybridHit, dict[int, dict[int, bool]]]:
-        """:meth:`find_hit`, asking the pool only about the blocks the fixed point reads.
+        """The hit over the pool's presence, asking only about the blocks the fixed point reads.
 
         ``wanted`` is :meth:`lookup_blocks`' answer; ``ask`` takes, per group, the
         indices of blocks to ask about and returns, per group, whether the pool holds
@@ -305,10 +256,10 @@ class HybridHitCoordinator:
         the fixed point taking every block not yet asked about as present, asks about
         the ones it read, and is done when it read none or they all were present;
         after ``max_rounds`` rounds it asks about every block left. The hit is the one
-        :meth:`find_hit` finds over the pool's whole presence: the fixed point's result
-        depends only on what it read, and everything it read was answered by the pool. Returns the hit and,
-        per group, what was asked (index -> held); the per-group hits take a block
-        never asked about as absent.
+        :meth:`hit_over` finds over the pool's whole presence (``testing.hit_oracle``): the
+        fixed point's result depends only on what it read, and everything it read was
+        answered by the pool. Returns the hit and, per group, what was asked
+        (index -> held); the per-group hits take a block never asked about as absent.
         """
         known: dict[int, dict[int, bool]] = {g: {} for g in wanted}
         index_of: dict[int, dict[bytes, int]] = {}
@@ -325,7 +276,7 @@ class HybridHitCoordinator:
         rounds = 1
         while True:
             pool = AskingBlockPool(self.hash_block_size, index_of, known, assume_present=True)
-            hit = self._reconcile(
+            hit = self.hit_over(
                 block_hashes,
                 pool,
                 max_hit_tokens,
@@ -393,14 +344,15 @@ class HybridHitCoordinator:
         pool = AskingBlockPool(self.hash_block_size, index_of, known, assume_present=False)
         return self._alone(block_hashes, pool, max_hit_tokens)
 
-    def _reconcile(
+    def hit_over(
         self,
         block_hashes: Sequence[Any],
         pool: Any,
         max_hit_tokens: int,
         alone_pool: Any,
     ) -> HybridHit:
-        """vLLM's fixed point over ``pool``; per-group hits (when read) over ``alone_pool``."""
+        """vLLM's fixed point over ``pool`` (any duck-typed ``BlockPool``: ``get_cached_block``,
+        ``null_block``, ``hash_block_size``); per-group hits (when read) over ``alone_pool``."""
         num_groups = len(self.groups)
         blocks_by_group: list[list[KVCacheBlock] | None] = [None] * num_groups
         length_by_group = [0] * num_groups

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from vllm.utils.math_utils import cdiv
 
 from kvpool.connector.scheduler.hybrid_hit import HybridHitCoordinator
+from testing.hit_oracle import find_hit
 from testing.kv_cache import GroupDesc, block_sizes, fill_block_pool, make_coordinator
 
 EXAMPLES = int(os.environ.get("KVPOOL_HYPOTHESIS_EXAMPLES", "150"))
@@ -86,7 +87,7 @@ def test_same_hit_and_masks_as_vllm(groups: list[GroupDesc], data: st.DataObject
     # The connector only asks the pool about the blocks lookup_blocks names.
     asked = ours.lookup_blocks(block_hashes, max_hit)
     known = {g: present.get(g, set()) & set(asked.get(g, [])) for g in range(len(groups))}
-    hit = ours.find_hit(block_hashes, known, max_hit)
+    hit = find_hit(ours, block_hashes, known, max_hit)
 
     assert hit.hit_tokens == real_hit
     assert hit.hit_tokens % scheduler_block == 0
@@ -110,7 +111,7 @@ def test_sliding_window_needs_only_its_window() -> None:
     ours = HybridHitCoordinator.from_vllm_coordinator(coordinator)
     block_hashes = [os.urandom(32) for _ in range(20)]
     present = {g: {bytes(h) for h in block_hashes} for g in (0, 1)}
-    hit = ours.find_hit(block_hashes, present, 20 * 32 - 1)
+    hit = find_hit(ours, block_hashes, present, 20 * 32 - 1)
     assert hit.hit_tokens == 19 * 32
     assert hit.needed_blocks[0] == tuple(range(19))
     # A 64-token window at position 608 needs cdiv(63, 32) = 2 blocks: 17 and 18.
@@ -123,7 +124,7 @@ def test_mamba_needs_only_last_state() -> None:
     ours = HybridHitCoordinator.from_vllm_coordinator(coordinator)
     block_hashes = [os.urandom(32) for _ in range(10)]
     present = {0: {bytes(h) for h in block_hashes}, 1: {bytes(h) for h in block_hashes[:6]}}
-    hit = ours.find_hit(block_hashes, present, 10 * 32 - 1)
+    hit = find_hit(ours, block_hashes, present, 10 * 32 - 1)
     assert hit.hit_tokens == 6 * 32
     assert hit.needed_blocks[0] == tuple(range(6))
     assert hit.needed_blocks[1] == (5,)
@@ -136,7 +137,7 @@ def test_group_that_lost_its_window_cuts_the_hit() -> None:
     block_hashes = [os.urandom(32) for _ in range(12)]
     # The window group lost blocks 6..11: its last usable window ends at block 5.
     present = {0: {bytes(h) for h in block_hashes}, 1: {bytes(h) for h in block_hashes[:6]}}
-    hit = ours.find_hit(block_hashes, present, 12 * 32 - 1)
+    hit = find_hit(ours, block_hashes, present, 12 * 32 - 1)
     assert hit.hit_tokens == 6 * 32
     # Full attention alone could have served 11 blocks; the hybrid hit threw 5 away.
     assert hit.group_hit_tokens == (11 * 32, 6 * 32)
@@ -181,8 +182,8 @@ def test_asking_only_what_the_fixed_point_reads_finds_vllms_hit(
             real_positions = real_positions[-1:]
         assert list(hit.needed_blocks[gid]) == real_positions, (gid, group.spec)
     # A group's own hit, from what was asked, never claims more than the pool holds.
-    full = ours.find_hit(
-        block_hashes, {g: present.get(g, set()) & set(wanted.get(g, [])) for g in wanted}, max_hit
+    full = find_hit(
+        ours, block_hashes, {g: present.get(g, set()) & set(wanted.get(g, [])) for g in wanted}, max_hit
     )
     assert all(a <= b for a, b in zip(hit.group_hit_tokens, full.group_hit_tokens))
 
@@ -224,4 +225,4 @@ def test_one_eagle_group_drops_its_last_block_like_vllms_unitary_coordinator() -
     fill_block_pool(coordinator, present)
     _, real_hit, _ = coordinator.find_longest_cache_hit(block_hashes, 5 * 32 - 1)
     assert real_hit == 3 * 32
-    assert ours.find_hit(block_hashes, present, 5 * 32 - 1).hit_tokens == real_hit
+    assert find_hit(ours, block_hashes, present, 5 * 32 - 1).hit_tokens == real_hit

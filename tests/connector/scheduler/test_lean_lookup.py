@@ -15,6 +15,7 @@ from kvpool.connector.observability import tracing
 from kvpool.connector.observability.records import Deferred, LookupRecord
 from kvpool.connector.scheduler.hybrid_hit import HybridHitCoordinator
 from testing.engine import scheduler_of
+from testing.hit_oracle import find_hit, find_hit_indexed
 from testing.kv_cache import GroupDesc, make_coordinator
 
 
@@ -64,11 +65,11 @@ def test_per_group_hits_are_computed_only_when_read() -> None:
         0: {bytes(h): i for i, h in enumerate(block_hashes)},
         1: {bytes(h): i for i, h in enumerate(block_hashes[:6])},
     }
-    hit = ours.find_hit_indexed(block_hashes, present, 12 * 32 - 1)
+    hit = find_hit_indexed(ours, block_hashes, present, 12 * 32 - 1)
     assert "group_hit_tokens" not in vars(hit)
     assert hit.hit_tokens == 6 * 32 and hit.needed_blocks[1] == (4, 5)
     assert hit.group_hit_tokens == (11 * 32, 6 * 32)
-    assert hit == ours.find_hit(block_hashes, {g: set(p) for g, p in present.items()}, 12 * 32 - 1)
+    assert hit == find_hit(ours, block_hashes, {g: set(p) for g, p in present.items()}, 12 * 32 - 1)
 
 
 def test_rank_prefix_plus_digest_is_the_key() -> None:
