@@ -242,12 +242,6 @@ class PoolClient:
         """Read each key into its scatter list; per-key codes (bytes read when >= 0)."""
         return self._batched(self._store.batch_get_into_multi_buffers, keys, ptrs, sizes)
 
-    def put_from(
-        self, keys: Sequence[str], ptrs: Sequence[list[int]], sizes: Sequence[list[int]]
-    ) -> list[int]:
-        """Write each key from its gather list; per-key codes (0 when stored)."""
-        return self._batched(self._store.batch_put_from_multi_buffers, keys, ptrs, sizes)
-
     def _batched(
         self,
         fn: Callable[..., list[int]],
@@ -368,9 +362,6 @@ class PoolClient:
         except Exception:
             logger.warning("get_size failed", exc_info=True)
             return -1
-
-    def put_bytes(self, key: str, value: bytes) -> int:
-        return int(self._store.put(key, value))
 
     def close(self) -> None:
         """Refuse new calls; close now, or when the last call still inside Mooncake returns.

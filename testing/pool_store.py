@@ -6,6 +6,7 @@ calls; this is the one place that reaches under :class:`PoolClient` to do so.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from kvpool.connector.pool_client import PoolClient
@@ -19,3 +20,15 @@ def raw_store(client: PoolClient) -> Any:
 def replace_raw_store(client: PoolClient, store: Any) -> None:
     """Make the client call ``store`` (a wrapper of its own store) from now on."""
     client._store = store
+
+
+def put_bytes(client: PoolClient, key: str, value: bytes) -> int:
+    """Store ``value`` under ``key`` with Mooncake's plain ``put`` (an existing key keeps its value)."""
+    return int(raw_store(client).put(key, value))
+
+
+def put_from(
+    client: PoolClient, keys: Sequence[str], ptrs: Sequence[list[int]], sizes: Sequence[list[int]]
+) -> list[int]:
+    """Write each key from its gather list through the client's bounded batches; per-key codes."""
+    return client._batched(raw_store(client).batch_put_from_multi_buffers, keys, ptrs, sizes)

@@ -27,7 +27,7 @@ from testing.engine import (
 )
 from testing.models import build_gemma3, build_gpt_oss
 from testing.objects import over_payload
-from testing.pool_store import raw_store
+from testing.pool_store import put_bytes, raw_store
 from testing.prompts import MAX_TOKENS, P1, P2, PREFIX, PREFIX_HIT, pool_keys
 from testing.worker import before_each_load
 
@@ -88,7 +88,7 @@ def test_corrupted_pool_changes_the_output(gemma_dir, gemma_reference, pool_sett
     assert all(len(data) > HEADER_BYTES for data in stored.values()), "engine A stored every prefix block"
     pool_client.remove(keys)
     for key, data in stored.items():
-        assert pool_client.put_bytes(key, over_payload(data, os.urandom(len(data) - HEADER_BYTES))) == 0
+        assert put_bytes(pool_client, key, over_payload(data, os.urandom(len(data) - HEADER_BYTES))) == 0
 
     b = run_engine_subprocess(
         EngineOptions(model=str(gemma_dir), kv_transfer_config=config), [[P2]], MAX_TOKENS
@@ -212,7 +212,7 @@ def test_blocks_that_always_fail_are_recomputed_once(gemma_dir, gemma_reference,
     keys = pool_keys(keyspace, PREFIX, num_groups)
     pool_client.remove(keys)
     for key in keys:
-        assert pool_client.put_bytes(key, b"short") == 0
+        assert put_bytes(pool_client, key, b"short") == 0
     results, (_, _, transfers) = run_in_process(gemma_dir, config, [P2])
     assert results[0].token_ids == gemma_reference
     loads = [t for t in transfers if t.operation == "load"]

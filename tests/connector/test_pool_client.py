@@ -8,7 +8,7 @@ import pytest
 from kvpool.connector.contract.settings import ConnectorSettings
 from kvpool.connector.local.pool import LocalPool
 from kvpool.connector.pool_client import CODE_RPC_FAILED, open_client
-from testing.pool_store import raw_store, replace_raw_store
+from testing.pool_store import put_from, raw_store, replace_raw_store
 
 pytestmark = pytest.mark.mooncake
 
@@ -41,19 +41,19 @@ def test_a_dead_master_makes_transfers_fail_fast() -> None:
         try:
             buf = np.zeros(4096, dtype=np.uint8)
             client.register(buf.ctypes.data, buf.nbytes)
-            assert client.put_from(["a"], [[buf.ctypes.data]], [[64]]) == [0]
+            assert put_from(client, ["a"], [[buf.ctypes.data]], [[64]]) == [0]
             spy = CountingStore(raw_store(client))
             replace_raw_store(client, spy)
             pool.master.kill()
             # Batches in a row wait out their RPC timeout and fail...
-            assert client.put_from(["b"], [[buf.ctypes.data]], [[64]]) == [CODE_RPC_FAILED]
+            assert put_from(client, ["b"], [[buf.ctypes.data]], [[64]]) == [CODE_RPC_FAILED]
             assert not client.unreachable  # one failed batch may be a partial failure
-            assert client.put_from(["b"], [[buf.ctypes.data]], [[64]]) == [CODE_RPC_FAILED]
+            assert put_from(client, ["b"], [[buf.ctypes.data]], [[64]]) == [CODE_RPC_FAILED]
             assert client.unreachable
             reached = len(spy.calls)
             # ...then, for a moment, nothing is sent: loads, saves and lookups fail at once.
             assert client.get_into(["a"], [[buf.ctypes.data]], [[64]]) == [CODE_RPC_FAILED]
-            assert client.put_from(["c"], [[buf.ctypes.data]], [[64]]) == [CODE_RPC_FAILED]
+            assert put_from(client, ["c"], [[buf.ctypes.data]], [[64]]) == [CODE_RPC_FAILED]
             assert client.exists(["a"]) == [False]
             assert len(spy.calls) == reached
         finally:
@@ -66,7 +66,7 @@ def test_batches_stay_within_the_bound(pool_client) -> None:
     keys = [f"bound-{i}" for i in range(2 * pool_client.batch_size + 1)]
     buf = np.zeros(64, dtype=np.uint8)
     pool_client.register(buf.ctypes.data, buf.nbytes)
-    codes = pool_client.put_from(keys, [[buf.ctypes.data]] * len(keys), [[16]] * len(keys))
+    codes = put_from(pool_client, keys, [[buf.ctypes.data]] * len(keys), [[16]] * len(keys))
     assert codes == [0] * len(keys)
     assert spy.calls.count("batch_put_from_multi_buffers") == 3
     assert pool_client.exists(keys) == [True] * len(keys)
@@ -85,7 +85,7 @@ def test_calls_stay_within_the_buffer_bound(pool_client) -> None:
     keys = [f"entries-{i}" for i in range(200)]
     ptrs = [[buf.ctypes.data + 8 * j for j in range(per_key)] for _ in keys]
     sizes = [[8] * per_key for _ in keys]
-    assert pool_client.put_from(keys, ptrs, sizes) == [0] * len(keys)
+    assert put_from(pool_client, keys, ptrs, sizes) == [0] * len(keys)
     calls = spy.calls.count("batch_put_from_multi_buffers")
     assert calls == -(-len(keys) * per_key // (MAX_BATCH_ENTRIES // per_key * per_key))
     out = np.zeros_like(buf)

@@ -28,7 +28,7 @@ from kvpool.connector.contract.settings import ConnectorSettings
 from testing.engine import EngineOptions, EngineReport, run_engine_subprocess, transfer_config
 from testing.models import build_gemma3_one_kv_head
 from testing.objects import over_payload
-from testing.pool_store import raw_store
+from testing.pool_store import put_bytes, raw_store
 from testing.prompts import BLOCK, block_hashes
 from tests.connector.test_tensor_parallel import (
     FOLLOWERS,
@@ -110,7 +110,7 @@ def test_one_object_per_shard_read_by_every_rank_and_by_another_tp_size(
         data = raw_store(pool_client).get(noisy_key)
         assert len(data) == HEADER_BYTES + page, noisy_key
         assert pool_client.remove([noisy_key]) == [0]
-        assert pool_client.put_bytes(noisy_key, over_payload(data, os.urandom(page))) == 0
+        assert put_bytes(pool_client, noisy_key, over_payload(data, os.urandom(page))) == 0
 
     b = run(model, config, 2, B_BATCHES, log_path=tmp_path / "b.log", reset_local_cache=True)
     notes = connector_warnings(tmp_path / "b.log")

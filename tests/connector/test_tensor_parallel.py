@@ -41,7 +41,7 @@ from kvpool.connector.contract.settings import ConnectorSettings
 from testing.engine import EngineOptions, EngineReport, run_engine_subprocess, transfer_config
 from testing.models import build_gemma3, build_gemma3_full
 from testing.objects import over_payload
-from testing.pool_store import raw_store
+from testing.pool_store import put_bytes, raw_store
 from testing.prompts import BLOCK, block_hashes
 
 pytestmark = [pytest.mark.engine, pytest.mark.mooncake]
@@ -153,7 +153,7 @@ def test_tp2_engine_b_loads_what_tp2_engine_a_stored(
     assert pool_client.remove([key(1, PARTIAL_BLOCK)]) == [0]
     damaged = key(1, DAMAGED_BLOCK)
     assert pool_client.remove([damaged]) == [0]
-    assert pool_client.put_bytes(damaged, b"\0" * 100) == 0
+    assert put_bytes(pool_client, damaged, b"\0" * 100) == 0
     # Negative control: noise in every K/V byte of the second prompt's shared blocks.
     noisy_hashes = block_hashes(NOISY)
     noisy_keys = [
@@ -167,7 +167,7 @@ def test_tp2_engine_b_loads_what_tp2_engine_a_stored(
         assert len(data) > HEADER_BYTES, noisy_key
         assert pool_client.remove([noisy_key]) == [0]
         noise = os.urandom(len(data) - HEADER_BYTES)
-        assert pool_client.put_bytes(noisy_key, over_payload(data, noise)) == 0
+        assert put_bytes(pool_client, noisy_key, over_payload(data, noise)) == 0
 
     b = run_tp(
         tp_options(model_dir, config, disable_log_stats=False),

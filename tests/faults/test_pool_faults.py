@@ -26,6 +26,7 @@ from kvpool.connector.local.pool import wait_for_capacity
 from kvpool.connector.pool_client import PoolClient, open_client
 from kvpool.connector.worker.side import WorkerSide
 from testing.engine import transfer_config
+from testing.pool_store import put_bytes
 from testing.worker import before_each_load
 from tests.faults.helpers import (
     PREFIX_TOKENS,
@@ -257,7 +258,7 @@ def _fill(client: PoolClient, prefix: str) -> list[str]:
     for size in (1 << 20, 32 << 10, 4 << 10):
         for index in range(600):
             key = f"{prefix}-{size}-{index}"
-            code = client.put_bytes(key, b"\0" * size)
+            code = put_bytes(client, key, b"\0" * size)
             if code != 0:
                 assert code == -200, f"junk put failed with {code}"
                 break
@@ -279,7 +280,7 @@ def test_store_full(
         junk = _fill(client, "junk")
         # A lookup leases what it finds (60s here): the junk cannot be evicted.
         assert all(client.exists(junk))
-        assert client.put_bytes("one-more", b"\0" * (32 << 10)) == -200
+        assert put_bytes(client, "one-more", b"\0" * (32 << 10)) == -200
         full = [engine.serve(k) for k in [(2, 0), (2, 1), (2, 2)]]
         assert not any(s.hit for s in full), "nothing could be stored, so nothing hits"
         saves = window.failures("save")
@@ -306,7 +307,7 @@ def test_store_full_evicts(pool: SinglePool, engine: Engine, window: Window, ref
     )
     try:
         junk = [f"junk-{i}" for i in range(640)]  # 20MB of 32KB objects into 16MB: eviction
-        codes = Counter(client.put_bytes(key, b"\0" * (32 << 10)) for key in junk)
+        codes = Counter(put_bytes(client, key, b"\0" * (32 << 10)) for key in junk)
         assert codes[0] > 400
         served = serve_until_hits(engine, [(3, 0), (3, 1), (3, 2), (3, 3)], hits=2)
         present = sum(client.exists(junk))

@@ -26,6 +26,7 @@ from kvpool.connector.pool_client import open_client
 from kvpool.operator import names
 from kvpool.operator.plan import build_plan
 from testing.operator_objects import pool_spec
+from testing.pool_store import put_bytes
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(120)]
 
@@ -190,7 +191,7 @@ def test_the_master_metrics_port_is_an_admin_port() -> None:
             ConnectorSettings.parse({"master_server_address": pool.address}), global_segment_size=0
         )
         try:
-            assert client.put_bytes("kvpool-fp-0-0-0-abc", b"x" * 64) == 0
+            assert put_bytes(client, "kvpool-fp-0-0-0-abc", b"x" * 64) == 0
             base = f"http://127.0.0.1:{pool.master.metrics_port}"
             with urllib.request.urlopen(f"{base}/get_all_keys", timeout=5) as response:
                 assert "kvpool-fp-0-0-0-abc" in response.read().decode()

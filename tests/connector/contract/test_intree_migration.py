@@ -19,6 +19,7 @@ import pytest
 from kvpool.connector.contract.intree_config import INTREE_EMBEDDED_SEGMENT
 from kvpool.connector.contract.mooncake_env import CONFIG_PATH_ENV
 from kvpool.connector.contract.settings import ConnectorSettings, SettingsError
+from testing.pool_store import put_bytes
 
 LOGGER = "kvpool.connector.contract.intree_config"
 
@@ -120,7 +121,7 @@ def test_a_client_from_an_intree_file_joins_a_real_pool(tmp_path: Path, local_po
     try:
         assert local_pool.master.capacity_bytes() == before + (64 << 20)
         key = f"{settings.cache_prefix}/intree-file-check"
-        assert client.put_bytes(key, b"block bytes") == 0
+        assert put_bytes(client, key, b"block bytes") == 0
         assert client.exists([key]) == [True]
         assert client.remove([key]) == [0]
     finally:

@@ -27,7 +27,7 @@ from kvpool.connector.observability.records import StatsCollector
 from kvpool.connector.scheduler.side import SchedulerSide
 from kvpool.connector.worker.side import Deadlines, WorkerSide
 from testing.mooncake_faults import Stall
-from testing.pool_store import raw_store
+from testing.pool_store import put_bytes, raw_store
 from testing.worker import run_loads
 
 pytestmark = pytest.mark.mooncake
@@ -411,7 +411,7 @@ def test_a_lookup_past_its_deadline_is_a_miss_and_lookups_do_not_pile_up(
     )
     presence = sched.presence
     key = f"{cache_prefix}/present"
-    assert pool_client.put_bytes(key, b"x") == 0
+    assert put_bytes(pool_client, key, b"x") == 0
     try:
         assert presence.ask(lambda: [key]).result() == [True]
         stall = Stall("batch_is_exist").install(monkeypatch)

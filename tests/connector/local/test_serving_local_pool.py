@@ -43,6 +43,7 @@ from kvpool.connector.contract.keys import KeySpace
 from kvpool.connector.contract.mooncake_env import client_env
 from kvpool.connector.local.pool import LOOPBACK, free_port, port_open
 from testing.models import build_gemma3
+from testing.pool_store import put_bytes
 from testing.prompts import BLOCK, P1, P2, PREFIX_HIT
 
 pytestmark = [pytest.mark.engine, pytest.mark.mooncake]
@@ -427,6 +428,6 @@ def _put_other_key(pool: PoolCommand, key: str) -> None:
         ConnectorSettings.parse({"master_server_address": pool.master_address}), global_segment_size=0
     )
     try:
-        assert client.put_bytes(key, b"another layout") == 0
+        assert put_bytes(client, key, b"another layout") == 0
     finally:
         client.close()

@@ -18,6 +18,7 @@ from kvpool.connector.contract.keys import hash_digest
 from kvpool.connector.scheduler.lookups import Lookup, LookupQuery, answer_together
 from testing.engine import scheduler_of
 from testing.kv_cache import GroupDesc
+from testing.pool_store import put_bytes
 from tests.connector.scheduler.test_hybrid_hit import EXAMPLES, _drawn_case, layouts
 
 FULL = [GroupDesc("full", 32)]
@@ -121,7 +122,7 @@ def _store(pool_client, scheduler, request, blocks: range) -> None:
     view = scheduler_of(connector).coordinator.group_block_hashes(0, request.block_hashes)
     for i in blocks:
         key = connector.keyspace.key(0, 0, 0, hash_digest(bytes(view[i])))
-        assert pool_client.put_bytes(key, b"kv" * 8) == 0
+        assert put_bytes(pool_client, key, b"kv" * 8) == 0
 
 
 @pytest.fixture(scope="module")

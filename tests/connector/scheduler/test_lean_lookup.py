@@ -17,6 +17,7 @@ from kvpool.connector.scheduler.hybrid_hit import HybridHitCoordinator
 from testing.engine import scheduler_of
 from testing.hit_oracle import find_hit, find_hit_indexed
 from testing.kv_cache import GroupDesc, make_coordinator
+from testing.pool_store import put_bytes
 
 
 def test_span_is_a_shared_no_op_without_a_tracer_provider(monkeypatch) -> None:
@@ -134,7 +135,7 @@ def test_statistics_count_blocks_the_lookup_did_not_ask_about(
             view = coord.group_block_hashes(group_id, request.block_hashes)
             for i in range(count):
                 key = connector.keyspace.key(group_id, 0, 0, hash_digest(bytes(view[i])))
-                assert pool_client.put_bytes(key, b"kv" * 8) == 0
+                assert put_bytes(pool_client, key, b"kv" * 8) == 0
 
         hit, _ = matched_tokens(connector, request)
         assert hit == 4 * 32
@@ -175,7 +176,7 @@ def test_a_request_retried_under_memory_pressure_is_looked_up_and_counted_once(
             view = coord.group_block_hashes(group_id, second.block_hashes)
             for i in range(8):
                 key = connector.keyspace.key(group_id, 0, 0, hash_digest(bytes(view[i])))
-                assert pool_client.put_bytes(key, b"kv" * 8) == 0
+                assert put_bytes(pool_client, key, b"kv" * 8) == 0
         scheduler.add_request(first)
         scheduler.schedule()
         scheduler.add_request(second)

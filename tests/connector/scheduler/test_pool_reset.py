@@ -12,6 +12,7 @@ import pytest
 
 from kvpool.connector.contract.keys import KeySpace
 from kvpool.connector.scheduler.pool_reset import LayoutReset, layout_pattern
+from testing.pool_store import put_bytes
 
 pytestmark = pytest.mark.mooncake
 
@@ -20,7 +21,7 @@ WAIT_S = 60.0  # bound on waiting for the sweep (Mooncake's lease is seconds)
 
 def _put(client, keys: list[str]) -> None:
     for key in keys:
-        assert client.put_bytes(key, b"kv") == 0
+        assert put_bytes(client, key, b"kv") == 0
 
 
 def _present(client, keys: list[str]) -> list[str]:

@@ -20,6 +20,7 @@ from kvpool.connector.scheduler.hybrid_hit import HybridHitCoordinator
 from kvpool.connector.scheduler.lookups import Lookup, LookupQuery
 from kvpool.connector.scheduler.presence import PendingLookup, PresenceService
 from testing.kv_cache import GroupDesc, make_coordinator
+from testing.pool_store import put_bytes
 
 
 class Clock:
@@ -99,7 +100,7 @@ def test_questions_waiting_behind_a_check_go_out_together_and_none_waits_past_it
     pool_client, clock: Clock
 ) -> None:
     key = "kvpool-test/held"
-    assert pool_client.put_bytes(key, b"kv") == 0
+    assert put_bytes(pool_client, key, b"kv") == 0
     gate = Gate(pool_client.exists)
     presence = service(gate, clock)
     try:

@@ -18,6 +18,7 @@ from kvpool.connector.metadata import PoolConnectorMetadata
 from testing.engine import scheduler_of
 from testing.kv_cache import GroupDesc
 from testing.models import build_gemma3
+from testing.pool_store import put_bytes
 from testing.scheduler import (
     admit,
     local_pool_transfer,
@@ -46,7 +47,7 @@ def store_blocks(client, scheduler, request, blocks_per_group: dict[int, range])
         view = coord.group_block_hashes(group_id, request.block_hashes)
         for i in indices:
             key = connector.keyspace.key(group_id, 0, 0, hash_digest(bytes(view[i])))
-            assert client.put_bytes(key, b"kv" * 8) == 0
+            assert put_bytes(client, key, b"kv" * 8) == 0
 
 
 def admitted_from_pool(scheduler, client, prompt: list[int], blocks_per_group: dict[int, range]):
