@@ -37,14 +37,12 @@ CODE_RPC_FAILED = -900
 CODE_RPC_TIMEOUT = -901
 RPC_FAILURES = (CODE_RPC_FAILED, CODE_RPC_TIMEOUT)
 
-# Buffers (scatter/gather entries) per multi-buffer call: Mooncake's TCP transport
-# fails calls past ~2,000 entries (-800) and may stall the client (measured in
-# benchmarks/transfer.py); 1,024 never failed.
+# Buffers (scatter/gather entries) per multi-buffer call: Mooncake's TCP transport fails
+# calls past ~2,000 (benchmarks/README.md, finding 1); 1,024 never failed.
 MAX_BATCH_ENTRIES = 1024
 
-# Keys per existence check: metadata only, not bounded like transfers. Over loopback
-# one call costs ~0.6-1.6 us a key and larger calls cost less per key up to ~16k keys
-# (3,069 keys: 2.8 ms in calls of 1,000, 1.8 ms in one).
+# Keys per existence check (metadata only): larger calls cost less per key up to ~16k
+# keys (benchmarks/README.md, finding 2).
 MAX_EXIST_KEYS = 16384
 
 # After this many batches in a row whose every key failed its RPC, fail fast for

@@ -30,10 +30,8 @@ from kvpool.connector.contract.settings import ConnectorSettings
 Clock = Any  # a callable returning monotonic seconds
 
 # An idle engine step (no forward) waits this long at most for the pool work in flight
-# (a step's lookups on the scheduler, asynchronous loads on a worker). Without it the
-# engine's loop spins through idle steps holding the GIL, and the threads doing that
-# work, which need it between Mooncake calls, crawl (measured: a 72 MiB hit loaded at
-# ~43 MB/s in an in-process engine, against ~1.4 GB/s alone).
+# (a step's lookups, asynchronous loads): without it the engine's loop spins holding the
+# GIL and starves the threads doing that work (benchmarks/README.md, finding 7).
 # The default of the ``idle_step_wait_s`` setting.
 IDLE_STEP_WAIT_S: float = ConnectorSettings.model_fields["idle_step_wait_s"].default
 
