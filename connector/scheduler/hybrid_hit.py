@@ -142,6 +142,8 @@ class AskingBlockPool:
                 self.read_unknown.setdefault(group_id, {})[index] = None
             elif not held:
                 return None
+            if index >= len(self._markers):  # an index map that is not 0..n-1 (the oracle's)
+                self._markers = _MARKERS.upto(index + 1)
             blocks.append(self._markers[index])
         return blocks
 
