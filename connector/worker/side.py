@@ -276,6 +276,18 @@ class WorkerSide:
                 sizes.append(size)
         return ptrs, sizes
 
+    def _staging_for(
+        self, transfer: GroupTransfer, copier: GroupCopier, result: GroupResult
+    ) -> StagingSlot | None:
+        """This thread's staging buffer for a group's transfer, or None with every block failed
+        (``timeout``) while every spare buffer is retired: no call until one is free again."""
+        result.attempted = True
+        copier.check(transfer.block_ids)
+        slot = self._slot()
+        if slot is None:
+            result.fail(transfer.block_ids, Outcome.TIMEOUT)
+        return slot
+
     def _slot(self) -> StagingSlot | None:
         """This transfer thread's staging buffer, registered on first use; None while none may be used.
 
@@ -552,11 +564,8 @@ class WorkerSide:
         copier = self.copiers[transfer.group_id]
         if not transfer.block_ids or copier is None:
             return result
-        result.attempted = True
-        copier.check(transfer.block_ids)
-        slot = self._slot()
-        if slot is None:  # every spare buffer retired: no call until one is free again
-            result.fail(transfer.block_ids, Outcome.TIMEOUT)
+        slot = self._staging_for(transfer, copier, result)
+        if slot is None:
             return result
         size = copier.object_bytes
         keys = self._keys(transfer)
@@ -726,11 +735,8 @@ class WorkerSide:
         copier = self.copiers[transfer.group_id]
         if not transfer.block_ids or copier is None or not self.writes[transfer.group_id]:
             return result  # nothing of this group here, or another rank of its shard saves it
-        result.attempted = True
-        copier.check(transfer.block_ids)
-        slot = self._slot()
-        if slot is None:  # every spare buffer retired: no call until one is free again
-            result.fail(transfer.block_ids, Outcome.TIMEOUT)
+        slot = self._staging_for(transfer, copier, result)
+        if slot is None:
             return result
         size = copier.object_bytes
         per_call = max(1, min(self.client.batch_size, slot.nbytes // size))
