@@ -58,7 +58,7 @@ class Rig:
         return [self.worker.keyspace.key(0, 0, 0, d) for d in digests]
 
     def scatter(self, block_ids: list[int]) -> tuple[list[list[int]], list[list[int]]]:
-        lists = [self.worker._scatter_list(0, b) for b in block_ids]
+        lists = [self.worker.memory_runs(0, b) for b in block_ids]
         return [p for p, _ in lists], [s for _, s in lists]
 
 
@@ -145,7 +145,7 @@ def _raw_step(rig: Rig, step: int) -> None:
 def _settle(rig: Rig, timeout: float) -> None:
     """Until no call given up on is still in flight and the blocks every load reads are stored."""
     deadline = time.monotonic() + timeout
-    while rig.worker._jobs.live():
+    while rig.worker.jobs.live():
         if time.monotonic() > deadline:
             raise RuntimeError("a call given up on never returned")
         time.sleep(0.05)

@@ -39,7 +39,7 @@ from typing import Any
 
 from benchmarks import common, pool
 from benchmarks.common import Options, Report, Stat, Table, Target, ratios, rotate, stopwatch
-from testing.worker import run_loads
+from testing.worker import run_loads, staging_slot
 
 SIZES = (8, 32, 128)
 SMOKE_SIZES = (4,)
@@ -68,7 +68,7 @@ class Rig:
     def scatter(self, group: int, block_ids: list[int]) -> tuple[list[list[int]], list[list[int]]]:
         ptrs, sizes = [], []
         for b in block_ids:
-            p, s = self.worker._scatter_list(group, b)
+            p, s = self.worker.memory_runs(group, b)
             ptrs.append(p)
             sizes.append(s)
         return ptrs, sizes
@@ -332,7 +332,7 @@ def _header_cost(rig: Rig, n: int, reps: int, *, device_path: bool = False) -> d
 
     worker = rig.worker
     copier = worker.copiers[0]
-    slot = worker._slot()
+    slot = staging_slot(worker)
     if copier is None or slot is None:
         raise RuntimeError("the worker has no staging buffer")
     if device_path:

@@ -64,3 +64,39 @@ def before_each_load(monkeypatch: Any, action: Any) -> None:
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(WorkerSide, "_load_request", load_after_action)
+
+
+def staging_slot(worker: WorkerSide) -> Any:
+    """The calling thread's staging buffer (registering one on first use); None while every spare rests."""
+    return worker._slot()
+
+
+def retire_staging_slot(worker: WorkerSide) -> None:
+    """Retire the calling thread's staging buffer, as a call given up on does."""
+    worker._retire_slot()
+
+
+def resting_slots(worker: WorkerSide) -> list[Any]:
+    """The staging buffers retired and resting, oldest first."""
+    return [slot for _, slot in worker._retired]
+
+
+def staging_slots(worker: WorkerSide) -> list[Any]:
+    """Every staging buffer the worker allocated."""
+    return list(worker._slots)
+
+
+def loads_in_flight(worker: WorkerSide) -> dict[str, Any]:
+    """Each request's load future, by request id (the worker's own dict: tests may plant entries)."""
+    return worker._async_loads
+
+
+def transfer_threads(worker: WorkerSide) -> Any:
+    """The worker's transfer thread pool (``ThreadPoolExecutor``)."""
+    return worker._pool
+
+
+def transfers_in_flight(worker: WorkerSide) -> list[Any]:
+    """The futures of every save and load in flight, taken under the worker's lock."""
+    with worker._lock:
+        return list(worker._saves_in_flight) + list(worker._async_loads.values())

@@ -188,7 +188,7 @@ class WorkerSide:
         # Saves the next forward waits for, until they have copied their blocks.
         self._unreleased_saves: list[Job] = []
         self._async_jobs: dict[str, tuple[RequestLoad, Job]] = {}
-        self._jobs = JobBoard()
+        self.jobs = JobBoard()  # every transfer in flight, with its deadline
         self._job_of: dict[int, Job] = {}  # id(RequestLoad | RequestSave) -> its job
         self._futures: dict[Job, Future[Any]] = {}  # of jobs submitted and not yet returned
         self._load_errors: set[int] = set()
@@ -266,7 +266,7 @@ class WorkerSide:
     def group_block_bytes(self, group_id: int) -> int:
         return sum(layer.block_bytes for layer in self.groups[group_id])
 
-    def _scatter_list(self, group_id: int, block_id: int) -> tuple[list[int], list[int]]:
+    def memory_runs(self, group_id: int, block_id: int) -> tuple[list[int], list[int]]:
         """Every memory run of one block, in object order (the staging copies use the same order)."""
         ptrs: list[int] = []
         sizes: list[int] = []
@@ -350,7 +350,7 @@ class WorkerSide:
         with self._lock:
             blocks_read = [self._blocks_read.pop(job) for job in pending if job in self._blocks_read]
         self.order.before_block_writes(blocks_read)
-        self._jobs.abandon_overdue([j for j in self._jobs.live() if j.kind == "save"])
+        self.jobs.abandon_overdue([j for j in self.jobs.live() if j.kind == "save"])
 
     def wait_for_saves(self) -> None:
         """Until every save in flight has published (or passed its deadline and been abandoned).
@@ -358,7 +358,7 @@ class WorkerSide:
         The forward never waits for this (see ``before_forward``); shutdown,
         tests and benchmarks do.
         """
-        for job in self._jobs.live():
+        for job in self.jobs.live():
             if job.kind == "save" and not job.wait():
                 job.abandon()
 
@@ -367,7 +367,7 @@ class WorkerSide:
         or passed its deadline. The forward never waits for a load: its request is not
         scheduled (and its blocks are not cached) until the load is reported."""
         zeroed = self.order.before_loads(meta.loads)
-        stalled = self._jobs.stalled
+        stalled = self.jobs.stalled
         for load in meta.loads:
             job = Job("load", self.deadlines.load_s)
             with self._lock:
@@ -385,7 +385,7 @@ class WorkerSide:
 
     def start_saves(self, meta: PoolConnectorMetadata) -> None:
         """Start this step's saves; they copy their blocks, then complete off the forward path."""
-        stalled = self._jobs.stalled
+        stalled = self.jobs.stalled
         save_after_forward = partial(self._save_after_forward, forward_done=self.order.forward_done())
         for save in meta.saves:
             job = Job("save", self.deadlines.save_s)
@@ -456,7 +456,7 @@ class WorkerSide:
         return errors
 
     def _submit(self, job: Job, request: RequestLoad | RequestSave, fn: Any) -> Future[Any]:
-        self._jobs.add(job)
+        self.jobs.add(job)
         with self._lock:
             self._job_of[id(request)] = job
 
@@ -481,7 +481,7 @@ class WorkerSide:
 
     def _forget(self, job: Job, request: RequestLoad | RequestSave | None = None) -> None:
         """A job that returned (or never ran) leaves the board."""
-        self._jobs.remove(job)
+        self.jobs.remove(job)
         if request is not None:
             with self._lock:
                 self._job_of.pop(id(request), None)
@@ -902,13 +902,13 @@ class WorkerSide:
         Mooncake (its staging buffer stays; the client closes after it returns).
         """
         if self._closed:
-            return not self._jobs.stalled
+            return not self.jobs.stalled
         self._closed = True
         deadline = time.monotonic() + self.deadlines.shutdown_s
-        for job in self._jobs.live():
+        for job in self.jobs.live():
             if job.kind == "save":
                 job.wait(deadline=deadline)
-        abandoned = [job for job in self._jobs.live() if job.abandon()]
+        abandoned = [job for job in self.jobs.live() if job.abandon()]
         if abandoned:
             logger.warning(
                 "KVPoolConnector shutdown: %d transfer(s) still running after %.1f s abandoned; "
@@ -924,9 +924,9 @@ class WorkerSide:
         for job in cancelled:  # never started: nothing of it is in the pool
             job.returned()
             self._forget(job)
-        for job in self._jobs.live():
+        for job in self.jobs.live():
             job.wait(deadline=time.monotonic() + 0.05)
-        if self._jobs.live():
+        if self.jobs.live():
             return False  # a call stuck in Mooncake may still use the registered memory
         with self._lock:
             # A buffer given up on stays registered: Mooncake's transport may still write it.

@@ -29,6 +29,7 @@ from kvpool.connector.local.pool import (
     wait_for_port,
 )
 from testing.engine import worker_of
+from testing.worker import transfers_in_flight
 
 BLOCK = 32
 PREFIX_BLOCKS = 9
@@ -346,8 +347,7 @@ class Engine:
         if worker is None:
             return Counter()
         side = worker_of(worker)
-        with side._lock:
-            pending = list(side._saves_in_flight) + list(side._async_loads.values())
+        pending = transfers_in_flight(side)
         wait(pending, timeout=timeout)
         with side.stats._lock:
             return failures_by_reason(list(side.stats.transfers))

@@ -214,7 +214,7 @@ class PoolEngine:
         """Until no call the connector gave up on is still in flight."""
         side = worker_of(self.worker)
         deadline = time.monotonic() + SERVE_DEADLINE_S
-        while side._jobs.stalled:
+        while side.jobs.stalled:
             assert time.monotonic() < deadline, "a stuck call never returned"
             time.sleep(0.01)
         side.wait_for_saves()
@@ -287,7 +287,7 @@ class Setup:
 
     def stalled(self) -> bool:
         """Whether the connector gave up on a call that is still in the pool."""
-        return bool(worker_of(self.engine.worker)._jobs.stalled)
+        return bool(worker_of(self.engine.worker).jobs.stalled)
 
     def client(self) -> PoolClient:
         return open_client(self.settings, global_segment_size=0)
@@ -663,7 +663,7 @@ def test_shutdown_with_a_save_in_the_pool_returns_and_leaves_nothing_half_writte
             state["frozen"].__exit__(None, None, None)
     # The write returns once the store thaws, finds its save abandoned, and revokes it.
     deadline = time.monotonic() + SERVE_DEADLINE_S
-    while side._jobs.live():
+    while side.jobs.live():
         assert time.monotonic() < deadline, "the stuck write never returned"
         time.sleep(0.05)
     client = setup.client()

@@ -28,7 +28,7 @@ from kvpool.connector.scheduler.side import SchedulerSide
 from kvpool.connector.worker.side import Deadlines, WorkerSide
 from testing.mooncake_faults import Stall
 from testing.pool_store import put_bytes, raw_store
-from testing.worker import run_loads
+from testing.worker import loads_in_flight, resting_slots, retire_staging_slot, run_loads, staging_slot
 
 pytestmark = pytest.mark.mooncake
 
@@ -179,31 +179,31 @@ def test_a_sync_load_past_its_deadline_fails_and_its_late_call_never_writes_a_bl
     assert worker.take_load_errors() == {6}
     # The stalled call returns and scribbles over everything it was given ...
     stall.release()
-    until(lambda: stall.in_flight == 0 and not worker._jobs.stalled, "the stalled call returns")
+    until(lambda: stall.in_flight == 0 and not worker.jobs.stalled, "the stalled call returns")
     # ... which was the staging buffer, never the block.
     assert same(block(worker, 5), before)
     # That buffer rests (Mooncake may end a call while its transport still writes).
-    (retired,) = worker._retired
+    (retired,) = resting_slots(worker)
     monkeypatch.undo()
     load(worker, ["b"], [6], req="after")
     assert worker.take_load_errors() == set() and same(block(worker, 6), block(worker, 2))
-    assert retired in worker._retired, "still resting"
+    assert retired in resting_slots(worker), "still resting"
 
 
 def test_a_buffer_given_up_on_rests_before_reuse(worker: WorkerSide, monkeypatch: pytest.MonkeyPatch) -> None:
     from kvpool.connector.worker import side as worker_side
 
-    first = worker._slot()
+    first = staging_slot(worker)
     seen = [first]
     for _ in range(worker.retired_max - 1):
-        worker._retire_slot()
-        fresh = worker._slot()
+        retire_staging_slot(worker)
+        fresh = staging_slot(worker)
         assert fresh is not None and all(fresh is not s for s in seen), "a resting buffer was reused"
         seen.append(fresh)
-    worker._retire_slot()
-    assert worker._slot() is None, "every spare buffer rests: no transfer until one may be used"
+    retire_staging_slot(worker)
+    assert staging_slot(worker) is None, "every spare buffer rests: no transfer until one may be used"
     monkeypatch.setattr(worker_side, "RETIRE_GRACE_S", 0.0)
-    assert worker._slot() is first, "after its rest the oldest buffer is used again"
+    assert staging_slot(worker) is first, "after its rest the oldest buffer is used again"
 
 
 # --- loads read ahead: the next batch into one half while the other is copied -----------------
@@ -247,7 +247,7 @@ def test_a_read_ahead_past_the_deadline_never_writes_a_block(
     assert worker.take_load_errors() == {6, 7}, "what was copied before the deadline stays loaded"
     assert same(block(worker, 5), block(worker, 1))
     stall.release()
-    until(lambda: stall.in_flight == 0 and not worker._jobs.stalled, "the stalled read returns")
+    until(lambda: stall.in_flight == 0 and not worker.jobs.stalled, "the stalled read returns")
     assert all(same(block(worker, b), old) for b, old in zip((6, 7), before, strict=True))
 
 
@@ -271,7 +271,7 @@ def test_a_load_failing_midway_returns_only_after_its_read_ahead(
     monkeypatch.setattr(GroupCopier, "to_blocks_if_intact", failing_copy)
     load(worker, ["a", "b"], [5, 6], req="midway", wait=False)
     until(lambda: copies and stall.in_flight == 1, "the first copy failed with the next read in flight")
-    future = worker._async_loads["midway"]
+    future = loads_in_flight(worker)["midway"]
     time.sleep(0.5)  # room for a load that did not wait to return
     assert not future.done(), "returned while its read-ahead could still write the buffer"
     stall.release()
@@ -302,7 +302,7 @@ def test_an_async_load_past_its_deadline_is_reported_failed(
         until(reported, "the load is reported")
         assert "hybrid" in failed, "the request recomputes"
         stall.release()
-        until(lambda: not w._jobs.stalled, "the stalled call returns")
+        until(lambda: not w.jobs.stalled, "the stalled call returns")
         # Group 0's block was loaded before the stall; group 1's never saw the scribble.
         assert same(block(w, 7)[2:], before[2:])
         assert any(r.failures.get("timeout") for r in records(w, "load"))
@@ -325,7 +325,7 @@ def test_a_single_group_async_load_past_its_deadline_hands_back_its_blocks(
     assert "single" not in reported[-1][1]
     assert worker.take_load_errors() == {8}
     stall.release()
-    until(lambda: not worker._jobs.stalled, "the stalled call returns")
+    until(lambda: not worker.jobs.stalled, "the stalled call returns")
     assert same(block(worker, 8), before)
 
 
@@ -343,7 +343,7 @@ def test_a_save_past_its_deadline_publishes_nothing(
     assert stall.in_flight == 1
     assert pool_client.exists([key]) == [False], "a reserved object is invisible"
     stall.release()
-    until(lambda: not worker._jobs.stalled, "the stalled write returns")
+    until(lambda: not worker.jobs.stalled, "the stalled write returns")
     assert pool_client.exists([key]) == [False], "abandoned: revoked, never published"
     (saved,) = records(worker, "save")
     assert saved.failures == {"timeout": 1} and saved.blocks == (0,)
@@ -363,13 +363,13 @@ def test_the_barrier_gives_up_on_a_save_that_could_not_start(
     # The stuck saves pass their own deadlines (each counts from its last progress, which
     # may come a little after the fifth's start), and the next forward's barrier gives
     # them up; only then does the pool answer.
-    saves_left = [j for j in worker._jobs.live() if j.kind == "save" and not j.abandoned]
+    saves_left = [j for j in worker.jobs.live() if j.kind == "save" and not j.abandoned]
     until(lambda: all(j.overdue() for j in saves_left), "the stuck saves are past their deadlines")
     worker.before_forward()
     assert all(j.abandoned for j in saves_left)
     stall.release()
     worker.wait_for_saves()
-    until(lambda: not worker._jobs.live(), "every save returned")
+    until(lambda: not worker.jobs.live(), "every save returned")
     assert stall.stalled == 4, "the fifth save never reached the pool"
     keys = [worker.keyspace.key(0, 0, 0, f"d{i}") for i in range(5)]
     assert pool_client.exists(keys) == [False] * 5
@@ -387,7 +387,7 @@ def test_shutdown_with_a_save_in_flight_returns_and_leaves_nothing_half_written(
     assert w.shutdown() is False, "a call is still stuck in the pool"
     assert pool_client.exists([key]) == [False]
     stall.release()
-    until(lambda: stall.in_flight == 0 and not w._jobs.live(), "the stalled write returns")
+    until(lambda: stall.in_flight == 0 and not w.jobs.live(), "the stalled write returns")
     assert pool_client.exists([key]) == [False], "abandoned at shutdown: never published"
 
 

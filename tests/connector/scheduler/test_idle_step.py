@@ -15,14 +15,14 @@ import pytest
 from kvpool.connector.integrity.deadlines import IDLE_STEP_WAIT_S
 from kvpool.connector.metadata import PoolConnectorMetadata
 from kvpool.connector.worker import side as worker_side
-from testing.worker import single_group_worker
+from testing.worker import loads_in_flight, single_group_worker, transfer_threads
 
 
 @pytest.fixture
 def worker() -> Any:
     w = single_group_worker(None, "idle", num_blocks=4)
     yield w
-    w._pool.shutdown(wait=False)
+    transfer_threads(w).shutdown(wait=False)
 
 
 @pytest.fixture
@@ -40,7 +40,7 @@ def waits(monkeypatch) -> list[dict[str, Any]]:
 
 def test_an_idle_step_waits_for_loads_in_flight_with_a_deadline(worker, waits) -> None:
     stuck: Future[bool] = Future()  # a load that never returns
-    worker._async_loads["r1"] = stuck
+    loads_in_flight(worker)["r1"] = stuck
     assert worker.transfer_results(idle=True) == (set(), set())  # returned: bounded
     assert len(waits) == 1
     assert waits[0]["futures"] == [stuck]
@@ -49,11 +49,11 @@ def test_an_idle_step_waits_for_loads_in_flight_with_a_deadline(worker, waits) -
 
 
 def test_a_step_with_a_forward_or_nothing_in_flight_never_pauses(worker, waits) -> None:
-    worker._async_loads["r1"] = Future()
+    loads_in_flight(worker)["r1"] = Future()
     worker.transfer_results(idle=False)
     done: Future[bool] = Future()
     done.set_result(True)
-    worker._async_loads["r1"] = done
+    loads_in_flight(worker)["r1"] = done
     worker.transfer_results(idle=True)
     assert waits == []
 

@@ -18,7 +18,7 @@ import pytest
 
 from kvpool.connector.cpu_affinity import allowed_cpus
 from kvpool.connector.pool_client import open_client
-from testing.worker import single_group_worker
+from testing.worker import single_group_worker, transfer_threads
 
 pytestmark = [
     pytest.mark.mooncake,
@@ -68,7 +68,7 @@ def test_the_client_and_transfer_threads_are_not_bound_to_the_workers_core(
             seen.append(os.sched_getaffinity(0))
             done.set()
 
-        worker._pool.submit(affinity_in_transfer_thread).result(timeout=30)
+        transfer_threads(worker).submit(affinity_in_transfer_thread).result(timeout=30)
         assert done.is_set()
         new_threads = {tid: cpus for tid, cpus in thread_cpus().items() if tid not in threads_before}
         assert new_threads, "the Mooncake client started threads of its own"

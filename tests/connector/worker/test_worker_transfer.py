@@ -17,7 +17,7 @@ from kvpool.connector.metadata import GroupTransfer, PoolConnectorMetadata, Requ
 from kvpool.connector.observability.records import StatsCollector
 from kvpool.connector.pool_client import Outcome, classify
 from kvpool.connector.worker.side import WorkerSide
-from testing.worker import run_loads, single_group_worker
+from testing.worker import run_loads, single_group_worker, staging_slots, transfer_threads
 
 pytestmark = pytest.mark.mooncake
 
@@ -261,7 +261,7 @@ def test_shutdown_forgets_transfers_that_never_started(pool_client, cache_prefix
         assert w.shutdown() is False, "the busy saves are still in flight"
     finally:
         gate.set()
-    while w._jobs.stalled:
+    while w.jobs.stalled:
         assert time.monotonic() < deadline, "a transfer that never started is still taken for stuck"
         time.sleep(0.01)
     assert w.shutdown() is True
@@ -281,7 +281,7 @@ def test_get_finished_refuses_rather_than_report_a_failed_load_as_a_success() ->
 def test_a_worker_runs_the_transfer_threads_its_settings_name(pool_client, cache_prefix) -> None:
     w = single_group_worker(pool_client, cache_prefix, num_blocks=NUM_BLOCKS, transfer_threads=2)
     try:
-        assert w._pool._max_workers == 2 and w.retired_max == 2
+        assert transfer_threads(w)._max_workers == 2 and w.retired_max == 2
     finally:
         w.shutdown()
 
@@ -311,7 +311,7 @@ def test_staging_is_allocated_and_registered_with_the_kv_caches(
     try:
         cache = torch.randn(SHAPE)
         w.register_kv_caches({"l0": cache})
-        buffers = [(slot.ptr, slot.nbytes) for slot in w._slots]
+        buffers = [(slot.ptr, slot.nbytes) for slot in staging_slots(w)]
         assert [size for _, size in buffers] == [1 << 20] * 3
         assert set(buffers) <= set(registered), "every buffer registered with Mooncake at once"
         w.start_saves(PoolConnectorMetadata(saves=[RequestSave("s", [GroupTransfer(0, ["a"], [1])])]))
@@ -319,6 +319,8 @@ def test_staging_is_allocated_and_registered_with_the_kv_caches(
         w.wait_for_saves()
         run_loads(w, [RequestLoad("l", [GroupTransfer(0, ["a"], [2])], 32)])
         assert torch.equal(cache[:, 2], cache[:, 1])
-        assert [(slot.ptr, slot.nbytes) for slot in w._slots] == buffers, "no buffer allocated by a transfer"
+        assert [(slot.ptr, slot.nbytes) for slot in staging_slots(w)] == buffers, (
+            "no buffer allocated by a transfer"
+        )
     finally:
         w.shutdown()
