@@ -95,7 +95,11 @@ TENANT_RULES = {"edit": TENANT_EDIT_RULES, "view": TENANT_VIEW_RULES}
 LEASE_RULES: tuple[Rule, ...] = (Rule(LEASES.group, (LEASES.plural,), ("get", "create", "patch")),)
 
 WEBHOOK_RULES: tuple[Rule, ...] = (
-    Rule("admissionregistration.k8s.io", ("validatingwebhookconfigurations",), ("create", "patch")),
+    Rule(
+        "admissionregistration.k8s.io",
+        ("validatingwebhookconfigurations", "mutatingwebhookconfigurations"),
+        ("create", "patch"),
+    ),
 )
 
 

@@ -31,3 +31,11 @@ def test_notes_for_the_example_pool_and_monitoring(helm: Helm) -> None:
 
 def test_notes_for_the_webhook(helm: Helm) -> None:
     assert "cert-manager" in helm.notes(EXAMPLES / "webhook-cert-manager-values.yaml")
+
+
+def test_notes_say_how_pods_get_their_settings(helm: Helm) -> None:
+    webhook = EXAMPLES / "webhook-cert-manager-values.yaml"
+    notes = helm.notes(webhook)  # the webhook on: injection at Pod admission by default
+    assert "Injection at Pod admission" in notes and "kvpool.mooncake.io/injected" in notes
+    assert "Injection at Pod admission" not in helm.notes()
+    assert "Injection at Pod admission" not in helm.notes(webhook, sets=["injection.mode=deploymentPatch"])
