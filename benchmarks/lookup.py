@@ -30,6 +30,7 @@ from benchmarks.common import Options, Report, Stat, Table, Target, ratios, rota
 from benchmarks.vllm_env import bench_scheduler, ours_transfer, tiny_long_model
 from testing.engine import scheduler_of
 from testing.kv_cache import GroupDesc
+from testing.pool_store import raw_store
 from testing.scheduler import make_request, matched_tokens, settle
 
 LENGTHS = (1024, 8192, 32768)
@@ -128,9 +129,9 @@ def _diagnose(scheduler: Any, request: Any, reps: int) -> dict[str, list[float]]
         "find_hit_asking (fixed point, answers without I/O)": lambda: coord.find_hit_asking(
             hashes, wanted, max_hit, absent
         ),
-        f"for comparison: one batch_is_exist of all {len(keys)} keys a hit may use": lambda: (
-            client._store.batch_is_exist(keys)
-        ),
+        f"for comparison: one batch_is_exist of all {len(keys)} keys a hit may use": lambda: raw_store(
+            client
+        ).batch_is_exist(keys),
     }
     out: dict[str, list[float]] = {k: [] for k in parts}
     for _ in range(reps):

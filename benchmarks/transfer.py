@@ -39,6 +39,7 @@ from typing import Any
 
 from benchmarks import common, pool
 from benchmarks.common import Options, Report, Stat, Table, Target, ratios, rotate, stopwatch
+from testing.pool_store import raw_store
 from testing.worker import run_loads, staging_slot
 
 SIZES = (8, 32, 128)
@@ -63,7 +64,7 @@ class Rig:
 
     @property
     def store(self) -> Any:
-        return self.client._store
+        return raw_store(self.client)
 
     def scatter(self, group: int, block_ids: list[int]) -> tuple[list[list[int]], list[list[int]]]:
         ptrs, sizes = [], []

@@ -91,6 +91,7 @@ def _rounds(
         shutdown_llm,
         transfer_config,
     )
+    from testing.pool_store import raw_store
     from testing.prompts import MAX_TOKENS, PREFIX, pool_keys
 
     llm = create_llm(
@@ -112,7 +113,7 @@ def _rounds(
                     client.remove(doomed)  # noqa: B023
                 else:
                     for key in doomed:  # noqa: B023
-                        assert client._store.upsert(key, os.urandom(4096)) == 0
+                        assert raw_store(client).upsert(key, os.urandom(4096)) == 0
                 return original(self, request, block_ids, num_external)
 
             llm.reset_prefix_cache()  # every round goes to the pool, not the local cache
