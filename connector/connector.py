@@ -31,7 +31,7 @@ from kvpool.connector.contract.settings import ConnectorSettings
 from kvpool.connector.contract.shards import group_shards
 from kvpool.connector.integrity.device_order import TransferOrder
 from kvpool.connector.integrity.layout_verdict import OutOfPool, add_counters, verify_declared_layout
-from kvpool.connector.metadata import PoolConnectorMetadata
+from kvpool.connector.metadata import PoolConnectorMetadata, runs_no_forward
 from kvpool.connector.observability import tracing
 from kvpool.connector.observability.logs import get_logger
 from kvpool.connector.observability.pool_events import PoolEvents
@@ -374,7 +374,7 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
             self._work().start_saves(meta)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        recving, failed = self._work().transfer_results(idle=self._idle_step())
+        recving, failed = self._work().transfer_results(idle=runs_no_forward(self._connector_metadata))
         return KVConnectorTransferResults(finished_recving=recving, failed_recving=failed)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
@@ -384,11 +384,6 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
             "KVPoolConnector reports finished and failed loads through get_transfer_results "
             "(vLLM >= 0.32); a caller of get_finished cannot learn that a load failed"
         )
-
-    def _idle_step(self) -> bool:
-        """Whether the bound step runs no forward (the engine only waits, e.g. for loads)."""
-        meta = self._connector_metadata
-        return isinstance(meta, PoolConnectorMetadata) and meta.forward_tokens == 0
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._work().take_load_errors()

@@ -67,3 +67,8 @@ class PoolConnectorMetadata(KVConnectorMetadata):
     saves: list[RequestSave] = field(default_factory=list)
     # Tokens this step's forward computes; 0: an idle step (no forward).
     forward_tokens: int = 0
+
+
+def runs_no_forward(meta: object) -> bool:
+    """Whether a step bound with ``meta`` runs no forward (the engine only waits, e.g. for loads)."""
+    return isinstance(meta, PoolConnectorMetadata) and meta.forward_tokens == 0

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from kvpool.connector.integrity.deadlines import IDLE_STEP_WAIT_S
-from kvpool.connector.metadata import PoolConnectorMetadata
+from kvpool.connector.metadata import PoolConnectorMetadata, runs_no_forward
 from kvpool.connector.worker import side as worker_side
 from testing.worker import loads_in_flight, single_group_worker, transfer_threads
 
@@ -59,15 +59,9 @@ def test_a_step_with_a_forward_or_nothing_in_flight_never_pauses(worker, waits) 
 
 
 def test_the_connector_calls_a_step_without_scheduled_tokens_idle() -> None:
-    from kvpool.connector.connector import KVPoolConnector
-
-    connector = object.__new__(KVPoolConnector)
-    connector._connector_metadata = PoolConnectorMetadata(forward_tokens=0)
-    assert connector._idle_step()
-    connector._connector_metadata = PoolConnectorMetadata(forward_tokens=16)
-    assert not connector._idle_step()
-    connector._connector_metadata = None
-    assert not connector._idle_step()
+    assert runs_no_forward(PoolConnectorMetadata(forward_tokens=0))
+    assert not runs_no_forward(PoolConnectorMetadata(forward_tokens=16))
+    assert not runs_no_forward(None)  # no metadata bound: not known to be idle
 
 
 class _RecordingPresence:
