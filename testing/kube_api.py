@@ -519,3 +519,22 @@ async def running_operator(cluster: Cluster, options: OperatorOptions) -> AsyncI
         await thread.stop()
     assert thread.error is None, repr(thread.error)
     assert cluster.unauthorised() == []
+
+
+async def post_admission_review(url: str, review: dict[str, Any], timeout_s: float = 60.0) -> dict[str, Any]:
+    """POST an AdmissionReview to a webhook as the API server does, waiting for it to listen;
+    the whole answer (``kind``, ``response``)."""
+    import aiohttp
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    async with aiohttp.ClientSession() as session:
+        while True:
+            try:
+                async with session.post(url, json=review) as response:
+                    if response.status == 200:
+                        return dict(await response.json())
+            except aiohttp.ClientConnectionError:
+                pass
+            assert loop.time() < deadline, "the webhook never answered"
+            await asyncio.sleep(0.05)

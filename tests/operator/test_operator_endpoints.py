@@ -20,6 +20,7 @@ from testing.kube_api import (
     Cluster,
     eventually,
     free_port,
+    post_admission_review,
     write_kubeconfig,
 )
 from testing.operator_objects import (
@@ -80,18 +81,7 @@ def review(spec: dict[str, Any], operation: str = "CREATE") -> dict[str, Any]:
 
 async def admit(url: str, spec: dict[str, Any]) -> dict[str, Any]:
     """The webhook's verdict on a review of ``spec`` (waiting for it to listen)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + 60
-    async with aiohttp.ClientSession() as session:
-        while True:
-            try:
-                async with session.post(url, json=review(spec)) as response:
-                    if response.status == 200:
-                        return dict((await response.json())["response"])
-            except aiohttp.ClientConnectionError:
-                pass
-            assert loop.time() < deadline, "the webhook never answered"
-            await asyncio.sleep(0.05)
+    return dict((await post_admission_review(url, review(spec)))["response"])
 
 
 @pytest.mark.parametrize("operator_config", [{"webhook": True}])

@@ -4,13 +4,11 @@ consumer Deployment but for one restart annotation when the settings change."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import kmock
 import pytest
 import pytest_asyncio
@@ -31,6 +29,7 @@ from testing.kube_api import (
     emulated_cluster,
     eventually,
     free_port,
+    post_admission_review,
     quick_options,
     write_kubeconfig,
 )
@@ -59,22 +58,9 @@ def opted_in(name: str = "llm") -> dict[str, Any]:
 
 async def review(url: str, pod: dict[str, Any]) -> dict[str, Any]:
     """The webhook's response to a Pod CREATE review (waiting for it to listen)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + 60
-    async with aiohttp.ClientSession() as session:
-        while True:
-            try:
-                async with session.post(url, json=pod_review(pod)) as response:
-                    if response.status == 200:
-                        answer = await response.json()
-                        assert (
-                            answer["kind"] == "AdmissionReview" and answer["response"]["uid"] == "review-pod"
-                        )
-                        return dict(answer["response"])
-            except aiohttp.ClientConnectionError:
-                pass
-            assert loop.time() < deadline, "the webhook never answered"
-            await asyncio.sleep(0.05)
+    answer = await post_admission_review(url, pod_review(pod))
+    assert answer["kind"] == "AdmissionReview" and answer["response"]["uid"] == "review-pod"
+    return dict(answer["response"])
 
 
 def consumer_writes(cluster: Cluster, start: int = 0) -> list[kmock.Request]:
