@@ -19,10 +19,14 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvpool.connector.contract.mooncake_env import client_env
+from kvpool.connector.contract.settings import parse_size
+from kvpool.connector.local import tenant_quotas
+from kvpool.connector.local.disk_tier import DiskTier
 
 LOOPBACK = "127.0.0.1"
 
@@ -154,6 +158,10 @@ class MooncakeMaster:
                 return float(line.split()[1])
         return 0.0
 
+    def tenant_quotas(self) -> dict[str, tenant_quotas.TenantQuota]:
+        """Each tenant's quota and charge as this master reports them (multi-tenant mode)."""
+        return tenant_quotas.read_quotas(f"{LOOPBACK}:{self.metrics_port}")
+
 
 @dataclass
 class MooncakeStore:
@@ -164,6 +172,7 @@ class MooncakeStore:
     port: int = field(default_factory=free_port)
     log_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="kvpool-store-")))
     process: subprocess.Popen[bytes] | None = None
+    disk_tier: DiskTier | None = None  # a local disk tier under its memory: its directory goes on stop
 
     def command(self) -> list[str]:
         return [
@@ -174,21 +183,30 @@ class MooncakeStore:
             "--metadata_server=P2PHANDSHAKE",
             "--protocol=tcp",
             f"--global_segment_size={self.segment_size}",
+            *(() if self.disk_tier is None else self.disk_tier.store_args()),
         ]
 
     def start(self, master: MooncakeMaster | None = None, timeout: float = 60.0) -> MooncakeStore:
         env = {**os.environ, **client_env(LOOPBACK)}
-        self.process = start_logged(self.command(), self.log_dir / "store.log", env)
-        wait_for_port(self.port, timeout, self.process)
-        if master is not None:
-            wait_for_capacity(master, timeout)
+        if self.disk_tier is not None:
+            env.update(self.disk_tier.store_env())
+        try:
+            self.process = start_logged(self.command(), self.log_dir / "store.log", env)
+            wait_for_port(self.port, timeout, self.process)
+            if master is not None:
+                wait_for_capacity(master, timeout)
+        except BaseException:
+            self.stop()
+            raise
         return self
 
     def stop(self) -> None:
         stop_process(self.process)
+        if self.disk_tier is not None:
+            self.disk_tier.remove()
 
     def kill(self) -> None:
-        """SIGKILL: the store's memory leaves the pool at once."""
+        """SIGKILL: the store's memory leaves the pool at once (its disk tier stays until stop)."""
         kill_process(self.process)
 
 
@@ -213,6 +231,9 @@ class LocalPool:
     master_args: tuple[str, ...] = ()
     rpc_port: int = 0  # 0: a free port
     metrics_port: int = 0  # 0: a free port
+    # Mooncake tenant -> quota in bytes: the master admits writes of these tenants only.
+    tenant_quotas: Mapping[str, int] | None = None
+    disk_tier: DiskTier | None = None  # the store's local disk tier
     master: MooncakeMaster | None = None
     store: MooncakeStore | None = None
 
@@ -223,13 +244,25 @@ class LocalPool:
         self.stop()
 
     def start(self) -> LocalPool:
-        self.master = MooncakeMaster(
-            rpc_port=self.rpc_port or free_port(),
-            metrics_port=self.metrics_port or free_port(),
-            extra_args=self.master_args,
-        ).start()
+        if self.disk_tier is not None and self.disk_tier.bucket_bytes > parse_size(self.segment_size) // 2:
+            raise ValueError(
+                "disk tier: a bucket (bucket_bytes) must be at most half the store's memory, or "
+                "objects waiting for their bucket lose their memory copy before they are on disk"
+            )
+        master = MooncakeMaster(
+            rpc_port=self.rpc_port or free_port(), metrics_port=self.metrics_port or free_port()
+        )
+        extra = tuple(self.master_args)
+        if self.tenant_quotas is not None:
+            extra += tenant_quotas.write_policy(master.log_dir / "tenant_quotas.yaml", self.tenant_quotas)
+        if self.disk_tier is not None:
+            extra += self.disk_tier.master_args()
+        master.extra_args = extra
+        self.master = master.start()
         try:
-            self.store = MooncakeStore(self.master.address, self.segment_size).start(self.master)
+            self.store = MooncakeStore(
+                self.master.address, self.segment_size, disk_tier=self.disk_tier
+            ).start(self.master)
         except BaseException:
             self.master.stop()
             raise
