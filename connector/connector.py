@@ -40,6 +40,7 @@ from kvpool.connector.observability.vllm_metrics import (
     PoolConnectorStats,
     PoolPromMetrics,
     fingerprint_info_key,
+    merge_data,
     records_to_data,
 )
 from kvpool.connector.pool_client import acquire_client, release_client
@@ -193,6 +194,10 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
                 stats=self.stats,
                 lookup_timeout_s=self.settings.lookup_timeout_s,
                 idle_step_wait_s=self.settings.idle_step_wait_s,
+                load_policy=self.settings.load_policy,
+                load_margin=self.settings.load_margin,
+                load_decision_min_samples=self.settings.load_decision_min_samples,
+                transport=self.settings.protocol,
             )
             keys_per_block = tuple(self.layout.pp_size * n for n in shards)
             self._events = PoolEvents.for_scheduler(vllm_config, kv_cache_config, keys_per_block)
@@ -286,6 +291,8 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         )
         # What vLLM recomputes, over every rank's failures: counted here, once.
         record_recovery(self.stats, len(failed_requests), len(failed_blocks))
+        # The step's wall time and the workers' transfers: the load decision's rates.
+        self._sched().on_step_output(connector_output.kv_connector_stats)
         self._events.on_reports(getattr(connector_output, "kv_cache_events", None))
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -317,10 +324,13 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         if not self._fingerprint_exported:
             self._fingerprint_exported = True
             gauges = {fingerprint_info_key(self._fingerprint_inputs): 1.0}
-        if not lookups and not transfers and not layout_counters and not gauges:
+        decisions = None if self._scheduler is None else self._scheduler.take_decision_data()
+        if not lookups and not transfers and not layout_counters and not gauges and not decisions:
             return None
         data = add_counters(records_to_data(lookups, transfers), layout_counters)
         data["gauges"] = gauges
+        if decisions:
+            data = merge_data(data, decisions)
         return PoolConnectorStats(data=data)
 
     @classmethod

@@ -206,6 +206,48 @@ def build() -> Board:
         unit="bytes",
     )
 
+    board.row("Load or recompute")
+    board.timeseries(
+        "Pool hits loaded or recomputed",
+        "What the connector did with each pool hit, and why: estimate (the estimated load and "
+        "recompute times compared), probe (recompute estimated faster, loaded to measure the link "
+        "again), floor (too few observations to trust the rates: loaded), forced (load_policy).",
+        [
+            Target(
+                sum_rate(m.LOAD_DECISIONS.exported, SEL, [MODEL, "decision", "basis"]),
+                "{{model_name}} {{decision}} ({{basis}})",
+            )
+        ],
+        unit="reqps",
+        width=8,
+    )
+    board.timeseries(
+        "Hit tokens recomputed because it was faster",
+        "Tokens the pool held that requests recomputed because recomputing them was estimated "
+        "faster than loading them (load_policy auto).",
+        [Target(sum_rate(m.LOAD_SKIPPED_TOKENS.exported, SEL, by_model), "{{model_name}}")],
+        unit="short",
+        width=8,
+    )
+    board.timeseries(
+        "Rates the decision uses",
+        "Load rate (bytes the workers loaded over their load time, per transport) and prefill rate "
+        "(tokens the engine's prefilling steps computed over their wall time), learned online; a "
+        "hit loads when its bytes over the first beat its tokens over the second by load_margin.",
+        [
+            Target(
+                f"max{by([MODEL, ENGINE, 'transport'])} ({m.LOAD_RATE.exported}{SEL})",
+                "{{model_name}} engine {{engine}} load over {{transport}} (bytes/s)",
+            ),
+            Target(
+                f"max{by([MODEL, ENGINE])} ({m.PREFILL_RATE.exported}{SEL})",
+                "{{model_name}} engine {{engine}} prefill (tokens/s)",
+            ),
+        ],
+        unit="short",
+        width=8,
+    )
+
     board.row("Failures")
     board.timeseries(
         "Failed keys by kind",

@@ -96,6 +96,32 @@ LAYOUT_MISMATCHES = _counter(
     "counted once at start-up; an engine with any stays out of the pool.",
     ("field",),
 )
+LOAD_DECISIONS = _counter(
+    "load_decisions",
+    "Requests with a pool hit, by what the connector did (decision: load, recompute) and why "
+    "(basis: estimate, the estimated load and recompute times compared; probe, recompute "
+    "estimated faster but loaded to measure the link again; floor, too few "
+    "observations to trust the rates, so it loads; forced, load_policy always).",
+    ("decision", "basis"),
+)
+LOAD_SKIPPED_TOKENS = _counter(
+    "load_skipped_tokens",
+    "Pool-hit tokens recomputed instead of loaded because recomputing them was estimated faster "
+    "(load_policy auto).",
+)
+LOAD_RATE = MetricSpec(
+    f"{PREFIX}load_rate_bytes_per_second",
+    Kind.GAUGE,
+    "The load rate the load decision uses: bytes the workers loaded over their load time, "
+    "learned online (decayed), per transport.",
+    ("transport",),
+)
+PREFILL_RATE = MetricSpec(
+    f"{PREFIX}prefill_rate_tokens_per_second",
+    Kind.GAUGE,
+    "The prefill rate the load decision uses: tokens the engine's prefilling steps computed over "
+    "their wall time, learned online (decayed).",
+)
 #: The key fingerprint and every input it digests (``contract.identity.fingerprint_inputs``).
 FINGERPRINT_LABELS = (
     "fingerprint",
@@ -152,7 +178,11 @@ ALL: tuple[MetricSpec, ...] = (
     LOAD_ERROR_BLOCKS,
     RECOMPUTED_REQUESTS,
     LAYOUT_MISMATCHES,
+    LOAD_DECISIONS,
+    LOAD_SKIPPED_TOKENS,
     KEY_FINGERPRINT_INFO,
+    LOAD_RATE,
+    PREFILL_RATE,
     OPERATION_SECONDS,
     TRANSFER_SIZE_BYTES,
 )

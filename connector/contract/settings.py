@@ -179,6 +179,26 @@ class ConnectorSettings(BaseModel):
         le=1.0,
         description="Longest an engine step without a forward waits for pool work in flight.",
     )
+    # Whether a hit loads or recomputes (scheduler/load_decision.py).
+    load_policy: Literal["auto", "always", "never"] = Field(
+        default="auto",
+        description="auto: load a hit only when loading it is estimated faster than recomputing it; "
+        "always: load every hit; never: recompute every hit (nothing is looked up).",
+    )
+    load_margin: float = Field(
+        default=0.1,
+        ge=0,
+        le=100,
+        description="auto: a hit loads only when its estimated load time x (1 + margin) is at most "
+        "its estimated recompute time.",
+    )
+    load_decision_min_samples: int = Field(
+        default=4,
+        ge=1,
+        le=100_000,
+        description="auto: observed loads and prefilling steps each before the rates are trusted; "
+        "until then every hit loads.",
+    )
     # The layout the pool's spec declares for this consumer (the operator renders both):
     # any difference from the layout vLLM builds keeps the connector out of the pool.
     declared_layout: KVLayout | None = Field(

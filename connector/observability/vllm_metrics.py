@@ -9,7 +9,7 @@ Records become a plain, serialisable ``{"counters": {key: n}, "histograms":
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
@@ -127,6 +127,64 @@ def _add_lookups(out: _Payload, lookups: Iterable[LookupRecord]) -> None:
     all_groups = {"group": m.ALL_GROUPS_KIND, "group_kind": m.ALL_GROUPS_KIND}
     for reason, n in failures.items():
         out.inc(m.FAILURES, n, operation=m.LOOKUP, reason=reason, **all_groups)
+
+
+@dataclass
+class TransferSample:
+    """What one step's worker stats say about transfers, for the scheduler's load rates."""
+
+    load_bytes: float = 0.0  # every rank's
+    load_seconds: float = 0.0  # rank 0's, summed over each load's groups (they load in turn)
+    group_bytes: dict[int, float] = field(default_factory=dict)  # loads and saves, every rank's
+    group_blocks: dict[int, float] = field(default_factory=dict)  # loads and saves, rank 0's
+
+
+def transfer_sample(data: Mapping[str, Any]) -> TransferSample:
+    """The transfers in a stats payload (the workers' records, as :func:`records_to_data` wrote them)."""
+    sample = TransferSample()
+    for key, value in data.get("counters", {}).items():
+        name, labels = parse_key(key)
+        if name == m.TRANSFER_BYTES.name:
+            group, _, operation = labels
+            if operation == m.LOAD:
+                sample.load_bytes += value
+            if operation in (m.LOAD, m.SAVE):
+                sample.group_bytes[int(group)] = sample.group_bytes.get(int(group), 0.0) + value
+        elif name == m.TRANSFER_BLOCKS.name:
+            group, _, operation = labels
+            if operation in (m.LOAD, m.SAVE):
+                sample.group_blocks[int(group)] = sample.group_blocks.get(int(group), 0.0) + value
+    for key, values in data.get("histograms", {}).items():
+        name, labels = parse_key(key)
+        if name == m.OPERATION_SECONDS.name and labels[0] == m.LOAD:
+            sample.load_seconds += sum(values)
+    return sample
+
+
+def decision_data(
+    decisions: Mapping[tuple[str, str], int],
+    skipped_tokens: int,
+    load_rates: Mapping[str, float] | None,
+    prefill_rate: float | None,
+) -> dict[str, Any]:
+    """The stats payload of the scheduler's load decisions and the rates they used
+    (``load_rates``/``prefill_rate`` None: unchanged, not exported)."""
+    out = _Payload()
+    for (decision, basis), count in decisions.items():
+        out.inc(m.LOAD_DECISIONS, count, decision=decision, basis=basis)
+    out.inc(m.LOAD_SKIPPED_TOKENS, skipped_tokens)
+    gauges: dict[str, float] = {}
+    for transport, rate in (load_rates or {}).items():
+        gauges[series_key(m.LOAD_RATE, transport=transport)] = rate
+    if prefill_rate is not None:
+        gauges[series_key(m.PREFILL_RATE)] = prefill_rate
+    return {**out.data(), "gauges": gauges}
+
+
+def merge_data(first: Mapping[str, Any], second: Mapping[str, Any]) -> dict[str, Any]:
+    """Two stats payloads as one (counters added, observations joined, the second's gauges last)."""
+    merged = PoolConnectorStats(data=dict(first)).aggregate(PoolConnectorStats(data=dict(second)))
+    return merged.data
 
 
 @dataclass

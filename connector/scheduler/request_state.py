@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpool.connector.scheduler.hybrid_hit import HybridHit
+from kvpool.connector.scheduler.load_decision import Verdict
 from kvpool.connector.scheduler.presence import PendingLookup
 
 
@@ -24,6 +25,7 @@ class LookedUp:
     digests: dict[int, dict[int, str]]  # group -> block index -> digest (of the blocks asked)
     num_tokens: int  # the request's length when it was looked up
     answered_at: float = field(default_factory=time.perf_counter)
+    verdict: Verdict | None = None  # load or recompute its hit: decided once per answer
 
 
 @dataclass

@@ -33,8 +33,11 @@ from kvpool.connector.metadata import (
 from kvpool.connector.observability import tracing
 from kvpool.connector.observability.logs import get_logger
 from kvpool.connector.observability.records import Deferred, LookupRecord, StatsCollector
+from kvpool.connector.observability.vllm_metrics import decision_data, transfer_sample
 from kvpool.connector.pool_client import Outcome, PoolClient
 from kvpool.connector.scheduler.hybrid_hit import HybridHit, HybridHitCoordinator
+from kvpool.connector.scheduler.load_decision import LoadPolicy, Verdict, decide
+from kvpool.connector.scheduler.load_rates import LoadRates
 from kvpool.connector.scheduler.lookup_statistics import lookup_statistics
 from kvpool.connector.scheduler.lookups import Lookup, LookupQuery
 from kvpool.connector.scheduler.presence import PresenceService
@@ -47,7 +50,10 @@ from kvpool.connector.scheduler.request_state import (
 
 logger = get_logger(__name__)
 
-LOOKUP_TIMEOUT_S: float = ConnectorSettings.model_fields["lookup_timeout_s"].default
+_DEFAULTS = ConnectorSettings.model_fields
+LOOKUP_TIMEOUT_S: float = _DEFAULTS["lookup_timeout_s"].default
+LOAD_MARGIN: float = _DEFAULTS["load_margin"].default
+LOAD_DECISION_MIN_SAMPLES: int = _DEFAULTS["load_decision_min_samples"].default
 
 
 class SchedulerSide:
@@ -67,6 +73,11 @@ class SchedulerSide:
         stats: StatsCollector,
         lookup_timeout_s: float = LOOKUP_TIMEOUT_S,
         idle_step_wait_s: float = IDLE_STEP_WAIT_S,
+        load_policy: LoadPolicy | str = LoadPolicy.AUTO,
+        load_margin: float = LOAD_MARGIN,
+        load_decision_min_samples: int = LOAD_DECISION_MIN_SAMPLES,
+        transport: str = "tcp",
+        clock: Callable[[], float] = time.perf_counter,
     ):
         self.client = client
         self.keyspace = keyspace
@@ -96,11 +107,24 @@ class SchedulerSide:
         self._saving: dict[str, SaveProgress] = {}
         self._pending_loads: list[RequestLoad] = []
         self._key_prefixes: dict[int, tuple[str, ...]] = {}
+        # Load or recompute each hit (load_decision), from rates learned online (load_rates).
+        self.load_policy = LoadPolicy(load_policy)
+        self.load_margin = load_margin
+        self.load_decision_min_samples = load_decision_min_samples
+        self.transport = transport
+        self.rates = LoadRates(clock=clock)
+        self._block_sizes: tuple[int, ...] = ()
+        self._decisions: dict[tuple[str, str], int] = {}  # (decision, basis) -> requests, to export
+        self._skipped_tokens = 0  # hit tokens recomputed as cheaper, to export
+        self._recomputed_in_a_row = 0  # hits recomputed on the estimate since the last that loaded
 
     def bind(self, vllm_coordinator: Any) -> None:
         """Mirror vLLM's live coordinator (called once the cache manager exists)."""
         self.coordinator = HybridHitCoordinator.from_vllm_coordinator(vllm_coordinator)
         self._hit_unit = hit_unit(self.coordinator)
+        self._block_sizes = tuple(g.block_size for g in self.coordinator.groups)
+        # A step prefills when it computes at least a hit unit beyond one token per request.
+        self.rates.min_prefill_tokens = self._hit_unit
 
     # --- lookup ------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -109,6 +133,8 @@ class SchedulerSide:
         state = self.requests.get(req_id)
         if not self.can_load or coord is None or (state is not None and state.load_failed):
             return 0, False
+        if self.load_policy is LoadPolicy.NEVER:
+            return 0, False  # every hit recomputes: nothing to ask, admitted now
         if (request.num_tokens - 1) // self._hit_unit * self._hit_unit <= num_computed_tokens:
             return 0, False  # nothing the pool could add: admitted now, not a step later
         if state is None:
@@ -131,11 +157,43 @@ class SchedulerSide:
         if num_external == 0:
             state.plan = None
             return 0, False
+        verdict = looked_up.verdict
+        if verdict is None:
+            verdict = looked_up.verdict = self._decide(looked_up, num_computed_tokens, num_external)
+        if not verdict.load:
+            state.plan = None
+            return 0, False  # recomputing it is faster: a miss
         state.plan = LoadPlan(looked_up.hit, num_computed_tokens, looked_up.digests)
         # Always asynchronous: vLLM then caches the request's blocks only once the load
         # is reported finished, and only those it delivered. A block of a failed load
         # never becomes a local prefix hit, whatever happens to the request meanwhile.
         return num_external, True
+
+    def _decide(self, looked_up: LookedUp, local_tokens: int, num_external: int) -> Verdict:
+        """Load ``looked_up``'s hit past ``local_tokens``, or recompute it (counted for export)."""
+        policy = self.load_policy
+        if policy is LoadPolicy.AUTO:
+            hit_bytes = self.rates.hit_bytes(looked_up.hit.needed_blocks, self._block_sizes, local_tokens)
+            rates = self.rates.rates(self.transport)
+        else:
+            hit_bytes, rates = None, self.rates.rates("")
+        verdict = decide(
+            policy,
+            hit_tokens=num_external,
+            hit_bytes=hit_bytes,
+            rates=rates,
+            margin=self.load_margin,
+            min_samples=self.load_decision_min_samples,
+            recomputed_in_a_row=self._recomputed_in_a_row,
+        )
+        key = ("load" if verdict.load else "recompute", verdict.basis.value)
+        self._decisions[key] = self._decisions.get(key, 0) + 1
+        if verdict.load:
+            self._recomputed_in_a_row = 0
+        else:
+            self._recomputed_in_a_row += 1
+            self._skipped_tokens += num_external
+        return verdict
 
     def _stale(self, looked_up: LookedUp) -> bool:
         """Whether a kept answer is older than ``lookup_timeout_s`` (memory pressure kept the
@@ -351,6 +409,9 @@ class SchedulerSide:
             forward_tokens=scheduler_output.total_num_scheduled_tokens,
         )
         self._pending_loads = []
+        self.rates.step_planned(
+            meta.forward_tokens, len(getattr(scheduler_output, "num_scheduled_tokens", ()))
+        )
         if self.can_save and self.coordinator is not None:
             offers = boundary_state_offers(scheduler_output)
             scheduled = scheduler_output.num_scheduled_tokens
@@ -475,6 +536,29 @@ class SchedulerSide:
             if (state := requests.get(req_id)) is not None:
                 state.loading = False
                 state.loaded_blocks = None
+
+    def on_step_output(self, worker_stats: Any) -> None:
+        """A step's output arrived, with the workers' connector stats (None: none this step):
+        learn the prefill and load rates from it."""
+        self.rates.step_reported()
+        data = worker_stats if isinstance(worker_stats, dict) else getattr(worker_stats, "data", None)
+        if data:
+            self.rates.observe_transfers(transfer_sample(data), self.transport)
+
+    def take_decision_data(self) -> dict[str, Any] | None:
+        """The load decisions since the last call, and the rates if they changed (a stats
+        payload); None when there is nothing new."""
+        rates = self.rates
+        if not self._decisions and not rates.changed:
+            return None
+        data = decision_data(
+            self._decisions,
+            self._skipped_tokens,
+            {t: r.rate for t, r in rates.load.items()} if rates.changed else None,
+            rates.prefill.rate if rates.changed and rates.prefill.samples else None,
+        )
+        self._decisions, self._skipped_tokens, rates.changed = {}, 0, False
+        return data
 
     def _rewind_over_failed_blocks(
         self, invalid_blocks: set[int], block_ids_of: Callable[[str], Sequence[list[int]]]
