@@ -20,6 +20,7 @@ from testing.kv_cache import GroupDesc
 from testing.models import build_gemma3
 from testing.pool_store import put_bytes
 from testing.scheduler import (
+    PresenceMeter,
     admit,
     local_pool_transfer,
     make_request,
@@ -304,23 +305,40 @@ def test_a_request_no_hit_could_serve_is_admitted_without_waiting_for_a_lookup(
 ) -> None:
     """A prompt shorter than a block, and one whose local hit already covers every block a hit
     could, have nothing to ask the pool: they are scheduled in their first step (an
-    asynchronous lookup would cost them a whole step)."""
+    asynchronous lookup would cost them a whole step), never deferred, never looked up."""
     scheduler = make_scheduler(model_dir, [GroupDesc("full", 32)], local_pool_transfer(pool_settings))
     try:
+        connector = scheduler.connector
+        meter = PresenceMeter(connector)
+        deferred: list[str] = []
+        matched = connector.get_num_new_matched_tokens
+
+        def counted(request, num_computed_tokens):
+            got = matched(request, num_computed_tokens)
+            if got[0] is None:
+                deferred.append(request.request_id)
+            return got
+
+        connector.get_num_new_matched_tokens = counted
         short = make_request(scheduler, list(range(3, 3 + 20)))
         scheduler.add_request(short)
         first = scheduler.schedule()
         assert first.num_scheduled_tokens.get(short.request_id) == 20
+        assert (deferred, meter.checks, connector.stats.lookups) == ([], 0, [])
         # A local hit of the prompt's two whole blocks (a hit never covers the last token).
         prompt = list(range(40, 40 + 2 * 32 + 1))
         warm = make_request(scheduler, prompt)
         scheduler.add_request(warm)
         admit(scheduler)
+        assert deferred == [warm.request_id], "a request a hit could serve is looked up"
+        checks, lookups = meter.checks, len(connector.stats.lookups)
         again = make_request(scheduler, prompt)
         scheduler.add_request(again)
         step = scheduler.schedule()
         assert step.num_scheduled_tokens.get(again.request_id) == 1, "scheduled at once, past its local hit"
         (new,) = [r for r in step.scheduled_new_reqs if r.req_id == again.request_id]
         assert new.num_computed_tokens == 2 * 32, "its local hit"
+        assert deferred == [warm.request_id] and meter.checks == checks
+        assert len(connector.stats.lookups) == lookups
     finally:
         scheduler.shutdown()
