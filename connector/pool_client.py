@@ -3,6 +3,12 @@
 Bounded batches (never more than ``batch_size`` keys per call), every per-key
 return code classified, and one client per process shared by the scheduler
 and worker roles when they live together.
+
+A client of a tenant (``ConnectorSettings.tenant``) declares it to Mooncake, whose
+master (run with ``--enable_multi_tenants``) charges the tenant's quota for every
+write and keeps each tenant's keys apart; the client also puts the tenant in front
+of every key it sends, so tenants miss each other's blocks on a master that does not
+keep them apart (docs/tenancy.md).
 """
 
 from __future__ import annotations
@@ -35,6 +41,10 @@ CODE_RESERVED_ELSEWHERE = -70500
 CODE_TRANSFER_FAILED = -800
 CODE_RPC_FAILED = -900
 CODE_RPC_TIMEOUT = -901
+# Mooncake's multi-tenant admission: a write past its tenant's quota, or of a tenant the
+# master has no quota for. Mooncake refuses the reservation; nothing of it is stored.
+CODE_TENANT_QUOTA_EXCEEDED = -1700
+CODE_TENANT_NOT_REGISTERED = -1701
 RPC_FAILURES = (CODE_RPC_FAILED, CODE_RPC_TIMEOUT)
 
 # Buffers (scatter/gather entries) per multi-buffer call: Mooncake's TCP transport fails
@@ -62,6 +72,8 @@ class Outcome(StrEnum):
     TIMEOUT = "timeout"  # past a deadline of the connector's, or Mooncake's RPC timeout
     CORRUPT = "corrupt"  # an object that is not the block its key names (header check)
     IN_FLIGHT = "in_flight"  # a save found the key reserved by another writer, not published
+    QUOTA_EXCEEDED = "quota_exceeded"  # Mooncake refused a save past its tenant's quota
+    TENANT_NOT_REGISTERED = "tenant_not_registered"  # the master holds no quota for the tenant
     OTHER = "other_error"
 
 
@@ -90,11 +102,31 @@ def classify(code: int, expected_size: int | None = None) -> Outcome:
         return Outcome.TIMEOUT
     if code == CODE_RESERVED_ELSEWHERE:
         return Outcome.IN_FLIGHT
+    if code == CODE_TENANT_QUOTA_EXCEEDED:
+        return Outcome.QUOTA_EXCEEDED
+    if code == CODE_TENANT_NOT_REGISTERED:
+        return Outcome.TENANT_NOT_REGISTERED
     return Outcome.OTHER
 
 
 class StoreUnavailable(RuntimeError):
     """The Mooncake client could not be set up or has been closed."""
+
+
+def tenant_key_prefix(tenant: str) -> str:
+    """What a client of ``tenant`` puts in front of every key (nothing without a tenant)."""
+    return f"{tenant}/" if tenant else ""
+
+
+def scoped_pattern(tenant: str, pattern: str) -> str:
+    """``pattern`` (a regular expression over keys) restricted to ``tenant``'s keys as stored."""
+    if not tenant:
+        return pattern
+    # A tenant is [a-z0-9.-] (the settings' rule): only '.' means more than itself.
+    prefix = tenant_key_prefix(tenant).replace(".", "\\.")
+    if pattern.startswith("^"):
+        return f"^{prefix}{pattern[1:]}"
+    return f"^{prefix}.*(?:{pattern})"
 
 
 def chunks(items: Sequence[T], size: int) -> list[Sequence[T]]:
@@ -117,6 +149,8 @@ class PoolClient:
     def __init__(self, settings: ConnectorSettings, *, global_segment_size: int | None = None):
         self.settings = settings
         self.batch_size = settings.batch_size
+        self.tenant = settings.tenant
+        self._key_prefix = tenant_key_prefix(settings.tenant)
         segment = settings.global_segment_size if global_segment_size is None else global_segment_size
         # The client's threads start here: off the cores vLLM pins its compute to.
         # (Loading Mooncake starts threads too.)
@@ -124,6 +158,7 @@ class PoolClient:
             from mooncake.store import MooncakeDistributedStore
 
             self._store = MooncakeDistributedStore()
+            tenant = {"tenant_id": settings.tenant} if settings.tenant else {}
             code = self._store.setup(
                 settings.local_hostname,
                 settings.metadata_server,
@@ -132,6 +167,7 @@ class PoolClient:
                 settings.protocol,
                 settings.device_name,
                 settings.master_server_address,
+                **tenant,
             )
         if code != 0:
             raise StoreUnavailable(
@@ -157,6 +193,11 @@ class PoolClient:
         self._close_pending = False
 
     # --- guards -----------------------------------------------------------
+    def _scoped(self, keys: Sequence[str]) -> list[str]:
+        """``keys`` as stored: behind the tenant's prefix when the client has a tenant."""
+        prefix = self._key_prefix
+        return [prefix + key for key in keys] if prefix else list(keys)
+
     def _call(self, fn: Callable[..., list[int]], *args: Any) -> list[int]:
         with self._state:
             if not self._open:
@@ -206,7 +247,7 @@ class PoolClient:
             return [False] * len(keys)
         for part in chunks(keys, MAX_EXIST_KEYS):
             try:
-                codes = self._call(self._store.batch_is_exist, list(part))
+                codes = self._call(self._store.batch_is_exist, self._scoped(part))
             except StoreUnavailable:
                 raise
             except Exception:  # the RPC itself failed: nothing is known present
@@ -249,7 +290,7 @@ class PoolClient:
     ) -> list[int]:
         codes: list[int] = []
         for start, end in self._spans(sizes):
-            part = list(keys[start:end])
+            part = self._scoped(keys[start:end])
             if self.unreachable:
                 codes.extend([CODE_RPC_FAILED] * len(part))
                 continue
@@ -289,7 +330,7 @@ class PoolClient:
         ``CODE_RESERVED_ELSEWHERE`` (Mooncake answers both alike: presence tells them apart).
         """
         config = () if self._put_config is None else (self._put_config,)
-        codes = self._session_call(self._store.batch_put_session_start, list(keys), list(sizes), *config)
+        codes = self._session_call(self._store.batch_put_session_start, keys, list(sizes), *config)
         taken = [i for i, code in enumerate(codes) if code == CODE_OBJECT_EXISTS]
         if taken:
             published = self.exists([keys[i] for i in taken])
@@ -308,7 +349,7 @@ class PoolClient:
         """Write each reserved key's buffers at ``offsets``; per-key codes (bytes written when >= 0)."""
         return self._session_call(
             self._store.batch_put_from_multi_buffer_ranges,
-            list(keys),
+            keys,
             [list(p) for p in ptrs],
             [list(s) for s in sizes],
             [list(o) for o in offsets],
@@ -316,19 +357,19 @@ class PoolClient:
 
     def publish(self, keys: Sequence[str]) -> list[int]:
         """Make written reservations visible; 0 per key when published."""
-        return self._session_call(self._store.batch_put_session_end, list(keys))
+        return self._session_call(self._store.batch_put_session_end, keys)
 
     def revoke(self, keys: Sequence[str]) -> list[int]:
         """Drop reservations: nothing of them is ever visible."""
-        return self._session_call(self._store.batch_put_session_revoke, list(keys))
+        return self._session_call(self._store.batch_put_session_revoke, keys)
 
-    def _session_call(self, fn: Callable[..., list[int]], keys: list[str], *args: Any) -> list[int]:
+    def _session_call(self, fn: Callable[..., list[int]], keys: Sequence[str], *args: Any) -> list[int]:
         if not keys:
             return []
         if self.unreachable:
             return [CODE_RPC_FAILED] * len(keys)
         try:
-            codes = self._call(fn, keys, *args)
+            codes = self._call(fn, self._scoped(keys), *args)
         except StoreUnavailable:
             codes = [CODE_RPC_FAILED] * len(keys)
         except Exception:
@@ -342,19 +383,20 @@ class PoolClient:
     def remove(self, keys: Sequence[str]) -> list[int]:
         codes: list[int] = []
         for part in chunks(keys, self.batch_size):
-            codes.extend(self._call(self._store.batch_remove, list(part), True))
+            codes.extend(self._call(self._store.batch_remove, self._scoped(part), True))
         return codes
 
     def remove_matching(self, pattern: str) -> int:
         """Remove every object whose key matches ``pattern`` (a regular expression) and that no
         read holds (Mooncake keeps an object a lookup or read leased); the count removed, or a
         negative Mooncake code."""
-        return int(self._call(lambda p: [self._store.remove_by_regex(p)], pattern)[0])
+        scoped = scoped_pattern(self.tenant, pattern)
+        return int(self._call(lambda p: [self._store.remove_by_regex(p)], scoped)[0])
 
     def size_of(self, key: str) -> int:
         """The stored size of ``key``'s object; negative when absent or unknown."""
         try:
-            return int(self._call(lambda k: [self._store.get_size(k)], key)[0])
+            return int(self._call(lambda k: [self._store.get_size(k)], self._key_prefix + key)[0])
         except StoreUnavailable:
             raise
         except Exception:
@@ -407,6 +449,7 @@ def _identity(settings: ConnectorSettings) -> tuple[str, ...]:
         settings.protocol,
         settings.local_hostname,
         settings.tcp_bind_address,
+        settings.tenant,
     )
 
 

@@ -24,6 +24,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    field_validator,
     model_validator,
 )
 
@@ -56,6 +57,13 @@ _UNITS = {
     "tb": 1 << 40,
     "tib": 1 << 40,
 }
+# A tenant names a Mooncake tenant and prefixes keys: a DNS label, as a Kubernetes name
+# is (Mooncake itself takes any printable string that does not start with '_').
+_TENANT_RE = re.compile(r"^[a-z0-9]([a-z0-9.-]{0,61}[a-z0-9])?$")
+TENANT_RULE = (
+    "1-63 lowercase letters, digits, '.' or '-', starting and ending with a letter or digit "
+    "(empty: no tenant)"
+)
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
@@ -119,6 +127,13 @@ class ConnectorSettings(BaseModel):
     # Connector options.
     cache_prefix: str = Field(
         default="kvpool", pattern=r"^[A-Za-z0-9_.-]{1,64}$", description="Namespace of every key."
+    )
+    tenant: str = Field(
+        default="",
+        description="Mooncake tenant of this consumer (empty: none). A master run with "
+        "--enable_multi_tenants charges its quota for every write, refuses writes past it, and "
+        "keeps its keys apart from other tenants'; its keys also start with it. Consumers that "
+        "share a reuse domain declare the same tenant (docs/tenancy.md).",
     )
     save_decode_cache: bool = Field(
         default=False,
@@ -214,6 +229,13 @@ class ConnectorSettings(BaseModel):
     def tcp_bind_address(self) -> str:
         """What the client process sets as ``MC_TCP_BIND_ADDRESS``: ``bind_address`` or ``local_hostname``."""
         return self.bind_address or self.local_hostname
+
+    @field_validator("tenant")
+    @classmethod
+    def _tenant_rule(cls, value: str) -> str:
+        if value and not _TENANT_RE.match(value):
+            raise ValueError(f"{value[:70]!r} is not a tenant: {TENANT_RULE}")
+        return value
 
     @model_validator(mode="after")
     def _cross_field_rules(self) -> ConnectorSettings:
