@@ -24,6 +24,7 @@ BENCHMARKS = (
     "operator_reconcile",
     "serving",
     "frozen_pool",
+    "disk_tier",
 )
 
 

@@ -36,6 +36,7 @@ NEEDS = {
     "serving": [pytest.mark.mooncake, pytest.mark.engine],
     "scheduler_overhead": [pytest.mark.mooncake],
     "frozen_pool": [pytest.mark.mooncake],
+    "disk_tier": [pytest.mark.mooncake],
 }
 
 
