@@ -39,7 +39,7 @@ from typing import Any
 
 from benchmarks import common, pool
 from benchmarks.common import Options, Report, Stat, Table, Target, ratios, rotate, stopwatch
-from testing.pool_store import raw_store
+from testing.pool_store import put_placement, raw_store
 from testing.worker import run_loads, staging_slot
 
 SIZES = (8, 32, 128)
@@ -77,8 +77,7 @@ class Rig:
     @property
     def placement(self) -> tuple[Any, ...]:
         """Raw puts place objects where the connector's saves go (its own segment, if any)."""
-        config = self.client._put_config
-        return () if config is None else (config,)
+        return put_placement(self.client)
 
     def keys(self, group: int, digests: list[str]) -> list[str]:
         return [self.worker.keyspace.key(group, 0, 0, d) for d in digests]

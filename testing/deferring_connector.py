@@ -41,6 +41,11 @@ class DeferringConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         self._deferred: set[str] = set()
 
+    @property
+    def deferred(self) -> frozenset[str]:
+        """The requests deferred once and not yet finished."""
+        return frozenset(self._deferred)
+
     # --- scheduler side ----------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         req_id = request.request_id

@@ -33,7 +33,8 @@ SCRIBBLE = 0xAB
 READ_METHOD = "batch_get_into_multi_buffers"
 
 
-def _store_class() -> Any:
+def mooncake_store_class() -> Any:
+    """Mooncake's client class, whose methods the faults here patch."""
     from mooncake.store import MooncakeDistributedStore
 
     return MooncakeDistributedStore
@@ -53,7 +54,7 @@ class Stall:
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def install(self, monkeypatch: pytest.MonkeyPatch) -> Stall:
-        store_class = _store_class()
+        store_class = mooncake_store_class()
         original: Callable[..., Any] = getattr(store_class, self.method)
         stall = self
 
@@ -119,7 +120,7 @@ class FailingReads:
         return key_digest(key) in self.digests
 
     def install(self, monkeypatch: pytest.MonkeyPatch) -> FailingReads:
-        store_class = _store_class()
+        store_class = mooncake_store_class()
         original: Callable[..., list[int]] = getattr(store_class, READ_METHOD)
         fault = self
 

@@ -32,3 +32,10 @@ def put_from(
 ) -> list[int]:
     """Write each key from its gather list through the client's bounded batches; per-key codes."""
     return client._batched(raw_store(client).batch_put_from_multi_buffers, keys, ptrs, sizes)
+
+
+def put_placement(client: PoolClient) -> tuple[Any, ...]:
+    """The extra arguments of the client's puts that place objects where its saves go (its own
+    segment, if it has one): empty when Mooncake chooses."""
+    config = client._put_config
+    return () if config is None else (config,)

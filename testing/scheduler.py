@@ -201,3 +201,16 @@ class PresenceMeter:
 
         side.client.exists = counted
         side.presence.wait_idle = timed
+
+
+def note_save_plans(side: Any) -> list[str]:
+    """A list that from now on gets the request id of each save ``side`` (a ``SchedulerSide``) plans."""
+    planned: list[str] = []
+    plan_save = side._plan_save
+
+    def noting(tracked: Any, req_id: str, *args: Any) -> Any:
+        planned.append(req_id)
+        return plan_save(tracked, req_id, *args)
+
+    side._plan_save = noting
+    return planned

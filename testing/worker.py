@@ -66,6 +66,29 @@ def before_each_load(monkeypatch: Any, action: Any) -> None:
     monkeypatch.setattr(WorkerSide, "_load_request", load_after_action)
 
 
+def before_each_save(monkeypatch: Any, action: Any) -> None:
+    """Run ``action()`` on the transfer thread at the start of every request's save in this process
+    (a fault fired mid-save); ``monkeypatch.undo()`` removes it."""
+    original = WorkerSide._save_request
+
+    def save_after_action(self: WorkerSide, *args: Any, **kwargs: Any) -> Any:
+        action()
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(WorkerSide, "_save_request", save_after_action)
+
+
+def unreleased_saves(worker: WorkerSide) -> list[Any]:
+    """The saves that still hold the step's blocks (the save barrier waits on them)."""
+    return list(worker._unreleased_saves)
+
+
+def transfer_records(worker: WorkerSide) -> list[Any]:
+    """The worker's transfer records so far, taken under its statistics lock."""
+    with worker.stats._lock:
+        return list(worker.stats.transfers)
+
+
 def staging_slot(worker: WorkerSide) -> Any:
     """The calling thread's staging buffer (registering one on first use); None while every spare rests."""
     return worker._slot()

@@ -29,7 +29,7 @@ from kvpool.connector.local.pool import (
     wait_for_port,
 )
 from testing.engine import worker_of
-from testing.worker import transfers_in_flight
+from testing.worker import transfer_records, transfers_in_flight
 
 BLOCK = 32
 PREFIX_BLOCKS = 9
@@ -349,8 +349,7 @@ class Engine:
         side = worker_of(worker)
         pending = transfers_in_flight(side)
         wait(pending, timeout=timeout)
-        with side.stats._lock:
-            return failures_by_reason(list(side.stats.transfers))
+        return failures_by_reason(transfer_records(side))
 
     def failure_series(self) -> Counter[str]:
         """``vllm:kvpool_failures`` by reason, as vLLM's metrics registry holds it."""

@@ -24,10 +24,10 @@ import pytest
 from kvpool.connector.contract.settings import ConnectorSettings
 from kvpool.connector.local.pool import wait_for_capacity
 from kvpool.connector.pool_client import PoolClient, open_client
-from kvpool.connector.worker.side import WorkerSide
 from testing.engine import transfer_config
+from testing.mooncake_faults import READ_METHOD, mooncake_store_class
 from testing.pool_store import put_bytes
-from testing.worker import before_each_load
+from testing.worker import before_each_load, before_each_save
 from tests.faults.helpers import (
     PREFIX_TOKENS,
     Engine,
@@ -189,13 +189,7 @@ def test_master_killed_and_restarted_mid_save(
     assert warm[1].hit
 
     fault = Restarter(pool)
-    original = WorkerSide._save_request
-
-    def kill_then_save(self: WorkerSide, save: Any) -> None:
-        fault.fire()
-        original(self, save)
-
-    monkeypatch.setattr(WorkerSide, "_save_request", kill_then_save)
+    before_each_save(monkeypatch, fault.fire)
     faulted = engine.serve((2, 0))
     monkeypatch.undo()
     fault.join()
@@ -332,7 +326,9 @@ def test_partial_batch_failures(
     warm = [engine.serve(k) for k in [(1, 0), (1, 1)]]
     assert warm[1].hit
     state: dict[str, Any] = {}
-    original_get, original_call = PoolClient.get_into, PoolClient._call
+    original_get = PoolClient.get_into
+    store_class = mooncake_store_class()
+    original_read = store_class.batch_get_into_multi_buffers
 
     def get_into(self: PoolClient, keys: Any, ptrs: Any, sizes: Any) -> list[int]:
         if "keys" in state or len(keys) <= 2 * BATCH:
@@ -345,15 +341,15 @@ def test_partial_batch_failures(
         finally:
             state["calls"] = None
 
-    def call(self: PoolClient, fn: Any, *args: Any) -> list[int]:
+    def read(store: Any, *args: Any) -> list[int]:
         if state.get("calls") is not None:
             state["calls"] += 1
             if state["calls"] == 2:
                 raise RuntimeError("injected: batch 2's RPC failed")
-        return original_call(self, fn, *args)
+        return original_read(store, *args)
 
     monkeypatch.setattr(PoolClient, "get_into", get_into)
-    monkeypatch.setattr(PoolClient, "_call", call)
+    monkeypatch.setattr(store_class, READ_METHOD, read)
     mark = window.mark()
     faulted = engine.serve((1, 2))
     monkeypatch.undo()

@@ -36,6 +36,7 @@ from testing.engine import (
 )
 from testing.models import build_gemma3_full
 from testing.prompts import P1, P2
+from testing.worker import unreleased_saves
 
 pytestmark = [pytest.mark.faults, pytest.mark.engine, pytest.mark.mooncake, pytest.mark.timeout(300)]
 
@@ -167,6 +168,6 @@ def test_under_a_runner_that_writes_blocks_first_saves_read_theirs_within_the_st
         worker.register_kv_caches({"l0": torch.zeros((2, 4, 32, 2, 16))})
         worker.start_saves(PoolConnectorMetadata(saves=[RequestSave("r", [GroupTransfer(0, ["b"], [1])])]))
         assert landed.is_set(), "the step ended before its save had read its blocks"
-        assert not worker._unreleased_saves
+        assert not unreleased_saves(worker)
     finally:
         worker.shutdown()

@@ -45,6 +45,6 @@ def test_each_request_waits_one_step_then_is_admitted_with_no_hit(model_dir: Pat
         assert admitted == {r.request_id: 3 * 32 + 1 for r in requests}, "then admitted, computing all"
         scheduler.finish_requests([r.request_id for r in requests], RequestStatus.FINISHED_ABORTED)
         scheduler.schedule()
-        assert connector._deferred == set(), "finished requests are forgotten"
+        assert connector.deferred == set(), "finished requests are forgotten"
     finally:
         scheduler.shutdown()

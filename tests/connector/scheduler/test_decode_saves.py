@@ -16,7 +16,13 @@ from kvpool.connector.metadata import PoolConnectorMetadata
 from testing.engine import scheduler_of
 from testing.kv_cache import GroupDesc
 from testing.models import build_gemma3
-from testing.scheduler import local_pool_transfer, make_request, make_scheduler, schedule_answered
+from testing.scheduler import (
+    local_pool_transfer,
+    make_request,
+    make_scheduler,
+    note_save_plans,
+    schedule_answered,
+)
 
 pytestmark = pytest.mark.mooncake
 
@@ -94,14 +100,7 @@ def test_decode_steps_plan_no_save_once_the_prompt_is_planned(model_dir, pool_se
     scheduler = make_scheduler(model_dir, FULL, local_pool_transfer(pool_settings))
     try:
         side = scheduler_of(scheduler.connector)
-        planned: list[str] = []
-        plan_save = side._plan_save
-
-        def counting(tracked: Any, req_id: str, *args: Any) -> Any:
-            planned.append(req_id)
-            return plan_save(tracked, req_id, *args)
-
-        side._plan_save = counting
+        planned = note_save_plans(side)
         request = make_request(scheduler, PROMPT, max_tokens=DECODED + 1)
         scheduler.add_request(request)
         schedule_answered(scheduler)
