@@ -6,8 +6,14 @@ waits until the master serves and the store's memory is mounted, prints the
 until Ctrl-C (SIGINT) or SIGTERM, when it stops the store, then the master. If
 either dies meanwhile, it stops the other and exits with status 1.
 
+With ``--disk-capacity`` the store has a local disk tier (Mooncake's SSD offload in a
+directory of its own under ``--disk-dir``, removed when the pool stops). With ``--tenant
+NAME=QUOTA`` (repeatable) the master admits writes of those tenants only, each within its
+quota (cut in proportion when they add up to more than the store's memory), and a JSON
+line is printed for each tenant, in the order given (docs/tenancy.md).
+
 Everything listens on 127.0.0.1; the master's metrics port also serves Mooncake's
-unauthenticated admin API, so the pool is for this machine only.
+unauthenticated admin API (tenant quotas included), so the pool is for this machine only.
 """
 
 from __future__ import annotations
@@ -18,10 +24,12 @@ import signal
 import sys
 import threading
 from collections.abc import Sequence
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
 from kvpool.connector.contract.settings import ConnectorSettings, SettingsError, parse_size
+from kvpool.connector.local.disk_tier import EVICTION_POLICIES, DiskTier
 from kvpool.connector.local.pool import LocalPool
 
 DEFAULT_SEGMENT = "1GB"
@@ -29,11 +37,11 @@ KV_ROLES = ("kv_both", "kv_producer", "kv_consumer")
 POLL_S = 0.5
 
 
-def transfer_config(master_address: str, cache_prefix: str, kv_role: str) -> dict[str, Any]:
+def transfer_config(master_address: str, cache_prefix: str, kv_role: str, tenant: str = "") -> dict[str, Any]:
     """vLLM's ``--kv-transfer-config`` for the pool at ``master_address``: only settings that
     differ from the connector's defaults in ``kv_connector_extra_config``."""
     settings = ConnectorSettings.parse(
-        {"master_server_address": master_address, "cache_prefix": cache_prefix}
+        {"master_server_address": master_address, "cache_prefix": cache_prefix, "tenant": tenant}
     )
     config = settings.kv_transfer_config(kv_role)
     config["kv_connector_extra_config"] = settings.model_dump(mode="json", exclude_defaults=True)
@@ -59,6 +67,28 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--kv-role", choices=KV_ROLES, default="kv_both", help="vLLM's kv_role (default kv_both)"
     )
+    tenancy = parser.add_argument_group("tenants (Mooncake's multi-tenant admission)")
+    tenancy.add_argument(
+        "--tenant",
+        action="append",
+        default=[],
+        metavar="NAME=QUOTA",
+        help="a tenant and its quota, e.g. team-a=2GB (repeatable; the master then admits writes of "
+        "these tenants only; a JSON line for each)",
+    )
+    disk = parser.add_argument_group("disk tier (Mooncake's SSD offload under the store's memory)")
+    disk.add_argument("--disk-capacity", default="", help="the tier's size, e.g. 20GB (default: no tier)")
+    disk.add_argument(
+        "--disk-dir", default="", help="where the tier's own directory is made (default: the temp dir)"
+    )
+    disk.add_argument("--disk-key-limit", type=int, default=1_000_000, help="most objects on disk")
+    disk.add_argument(
+        "--disk-eviction", choices=EVICTION_POLICIES, default="lru", help="which objects leave a full tier"
+    )
+    disk.add_argument(
+        "--disk-high-watermark", type=float, default=0.9, help="use (of the capacity) that starts eviction"
+    )
+    disk.add_argument("--disk-low-watermark", type=float, default=0.8, help="use eviction brings it down to")
     return parser
 
 
@@ -76,6 +106,50 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         transfer_config("127.0.0.1:1", args.cache_prefix, args.kv_role)
     except SettingsError as exc:
         parser.error(f"--cache-prefix: {exc.problems.get('cache_prefix', exc)}")
+    args.tenant_quotas = _tenant_quotas(parser, args.tenant)
+    args.disk_tier = _disk_tier(parser, args)
+
+
+def _tenant_quotas(parser: argparse.ArgumentParser, specs: list[str]) -> dict[str, int] | None:
+    quotas: dict[str, int] = {}
+    for spec in specs:
+        name, sep, quota = spec.partition("=")
+        if not sep:
+            parser.error(f"--tenant: {spec!r} is not NAME=QUOTA")
+        try:
+            transfer_config("127.0.0.1:1", "kvpool", "kv_both", name)
+        except SettingsError as exc:
+            parser.error(f"--tenant: {exc.problems.get('tenant', exc)}")
+        try:
+            quotas[name] = parse_size(quota)
+        except ValueError as exc:
+            parser.error(f"--tenant {name}: {exc}")
+        if quotas[name] < 1:
+            parser.error(f"--tenant {name}: a quota is at least 1 byte")
+    return quotas or None
+
+
+def _disk_tier(parser: argparse.ArgumentParser, args: argparse.Namespace) -> DiskTier | None:
+    if not args.disk_capacity:
+        if args.disk_dir:
+            parser.error("--disk-dir: needs --disk-capacity (the tier's size)")
+        return None
+    try:
+        capacity = parse_size(args.disk_capacity)
+    except ValueError as exc:
+        parser.error(f"--disk-capacity: {exc}")
+    try:
+        return DiskTier(
+            capacity=capacity,
+            parent=Path(args.disk_dir) if args.disk_dir else None,
+            key_limit=args.disk_key_limit,
+            eviction=args.disk_eviction,
+            high_watermark=args.disk_high_watermark,
+            low_watermark=args.disk_low_watermark,
+            bucket_bytes=min(8 << 20, parse_size(args.segment_size) // 2, capacity),
+        )
+    except ValueError as exc:
+        parser.error(f"--disk-*: {exc}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -91,7 +165,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, request_stop)
 
-    pool = LocalPool(segment_size=args.segment_size, rpc_port=args.rpc_port, metrics_port=args.metrics_port)
+    pool = LocalPool(
+        segment_size=args.segment_size,
+        rpc_port=args.rpc_port,
+        metrics_port=args.metrics_port,
+        tenant_quotas=args.tenant_quotas,
+        disk_tier=args.disk_tier,
+    )
     try:
         try:
             pool.start()
@@ -99,11 +179,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"kvpool-local-pool: the pool did not start: {exc}", file=sys.stderr)
             return 1
         assert pool.master is not None and pool.store is not None
-        config = transfer_config(pool.address, args.cache_prefix, args.kv_role)
-        print(json.dumps(config, separators=(",", ":")), flush=True)
+        for tenant in args.tenant_quotas or [""]:
+            config = transfer_config(pool.address, args.cache_prefix, args.kv_role, tenant)
+            print(json.dumps(config, separators=(",", ":")), flush=True)
+        tier = (
+            ""
+            if pool.disk_tier is None
+            else f", disk tier {args.disk_capacity} in {pool.disk_tier.directory}"
+        )
         print(
             f"kvpool-local-pool: master {pool.address} (metrics {pool.master.metrics_url}), store "
-            f"{args.segment_size}; logs in {pool.master.log_dir} and {pool.store.log_dir}.\n"
+            f"{args.segment_size}{tier}; logs in {pool.master.log_dir} and {pool.store.log_dir}.\n"
             "Pass the JSON above to vLLM as --kv-transfer-config '<json>'. Ctrl-C stops the pool.",
             file=sys.stderr,
             flush=True,

@@ -109,3 +109,58 @@ def test_bad_arguments_are_refused_naming_the_option(args: list[str], option: st
     assert result.returncode == 2
     assert option in result.stderr
     assert result.stdout == ""  # nothing started, nothing printed
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--tenant", "team-a"], "--tenant: 'team-a' is not NAME=QUOTA"),
+        (["--tenant", "Team=1GB"], "--tenant: 'Team' is not a tenant"),
+        (["--tenant", "team-a=lots"], "--tenant team-a: 'lots' is not a size"),
+        (["--tenant", "team-a=0"], "--tenant team-a: a quota is at least 1 byte"),
+        (["--disk-capacity", "12x"], "--disk-capacity: '12x' is not a size"),
+        (["--disk-dir", "/tmp"], "--disk-dir: needs --disk-capacity"),
+        (["--disk-capacity", "1GB", "--disk-low-watermark", "0.95"], "watermarks: 0 < low watermark"),
+        (["--disk-capacity", "1GB", "--disk-dir", "/nonexistent/dir"], "is not a directory"),
+    ],
+)
+def test_bad_tenant_and_disk_options_are_refused_naming_the_option(args: list[str], message: str) -> None:
+    result = subprocess.run([*COMMAND, *args], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert result.stdout == ""
+
+
+def test_tenants_and_a_disk_tier(tmp_path) -> None:
+    """A JSON line per tenant; the master holds their quotas; the tier's directory goes with the pool."""
+    from kvpool.connector.local.tenant_quotas import read_quotas
+
+    process, config, note = start(
+        "--tenant",
+        "team-a=24MB",
+        "--tenant",
+        "team-b=24MB",
+        "--disk-capacity",
+        "64MB",
+        "--disk-dir",
+        str(tmp_path),
+    )
+    try:
+        assert process.stdout is not None
+        second = json.loads(process.stdout.readline())
+        tenants = [ConnectorSettings.parse(c["kv_connector_extra_config"]).tenant for c in (config, second)]
+        assert tenants == ["team-a", "team-b"]
+        metrics = note.split("(metrics http://", 1)[1].split("/metrics", 1)[0]
+        assert {t: q.effective for t, q in read_quotas(metrics).items()} == {
+            "team-a": 16 << 20,
+            "team-b": 16 << 20,
+        }
+        (tier,) = tmp_path.iterdir()
+        assert f"disk tier 64MB in {tier}" in note
+        process.send_signal(signal.SIGTERM)
+        assert wait_exit(process) == 0
+        assert list(tmp_path.iterdir()) == []
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
