@@ -11,8 +11,9 @@
 * **No leaks**: each server process generation's RSS, threads and file descriptors after
   warm-up stay within a stated growth of their first level.
 * **Metrics agree**: each server generation that lived to the end counted as many finished
-  requests as the history completed on it, every failure reason is a known one, and a pool
-  outage under traffic shows in ``vllm:kvpool_failures_total``.
+  requests as the history completed on it (plus at most those its clients hung up on), every
+  failure reason is one of the connector's, and a pool outage under traffic shows in
+  ``vllm:kvpool_failures_total``.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from kvpool.connector.pool_client import FAILURE_OUTCOMES, Outcome
 from testing.chaos_history import (
     COMPLETED,
     DISCONNECTED,
@@ -46,7 +48,8 @@ QUERY_TOKENS = "vllm:kvpool_lookup_query_tokens_total"
 HIT_TOKENS = "vllm:kvpool_lookup_hit_tokens_total"
 FINISHED_LENGTH = 'vllm:request_success_total{finished_reason="length"}'
 FAILURES_PREFIX = "vllm:kvpool_failures_total"
-KNOWN_FAILURE_REASONS = {"rpc_failed", "store_full", "missing", "transfer_failed", "timeout", "corrupt"}
+#: The connector's failure outcomes but its catch-all: a reason outside them is unexplained.
+KNOWN_FAILURE_REASONS = {o.value for o in FAILURE_OUTCOMES} - {Outcome.OTHER.value}
 #: Faults that take pool memory or its master away: under traffic, failures must be counted.
 POOL_OUTAGES = {"store_frozen", "store_restarted", "leader_killed"}
 
@@ -244,15 +247,16 @@ def metrics_disagreements(history: History, *, final_generations: Mapping[int, i
             continue
         counted = last[key].series.get(FINISHED_LENGTH, 0.0) - first[key].series.get(FINISHED_LENGTH, 0.0)
         born = first[key].t
-        completed = sum(
-            1
-            for r in history.requests
-            if r.server == server and r.outcome == COMPLETED and r.sent >= born and r.ended is not None
-        )
-        if counted != completed:
+        ended_here = [
+            r for r in history.requests if r.server == server and r.ended is not None and r.ended >= born
+        ]
+        completed = sum(r.outcome == COMPLETED for r in ended_here)
+        # A client that hung up after its last token was generated finished on the server.
+        hung_up = sum(r.outcome == DISCONNECTED for r in ended_here)
+        if not completed <= counted <= completed + hung_up:
             problems.append(
                 f"server {server} generation {generation}: {counted:.0f} requests finished on /metrics, "
-                f"{completed} completed in the history"
+                f"{completed} completed in the history ({hung_up} hung up)"
             )
     failures = failure_counts(history.metrics)
     unknown = sorted(set(failures) - KNOWN_FAILURE_REASONS)

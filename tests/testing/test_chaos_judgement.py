@@ -157,6 +157,7 @@ def test_a_process_that_grows_after_warm_up_leaks_and_a_restart_starts_anew() ->
 
 def test_metrics_must_count_the_completed_requests_and_the_outages() -> None:
     failures = 'vllm:kvpool_failures_total{reason="timeout"}'
+    in_flight = 'vllm:kvpool_failures_total{operation="save",reason="in_flight"}'
     history = History(
         requests=[
             request(1, sent=5.0, ended=6.0),
@@ -166,16 +167,22 @@ def test_metrics_must_count_the_completed_requests_and_the_outages() -> None:
         faults=[fault("store_frozen", 5.0, 7.0)],
         metrics=[
             MetricsSample(1.0, 0, 0, {FINISHED_LENGTH: 4.0}),
-            MetricsSample(20.0, 0, 0, {FINISHED_LENGTH: 6.0, failures: 3.0}),
+            MetricsSample(20.0, 0, 0, {FINISHED_LENGTH: 6.0, failures: 3.0, in_flight: 1.0}),
         ],
     )
     assert metrics_disagreements(history, final_generations={0: 0}) == []
-    assert failure_counts(history.metrics) == {"timeout": 3.0}
+    assert failure_counts(history.metrics) == {"timeout": 3.0, "in_flight": 1.0}
+    # A client that hung up after its last token was made: the server may count it finished.
+    history.requests.append(request(4, ch.DISCONNECTED, sent=10.0, ended=11.0))
+    history.metrics[-1].series[FINISHED_LENGTH] = 7.0
+    assert metrics_disagreements(history, final_generations={0: 0}) == []
+    history.requests.pop()
     history.metrics[-1].series[FINISHED_LENGTH] = 5.0
     history.metrics[-1].series[failures] = 0.0
+    history.metrics[-1].series[in_flight] = 0.0
     history.metrics[-1].series['vllm:kvpool_failures_total{reason="gremlins"}'] = 0.0
     assert metrics_disagreements(history, final_generations={0: 0, 1: 0}) == [
-        "server 0 generation 0: 1 requests finished on /metrics, 2 completed in the history",
+        "server 0 generation 0: 1 requests finished on /metrics, 2 completed in the history (0 hung up)",
         "server 1 generation 0: never scraped",
         "unknown failure reasons on /metrics: ['gremlins']",
         "1 pool outages under traffic, no failure on /metrics",
