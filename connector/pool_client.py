@@ -45,6 +45,9 @@ CODE_RPC_TIMEOUT = -901
 # master has no quota for. Mooncake refuses the reservation; nothing of it is stored.
 CODE_TENANT_QUOTA_EXCEEDED = -1700
 CODE_TENANT_NOT_REGISTERED = -1701
+TENANT_REFUSALS = (CODE_TENANT_QUOTA_EXCEEDED, CODE_TENANT_NOT_REGISTERED)
+# Refusals by the tenant admission are logged at most once in this many seconds.
+REFUSAL_LOG_S = 60.0
 RPC_FAILURES = (CODE_RPC_FAILED, CODE_RPC_TIMEOUT)
 
 # Buffers (scatter/gather entries) per multi-buffer call: Mooncake's TCP transport fails
@@ -187,6 +190,7 @@ class PoolClient:
         self._registered: set[tuple[int, int]] = set()
         self._unreachable_until = 0.0
         self._failed_batches = 0
+        self._refusal_logged = -REFUSAL_LOG_S
         # Calls inside Mooncake now; a close requested meanwhile waits for the last of them.
         self._state = threading.Lock()
         self._in_flight = 0
@@ -337,7 +341,26 @@ class PoolClient:
             for i, present in zip(taken, published):
                 if not present:
                     codes[i] = CODE_RESERVED_ELSEWHERE
+        self._note_refusals(codes)
         return codes
+
+    def _note_refusals(self, codes: Sequence[int]) -> None:
+        """Log (at most once a ``REFUSAL_LOG_S``) the reservations Mooncake's tenant admission refused."""
+        refused = sum(code in TENANT_REFUSALS for code in codes)
+        if not refused:
+            return
+        now = time.monotonic()
+        if now - self._refusal_logged < REFUSAL_LOG_S:
+            return
+        self._refusal_logged = now
+        reason = classify(next(code for code in codes if code in TENANT_REFUSALS)).value
+        logger.warning(
+            "Mooncake refused %d of %d reservation(s) of tenant %r (%s): those blocks are not stored",
+            refused,
+            len(codes),
+            self.tenant,
+            reason,
+        )
 
     def write(
         self,

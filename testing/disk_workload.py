@@ -46,9 +46,18 @@ def _fill(buffer: np.ndarray, index: int) -> None:
 
 
 def write_and_read(
-    client: PoolClient, keys: list[str], object_bytes: int, *, write_deadline_s: float = 60.0
+    client: PoolClient,
+    keys: list[str],
+    object_bytes: int,
+    *,
+    write_deadline_s: float = 60.0,
+    retry_codes: tuple[int, ...] = (CODE_STORE_FULL,),
 ) -> WorkloadResult:
-    """Store one object under each key (in order), then load each back (in the same order)."""
+    """Store one object under each key (in order), then load each back (in the same order).
+
+    A write refused with one of ``retry_codes`` is tried again (a tenant's writes past its
+    quota: ``CODE_TENANT_QUOTA_EXCEEDED``, while the tier makes room in its memory).
+    """
     if object_bytes % 8:
         raise ValueError("object_bytes must be a multiple of 8")
     result = WorkloadResult(len(keys), object_bytes)
@@ -61,7 +70,7 @@ def write_and_read(
             _fill(buffer, index)
             while True:
                 code = _put(client, key, ptr, object_bytes)
-                if code != CODE_STORE_FULL or time.monotonic() > deadline:
+                if code not in retry_codes or time.monotonic() > deadline:
                     break
                 result.refusals += 1
                 time.sleep(RETRY_S)

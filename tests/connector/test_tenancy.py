@@ -9,6 +9,7 @@ multi-tenancy: there only the tenant in every key keeps tenants apart (docs/tena
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 
@@ -233,13 +234,27 @@ def test_layouts_that_differ_miss_within_and_across_tenants(pool, team_a, team_a
         writer.close()
 
 
-def test_a_tenant_without_a_quota_is_refused(pool) -> None:
+def test_a_tenant_without_a_quota_is_refused_and_says_so(pool, caplog) -> None:
+    from kvpool.connector import pool_client
+
     stranger = client_of(pool.address, "team-c")
+    log = logging.getLogger(pool_client.logger.name)
+    log.addHandler(caplog.handler)
     try:
         (code,) = stranger.reserve(["anything"], [4096])
         assert code == CODE_TENANT_NOT_REGISTERED
         assert classify(code) is Outcome.TENANT_NOT_REGISTERED
+        assert stranger.reserve(["more"], [4096]) == [CODE_TENANT_NOT_REGISTERED]
+        # (Each record once: the handler may see it directly and through propagation.)
+        records = {id(r): r for r in caplog.records if "refused" in r.getMessage()}
+        warnings = [r.getMessage() for r in records.values()]
+        # One line for both refusals: at most one a minute.
+        assert warnings == [
+            "Mooncake refused 1 of 1 reservation(s) of tenant 'team-c' (tenant_not_registered): "
+            "those blocks are not stored"
+        ]
     finally:
+        log.removeHandler(caplog.handler)
         stranger.close()
 
 

@@ -10,7 +10,7 @@ import pytest
 from kvpool.connector.contract.settings import ConnectorSettings
 from kvpool.connector.local.disk_tier import DiskTier
 from kvpool.connector.local.pool import LocalPool
-from kvpool.connector.pool_client import open_client
+from kvpool.connector.pool_client import CODE_TENANT_QUOTA_EXCEEDED, open_client
 from testing.disk_workload import WorkloadResult, write_and_read
 
 SEGMENT = 16 << 20
@@ -33,6 +33,16 @@ def _run(tier: DiskTier | None) -> tuple[WorkloadResult, int]:
 
 
 @pytest.mark.mooncake
+def test_without_the_tier_the_oldest_objects_are_gone() -> None:
+    result, _ = _run(None)
+    assert result.stored == WORKING_SET
+    assert result.wrong == 0
+    # Memory holds a third of the working set at most: the rest was evicted and misses.
+    assert 0 < result.hits <= WORKING_SET // 3
+    assert result.misses == {"missing": WORKING_SET - result.hits}
+
+
+@pytest.mark.mooncake
 def test_a_working_set_three_times_memory_keeps_its_hits_through_the_disk_tier(tmp_path: Path) -> None:
     tier = DiskTier(capacity=256 << 20, parent=tmp_path)
     result, on_disk = _run(tier)
@@ -46,13 +56,26 @@ def test_a_working_set_three_times_memory_keeps_its_hits_through_the_disk_tier(t
 
 
 @pytest.mark.mooncake
-def test_without_the_tier_the_oldest_objects_are_gone() -> None:
-    result, _ = _run(None)
-    assert result.stored == WORKING_SET
-    assert result.wrong == 0
-    # Memory holds a third of the working set at most: the rest was evicted and misses.
-    assert 0 < result.hits <= WORKING_SET // 3
-    assert result.misses == {"missing": WORKING_SET - result.hits}
+def test_a_tenants_quota_bounds_its_memory_and_the_tier_keeps_the_rest(tmp_path: Path) -> None:
+    """A tenant of 8 MiB writes 24 MiB: Mooncake keeps its memory at the quota (writes past it
+    are refused until the tier has written older objects), and every object still hits."""
+    quota, objects = 8 << 20, 24
+    tier = DiskTier(capacity=256 << 20, parent=tmp_path)
+    with LocalPool(segment_size="32MB", tenant_quotas={"team-a": quota}, disk_tier=tier) as pool:
+        assert pool.master is not None
+        settings = ConnectorSettings.parse({"master_server_address": pool.address, "tenant": "team-a"})
+        client = open_client(settings, global_segment_size=0)
+        try:
+            keys = [f"over-quota-{i}" for i in range(objects)]
+            result = write_and_read(client, keys, 1 << 20, retry_codes=(CODE_TENANT_QUOTA_EXCEEDED,))
+        finally:
+            client.close()
+        charged = pool.master.tenant_quotas()["team-a"].charged
+        on_disk = tier.usage_bytes()
+    assert result.stored == objects and result.refusals > 0
+    assert result.wrong == 0 and result.hits == objects, result.misses
+    assert charged <= quota
+    assert on_disk >= objects * (1 << 20) - quota
 
 
 def test_disk_tier_options_are_checked(tmp_path: Path) -> None:
