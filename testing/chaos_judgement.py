@@ -156,13 +156,16 @@ def recovery_seconds(
     timeline: Sequence[tuple[float, float | None]],
     window_s: float,
     *,
+    others: Sequence[FaultRecord] = (),
     baseline_s: float = 60.0,
     fraction: float = 0.5,
 ) -> float | None:
-    """Seconds from the fault's end to the end of the first window after it whose hit rate is
-    back to ``fraction`` of the rate before the fault (windows within ``baseline_s`` before
-    its start): an upper bound, to a window's width. None when there was no rate before it to
-    come back to; ``inf`` when it never came back."""
+    """Seconds from the end of the fault's episode to the end of the first window after it whose
+    hit rate is back to ``fraction`` of the rate before the fault (windows within
+    ``baseline_s`` before its start): an upper bound, to a window's width. The episode ends
+    when the fault and every fault of ``others`` that began before the rate came back have
+    ended (the pool cannot heal while another fault holds it down). None when there was no
+    rate before the fault to come back to; ``inf`` when it never came back."""
     before = [
         r for end, r in timeline if fault.started - baseline_s < end - window_s and end <= fault.started
     ]
@@ -170,11 +173,22 @@ def recovery_seconds(
     if not rates or statistics.mean(rates) <= 0:
         return None
     level = fraction * statistics.mean(rates)
-    ended = fault.ended if fault.ended is not None else fault.started
-    for end, rate in timeline:
-        if end > ended and rate is not None and rate >= level:
-            return end - ended  # back by the end of this window
-    return math.inf
+    start = fault.ended if fault.ended is not None else fault.started
+    while True:
+        back = next(
+            (end for end, rate in timeline if end > start and rate is not None and rate >= level), None
+        )
+        until = math.inf if back is None else back
+        holding = [
+            f.ended if f.ended is not None else math.inf
+            for f in others
+            if f is not fault and f.started < until and (f.ended is None or f.ended > start)
+        ]
+        if not holding:
+            return math.inf if back is None else back - start
+        start = max(holding)
+        if math.isinf(start):
+            return math.inf
 
 
 # --- processes ---------------------------------------------------------------------------------
@@ -315,7 +329,9 @@ def by_kind(
 
     rows = []
     for kind, faults in sorted(kinds.items()):
-        recoveries = [recovery_seconds(f, timeline, window_s, fraction=fraction) for f in faults]
+        recoveries = [
+            recovery_seconds(f, timeline, window_s, others=history.faults, fraction=fraction) for f in faults
+        ]
         rows.append(
             KindVerdict(
                 kind,

@@ -139,6 +139,29 @@ def test_recovery_is_the_time_after_the_fault_until_the_rate_is_back() -> None:
     assert recovery_seconds(fault("store_frozen", 21.0, 22.0), steady, 10.0) == 8.0  # within its window
 
 
+def test_recovery_waits_for_the_faults_that_began_before_the_rate_came_back() -> None:
+    timeline: list[tuple[float, float | None]] = [
+        (10.0, 0.8),
+        (20.0, 0.8),
+        (30.0, 0.1),
+        (40.0, 0.1),
+        (50.0, 0.1),
+        (60.0, 0.1),
+        (70.0, 0.6),
+    ]
+    frozen = fault("store_frozen", 21.0, 25.0)
+    restart = fault("server_restarted", 24.0, 55.0)  # began while the freeze held
+    later = fault("pool_full", 35.0, 40.0)  # began after the freeze, before the rate came back
+    elsewhere = fault("etcd_member_restarted", 80.0, 85.0)  # after the rate came back: no matter
+    others = [frozen, restart, later, elsewhere]
+    assert recovery_seconds(frozen, timeline, 10.0) == 45.0  # alone: from its own end
+    assert recovery_seconds(frozen, timeline, 10.0, others=others) == 15.0  # from the restart's end
+    assert recovery_seconds(later, timeline, 10.0, others=others) == 15.0
+    never_ends = fault("server_restarted", 24.0, 0.0)
+    never_ends.ended = None
+    assert recovery_seconds(frozen, timeline, 10.0, others=[never_ends]) == math.inf
+
+
 def procs(server: int, generation: int, start: float, rss: list[int], threads: int = 50) -> list[ProcSample]:
     return [ProcSample(start + 10 * i, server, generation, r << 20, threads, 100) for i, r in enumerate(rss)]
 
