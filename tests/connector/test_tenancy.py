@@ -342,3 +342,15 @@ def test_a_bad_tenant_names_the_field_and_the_rule(tenant: str) -> None:
         ConnectorSettings.parse({"master_server_address": "127.0.0.1:1", "tenant": tenant})
     assert set(caught.value.problems) == {"tenant"}
     assert "lowercase letters, digits, '.' or '-'" in caught.value.problems["tenant"]
+
+
+def test_the_quota_policy_is_mooncakes_schema() -> None:
+    from kvpool.connector.local.tenant_quotas import policy_yaml
+
+    assert (
+        policy_yaml({"team-a": 1 << 30}) == "version: 1\ntenants:\n  - name: team-a\n    quota: 1073741824\n"
+    )
+    with pytest.raises(ValueError, match="is not a tenant"):
+        policy_yaml({"_system": 1})
+    with pytest.raises(ValueError, match="a quota is at least 1 byte"):
+        policy_yaml({"team-a": 0})
