@@ -25,6 +25,7 @@ BENCHMARKS = (
     "serving",
     "frozen_pool",
     "disk_tier",
+    "chaos",
 )
 
 

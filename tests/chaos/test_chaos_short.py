@@ -1,0 +1,57 @@
+"""The chaos run's short variant: a fleet under every fault kind, judged; and its negative control.
+
+``python -m benchmarks.chaos --smoke`` in its own process (as a user runs it): about three
+minutes of traffic on two vLLM servers over an HA pool, every fault kind injected at least
+once, then the negative control (the payload check off while objects are overwritten). The
+run exits non-zero when any target of its judgement is not met; this test reads the
+judgement it wrote and names what failed.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from testing.chaos_history import read
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = [pytest.mark.engine, pytest.mark.mooncake, pytest.mark.faults, pytest.mark.timeout(1500)]
+
+
+def test_the_short_chaos_run_is_right_bounded_and_catches_its_negative_control(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.chaos", "--smoke", "--out", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1400,
+        check=False,
+    )
+    check_short_run(
+        tmp_path, done.returncode, f"stdout:\n{done.stdout[-6000:]}\nstderr:\n{done.stderr[-4000:]}"
+    )
+
+
+def check_short_run(out_dir: Path, returncode: int, tail: str) -> None:
+    """What a short run kept in ``out_dir`` must show (``tail``: its output, for the failure)."""
+    judgement = json.loads((out_dir / "judgement.json").read_text())
+    chaos = read(out_dir / "history.jsonl").phase("chaos")
+    # Every fault kind the platform allows was injected, and each one is in the history.
+    assert judgement["injected"] and all(n >= 1 for n in judgement["injected"].values()), tail
+    assert {f.kind for f in chaos.faults} >= set(judgement["injected"]), tail
+    # Traffic ran throughout, and most of it completed.
+    assert judgement["completed"] > 50, tail
+    # The judgement: right answers, nothing hung, no unexplained break, /metrics agreeing.
+    assert judgement["wrong"] == 0, tail
+    assert judgement["hung"] == 0, tail
+    assert judgement["failed"] == 0, tail
+    assert judgement["metrics_disagreements"] == [], tail
+    assert judgement["leaks"] == [], tail
+    # The negative control: with the payload check off, overwritten objects were served as KV.
+    assert judgement["control_wrong"] > 0, tail
+    # And every other target of the run (the hit rate's recoveries among them) was met.
+    assert returncode == 0, tail
