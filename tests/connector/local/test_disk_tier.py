@@ -56,6 +56,30 @@ def test_a_working_set_three_times_memory_keeps_its_hits_through_the_disk_tier(t
 
 
 @pytest.mark.mooncake
+def test_a_full_tier_drops_its_least_recently_used_objects_never_a_wrong_block(tmp_path: Path) -> None:
+    """A tier of the store's size under the same working set: the oldest objects leave the
+    disk (LRU, under the high watermark: how many stay varies from run to run); the newest
+    third still hits; no load is wrong."""
+    tier = DiskTier(capacity=SEGMENT, parent=tmp_path, eviction="lru", bucket_bytes=4 << 20)
+    with LocalPool(segment_size=f"{SEGMENT >> 20}MB", disk_tier=tier) as pool:
+        client = open_client(
+            ConnectorSettings.parse({"master_server_address": pool.address}), global_segment_size=0
+        )
+        try:
+            result = write_and_read(
+                client, [f"lru-{i}" for i in range(WORKING_SET)], OBJECT, write_deadline_s=20
+            )
+        finally:
+            client.close()
+        on_disk = tier.usage_bytes()
+    assert result.stored == WORKING_SET and result.wrong == 0
+    assert result.hits < WORKING_SET  # the tier could not hold the rest
+    assert min(result.missed) < WORKING_SET // 3  # the oldest went first...
+    assert all(i < WORKING_SET - WORKING_SET // 3 for i in result.missed)  # ...the newest stay
+    assert on_disk <= SEGMENT
+
+
+@pytest.mark.mooncake
 def test_a_tenants_quota_bounds_its_memory_and_the_tier_keeps_the_rest(tmp_path: Path) -> None:
     """A tenant of 8 MiB writes 24 MiB: Mooncake keeps its memory at the quota (writes past it
     are refused until the tier has written older objects), and every object still hits."""
