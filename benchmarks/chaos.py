@@ -36,6 +36,7 @@ import contextlib
 import json
 import math
 import os
+import shutil
 import sys
 import tempfile
 import threading
@@ -304,7 +305,7 @@ def run_fleet(shape: Shape, wl: Workload, seed: int, out_dir: Path) -> Outcome:
         sampler.stop_event.set()
         sampler.once()
         final = {i: g for i, g, _ in fleet.servers_now()}
-        fleet.stop()
+        fleet.stop(keep_logs_in=out_dir)
 
         prompts = {ch.prompt_key(r.prompt): r.prompt for r in history.requests if r.tokens}
         reference.wait_ready(time.monotonic() + STARTUP_TIMEOUT_S)
@@ -315,8 +316,10 @@ def run_fleet(shape: Shape, wl: Workload, seed: int, out_dir: Path) -> Outcome:
         if sampler is not None:
             sampler.stop_event.set()
         switch.unlink(missing_ok=True)
-        fleet.stop()
+        fleet.stop(keep_logs_in=out_dir)
         reference.stop()
+        if reference.log_path.exists():
+            shutil.move(reference.log_path, out_dir / "reference-server.log")
         if hands is not None:
             hands.close()
         sink.close()
@@ -458,6 +461,19 @@ def judge_outcome(out: Outcome) -> Report:
         f"from a server without any cache (KV cache {out.kv_cache_tokens[0]} tokens).",
         f"Request bound {out.bound_s:.0f} s = {COMPUTE_ALLOWANCE_S:.0f} s compute allowance + lookup "
         "deadline + two load deadlines + save deadline; the client gives up 30 s later.",
+        "Refused in a restart: sent to a server between its kill and "
+        f"{judge.RESTART_SLACK_S:.0f} s after it served again (connection refused, or the stream "
+        "cut by the kill); refused otherwise: any other HTTP error or refusal (none expected).",
+        "Hit rate: vllm:kvpool_lookup_hit_tokens over vllm:kvpool_lookup_query_tokens (tokens "
+        "looked up past the local hit), summed over the servers per window. A fault's recovery is "
+        "counted from the end of its episode: it, and every fault that began before the rate came "
+        "back (the pool cannot heal while another fault holds it down).",
+        f"Leaks: per server process generation, from {LEAK_WARMUP_S:.0f} s after it first served, "
+        "the median of the first three samples against the last three (API server, engine core "
+        "and worker summed): RSS within +25% + 256 MiB, threads +8, fds +32.",
+        "Metrics: each server generation that lived to the end finished (vllm:request_success, "
+        "length) between the history's completed requests and those plus its hung-up ones; "
+        "every failure reason is one of the connector's; pool outages show as failures.",
         "slow_link: not injected; this kernel has no sch_netem (`tc qdisc add ... netem` in a "
         "network namespace answers 'Specified qdisc kind is unknown', and no modules can be loaded).",
     ]
@@ -499,6 +515,21 @@ def _plot(report: Report, out: Outcome, opts: Options) -> None:
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(12, 6), sharex=True)
     done = [r for r in chaos.requests if r.outcome == ch.COMPLETED and r.first is not None]
     top.scatter([r.sent for r in done], [r.first - r.sent for r in done], s=6)  # type: ignore[operator]
+    refused = [r for r in chaos.requests if r.outcome in (ch.REFUSED, ch.FAILED)]
+    ceiling = max((r.first - r.sent for r in done if r.first is not None), default=1.0)
+    top.scatter(
+        [r.sent for r in refused], [ceiling] * len(refused), s=10, marker="x", color="red", label="refused"
+    )
+    control = out.history.phase("control").requests
+    if control:
+        for axis in (top, bottom):
+            axis.axvspan(
+                min(r.sent for r in control),
+                max(r.ended or r.sent for r in control),
+                color="grey",
+                alpha=0.15,
+                label="negative control" if axis is top else None,
+            )
     top.set_yscale("log")
     top.set_ylabel("TTFT, s (log)")
     timeline = [(t, rate) for t, rate in report.data["timeline"] if rate is not None]
@@ -519,7 +550,11 @@ def _plot(report: Report, out: Outcome, opts: Options) -> None:
                     label=kind.value if j == 0 and axis is top else None,
                 )
     top.legend(fontsize=7, ncol=4, loc="upper left")
-    top.set_title("TTFT of completed requests and the fleet's pool hit rate; faults shaded")
+    top.set_title(
+        "TTFT of completed requests (refused ones as x at the top) and the fleet's pool hit rate; "
+        "faults shaded",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -13,19 +13,21 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from benchmarks.serving import ApiServer
 from kvpool.connector.local.pool import MooncakeMaster, MooncakeStore, free_port
 from testing.etcd_cluster import EtcdCluster
 
 STARTUP_TIMEOUT_S = 600.0
+PoolPart = TypeVar("PoolPart", MooncakeMaster, MooncakeStore)
 POOL_TIMEOUT_S = 120.0
 
 
@@ -55,6 +57,7 @@ class Fleet:
     master_list: list[MooncakeMaster] = field(default_factory=list)
     store_list: list[MooncakeStore | None] = field(default_factory=list)
     slots: list[ServerSlot] = field(default_factory=list)
+    log_dirs: list[Path] = field(default_factory=list)  # every master's and store's
     _frozen: set[int] = field(default_factory=set)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     # Servers die with the thread that started them (PR_SET_PDEATHSIG names the thread, not
@@ -75,11 +78,18 @@ class Fleet:
     def start_pool(self) -> None:
         self.etcd = EtcdCluster().start()
         self.master_list = [
-            MooncakeMaster(extra_args=self.ha_args()).start(wait_rpc=False) for _ in range(self.masters)
+            self._logged(MooncakeMaster(extra_args=self.ha_args())).start(wait_rpc=False)
+            for _ in range(self.masters)
         ]
         leader = self.wait_for_leader(POOL_TIMEOUT_S)
-        self.store_list = [MooncakeStore(self.address, self.segment_size).start() for _ in range(self.stores)]
+        self.store_list = [
+            self._logged(MooncakeStore(self.address, self.segment_size)).start() for _ in range(self.stores)
+        ]
         self.wait_for_capacity(leader, self.stores, POOL_TIMEOUT_S)
+
+    def _logged(self, part: PoolPart) -> PoolPart:
+        self.log_dirs.append(part.log_dir)
+        return part
 
     def leader(self) -> int | None:
         """The index of the one master serving RPC (None: none, or not yet one)."""
@@ -132,7 +142,7 @@ class Fleet:
 
     def restart_store(self, index: int) -> None:
         """A new store process in slot ``index`` (its memory empty); waits until it is mounted."""
-        replacement = MooncakeStore(self.address, self.segment_size).start()
+        replacement = self._logged(MooncakeStore(self.address, self.segment_size)).start()
         old = self.store_list[index]
         with self._lock:
             self.store_list[index] = replacement
@@ -220,8 +230,9 @@ class Fleet:
         slot.ready = True
 
     # --- the end ------------------------------------------------------------------------------
-    def stop(self) -> None:
-        """Every process started here, by PID (their groups for the servers)."""
+    def stop(self, keep_logs_in: Path | None = None) -> None:
+        """Every process started here, by PID (their groups for the servers); the servers' logs
+        moved to ``keep_logs_in`` (else removed), the pool's log folders removed."""
         for slot in self.slots:
             with contextlib.suppress(Exception):
                 slot.server.stop()
@@ -235,3 +246,10 @@ class Fleet:
         if self.etcd is not None:
             self.etcd.stop()
         self._spawner.shutdown()
+        for index, slot in enumerate(self.slots):
+            log = slot.server.log_path
+            if log.exists() and keep_logs_in is not None:
+                shutil.move(log, keep_logs_in / f"server-{index}.log")
+            log.unlink(missing_ok=True)
+        for folder in self.log_dirs:
+            shutil.rmtree(folder, ignore_errors=True)
