@@ -71,6 +71,10 @@ class OperatorOptions:
     metrics_host: str = "0.0.0.0"
     metrics_port: int | None = 9090
     resync_interval: float = 30.0
+    # How often each pool's master is asked for health and capacity, and how long one poll
+    # may take (never inside a reconcile pass).
+    observe_interval: float = 15.0
+    observe_timeout: float = 3.0
     retry_delay: float = 10.0
     request_timeout: float = 30.0
     exit_timeout: float | None = 600.0
@@ -192,6 +196,23 @@ def make_registry(
     )
     async def resync(body: kopf.Body, **_: Any) -> None:
         await run("resync", body)
+
+    @kopf.timer(
+        *POOL,
+        registry=registry,
+        id="observe",
+        interval=options.observe_interval,
+        initial_delay=min(1.0, options.observe_interval),
+    )
+    async def observe(body: kopf.Body, **_: Any) -> None:
+        # The master's health and capacity: polled with a deadline, outside any pass.
+        try:
+            await reconciler.observe(body, notifier(body))
+        except RETRYABLE as exc:
+            meta = body.get("metadata", {})
+            logging.getLogger(__name__).warning(
+                "observing %s/%s: %s", meta.get("namespace"), meta.get("name"), exc
+            )
 
     @kopf.on.event(*CHILDREN, registry=registry, id="child", when=lambda body, **_: pool_of(body) is not None)
     async def child(body: kopf.Body, **_: Any) -> None:
@@ -342,7 +363,12 @@ async def run(
                 serve_metrics(metrics.registry, options.metrics_host, options.metrics_port)
             )
         reconciler = Reconciler(
-            kube, metrics, options.policy, options.master_health_url, injection_mode=options.injection_mode
+            kube,
+            metrics,
+            options.policy,
+            options.master_health_url,
+            injection_mode=options.injection_mode,
+            observe_timeout=options.observe_timeout,
         )
         stopped = asyncio.Event()
         stack.enter_context(_forward(stop_flag, stopped))

@@ -61,6 +61,12 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--resync-interval", type=float, default=30.0, help="seconds between level checks of every pool"
     )
+    run.add_argument(
+        "--observe-interval",
+        type=float,
+        default=15.0,
+        help="seconds between asks of each pool's master for health and capacity",
+    )
     run.add_argument("--retry-delay", type=float, default=10.0)
     run.add_argument("--webhook-port", type=int, help="serve the validating webhook here")
     run.add_argument("--webhook-host", help="hostname the API server uses to reach it")
@@ -110,11 +116,18 @@ def _parser() -> argparse.ArgumentParser:
         action="store_false",
         help="the network plugin ignores endPort: write no consumer NetworkPolicy",
     )
+    run.add_argument(
+        "--no-external-pools",
+        dest="allow_external_pools",
+        action="store_false",
+        help="refuse pools that name an external master (spec.external)",
+    )
     run.add_argument("--max-master-replicas", type=int, help="most masters a pool may ask for")
     run.add_argument("--max-store-replicas", type=int, help="most store pods a pool may ask for")
     run.add_argument(
         "--operator-namespace",
-        help="the operator's namespace: with --operator-pod-label, let into HA masters' health port",
+        help="the operator's namespace: with --operator-pod-label, let into the masters' HTTP port "
+        "(health and capacity)",
     )
     run.add_argument(
         "--operator-pod-label",
@@ -170,6 +183,7 @@ def _policy(args: argparse.Namespace) -> OperatorPolicy:
             protected_node_keys=tuple(args.protected_node_key),
             allow_network_policy_opt_out=args.allow_network_policy_opt_out,
             network_policy_end_port=args.network_policy_end_port,
+            allow_external_pools=args.allow_external_pools,
             operator_namespace=args.operator_namespace,
             operator_pod_labels=_labels(args.operator_pod_label),
         )
@@ -201,6 +215,7 @@ def options_from_args(args: argparse.Namespace) -> OperatorOptions:
         metrics_host=args.metrics_host,
         metrics_port=args.metrics_port or None,
         resync_interval=args.resync_interval,
+        observe_interval=args.observe_interval,
         retry_delay=args.retry_delay,
         webhook=webhook,
         log_level=logging.DEBUG if args.verbose else logging.INFO,

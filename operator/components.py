@@ -136,7 +136,7 @@ def component_deployment(
                     "containers": [
                         {
                             "name": component,
-                            "image": spec.image,
+                            "image": str(spec.image),
                             "imagePullPolicy": spec.image_pull_policy,
                             **container,
                             "env": [pod_ip_env()],
@@ -160,7 +160,10 @@ ETCD_ENDPOINT_SEPARATOR = ","
 
 
 def master_address(pool: str, namespace: str, spec: PoolSpec) -> str:
-    """What clients put in ``master_server_address``: the Service, or etcd when HA."""
+    """What clients put in ``master_server_address``: the Service, or etcd when HA; an
+    external pool's own."""
+    if spec.external is not None:
+        return spec.external.master_server_address
     if spec.master.ha.enabled:
         return "etcd://" + ETCD_ENDPOINT_SEPARATOR.join(spec.master.ha.etcd_endpoints)
     return f"{names.master_name(pool)}.{namespace}.svc:{spec.master.rpc_port}"
@@ -306,7 +309,9 @@ def store_deployment(
         },
         "resources": store_container_resources(spec),
     }
-    spread = topology_spread(pool, names.STORE, hard=False) if store.replicas > 1 else None
+    # Spread whatever the replica count: a template that changed with ``replicas`` would
+    # restart every store (and lose what it holds) when the pool is scaled.
+    spread = topology_spread(pool, names.STORE, hard=False)
     return component_deployment(
         pool,
         namespace,

@@ -13,7 +13,7 @@ import yaml
 from pydantic import BaseModel
 
 from kvpool.operator.names import POOL_SHORT_NAMES, POOL_SINGULAR, POOLS
-from kvpool.operator.spec import CONFLICT, PoolSpec, PoolStatus
+from kvpool.operator.spec import CONFLICT, DEGRADED, OBSERVED, PoolSpec, PoolStatus
 
 _DROPPED = {"title", "$defs", "uniqueItems", "examples"}
 _BOUNDS = {
@@ -118,6 +118,15 @@ def build_crd() -> dict[str, Any]:
         _condition_column("StoreReady"),
         _condition_column("ConsumersRolledOut"),
         _condition_column(CONFLICT),
+        _condition_column(OBSERVED),
+        _condition_column(DEGRADED),
+        # What the master itself counts (status.capacity): memory, use, objects, stores.
+        {"name": "Capacity", "type": "string", "jsonPath": ".status.capacity.capacity"},
+        {"name": "Used", "type": "string", "jsonPath": ".status.capacity.used"},
+        {"name": "Objects", "type": "integer", "jsonPath": ".status.capacity.objects"},
+        {"name": "Stores", "type": "string", "jsonPath": ".status.capacity.stores"},
+        {"name": "Evictions", "type": "integer", "jsonPath": ".status.capacity.evictions", "priority": 1},
+        {"name": "Master", "type": "string", "jsonPath": ".status.masterAddress", "priority": 1},
         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     ]
     return {

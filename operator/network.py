@@ -8,7 +8,8 @@ What listens where:
   ``/metrics`` and ``/health`` but also an unauthenticated admin API: every key and its
   buffer addresses (``/get_all_keys``, ``/query_key``), segment status, and
   ``POST /api/v1/remove_all``. Only the pool's pods, the scraper pods named in
-  ``networkPolicy.metricsFrom`` and (HA) the operator's pods reach it.
+  ``networkPolicy.metricsFrom`` and the operator's pods (exactly those: their namespace and
+  labels, from the admin's ``OperatorPolicy``; it asks ``/health`` and ``/metrics``) reach it.
 * store and consumer pods: Mooncake's transfer engine, on ports in
   ``[TRANSFER_PORT_MIN, TRANSFER_PORT_MAX]`` (pinned in consumers with ``MC_MIN_RPC_PORT``
   and ``MC_MAX_RPC_PORT``); whoever reaches them reads and writes the registered memory,
@@ -75,7 +76,9 @@ def network_policy(
     pool: str, namespace: str, spec: PoolSpec, policy: OperatorPolicy | None = None
 ) -> dict[str, Any]:
     """Ingress to master and store pods: the pool's own pods on any port; the metrics port
-    also to ``networkPolicy.metricsFrom`` scrapers and, for HA leader checks, the operator."""
+    also to ``networkPolicy.metricsFrom`` scrapers and to the operator's own pods (its
+    namespace and pod labels, never a wider selector), which ask the masters for health, the
+    HA leader and capacity."""
     rules: list[dict[str, Any]] = [{"from": [pool_pods(pool)]}]
     metrics_port = [{"protocol": "TCP", "port": spec.master.metrics_port}]
     if spec.network_policy.metrics_from:
@@ -91,7 +94,7 @@ def network_policy(
                 "ports": metrics_port,
             }
         )
-    if spec.master.ha.enabled and policy is not None and policy.operator_pods_known:
+    if policy is not None and policy.operator_pods_known:
         operator = {
             "namespaceSelector": {"matchLabels": {NAMESPACE_NAME_LABEL: policy.operator_namespace}},
             "podSelector": {"matchLabels": dict(policy.operator_pod_labels)},

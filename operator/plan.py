@@ -32,6 +32,7 @@ from kvpool.operator.network import (
     network_policy,
 )
 from kvpool.operator.policy import OperatorPolicy
+from kvpool.operator.spec import PoolSpec
 from kvpool.operator.validation import validate, warnings
 
 
@@ -47,6 +48,15 @@ class Plan:
     embedded: bool = False
     ha: bool = False
     metrics_port: int = 0
+    # An external pool: its master is not the pool's (``spec.external``), nor its stores.
+    external: bool = False
+    # The master HTTP ports (host:port) the operator asks of an external pool.
+    metrics_endpoints: tuple[str, ...] = ()
+    # Store pods that should mount memory at the master (None: embedded or external).
+    store_replicas: int | None = None
+    # Whether the operator asks the master for health and capacity: an external pool that
+    # names its masters' HTTP ports, or a pool whose NetworkPolicy lets the operator in.
+    observed: bool = False
     children: list[dict[str, Any]] = field(default_factory=list)
     absent: list[tuple[ApiResource, str]] = field(default_factory=list)
     consumers: list[Injection] = field(default_factory=list)
@@ -86,6 +96,14 @@ def build_plan(
         return Plan(pool=pool, namespace=namespace, problems=problems)
     address = master_address(pool, namespace, spec)
     configmap = connector_configmap(pool, namespace, settings)
+    if spec.external is not None:
+        return external_plan(
+            pool,
+            namespace,
+            spec,
+            configmap,
+            [plan_injection(pool, c, settings, configmap) for c in spec.consumers],
+        )
     children = [
         configmap,
         master_deployment(pool, namespace, spec),
@@ -127,7 +145,45 @@ def build_plan(
         embedded=embedded,
         ha=spec.master.ha.enabled,
         metrics_port=spec.master.metrics_port,
+        store_replicas=None if embedded else spec.store.replicas,
+        observed=not enabled or policy.operator_pods_known,
         children=children,
         absent=absent,
         consumers=[plan_injection(pool, c, settings, configmap) for c in spec.consumers],
+    )
+
+
+def external_plan(
+    pool: str, namespace: str, spec: PoolSpec, configmap: dict[str, Any], consumers: list[Injection]
+) -> Plan:
+    """An external pool: the connector's ConfigMap and the consumers, nothing that runs. The
+    master, its stores and its network are someone else's: no NetworkPolicy of the pool's (its
+    consumers' transfer ports are reached by stores that are not the pool's pods)."""
+    assert spec.external is not None
+    absent = [
+        (resource, name)
+        for resource, name in children_names(pool)
+        if not (resource == CONFIGMAPS and name == names.connector_configmap_name(pool))
+    ]
+    return Plan(
+        pool=pool,
+        namespace=namespace,
+        warnings=[
+            *warnings(spec),
+            Problem(
+                field="spec.external",
+                rule="external-network",
+                message="the operator writes no NetworkPolicy for an external pool: its master's "
+                "admin port and its stores' memory are as reachable as their own namespace's "
+                "policies make them, and the consumers' transfer ports as open as this namespace's",
+            ),
+        ],
+        master_address=spec.external.master_server_address,
+        embedded=spec.store.mode == "embedded",
+        external=True,
+        metrics_endpoints=tuple(spec.external.metrics_endpoints),
+        observed=bool(spec.external.metrics_endpoints),
+        children=[configmap],
+        absent=absent,
+        consumers=consumers,
     )

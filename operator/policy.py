@@ -94,7 +94,10 @@ class OperatorPolicy:
     allow_network_policy_opt_out: bool = False
     # Whether the cluster's network plugin reads a NetworkPolicy port's endPort.
     network_policy_end_port: bool = True
-    # The operator's pods (namespace and labels): let in to the masters' health endpoint.
+    # Whether a pool may name an external master (``spec.external``): the operator then asks
+    # an address the pool's author wrote for /health and /metrics.
+    allow_external_pools: bool = True
+    # The operator's pods (namespace and labels): let in to the masters' HTTP (metrics) port.
     operator_namespace: str | None = None
     operator_pod_labels: tuple[tuple[str, str], ...] = ()
 
@@ -113,7 +116,7 @@ class OperatorPolicy:
 
 def _image(spec: PoolSpec, policy: OperatorPolicy) -> list[Problem]:
     entries = policy.allowed_registries
-    if not entries or any(registry_allows(entry, spec.image) for entry in entries):
+    if spec.image is None or not entries or any(registry_allows(entry, spec.image) for entry in entries):
         return []
     allowed = ", ".join(repr(e) for e in policy.allowed_registries)
     return [
@@ -222,10 +225,24 @@ def _network_policy(spec: PoolSpec, policy: OperatorPolicy) -> list[Problem]:
     ]
 
 
+def _external(spec: PoolSpec, policy: OperatorPolicy) -> list[Problem]:
+    if spec.external is None or policy.allow_external_pools:
+        return []
+    return [
+        Problem(
+            field="spec.external",
+            rule="external-pools-forbidden",
+            message="the operator's policy allows no external pools: run the master in the pool "
+            "(remove spec.external)",
+        )
+    ]
+
+
 def policy_problems(spec: PoolSpec, policy: OperatorPolicy) -> list[Problem]:
     """Everything in ``spec`` beyond what the admin's policy allows."""
     return (
         _image(spec, policy)
+        + _external(spec, policy)
         + _replicas(spec, policy)
         + _placement(spec, policy)
         + _network_policy(spec, policy)

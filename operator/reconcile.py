@@ -23,6 +23,7 @@ from typing import Any
 import kopf
 
 from kvpool.operator import names
+from kvpool.operator.capacity import apply_observation, external_conditions, scale_down_message
 from kvpool.operator.consumers import (
     ConsumerError,
     Injection,
@@ -48,6 +49,7 @@ from kvpool.operator.merge_patch import diff
 from kvpool.operator.metrics import OperatorMetrics
 from kvpool.operator.names import DEPLOYMENTS, PODS, POOLS
 from kvpool.operator.network import read_namespace_network
+from kvpool.operator.observation import Observation, base_of, poll_master
 from kvpool.operator.plan import Plan, build_plan, children_names
 from kvpool.operator.pod_injection import (
     DEPLOYMENT_PATCH,
@@ -132,6 +134,11 @@ def announce(old: Mapping[str, Any], new: Mapping[str, Any], notify: Notify) -> 
     rollout = condition_of(new, "ConsumersRolledOut") or {}
     if rollout.get("reason") == "RolloutStalled" and rollout.get("message") != rollout_before.get("message"):
         notify("Warning", "ConsumerRolloutStalled", rollout.get("message", ""))
+    if new.get("phase") in ("Degraded", "Error") and new.get("phase") != old.get("phase"):
+        kind = "Degraded" if new["phase"] == "Degraded" else "Observed"
+        notify("Warning", f"Pool{new['phase']}", (condition_of(new, kind) or {}).get("message", ""))
+    elif old.get("phase") in ("Degraded", "Error") and new.get("phase") == "Ready":
+        notify("Normal", "PoolRecovered", "the master serves every declared store again")
     pause_before = (condition_of(old, "Paused") or {}).get("status") == "True"
     pause = (condition_of(new, "Paused") or {}).get("status") == "True"
     if pause != pause_before:
@@ -331,11 +338,14 @@ async def converge(
     now: str,
     leader_check: LeaderCheck | None = None,
     mode: str = DEPLOYMENT_PATCH,
+    observation: Observation | None = None,
 ) -> dict[str, Any]:
     """Apply a valid plan to what the pool owns; the status it leads to. ``mode``: how
-    consumers get their settings (Deployment patching, or Pod admission)."""
+    consumers get their settings (Deployment patching, or Pod admission); ``observation``:
+    the last poll of the pool's master (the observation timer's, never made here)."""
     meta = pool.get("metadata", {})
     name, namespace, uid = meta["name"], meta["namespace"], meta["uid"]
+    scale_down = await announce_scale_down(kube, plan, uid, observation, notify, now)
     live: dict[str, dict[str, Any]] = {}
     refused: set[str] = set()
     conflicts: list[str] = []
@@ -368,10 +378,15 @@ async def converge(
     leader = await leader_check(plan) if plan.ha and leader_check is not None else None
     master = live.get(f"Deployment/{names.master_name(name)}")
     store = live.get(f"Deployment/{names.store_name(name)}")
-    serves = pool_serves(
-        master_condition(master, names.MASTER in blocked, plan.ha, leader, unprotected),
-        store_condition(store, names.STORE in blocked, plan.embedded, unprotected),
+    ready = (
+        external_conditions(plan.observed, observation, plan.embedded)
+        if plan.external
+        else (
+            master_condition(master, names.MASTER in blocked, plan.ha, leader, unprotected),
+            store_condition(store, names.STORE in blocked, plan.embedded, unprotected),
+        )
     )
+    serves = pool_serves(*ready)
     if refused:
         # A consumer pointed at a Service or ConfigMap that is not the pool's would send its
         # KV elsewhere: no consumer is changed until every child is the pool's own.
@@ -386,7 +401,8 @@ async def converge(
     # but from a refused one (its owner has yet to move the label onto its pod template).
     keep = {c.name for c in consumers if mode == DEPLOYMENT_PATCH or c.refused}
     await release_consumers(kube, namespace, name, keep, notify)
-    return valid_status(
+    old = pool.get("status") or {}
+    status = valid_status(
         master_address=plan.master_address,
         master=master,
         store=store,
@@ -401,7 +417,42 @@ async def converge(
         blocked=blocked,
         warnings=[str(w) for w in plan.warnings],
         unprotected=unprotected,
+        components=ready,
+        last_scale_down=scale_down,
     )
+    return apply_observation(
+        status,
+        old,
+        observation,
+        asked=plan.observed,
+        external=plan.external,
+        expected=plan.store_replicas,
+        now=now,
+    )
+
+
+async def announce_scale_down(
+    kube: KubeClient,
+    plan: Plan,
+    uid: str,
+    observation: Observation | None,
+    notify: Notify,
+    now: str,
+) -> dict[str, Any] | None:
+    """Before fewer store pods are applied: say what the leaving ones take with them (an
+    Event ``StoreScaleDown``, and ``status.lastScaleDown``); None when this is no scale-down."""
+    if plan.store_replicas is None:
+        return None
+    live = await kube.get(DEPLOYMENTS, plan.namespace, names.store_name(plan.pool))
+    meta = (live or {}).get("metadata") or {}
+    if not any(ref.get("uid") == uid for ref in meta.get("ownerReferences") or []):
+        return None
+    before = ((live or {}).get("spec") or {}).get("replicas")
+    if not isinstance(before, int) or plan.store_replicas >= before:
+        return None
+    message = scale_down_message(before, plan.store_replicas, observation)
+    notify("Warning", "StoreScaleDown", message)
+    return {"at": now, "fromReplicas": before, "toReplicas": plan.store_replicas, "message": message}
 
 
 class Reconciler:
@@ -416,6 +467,7 @@ class Reconciler:
         master_health_url: str = SERVICE_HEALTH_URL,
         leader_timeout: float = 3.0,
         injection_mode: str = DEPLOYMENT_PATCH,
+        observe_timeout: float = 3.0,
     ):
         self.kube = kube
         self.injection_mode = injection_mode
@@ -423,6 +475,9 @@ class Reconciler:
         self.policy = policy or OperatorPolicy()
         self.master_health_url = master_health_url
         self.leader_timeout = leader_timeout
+        self.observe_timeout = observe_timeout
+        # The last poll of each pool's master (the observation timer's).
+        self.observations: dict[tuple[str, str], Observation] = {}
         self._locks: dict[tuple[str, str], asyncio.Lock] = {}
         self._queued: set[tuple[str, str]] = set()
 
@@ -485,7 +540,14 @@ class Reconciler:
             valid = plan.valid
             if plan.valid:
                 status = await converge(
-                    self.kube, pool, plan, notify, utcnow(), self.check_leader, self.injection_mode
+                    self.kube,
+                    pool,
+                    plan,
+                    notify,
+                    utcnow(),
+                    self.check_leader,
+                    self.injection_mode,
+                    self.observations.get((namespace, name)),
                 )
             else:
                 status = invalid_status(plan.problems, old, pool["metadata"].get("generation"), utcnow())
@@ -514,6 +576,7 @@ class Reconciler:
                     "(see their kvpool.mooncake.io/consumer-of label); children go with the pool",
                 )
                 self.metrics.forget_pool(namespace, name)
+                self.observations.pop((namespace, name), None)
                 self._locks.pop((namespace, name), None)
                 return
             try:
@@ -527,4 +590,77 @@ class Reconciler:
                 raise
             self.metrics.reconciles.labels("delete", "success").inc()
             self.metrics.forget_pool(namespace, name)
+            self.observations.pop((namespace, name), None)
             self._locks.pop((namespace, name), None)
+
+    async def poll(self, plan: Plan) -> Observation:
+        """One poll of the pool's master, within ``observe_timeout`` (no lock held)."""
+        now = utcnow()
+        if plan.external:
+            bases = [f"http://{endpoint}" for endpoint in plan.metrics_endpoints]
+            return await poll_master(bases, now=now, timeout=self.observe_timeout)
+        stores = await self.kube.list(
+            PODS,
+            plan.namespace,
+            label_selector=f"{names.LABEL_POOL}={plan.pool},{names.LABEL_COMPONENT}={names.STORE}",
+        )
+        store_pods = {
+            str(ip): str((pod.get("metadata") or {}).get("name")) for pod in stores for ip in pod_ips([pod])
+        }
+        masters = None
+        if plan.ha:
+            masters = pod_ips(
+                await self.kube.list(PODS, plan.namespace, label_selector=master_pods_selector(plan.pool))
+            )
+        base = base_of(health_url(self.master_health_url, plan.pool, plan.namespace, plan.metrics_port))
+        return await poll_master(
+            [base],
+            now=now,
+            timeout=self.observe_timeout,
+            master_ips=masters,
+            metrics_port=plan.metrics_port,
+            store_pods=store_pods,
+        )
+
+    async def observe(self, body: Mapping[str, Any], notify: Notify) -> None:
+        """The observation timer: poll the pool's master (outside the pool's lock), keep the
+        answer, and write what it changes in the status (capacity, ``Observed``, ``Degraded``,
+        the phase). When it changes whether an external pool serves, a pass follows (its
+        consumers are rolled only onto a pool that serves)."""
+        meta = body.get("metadata", {})
+        namespace, name = meta["namespace"], meta["name"]
+        plan = build_plan(name, namespace, body.get("spec"), self.policy)
+        key = (namespace, name)
+        if not plan.valid or not plan.observed or paused(body):
+            self.observations.pop(key, None)
+            return
+        observation = await self.poll(plan)
+        before = self.observations.get(key)
+        self.observations[key] = observation
+        async with self._lock(namespace, name):
+            pool = await self.kube.get(POOLS, namespace, name)
+            if pool is None or pool.get("metadata", {}).get("deletionTimestamp") or paused(pool):
+                return
+            old = dict(pool.get("status") or {})
+            if (
+                not condition_of(old, "ConfigValid")
+                or (condition_of(old, "ConfigValid") or {}).get("status") != "True"
+            ):
+                return
+            status = apply_observation(
+                old,
+                old,
+                observation,
+                asked=plan.observed,
+                external=plan.external,
+                expected=plan.store_replicas,
+                now=utcnow(),
+            )
+            if status != old:
+                await self.kube.patch(
+                    POOLS, namespace, name, {"status": diff(old, status)}, subresource="status"
+                )
+                announce(old, status, notify)
+                self.metrics.observe_pool(namespace, name, status)
+        if plan.external and (before is None or before.answered != observation.answered):
+            await self.reconcile(pool, "observe", notify, coalesce=True)

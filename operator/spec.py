@@ -296,10 +296,45 @@ class NetworkPolicySpec(_Model):
     )
 
 
+MasterServerAddress = Annotated[
+    str,
+    StringConstraints(
+        pattern=r"^(etcd://[A-Za-z0-9.\-\[\]:]+:[0-9]{1,5}([,;][A-Za-z0-9.\-\[\]:]+:[0-9]{1,5})*"
+        r"|[A-Za-z0-9.\-\[\]:]+:[0-9]{1,5})$",
+        max_length=1024,
+    ),
+]
+
+
+class ExternalSpec(_Model):
+    """A Mooncake master the pool does not run: the operator starts no master and no store."""
+
+    master_server_address: MasterServerAddress = Field(
+        description="What consumers put in master_server_address: host:port of the master's RPC "
+        "port, or etcd://host:port[,host:port...] for HA masters."
+    )
+    metrics_endpoints: list[Endpoint] = Field(
+        default_factory=list,
+        max_length=8,
+        description="host:port of each master's HTTP port (--metrics_port): the operator asks "
+        "/health and /metrics there for health and capacity (GET only, no redirects). Empty: "
+        "nothing is observed and consumers are rolled without asking the master.",
+    )
+
+
 class PoolSpec(_Model):
     """Desired state of a Mooncake KV-cache pool and its vLLM consumers."""
 
-    image: str = Field(min_length=1, description="Image with mooncake_master and mooncake_client.")
+    image: str | None = Field(
+        default=None,
+        min_length=1,
+        description="Image with mooncake_master and mooncake_client; required unless external.",
+    )
+    external: ExternalSpec | None = Field(
+        default=None,
+        description="An existing Mooncake master to use instead of running one (then spec.master, "
+        "spec.image and store pods are not used).",
+    )
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
     master: MasterSpec = Field(default_factory=MasterSpec)
     store: StoreSpec = Field(default_factory=StoreSpec)
@@ -316,7 +351,12 @@ READY_CONDITIONS = ("ConfigValid", "MasterReady", "StoreReady", "ConsumersRolled
 CONFLICT = "Conflict"
 # True while the pool carries the pause annotation: nothing is applied, rolled or patched.
 PAUSED = "Paused"
-CONDITION_TYPES = (*READY_CONDITIONS, CONFLICT, PAUSED)
+# Whether the master's own numbers were read (True), could not be (False: the pool does not
+# serve), or are not asked for (Unknown).
+OBSERVED = "Observed"
+# True while the pool serves with less than it declares (a store that mounts no memory).
+DEGRADED = "Degraded"
+CONDITION_TYPES = (*READY_CONDITIONS, CONFLICT, PAUSED, OBSERVED, DEGRADED)
 
 
 class Condition(_Model):
@@ -340,12 +380,57 @@ class ConsumerStatus(_Model):
     message: str = ""
 
 
+class StoreUsage(_Model):
+    """One mounted segment as the master counts it."""
+
+    segment: str = Field(description="The segment's name at the master (its transfer address).")
+    pod: str | None = Field(default=None, description="The store pod whose IP the segment has.")
+    capacity_bytes: int
+    used_bytes: int
+
+
+class CapacityStatus(_Model):
+    """The pool's memory and objects as its master counts them (``/metrics``)."""
+
+    changed_at: str = Field(
+        description="When the master first answered these numbers (a poll that finds them "
+        "unchanged writes nothing; the Observed condition says whether it still answers)."
+    )
+    master: str = Field(description="The master that answered (its HTTP address).")
+    capacity: str = Field(description="Mounted memory, as a quantity.")
+    used: str = Field(description="Allocated memory, as a quantity, and its share of the capacity.")
+    capacity_bytes: int
+    used_bytes: int
+    used_percent: int
+    objects: int = Field(description="Objects (KV blocks) in the pool.")
+    evictions: int = Field(description="Eviction passes since the master started.")
+    evicted_objects: int = Field(description="Objects evicted since the master started.")
+    evicted_bytes: int
+    stores: str = Field(description="Store pods that mount memory, of those declared ('2/3').")
+    stores_expected: int | None = None
+    stores_mounted: int
+    segments: list[StoreUsage] = Field(default_factory=list, max_length=1024)
+
+
+class ScaleDownStatus(_Model):
+    """The last scale-down of the store pods, and what it loses."""
+
+    at: str
+    from_replicas: int
+    to_replicas: int
+    message: str
+
+
 class PoolStatus(_Model):
     """Observed state of a pool."""
 
     observed_generation: int | None = None
-    phase: Literal["Pending", "Progressing", "Ready", "Invalid", "Conflict", "Paused"] = "Pending"
+    phase: Literal[
+        "Pending", "Progressing", "Ready", "Degraded", "Error", "Invalid", "Conflict", "Paused"
+    ] = "Pending"
     master_address: str | None = None
+    capacity: CapacityStatus | None = None
+    last_scale_down: ScaleDownStatus | None = None
     conditions: list[Condition] = Field(default_factory=list)
     consumers: list[ConsumerStatus] = Field(default_factory=list)
     warnings: list[str] = Field(

@@ -9,7 +9,16 @@ from typing import Any
 from kvpool.connector.contract.layout import Problem
 from kvpool.operator.leader import LeaderView
 from kvpool.operator.names import ANNOTATION_PAUSED
-from kvpool.operator.spec import CONFLICT, PAUSED, READY_CONDITIONS, Condition, ConsumerStatus, PoolStatus
+from kvpool.operator.spec import (
+    CONFLICT,
+    DEGRADED,
+    OBSERVED,
+    PAUSED,
+    READY_CONDITIONS,
+    Condition,
+    ConsumerStatus,
+    PoolStatus,
+)
 from kvpool.operator.validation import describe
 
 CONFLICT_SEPARATOR = "; "
@@ -102,15 +111,34 @@ def _merge(
     return out
 
 
-def _phase(conditions: list[Condition]) -> str:
+def merge_conditions(
+    old: Sequence[Mapping[str, Any]], new: list[Condition], now: str, generation: int | None
+) -> list[Condition]:
+    """Stamp conditions; one whose status did not change keeps its transition time."""
+    return _merge(old, new, now, generation)
+
+
+def phase_of(conditions: Sequence[Condition], external: bool = False) -> str:
+    """``Invalid`` > ``Conflict`` > ``Error`` (the master should serve, by its Deployment or as
+    an external pool, and its own answer says it does not) > ``Degraded`` (ready, with fewer
+    stores than declared) > ``Ready`` > ``Progressing``."""
     by_type = {c.type: c.status for c in conditions}
     if by_type.get("ConfigValid") == "False":
         return "Invalid"
     if by_type.get(CONFLICT) == "True":
         return "Conflict"
+    if by_type.get(OBSERVED) == "False" and (external or by_type.get("MasterReady") == "True"):
+        return "Error"
     if all(by_type.get(kind) == "True" for kind in READY_CONDITIONS):
-        return "Ready"
+        return "Degraded" if by_type.get(DEGRADED) == "True" else "Ready"
+    # A store down while others serve; not a pool whose stores are still starting (none mounted).
+    reasons = {c.type: c.reason for c in conditions}
+    if by_type.get(DEGRADED) == "True" and reasons.get(DEGRADED) == "StoreDown":
+        return "Degraded"
     return "Progressing"
+
+
+_phase = phase_of
 
 
 def _dump(status: PoolStatus) -> dict[str, Any]:
@@ -124,8 +152,10 @@ def invalid_status(
     reason = "InvalidLayout" if any(".layout." in p.field for p in problems) else "InvalidSpec"
     kept = {c.get("type"): c for c in old.get("conditions") or []}
     conditions = [condition("ConfigValid", False, reason, describe(problems))]
-    for kind in (*READY_CONDITIONS[1:], CONFLICT):
+    for kind in (*READY_CONDITIONS[1:], CONFLICT, OBSERVED, DEGRADED):
         previous = kept.get(kind)
+        if previous is None and kind in (OBSERVED, DEGRADED):
+            continue
         conditions.append(
             Condition.model_validate(previous)
             if previous
@@ -139,6 +169,8 @@ def invalid_status(
                 "observedGeneration": generation,
                 "phase": _phase(merged),
                 "masterAddress": old.get("masterAddress"),
+                "capacity": old.get("capacity"),
+                "lastScaleDown": old.get("lastScaleDown"),
                 "conditions": [c.model_dump(by_alias=True) for c in merged],
                 "consumers": [c.model_dump(by_alias=True) for c in consumers],
                 "warnings": list(old.get("warnings") or []),
@@ -296,10 +328,18 @@ def valid_status(
     blocked: frozenset[str] = frozenset(),
     warnings: Sequence[str] = (),
     unprotected: bool = False,
+    components: tuple[Condition, Condition] | None = None,
+    last_scale_down: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Status after a successful reconcile; ``blocked`` names the components ("master",
     "store") whose Deployment is not the pool's; ``unprotected``: master and store are not
-    started, as the pool's NetworkPolicy cannot be applied."""
+    started, as the pool's NetworkPolicy cannot be applied; ``components``: ``MasterReady``
+    and ``StoreReady`` decided elsewhere (an external pool's, from its master's answer);
+    ``last_scale_down``: a scale-down of the stores this pass made (else the last one kept)."""
+    master_ready, store_ready = components or (
+        master_condition(master, "master" in blocked, ha, leader, unprotected),
+        store_condition(store, "store" in blocked, embedded, unprotected),
+    )
     conditions = [
         condition(
             "ConfigValid",
@@ -307,8 +347,8 @@ def valid_status(
             "Valid",
             "spec, connector settings and consumer layouts pass the connector's checks",
         ),
-        master_condition(master, "master" in blocked, ha, leader, unprotected),
-        store_condition(store, "store" in blocked, embedded, unprotected),
+        master_ready,
+        store_ready,
         consumers_condition(consumers),
     ]
     conditions.append(conflict_condition(conflicts))
@@ -319,6 +359,8 @@ def valid_status(
                 "observedGeneration": generation,
                 "phase": _phase(merged),
                 "masterAddress": master_address,
+                "capacity": old.get("capacity"),
+                "lastScaleDown": last_scale_down or old.get("lastScaleDown"),
                 "conditions": [c.model_dump(by_alias=True) for c in merged],
                 "consumers": [
                     {

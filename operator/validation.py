@@ -6,6 +6,7 @@ its own ``ConnectorSettings``. The operator adds only the rules about what it ru
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Mapping
 from typing import Any
 
@@ -112,6 +113,71 @@ def check_store(spec: PoolSpec) -> list[Problem]:
     return problems
 
 
+# What ``spec.store`` may say of an external pool: how consumers reach the pool's memory, and
+# whether each vLLM rank adds a segment (embedded). The rest describes store pods it never runs.
+EXTERNAL_STORE_FIELDS = ("mode", "segmentSize", "protocol", "rdmaDevices")
+
+
+def _refused_host(host: str) -> str | None:
+    """Why the operator will not ask ``host``: an IP literal of its own pod or of a node's
+    metadata service; None for any other address (a name is resolved by the cluster's DNS)."""
+    try:
+        address = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return None
+    if address.is_loopback or address.is_unspecified:
+        return "a loopback or unspecified address (the operator's own pod)"
+    if address.is_link_local or address.is_multicast:
+        return "a link-local or multicast address (a node's metadata service, not a master)"
+    return None
+
+
+def check_external(spec: PoolSpec, raw: Mapping[str, Any]) -> list[Problem]:
+    """An external pool: the image is needed only to run a master; an external pool runs no
+    master and no store pods, so their fields are refused rather than ignored; the operator
+    asks only master addresses that can be one."""
+    problems = []
+    if spec.external is None:
+        if spec.image is None:
+            problems.append(
+                _problem("spec.image", "image-required", "a pool that runs its master needs an image")
+            )
+        return problems
+    if "master" in raw:
+        problems.append(
+            _problem(
+                "spec.master",
+                "external-no-master",
+                "an external pool runs no master: remove spec.master (spec.external names the master)",
+            )
+        )
+    store = raw.get("store") or {}
+    for key in sorted(set(store) - set(EXTERNAL_STORE_FIELDS)):
+        problems.append(
+            _problem(
+                f"spec.store.{key}",
+                "external-no-store-pods",
+                "an external pool runs no store pods: remove it (only "
+                + ", ".join(EXTERNAL_STORE_FIELDS)
+                + " apply: how consumers reach the external pool's memory)",
+            )
+        )
+    addresses = [("spec.external.masterServerAddress", spec.external.master_server_address)]
+    addresses += [
+        (f"spec.external.metricsEndpoints[{i}]", endpoint)
+        for i, endpoint in enumerate(spec.external.metrics_endpoints)
+    ]
+    for where, address in addresses:
+        hosts = address.removeprefix("etcd://").replace(";", ",").split(",")
+        for host in hosts:
+            reason = _refused_host(host.rsplit(":", 1)[0])
+            if reason is not None:
+                problems.append(
+                    _problem(where, "external-address", f"{host!r} is {reason}: name the master's address")
+                )
+    return problems
+
+
 def check_requests(spec: PoolSpec) -> list[Problem]:
     """A request above its limit: the API server would refuse every pod."""
     problems = []
@@ -198,7 +264,10 @@ def validate(
     spec, schema_problems = parse_spec(raw_spec)
     if spec is None:
         return None, None, problems + schema_problems
-    problems += check_master(spec) + check_store(spec) + check_requests(spec) + check_consumers(spec)
+    problems += check_external(spec, raw_spec or {})
+    if spec.external is None:
+        problems += check_master(spec) + check_store(spec) + check_requests(spec)
+    problems += check_consumers(spec)
     problems += check_policy(spec, policy or OperatorPolicy())
     settings, settings_problems = check_settings(pool, namespace, spec)
     return spec, settings, problems + settings_problems

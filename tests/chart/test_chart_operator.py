@@ -193,7 +193,8 @@ def test_the_operator_knows_its_own_pods_and_is_never_a_consumer(helm: Helm) -> 
     policy = operator_options(container).policy
     assert policy.operator_namespace == NAMESPACE
     pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
-    # The labels it passes select its own pods (HA masters' NetworkPolicy lets those in) ...
+    # The labels it passes select its own pods (each pool's NetworkPolicy lets those, and only
+    # those, into its masters' HTTP port) ...
     assert dict(policy.operator_pod_labels).items() <= pod_labels.items()
     assert dict(policy.operator_pod_labels) == deployment["spec"]["selector"]["matchLabels"]
     # ... and its own Deployment is refused as a consumer, whatever labels someone adds.
@@ -218,6 +219,7 @@ def test_the_policy_values_reach_the_operator(helm: Helm) -> None:
             "operator.policy.protectedNodeKeys={example.com/infra}",
             "operator.policy.allowNetworkPolicyOptOut=true",
             "operator.policy.networkPolicyEndPort=false",
+            "operator.policy.externalPools=false",
         ]
     )
     policy = operator_options(operator_container(objects)[1]).policy
@@ -227,6 +229,7 @@ def test_the_policy_values_reach_the_operator(helm: Helm) -> None:
     assert policy.allowed_toleration_keys == ("nvidia.com/gpu",)
     assert policy.protected_node_keys == ("example.com/infra",)
     assert policy.allow_network_policy_opt_out and not policy.network_policy_end_port
+    assert default.allow_external_pools and not policy.allow_external_pools
 
 
 def test_a_registry_that_is_not_one_fails_the_render(helm: Helm) -> None:

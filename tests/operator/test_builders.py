@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import pytest
+
 from kvpool.connector.contract.settings import ConnectorSettings
 from kvpool.operator import names
 from kvpool.operator.connector_settings import pool_connector_settings
@@ -265,7 +267,8 @@ def test_disruption_budgets_spreading_and_priority() -> None:
         assert spread["labelSelector"] == {"matchLabels": names.selector("pool", component)}
     store_pod = objs["Deployment/pool-store"]["spec"]["template"]["spec"]
     assert store_pod["topologySpreadConstraints"][0]["whenUnsatisfiable"] == "ScheduleAnyway"
-    # One store and one master: nothing to spread; no priority class unless asked.
+    # One master: nothing to spread; no priority class unless asked. Stores are spread
+    # whatever their count (see test_scaling_stores_changes_no_pod_template).
     single = children(pool_spec(store={"segmentSize": "1GB", "replicas": 1}))
     # A drain never evicts the only master (it holds the pool's metadata); one that is not
     # Ready serves nothing and never blocks a drain.
@@ -274,7 +277,8 @@ def test_disruption_budgets_spreading_and_priority() -> None:
     assert only_master["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
     for component in ("master", "store"):
         pod = single[f"Deployment/pool-{component}"]["spec"]["template"]["spec"]
-        assert "topologySpreadConstraints" not in pod and "priorityClassName" not in pod
+        assert "priorityClassName" not in pod
+        assert ("topologySpreadConstraints" in pod) == (component == "store")
     embedded = build_plan("pool", NS, pool_spec(store={"mode": "embedded"}))
     assert (names.POD_DISRUPTION_BUDGETS, "pool-store") in embedded.absent
 
@@ -318,7 +322,9 @@ def test_etcd_is_restricted_to_the_pool_when_its_pods_are_named() -> None:
     assert peers == {"from": [{"podSelector": {"matchLabels": {"app": "etcd"}}}]}
 
 
-def test_the_operator_may_ask_ha_masters_for_their_leader() -> None:
+def test_the_operator_alone_may_ask_the_masters_http_port() -> None:
+    """Its pods (namespace and labels), for the HA leader and every pool's capacity: never a
+    wider selector; without its pods known, no rule at all."""
     from kvpool.operator.policy import OperatorPolicy
 
     ha = pool_spec(master={"replicas": 2, "ha": {"enabled": True, "etcdEndpoints": ["etcd:2379"]}})
@@ -335,7 +341,29 @@ def test_the_operator_may_ask_ha_masters_for_their_leader() -> None:
         ],
         "ports": [{"protocol": "TCP", "port": 9003}],
     }
-    # Not needed (and not opened) for a single master.
     single = build_plan("pool", NS, pool_spec(), policy)
     (single_policy,) = [c for c in single.children if c["metadata"]["name"] == "pool-kvpool"]
-    assert len(single_policy["spec"]["ingress"]) == 1
+    assert single_policy["spec"]["ingress"][1:] == [operator_rule]
+    assert single.observed
+    unknown = build_plan("pool", NS, pool_spec())
+    (unknown_policy,) = [c for c in unknown.children if c["metadata"]["name"] == "pool-kvpool"]
+    assert len(unknown_policy["spec"]["ingress"]) == 1 and not unknown.observed
+
+
+@pytest.mark.parametrize("before, after", [(1, 2), (2, 5), (5, 1), (3, 2)])
+def test_scaling_stores_changes_no_pod_template(before: int, after: int) -> None:
+    """Scaling changes ``replicas`` alone: the Deployment controller then adds or removes pods
+    and restarts none of the others (a changed template would roll every store, and lose
+    what each one holds)."""
+
+    def store(replicas: int) -> dict[str, Any]:
+        return children(pool_spec(store={"segmentSize": "1GB", "replicas": replicas}))[
+            "Deployment/pool-store"
+        ]
+
+    old, new = store(before), store(after)
+    assert old["spec"]["template"] == new["spec"]["template"]
+    assert {k: v for k, v in old["spec"].items() if k != "replicas"} == {
+        k: v for k, v in new["spec"].items() if k != "replicas"
+    }
+    assert (old["spec"]["replicas"], new["spec"]["replicas"]) == (before, after)

@@ -24,6 +24,7 @@ from kvpool.operator.rbac import LEASE_RULES, RULES, allowed, request_permission
 from testing.kube_api import (
     DEPLOYMENTS_PATH,
     NAMESPACE,
+    POOLS_PATH,
     Cluster,
     OperatorThread,
     emulated_cluster,
@@ -73,7 +74,11 @@ async def serving(cluster: Cluster) -> None:
 
     def ready() -> bool:
         cluster.settle()
-        return all(
+        pool = cluster.get(POOLS_PATH, "pool") or {}
+        current = cluster.pool_status("pool").get("observedGeneration") == pool.get("metadata", {}).get(
+            "generation"
+        )
+        return current and all(
             cluster.condition("pool", kind).get("status") == "True" for kind in ("MasterReady", "StoreReady")
         )
 

@@ -10,6 +10,9 @@
 * The operator, asking those masters, sets ``MasterReady`` only once a leader serves.
 * A client's transfer engine listens only in the port range the consumers' NetworkPolicy
   keeps to the pool.
+* The status's capacity, use, objects and per-store numbers are the master's own; a store
+  down is ``Degraded``, a master that stops answering an ``Error``; a scale-down says what it
+  loses; an external pool runs nothing and serves a consumer.
 
 Each master binds its own 127.x address with the same ports, as pods share port numbers
 on their own IPs.
@@ -35,13 +38,17 @@ from typing import Any
 import pytest
 
 from kvpool.connector.contract.mooncake_env import client_env
-from kvpool.connector.local.pool import find_binary, free_port, start_logged, stop_process
+from kvpool.connector.contract.settings import ConnectorSettings
+from kvpool.connector.local.pool import LocalPool, find_binary, free_port, start_logged, stop_process
+from kvpool.connector.pool_client import open_client
 from kvpool.operator import names
 from kvpool.operator.leader import check_leader
 from kvpool.operator.network import TRANSFER_PORT_ENV, TRANSFER_PORT_MAX, TRANSFER_PORT_MIN
 from kvpool.operator.plan import Plan, build_plan
-from testing.kube_api import NAMESPACE, Cluster, eventually
-from testing.operator_objects import Operator, pool_manifest, pool_spec
+from kvpool.operator.policy import OperatorPolicy
+from testing.kube_api import DEPLOYMENTS_PATH, NAMESPACE, Cluster, eventually
+from testing.operator_objects import Operator, kv_flags, pool_manifest, pool_spec, vllm_deployment
+from testing.pool_store import put_bytes, raw_store
 
 pytestmark = pytest.mark.mooncake
 
@@ -395,3 +402,224 @@ def test_a_clients_transfer_engine_listens_in_the_pinned_range() -> None:
     ports = [int(p) for p in result.stdout.split()]
     assert ports, result.stdout
     assert all(TRANSFER_PORT_MIN <= p <= TRANSFER_PORT_MAX for p in ports), ports
+
+
+# --- Capacity observed from the master, and external pools -----------------------------
+
+OBSERVING = {
+    "master_health_url": "http://127.0.0.1:{port}/health",
+    "observe_interval": 0.3,
+    "policy": OperatorPolicy(operator_namespace="kvpool-system", operator_pod_labels=(("app", "op"),)),
+}
+LOOPBACK_MASTER = [
+    "--rpc_address=127.0.0.1",
+    "--metrics_host=127.0.0.1",
+    "--http_metadata_server_host=127.0.0.1",
+]
+STORE_HOSTS = {"pool-store-a": "127.0.0.4", "pool-store-b": "127.0.0.5"}
+
+
+def store_pod(name: str, host: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": name,
+            "namespace": NAMESPACE,
+            "labels": {names.LABEL_POOL: "pool", names.LABEL_COMPONENT: names.STORE},
+        },
+        "spec": {"containers": [{"name": "store", "image": "mooncake"}]},
+        "status": {"podIP": host},
+    }
+
+
+def masters_own_numbers(metrics_port: int) -> dict[str, float]:
+    """The master's /metrics as plain ``name{labels} value`` lines (read here without the
+    operator's parser)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    return {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
+
+
+def matches_the_master(capacity: dict[str, Any], metrics_port: int) -> bool:
+    own = masters_own_numbers(metrics_port)
+    segments = {s["segment"]: s for s in capacity["segments"]}
+    return (
+        capacity["capacityBytes"] == own["master_total_capacity_bytes"]
+        and capacity["usedBytes"] == own["master_allocated_bytes"]
+        and capacity["objects"] == own["master_key_count"]
+        and capacity["evictions"] == own["master_successful_evictions_total"]
+        and {name: s["capacityBytes"] for name, s in segments.items()}
+        == {
+            key.split('"')[1]: value
+            for key, value in own.items()
+            if key.startswith("segment_total_capacity_bytes{")
+        }
+        and {name: s["usedBytes"] for name, s in segments.items()}
+        == {
+            key.split('"')[1]: value
+            for key, value in own.items()
+            if key.startswith("segment_allocated_bytes{")
+        }
+    )
+
+
+def put_objects(master_address: str, count: int, size: int = 1 << 20) -> None:
+    """``count`` objects of ``size`` bytes, written by a client that contributes no memory."""
+    client = open_client(
+        ConnectorSettings.parse({"master_server_address": master_address}), global_segment_size=0
+    )
+    try:
+        for i in range(count):
+            assert put_bytes(client, f"kvpool-capacity-{i}", bytes([i % 256]) * size) == 0
+    finally:
+        client.close()
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.asyncio
+@pytest.mark.parametrize("operator_config", [OBSERVING])
+async def test_the_status_shows_the_masters_own_capacity_and_use(
+    cluster: Cluster, operator: Operator, processes: Processes
+) -> None:
+    """Master and stores started from what the operator renders: the status's capacity, use,
+    objects and per-store numbers are the master's own; a store down is Degraded and named;
+    a scale-down says what it loses (Event and status) and changes no pod template; a master
+    that stops answering is an Error."""
+    rpc_port, metrics_port = distinct_free_ports(2)
+    spec = pool_spec(
+        consumers=[],
+        master={"rpcPort": rpc_port, "metricsPort": metrics_port},
+        store={"segmentSize": SEGMENT, "replicas": 2},
+    )
+    plan = build_plan("pool", NAMESPACE, spec)
+    plan_store_port = 50052  # the spec's default store port
+    for name, host in STORE_HOSTS.items():
+        await cluster.create(store_pod(name, host))
+    await cluster.create(pool_manifest(spec=spec))
+    processes.start("master", rendered(plan, "pool-master", "127.0.0.1") + LOOPBACK_MASTER)
+    service = f"{names.master_name('pool')}.{NAMESPACE}.svc:{rpc_port}"  # as the cluster's DNS would
+
+    def start_store(name: str) -> None:
+        # Each store on its own address; the client's service port binds every address, so
+        # each gets its own (pods would share the rendered one on their own IPs).
+        host, port = STORE_HOSTS[name], free_port()
+        args = [
+            a.replace(service, f"127.0.0.1:{rpc_port}").replace(f"--port={plan_store_port}", f"--port={port}")
+            for a in rendered(plan, "pool-store", host)
+        ]
+        processes.start(name, args, {**os.environ, **client_env(host)})
+
+    def status() -> dict[str, Any]:
+        cluster.settle()
+        return cluster.pool_status("pool")
+
+    # One store of two: the pool serves, with half its memory.
+    start_store("pool-store-a")
+    degraded = await eventually(
+        lambda: status().get("phase") == "Degraded" and status()["capacity"]["stores"] == "1/2" and status(),
+        what="Degraded, one store mounted",
+    )
+    message = cluster.condition("pool", "Degraded")["message"]
+    assert "1/2 store pods" in message and "pool-store-b" in message, message
+    assert degraded["capacity"]["stores"] == "1/2"
+    await eventually(lambda: cluster.events("PoolDegraded"), what="a PoolDegraded Event")
+
+    start_store("pool-store-b")
+    await asyncio.to_thread(put_objects, f"127.0.0.1:{rpc_port}", 6)
+    ready = await eventually(
+        lambda: (
+            status().get("phase") == "Ready"
+            and status()["capacity"]["objects"] == 6
+            and matches_the_master(status()["capacity"], metrics_port)
+            and status()
+        ),
+        what="the status's numbers equal the master's own",
+    )
+    capacity = ready["capacity"]
+    assert capacity["capacityBytes"] == 2 * SEGMENT and capacity["stores"] == "2/2"
+    assert capacity["usedBytes"] >= 6 << 20
+    assert {s["pod"] for s in capacity["segments"]} == set(STORE_HOSTS)
+    assert cluster.condition("pool", "Observed")["reason"] == "Answered"
+
+    # Scaling down: what the leaving store holds is said before it goes; no template changes.
+    before = cluster.get(DEPLOYMENTS_PATH, "pool-store")
+    await cluster.patch_pool("pool", {"spec": {"store": {"replicas": 1}}})
+    (event,) = await eventually(lambda: cluster.events("StoreScaleDown"), what="StoreScaleDown")
+    assert "store pods 2 -> 1" in event["message"] and "6 objects" in event["message"], event["message"]
+    after = await eventually(
+        lambda: (
+            (cluster.get(DEPLOYMENTS_PATH, "pool-store") or {}).get("spec", {}).get("replicas") == 1
+            and cluster.get(DEPLOYMENTS_PATH, "pool-store")
+        ),
+        what="one store pod",
+    )
+    assert before is not None
+    assert after["spec"]["template"] == before["spec"]["template"]
+    scale_down = await eventually(lambda: status().get("lastScaleDown"), what="lastScaleDown")
+    assert scale_down["message"] == event["message"] and scale_down["fromReplicas"] == 2
+
+    # The master stops answering while its Deployment says it is available: Error.
+    processes.stop("master")
+    await eventually(lambda: status().get("phase") == "Error", what="Error")
+    observed = cluster.condition("pool", "Observed")
+    assert observed["status"] == "False" and observed["reason"] == "Unreachable", observed
+    assert cluster.pool_status("pool")["capacity"]["objects"] == 6  # the last numbers, kept
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.asyncio
+@pytest.mark.parametrize("operator_config", [OBSERVING])
+async def test_an_external_pool_runs_nothing_and_serves_its_consumer(
+    cluster: Cluster, operator: Operator
+) -> None:
+    """A pool that names a running master: the operator starts nothing, rolls its consumer
+    once the master says it serves, shows its capacity; a client with the consumer's injected
+    settings writes and reads through that master."""
+    pool = LocalPool(segment_size="32MB")
+    with pool:
+        assert pool.master is not None
+        master = f"localhost:{pool.master.rpc_port}"
+        spec = pool_spec(
+            external={
+                "masterServerAddress": master,
+                "metricsEndpoints": [f"localhost:{pool.master.metrics_port}"],
+            }
+        )
+        del spec["image"], spec["store"]
+        await cluster.create(vllm_deployment("llm"))
+        await cluster.create(pool_manifest(spec=spec))
+
+        def status() -> dict[str, Any]:
+            cluster.settle()
+            return cluster.pool_status("pool")
+
+        ready = await eventually(lambda: status().get("phase") == "Ready" and status(), what="Ready")
+        assert cluster.condition("pool", "MasterReady")["reason"] == "ExternalServes"
+        assert ready["capacity"]["capacityBytes"] == 32 << 20 and ready["masterAddress"] == master
+        assert cluster.get(DEPLOYMENTS_PATH, "pool-master") is None
+        assert cluster.get(DEPLOYMENTS_PATH, "pool-store") is None
+        consumer = cluster.get(DEPLOYMENTS_PATH, "llm")
+        (flag,) = kv_flags(consumer)
+        extra = json.loads(flag.split("=", 1)[1])["kv_connector_extra_config"]
+        assert extra["master_server_address"] == master
+        # The consumer's settings, on a pod whose IP is 127.0.0.1: they reach the external pool.
+        settings = ConnectorSettings.parse(
+            {k: (v.replace("$(POD_IP)", "127.0.0.1") if isinstance(v, str) else v) for k, v in extra.items()}
+        )
+        client = open_client(settings, global_segment_size=0)
+        try:
+            assert put_bytes(client, "kvpool-external-0", b"kv" * 1024) == 0
+            assert bytes(raw_store(client).get("kvpool-external-0")) == b"kv" * 1024
+        finally:
+            client.close()
+        await eventually(lambda: status()["capacity"]["objects"] == 1, what="the object counted")
+    for part in (pool.master, pool.store):
+        if part is not None:
+            shutil.rmtree(part.log_dir, ignore_errors=True)
+    # The master is gone: an external pool whose master does not answer is an Error.
+    await eventually(lambda: status().get("phase") == "Error", what="Error")

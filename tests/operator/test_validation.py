@@ -201,3 +201,70 @@ def test_rdma_stores_warn_about_the_restricted_pod_security_standard() -> None:
     assert "IPC_LOCK" in warning.message and "restricted Pod Security Standard" in warning.message
     assert admission_warnings(pool_manifest(spec=raw)) == [str(warning)]
     assert build_plan("pool", "ns", pool_spec()).warnings == []
+
+
+def external_spec(**external: Any) -> dict[str, Any]:
+    raw = pool_spec(external={"masterServerAddress": "mooncake-master.shared.svc:50051", **external})
+    del raw["image"], raw["store"]
+    return raw
+
+
+def test_an_external_pool_runs_nothing_and_needs_no_image() -> None:
+    from kvpool.operator import names
+
+    plan = build_plan("pool", "ns", external_spec(metricsEndpoints=["mooncake-master.shared.svc:9003"]))
+    assert plan.problems == [] and plan.external and plan.observed
+    assert [c["kind"] for c in plan.children] == ["ConfigMap"]
+    assert (names.DEPLOYMENTS, "pool-master") in plan.absent and (
+        names.DEPLOYMENTS,
+        "pool-store",
+    ) in plan.absent
+    assert plan.master_address == "mooncake-master.shared.svc:50051"
+    assert "mooncake-master.shared.svc:50051" in plan.consumers[0].kv_transfer_config
+    assert [w.rule for w in plan.warnings] == ["external-network"]
+    etcd = build_plan("pool", "ns", external_spec(masterServerAddress="etcd://e-0.etcd:2379,e-1.etcd:2379"))
+    assert etcd.problems == [] and not etcd.observed  # no metricsEndpoints: nothing asked
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        ({"master": {"replicas": 1}}, [("spec.master", "external-no-master")]),
+        (
+            {"store": {"replicas": 2, "mode": "embedded", "port": 1}},
+            [
+                ("spec.store.port", "external-no-store-pods"),
+                ("spec.store.replicas", "external-no-store-pods"),
+            ],
+        ),
+        (
+            {"external": {"masterServerAddress": "m:50051", "metricsEndpoints": ["169.254.169.254:80"]}},
+            [("spec.external.metricsEndpoints[0]", "external-address")],
+        ),
+        (
+            {"external": {"masterServerAddress": "etcd://127.0.0.1:2379"}},
+            [("spec.external.masterServerAddress", "external-address")],
+        ),
+        (
+            {"external": {"masterServerAddress": "http://m/x"}},
+            [("spec.external.masterServerAddress", "schema:string_pattern_mismatch")],
+        ),
+    ],
+)
+def test_an_external_pool_refuses_what_it_would_ignore(
+    change: dict[str, Any], expected: list[tuple[str, str]]
+) -> None:
+    raw = {**external_spec(), **change}
+    assert problems(raw) == expected
+
+
+def test_a_pool_that_runs_its_master_needs_an_image_and_the_policy_may_forbid_external_pools() -> None:
+    from kvpool.operator.policy import OperatorPolicy
+
+    raw = pool_spec()
+    del raw["image"]
+    assert problems(raw) == [("spec.image", "image-required")]
+    forbidden = build_plan("pool", "ns", external_spec(), OperatorPolicy(allow_external_pools=False))
+    assert [(p.field, p.rule) for p in forbidden.problems] == [("spec.external", "external-pools-forbidden")]
+    # Nothing was planned: an invalid spec changes nothing.
+    assert forbidden.children == [] and forbidden.absent == []
