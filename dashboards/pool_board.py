@@ -6,6 +6,7 @@ from dashboards import external as ext
 from dashboards.board import Board, Target, Variable
 from dashboards.conventions import MASTER_JOB, NAMESPACE, POOL, VAR_NAMESPACE, VAR_POOL, selector
 from dashboards.promql import ratio, sum_rate
+from kvpool.operator import metric_names as o
 
 UID = "kvpool-pool"
 SEL = selector(VAR_NAMESPACE, VAR_POOL)
@@ -86,6 +87,50 @@ def build() -> Board:
         "Active clients",
         "Clients with a live session at the master.",
         [Target(pool_max(ext.MASTER_ACTIVE_CLIENTS), "{{namespace}}/{{pool}}")],
+    )
+
+    board.row("Status (what the operator reads from the master)")
+    board.stat(
+        "Phase",
+        "Each pool's phase: Degraded while fewer store pods mount memory than declared, Error "
+        "while its master does not answer (kubectl get mkvp shows the same).",
+        [
+            Target(
+                f"max by ({NAMESPACE}, {POOL}, phase) ({o.POOL_PHASE.exported}{SEL}) > 0",
+                "{{pool}}: {{phase}}",
+            )
+        ],
+        width=8,
+    )
+    board.stat(
+        "Store pods mounting memory",
+        "Store pods whose segment the master counts, and those the spec declares.",
+        [
+            Target(f"sum({o.POOL_STORES_MOUNTED.exported}{SEL})", "mounted"),
+            Target(f"sum({o.POOL_STORES_EXPECTED.exported}{SEL})", "declared"),
+        ],
+        width=8,
+    )
+    board.stat(
+        "Objects in the status",
+        "Objects the master counted at the operator's last poll (status.capacity.objects; "
+        "external pools too).",
+        [Target(f"sum({o.POOL_OBJECTS.exported}{SEL})")],
+        width=8,
+    )
+    board.timeseries(
+        "Capacity and use in the status",
+        "Mounted and allocated memory as the operator last read them from each pool's master "
+        "(status.capacity; external pools too, whose master Prometheus may not scrape).",
+        [
+            Target(
+                f"max by ({NAMESPACE}, {POOL}) ({o.POOL_CAPACITY_BYTES.exported}{SEL})", "{{pool}} capacity"
+            ),
+            Target(f"max by ({NAMESPACE}, {POOL}) ({o.POOL_USED_BYTES.exported}{SEL})", "{{pool}} used"),
+        ],
+        unit="bytes",
+        width=24,
+        height=6,
     )
 
     board.row("Evictions")

@@ -63,6 +63,52 @@ CONSUMERS_ROLLED_OUT = MetricSpec(
     ("namespace", "pool"),
 )
 
+# What each pool's status says its master counts (status.capacity), and its phase: also for
+# external pools, whose master Prometheus may not scrape.
+POOL_PHASE = MetricSpec(
+    f"{PREFIX}pool_phase",
+    Kind.GAUGE,
+    "1 for each pool's current phase (Ready, Degraded, Error, Progressing, ...).",
+    ("namespace", "pool", "phase"),
+)
+POOL_CAPACITY_BYTES = MetricSpec(
+    f"{PREFIX}pool_capacity_bytes",
+    Kind.GAUGE,
+    "Memory mounted at the pool's master, as its status last observed it.",
+    ("namespace", "pool"),
+)
+POOL_USED_BYTES = MetricSpec(
+    f"{PREFIX}pool_used_bytes",
+    Kind.GAUGE,
+    "Memory allocated at the pool's master, as its status last observed it.",
+    ("namespace", "pool"),
+)
+POOL_OBJECTS = MetricSpec(
+    f"{PREFIX}pool_objects",
+    Kind.GAUGE,
+    "Objects (KV blocks) at the pool's master, as its status last observed it.",
+    ("namespace", "pool"),
+)
+POOL_STORES_MOUNTED = MetricSpec(
+    f"{PREFIX}pool_stores_mounted",
+    Kind.GAUGE,
+    "Store pods (or segments, without declared store pods) that mount memory at the master.",
+    ("namespace", "pool"),
+)
+POOL_STORES_EXPECTED = MetricSpec(
+    f"{PREFIX}pool_stores_expected",
+    Kind.GAUGE,
+    "Store pods the pool's spec declares (pools with store pods only).",
+    ("namespace", "pool"),
+)
+OBSERVED_POOL_GAUGES = (
+    POOL_CAPACITY_BYTES,
+    POOL_USED_BYTES,
+    POOL_OBJECTS,
+    POOL_STORES_MOUNTED,
+    POOL_STORES_EXPECTED,
+)
+
 ALL: tuple[MetricSpec, ...] = (
     RECONCILES,
     RECONCILE_ERRORS,
@@ -72,6 +118,8 @@ ALL: tuple[MetricSpec, ...] = (
     POOL_CONDITION,
     CONSUMERS,
     CONSUMERS_ROLLED_OUT,
+    POOL_PHASE,
+    *OBSERVED_POOL_GAUGES,
 )
 BY_NAME = {spec.name: spec for spec in ALL}
 

@@ -18,7 +18,9 @@ from kvpool.operator.metric_names import (
     API_WRITES,
     CONSUMERS,
     CONSUMERS_ROLLED_OUT,
+    OBSERVED_POOL_GAUGES,
     POOL_CONDITION,
+    POOL_PHASE,
     POOLS,
     RECONCILE_DURATION,
     RECONCILE_ERRORS,
@@ -64,6 +66,17 @@ class _PoolCollector(Collector):
             for (namespace, pool), values in sorted(self._metrics.consumers.items()):
                 family.add_metric([namespace, pool], values[index])
             yield family
+        phases = _gauge(POOL_PHASE)
+        for (namespace, pool), phase in sorted(self._metrics.phases.items()):
+            phases.add_metric([namespace, pool, phase], 1)
+        yield phases
+        for index, spec in enumerate(OBSERVED_POOL_GAUGES):
+            family = _gauge(spec)
+            for (namespace, pool), numbers in sorted(self._metrics.capacity.items()):
+                value = numbers[index]
+                if value is not None:
+                    family.add_metric([namespace, pool], value)
+            yield family
 
 
 class OperatorMetrics:
@@ -73,6 +86,9 @@ class OperatorMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self.conditions: dict[tuple[str, str], dict[str, str]] = {}
         self.consumers: dict[tuple[str, str], tuple[int, int]] = {}
+        self.phases: dict[tuple[str, str], str] = {}
+        # capacity, used, objects, stores mounted, stores expected (``OBSERVED_POOL_GAUGES``)
+        self.capacity: dict[tuple[str, str], tuple[int | None, ...]] = {}
         self.reconciles = _counter(RECONCILES, self.registry)
         self.errors = _counter(RECONCILE_ERRORS, self.registry)
         self.writes = _counter(API_WRITES, self.registry)
@@ -94,10 +110,21 @@ class OperatorMetrics:
         consumers = status.get("consumers") or []
         rolled_out = sum(1 for c in consumers if c.get("rolledOut"))
         self.consumers[(namespace, pool)] = (len(consumers), rolled_out)
+        self.phases[(namespace, pool)] = str(status.get("phase", "Pending"))
+        capacity = status.get("capacity")
+        if isinstance(capacity, Mapping):
+            self.capacity[(namespace, pool)] = tuple(
+                capacity.get(key)
+                for key in ("capacityBytes", "usedBytes", "objects", "storesMounted", "storesExpected")
+            )
+        else:
+            self.capacity.pop((namespace, pool), None)
 
     def forget_pool(self, namespace: str, pool: str) -> None:
         self.conditions.pop((namespace, pool), None)
         self.consumers.pop((namespace, pool), None)
+        self.phases.pop((namespace, pool), None)
+        self.capacity.pop((namespace, pool), None)
 
 
 @asynccontextmanager

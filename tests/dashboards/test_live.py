@@ -29,8 +29,9 @@ import pytest
 from dashboards import alerts, connector_board, generate, operator_board
 from dashboards.conventions import MASTER_JOB, OPERATOR_JOB, VAR_ENGINE, VAR_MODEL, VAR_NAMESPACE, VAR_POOL
 from kvpool.connector.local.pool import LOOPBACK, free_port
+from kvpool.operator import names
 from testing.kube_api import NAMESPACE, Cluster, Fault
-from testing.operator_objects import Operator, converge, pool_manifest, vllm_deployment
+from testing.operator_objects import Operator, converge, pool_manifest, pool_spec, vllm_deployment
 from testing.services import PrometheusServer
 from tests.dashboards.queries import PanelQuery, finite, panel_queries, positive, substitute, variable_queries
 
@@ -194,16 +195,38 @@ def run(local_pool, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
 
 
 @pytest.fixture
-def operator_config(run: Run) -> dict[str, Any]:
-    """The operator serves its metrics where Prometheus already looks."""
-    return {"metrics_port": run.operator_port}
+def operator_config(run: Run, local_pool: Any) -> dict[str, Any]:
+    """The operator serves its metrics where Prometheus already looks, and reads the pool's
+    capacity from the real master (as a pool's NetworkPolicy lets its pods do)."""
+    from kvpool.operator.policy import OperatorPolicy
+
+    return {
+        "metrics_port": run.operator_port,
+        "master_health_url": f"http://{LOOPBACK}:{local_pool.master.metrics_port}/health",
+        "observe_interval": 0.5,
+        "policy": OperatorPolicy(operator_namespace="kvpool-system", operator_pod_labels=(("app", "op"),)),
+    }
 
 
 async def _operate(cluster: Cluster) -> None:
     """A pool reconciled to Ready through one injected API failure (a reconcile error)."""
     fault = cluster.api.fail(Fault("POST", "configmaps", 500))
     await cluster.create(vllm_deployment())
-    await cluster.create(pool_manifest())
+    # One store pod, at the address of the real store the master counts (its segment's host).
+    await cluster.create(
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": "pool-store-0",
+                "namespace": NAMESPACE,
+                "labels": {names.LABEL_POOL: "pool", names.LABEL_COMPONENT: names.STORE},
+            },
+            "spec": {"containers": [{"name": "store", "image": "mooncake"}]},
+            "status": {"podIP": LOOPBACK},
+        }
+    )
+    await cluster.create(pool_manifest(spec=pool_spec(store={"segmentSize": "1GB", "replicas": 1})))
     await converge(cluster, generation=1)
     assert fault.times == 0
 

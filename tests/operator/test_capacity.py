@@ -185,3 +185,23 @@ def test_the_printer_columns_read_fields_the_status_has() -> None:
     assert {"Phase", "Observed", "Degraded", "Age"} <= set(columns)
     phases = version["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]["phase"]["enum"]
     assert {"Degraded", "Error"} <= set(phases)
+
+
+def test_the_operators_gauges_carry_the_status() -> None:
+    from prometheus_client import generate_latest
+
+    from kvpool.operator.metrics import OperatorMetrics
+
+    metrics = OperatorMetrics()
+    metrics.observe_pool("ns", "pool", observe(answered()))
+    text = generate_latest(metrics.registry).decode()
+    for line in (
+        'kvpool_operator_pool_phase{namespace="ns",phase="Ready",pool="pool"} 1.0',
+        'kvpool_operator_pool_capacity_bytes{namespace="ns",pool="pool"} 1.00663296e+08',
+        'kvpool_operator_pool_objects{namespace="ns",pool="pool"} 96.0',
+        'kvpool_operator_pool_stores_mounted{namespace="ns",pool="pool"} 2.0',
+        'kvpool_operator_pool_stores_expected{namespace="ns",pool="pool"} 2.0',
+    ):
+        assert line in text, line
+    metrics.observe_pool("ns", "pool", observe(None, asked=False))
+    assert "kvpool_operator_pool_capacity_bytes{" not in generate_latest(metrics.registry).decode()
