@@ -324,7 +324,11 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         if not self._fingerprint_exported:
             self._fingerprint_exported = True
             gauges = {fingerprint_info_key(self._fingerprint_inputs): 1.0}
-        decisions = None if self._scheduler is None else self._scheduler.take_decision_data()
+        decisions = None
+        if self._scheduler is not None:
+            # vLLM asks once per step output (scheduler side): the step is done.
+            self._scheduler.on_step_done()
+            decisions = self._scheduler.take_decision_data()
         if not lookups and not transfers and not layout_counters and not gauges and not decisions:
             return None
         data = add_counters(records_to_data(lookups, transfers), layout_counters)

@@ -38,7 +38,7 @@ class Rates:
 
     load_bytes_per_s: float = 0.0
     load_samples: int = 0
-    prefill_tokens_per_s: float = 0.0
+    prefill_tokens_per_s: float = 0.0  # marginal where known: what one more token costs a step
     prefill_samples: int = 0
 
 
@@ -73,7 +73,8 @@ def decide(
 ) -> Verdict:
     """Load or recompute a hit of ``hit_tokens`` tokens moving ``hit_bytes`` bytes (None: unknown).
 
-    ``auto`` loads when ``load_s * (1 + margin) <= recompute_s``; with an unknown size, or a
+    ``auto`` loads when ``load_s * (1 + margin) <= recompute_s`` (the hit's bytes at the load
+    rate, its tokens at the prefill rate); with an unknown size, or a
     rate resting on fewer than ``min_samples`` observations (or none above zero), it loads.
     After ``recomputed_in_a_row`` reaches :data:`PROBE_EVERY`, a hit estimated cheaper to
     recompute loads anyway (basis probe), so the load rate is measured again.

@@ -5,10 +5,17 @@
   (``KVConnectorOutput.kv_connector_stats``: every rank's bytes, rank 0's seconds per group;
   a request's groups load one after another). Learned with them: each group's bytes per
   block (loads and saves), to size a hit from its block counts.
-* **Prefill rate**: tokens over wall time of the engine's steps that prefill, from
-  ``build_connector_meta`` (the step's plan) to the step's output
-  (``update_connector_output``), matched first in, first out (with asynchronous
-  scheduling the next step is planned before the last one's output arrives).
+* **Prefill rate**: from the wall time of the engine's steps, from ``build_connector_meta``
+  (the step's plan) to the step's output (vLLM asks the scheduler's connector for its stats
+  once per step output, idle steps included), matched first in, first out (with
+  asynchronous scheduling the next step is planned before the last one's output arrives).
+  A step costs a fixed overhead plus a cost per token (:class:`StepCost` fits both over
+  every step, decodes included): recomputing a hit costs its tokens at the cost per token
+  (the step that computes the request's other tokens pays the overhead either way). Until
+  the steps' sizes spread enough to fit, the rate is tokens over seconds of the prefilling
+  steps (overhead included: recompute looks dearer, so hits load). The first prefilling step is no
+  sample: it pays the engine's one-time costs (kernels chosen and built, memory first
+  touched), measured at several times a later step's.
 
 Both are sums that decay by half every ``half_life`` observations, so they follow a link or
 a load that changes and stay cheap: no history is kept.
@@ -27,6 +34,8 @@ from kvpool.connector.scheduler.load_decision import Rates
 
 #: Observations after which an old one weighs half.
 HALF_LIFE = 32
+#: Steps after which an old one weighs half, in the fit of step costs (most steps decode).
+STEP_HALF_LIFE = 256
 #: Steps planned and not yet reported beyond which the oldest are dropped (never matched).
 MAX_STEPS_IN_FLIGHT = 8
 
@@ -57,6 +66,39 @@ class Throughput:
         return self.amount / self.seconds if self.seconds > 0 else 0.0
 
 
+class StepCost:
+    """Step seconds as ``overhead + tokens * per_token``, fitted by least squares over decayed sums."""
+
+    __slots__ = ("_decay", "n", "sx", "sxx", "sxy", "sy")
+
+    def __init__(self, half_life: int = STEP_HALF_LIFE):
+        self._decay = 0.5 ** (1.0 / half_life)
+        self.n = self.sx = self.sy = self.sxx = self.sxy = 0.0
+
+    def observe(self, tokens: float, seconds: float) -> None:
+        d = self._decay
+        self.n = self.n * d + 1.0
+        self.sx = self.sx * d + tokens
+        self.sy = self.sy * d + seconds
+        self.sxx = self.sxx * d + tokens * tokens
+        self.sxy = self.sxy * d + tokens * seconds
+
+    def fit(self, min_spread: float) -> tuple[float, float] | None:
+        """(overhead seconds, seconds per token); None unless the steps' sizes spread by at least
+        ``min_spread`` tokens (standard deviation) and more tokens cost more time."""
+        n = self.n
+        if n < 2:
+            return None
+        mean_x = self.sx / n
+        var_x = self.sxx / n - mean_x * mean_x
+        if var_x < min_spread * min_spread:
+            return None
+        per_token = (self.sxy / n - mean_x * self.sy / n) / var_x
+        if per_token <= 0:
+            return None
+        return max(0.0, self.sy / n - per_token * mean_x), per_token
+
+
 @dataclass
 class _Step:
     started: float
@@ -79,10 +121,12 @@ class LoadRates:
         self._half_life = half_life
         self._clock = clock
         self.load: dict[str, Throughput] = {}
-        self.prefill = Throughput(half_life)
+        self.prefill = Throughput(half_life)  # prefilling steps, overhead included: the fallback
+        self.step_cost = StepCost()
         self._group_bytes: dict[int, float] = {}
         self._group_blocks: dict[int, float] = {}
         self._steps: deque[_Step] = deque()
+        self._warm = False  # past the engine's first prefilling step
         self.changed = False  # since the rates were last exported
 
     # --- the engine's steps -------------------------------------------------------
@@ -98,11 +142,18 @@ class LoadRates:
         if not self._steps:
             return
         step = self._steps.popleft()
+        if step.tokens <= 0:
+            return  # an idle step: nothing computed
+        seconds = self._clock() - step.started
+        if not self._warm:
+            self._warm = step.prefills  # one-time costs end with the first prefill
+            return
+        if seconds <= 0:
+            return
+        self.step_cost.observe(step.tokens, seconds)
         if step.prefills:
-            seconds = self._clock() - step.started
-            if seconds > 0:
-                self.prefill.observe(step.tokens, seconds)
-                self.changed = True
+            self.prefill.observe(step.tokens, seconds)
+            self.changed = True
 
     # --- the workers' transfers ---------------------------------------------------
     def observe_transfers(self, sample: TransferSample, transport: str) -> None:
@@ -121,10 +172,11 @@ class LoadRates:
     # --- what a decision reads ----------------------------------------------------
     def rates(self, transport: str) -> Rates:
         load = self.load.get(transport)
+        fitted = self.step_cost.fit(self.min_prefill_tokens)
         return Rates(
             load_bytes_per_s=0.0 if load is None else load.rate,
             load_samples=0 if load is None else load.samples,
-            prefill_tokens_per_s=self.prefill.rate,
+            prefill_tokens_per_s=self.prefill.rate if fitted is None else 1.0 / fitted[1],
             prefill_samples=self.prefill.samples,
         )
 

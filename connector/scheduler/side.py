@@ -538,12 +538,16 @@ class SchedulerSide:
                 state.loaded_blocks = None
 
     def on_step_output(self, worker_stats: Any) -> None:
-        """A step's output arrived, with the workers' connector stats (None: none this step):
-        learn the prefill and load rates from it."""
-        self.rates.step_reported()
+        """The workers' connector stats of a step (None: none): learn the load rate from them."""
         data = worker_stats if isinstance(worker_stats, dict) else getattr(worker_stats, "data", None)
         if data:
             self.rates.observe_transfers(transfer_sample(data), self.transport)
+
+    def on_step_done(self) -> None:
+        """A step's output was processed: the step planned first and not yet done is, which
+        times it. (vLLM asks for the scheduler's stats once per step output, idle steps
+        included; ``update_connector_output`` comes only when the workers report something.)"""
+        self.rates.step_reported()
 
     def take_decision_data(self) -> dict[str, Any] | None:
         """The load decisions since the last call, and the rates if they changed (a stats
@@ -551,11 +555,12 @@ class SchedulerSide:
         rates = self.rates
         if not self._decisions and not rates.changed:
             return None
+        used = rates.rates(self.transport)
         data = decision_data(
             self._decisions,
             self._skipped_tokens,
             {t: r.rate for t, r in rates.load.items()} if rates.changed else None,
-            rates.prefill.rate if rates.changed and rates.prefill.samples else None,
+            used.prefill_tokens_per_s if rates.changed and used.prefill_samples else None,
         )
         self._decisions, self._skipped_tokens, rates.changed = {}, 0, False
         return data

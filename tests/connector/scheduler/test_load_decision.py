@@ -140,6 +140,10 @@ def test_throughput_follows_the_newer_observations() -> None:
 def test_prefill_rate_counts_prefilling_steps_first_in_first_out() -> None:
     clock = FakeClock()
     rates = LoadRates(min_prefill_tokens=32, clock=clock)
+    rates.step_planned(tokens=1000, requests=1)  # the first prefill: the engine's warm-up
+    clock.now += 30.0
+    rates.step_reported()
+    assert rates.prefill.samples == 0
     rates.step_planned(tokens=1000, requests=1)  # a prefill
     clock.now += 0.5
     rates.step_planned(tokens=8, requests=8)  # decodes only, planned before the first's output
@@ -150,7 +154,24 @@ def test_prefill_rate_counts_prefilling_steps_first_in_first_out() -> None:
     rates.step_reported()  # nothing planned: ignored
     assert rates.prefill.samples == 1
     assert rates.prefill.rate == pytest.approx(1000.0)
+    # Two steps whose sizes say nothing of a cost per token (the larger was faster): the
+    # prefilling steps' tokens over their seconds.
     assert rates.rates("tcp") == Rates(0.0, 0, pytest.approx(1000.0), 1)
+
+
+def test_the_prefill_rate_is_the_cost_of_one_more_token() -> None:
+    """Steps of 0.1 s plus 1 ms a token: 1000 tokens/s (and 0.1 s of overhead), where tokens over
+    seconds of the prefills alone would say 1000/1.1 and 300/0.4."""
+    clock = FakeClock()
+    rates = LoadRates(min_prefill_tokens=32, clock=clock)
+    for tokens, requests in [(600, 1), (1000, 1), (4, 4), (1000, 2), (8, 8), (300, 1), (2, 2)]:
+        rates.step_planned(tokens, requests)
+        clock.now += 0.1 + tokens / 1000
+        rates.step_reported()
+    got = rates.rates("tcp")
+    assert got.prefill_samples == 3  # the first prefill warmed the engine up; decodes are none
+    assert got.prefill_tokens_per_s == pytest.approx(1000.0)
+    assert rates.step_cost.fit(32) == (pytest.approx(0.1), pytest.approx(0.001))
 
 
 def _load(
