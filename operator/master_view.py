@@ -95,8 +95,9 @@ def parse_metrics(text: str) -> MasterNumbers:
                         segments.setdefault(name, {})[sample.name] = sample.value
                 elif not sample.labels:
                     totals[sample.name] = sample.value
-    except (ValueError, TypeError, IndexError) as exc:
-        raise MasterTextError(f"not Prometheus text: {exc}") from None
+    except (ValueError, TypeError, IndexError):
+        # Never the text itself: whatever answered may say anything, and this lands in a status.
+        raise MasterTextError("not Prometheus text") from None
     missing = [name for name in REQUIRED if name not in totals]
     if missing:
         raise MasterTextError("not a Mooncake master's metrics: no " + ", ".join(missing))

@@ -65,9 +65,11 @@ async def _get(session: aiohttp.ClientSession, url: str) -> str:
     async with session.get(url, allow_redirects=False) as response:
         if response.status != 200:
             raise _Refused("Unreachable", f"{url} answered HTTP {response.status}")
-        body = await response.content.read(MAX_BODY + 1)
-    if len(body) > MAX_BODY:
-        raise _Refused("NotAMaster", f"{url} answered more than {MAX_BODY} bytes")
+        body = bytearray()
+        async for chunk in response.content.iter_chunked(1 << 16):
+            body += chunk
+            if len(body) > MAX_BODY:
+                raise _Refused("NotAMaster", f"{url} answered more than {MAX_BODY} bytes")
     return body.decode("utf-8", errors="replace")
 
 

@@ -642,11 +642,8 @@ class Reconciler:
             if pool is None or pool.get("metadata", {}).get("deletionTimestamp") or paused(pool):
                 return
             old = dict(pool.get("status") or {})
-            if (
-                not condition_of(old, "ConfigValid")
-                or (condition_of(old, "ConfigValid") or {}).get("status") != "True"
-            ):
-                return
+            if (condition_of(old, "ConfigValid") or {}).get("status") != "True":
+                return  # not applied yet, or invalid: the next pass writes the observation
             status = apply_observation(
                 old,
                 old,
