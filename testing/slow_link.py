@@ -88,7 +88,10 @@ class NamespaceLink:
             _run("ip", "link", "add", host_if, "type", "veth", "peer", "name", inside_if)
             self._made.append("link")
             _run("ip", "link", "set", inside_if, "netns", ns)
-            sides = (([], host_if, self.host_address), (inside, inside_if, self.inside_address))
+            sides: tuple[tuple[list[str], str, str], ...] = (
+                ([], host_if, self.host_address),
+                (inside, inside_if, self.inside_address),
+            )
             for run_in, iface, address in sides:
                 _run(*run_in, "sysctl", "-qw", f"net.ipv4.conf.{iface}.route_localnet=1")
                 _run(*run_in, "ip", "addr", "add", f"{address}/30", "dev", iface)
