@@ -529,8 +529,8 @@ async def test_the_status_shows_the_masters_own_capacity_and_use(
     assert degraded["capacity"]["stores"] == "1/2"
     await eventually(lambda: cluster.events("PoolDegraded"), what="a PoolDegraded Event")
 
-    start_store("pool-store-b")
     await asyncio.to_thread(put_objects, f"127.0.0.1:{rpc_port}", 6)
+    start_store("pool-store-b")
     ready = await eventually(
         lambda: (
             status().get("phase") == "Ready"
