@@ -253,7 +253,8 @@ def build() -> Board:
         "Failed keys by kind",
         "missing: gone between lookup and load; store_full: no space to save; transfer_failed and "
         "rpc_failed: the transfer engine or the master failed; timeout: past the connector's deadline "
-        "(a frozen master or store; a lookup then misses); corrupt: an object that is not its block.",
+        "(a frozen master or store; a lookup then misses); corrupt: an object that is not its block; "
+        "quota_exceeded and tenant_not_registered: the master refused a save of the tenant.",
         [
             Target(
                 sum_rate(m.FAILURES.exported, SEL, ["operation", "reason", "group_kind"]),

@@ -74,7 +74,8 @@ TRANSFER_BYTES = _counter("transfer_bytes", "Bytes moved, per group.", (*GROUP_L
 FAILURES = _counter(
     "failures",
     "Keys whose transfer failed, by kind (missing, store_full, transfer_failed, rpc_failed, timeout, "
-    "corrupt, in_flight: a save found the key reserved by another writer, other_error); a lookup "
+    "corrupt, in_flight: a save found the key reserved by another writer, quota_exceeded and "
+    "tenant_not_registered: the master refused a tenant's save, other_error); a lookup "
     "past its deadline counts as a timeout of group all.",
     (*GROUP_LABELS, "operation", "reason"),
 )
