@@ -182,6 +182,7 @@ class Outcome:
     workload: Workload
     shape: Shape
     kv_cache_tokens: list[int | None]
+    wall_seconds: float | None = None  # the whole run's, set once it ended
 
     def save(self, out_dir: Path) -> None:
         """Everything but the history (``history.jsonl`` beside it): the run can be judged again."""
@@ -193,6 +194,7 @@ class Outcome:
             "workload": asdict(self.workload),
             "shape": asdict(self.shape),
             "kv_cache_tokens": self.kv_cache_tokens,
+            "wall_seconds": self.wall_seconds,
         }
         (out_dir / "outcome.json").write_text(json.dumps(fields) + "\n")
 
@@ -208,6 +210,7 @@ class Outcome:
             Workload(**fields["workload"]),
             Shape(**fields["shape"]),
             fields["kv_cache_tokens"],
+            fields.get("wall_seconds"),
         )
 
 
@@ -549,13 +552,14 @@ def _plot(report: Report, out: Outcome, opts: Options) -> None:
                     alpha=0.25,
                     label=kind.value if j == 0 and axis is top else None,
                 )
-    top.legend(fontsize=7, ncol=4, loc="upper left")
+    handles, labels = top.get_legend_handles_labels()
     top.set_title(
         "TTFT of completed requests (refused ones as x at the top) and the fleet's pool hit rate; "
         "faults shaded",
         fontsize=10,
     )
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    fig.legend(handles, labels, loc="lower center", ncol=5, fontsize=8)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     report.plots.append(str(path))
@@ -570,18 +574,21 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     opts = Options(smoke=args.smoke, reps=None, write=args.write and not args.smoke)
     shape = SHORT if opts.smoke else FULL
-    out_dir: Path = args.out or Path(tempfile.mkdtemp(prefix="kvpool-chaos-"))
-    out_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    if args.judge is not None:
-        out_dir, outcome = args.judge, Outcome.load(args.judge)
+    if args.judge is not None:  # a kept run, judged again (its report written, with --write)
+        out_dir: Path = args.judge
+        outcome = Outcome.load(out_dir)
     else:
+        out_dir = args.out or Path(tempfile.mkdtemp(prefix="kvpool-chaos-"))
+        out_dir.mkdir(parents=True, exist_ok=True)
         outcome = run_fleet(shape, Workload(seed=args.seed), args.seed, out_dir)
+        outcome.wall_seconds = round(time.perf_counter() - started, 1)
+        outcome.save(out_dir)
     report = judge_outcome(outcome)
     report.command = common.command_line("benchmarks.chaos", opts) + (
         f" --seed {args.seed}" if args.seed != 33 else ""
     )
-    report.data["wall_seconds"] = round(time.perf_counter() - started, 1)
+    report.data["wall_seconds"] = outcome.wall_seconds or round(time.perf_counter() - started, 1)
     _plot(report, outcome, opts)
     (out_dir / "judgement.json").write_text(json.dumps(report.data, indent=1, default=str) + "\n")
     print(report.text(), flush=True)
