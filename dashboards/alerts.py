@@ -190,6 +190,26 @@ def operator_alerts() -> list[Alert]:
             "ConsumersRolledOut condition.",
         ),
         Alert(
+            "KVPoolDegraded",
+            f'max by (namespace, pool) ({o.POOL_PHASE.exported}{{phase="Degraded"}}) == 1',
+            "10m",
+            "warning",
+            "MooncakeKVPool {{ $labels.namespace }}/{{ $labels.pool }} has fewer stores than declared",
+            "For 10 minutes fewer of the pool's store pods have mounted memory at its master than "
+            "spec.store.replicas: it holds less and evicts sooner. The pool's Degraded condition "
+            "names the store pods that mount nothing.",
+        ),
+        Alert(
+            "KVPoolError",
+            f'max by (namespace, pool) ({o.POOL_PHASE.exported}{{phase="Error"}}) == 1',
+            "5m",
+            "critical",
+            "The master of MooncakeKVPool {{ $labels.namespace }}/{{ $labels.pool }} does not serve",
+            "For 5 minutes the pool's master (its Deployment available, or the external master the "
+            "pool names) has not answered the operator, has no leader or is not a Mooncake master: "
+            "consumers recompute instead of hitting. The pool's Observed condition says which.",
+        ),
+        Alert(
             "KVPoolOperatorDown",
             f'absent({ext.UP}{{job="{OPERATOR_JOB}"}} == 1)',
             "5m",

@@ -204,6 +204,24 @@ def cases() -> list[Case]:
             },
             {"10m": [], "20m": [Firing({"namespace": NS, "pool": "a", **op}, "1")]},
         ),
+        Case(
+            "KVPoolDegraded",
+            {
+                series(om.POOL_PHASE.exported, **op, namespace=NS, pool="a", phase="Degraded"): "1x20",
+                series(om.POOL_PHASE.exported, **op, namespace=NS, pool="b", phase="Ready"): "1x20",
+                # c: a store down for a moment (a store pod restarting), then back
+                series(om.POOL_PHASE.exported, **op, namespace=NS, pool="c", phase="Degraded"): "1x3 0x16",
+            },
+            {"5m": [], "15m": [Firing({"namespace": NS, "pool": "a"}, "1")]},
+        ),
+        Case(
+            "KVPoolError",
+            {
+                series(om.POOL_PHASE.exported, **op, namespace=NS, pool="a", phase="Error"): "1x10",
+                series(om.POOL_PHASE.exported, **op, namespace=NS, pool="b", phase="Degraded"): "1x10",
+            },
+            {"2m": [], "8m": [Firing({"namespace": NS, "pool": "a"}, "1")]},
+        ),
         Case("KVPoolOperatorDown", {series(external.UP, **op): "0x10"}, {"6m": [Firing({})]}),
         Case("KVPoolOperatorDown", {series(external.UP, **op): "1x10"}, {"6m": []}),
     ]
