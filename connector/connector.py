@@ -193,6 +193,7 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
                 can_save=transfer.is_kv_producer and in_pool,
                 stats=self.stats,
                 lookup_timeout_s=self.settings.lookup_timeout_s,
+                lookup_budget_s=self.settings.lookup_budget_ms / 1000,
                 idle_step_wait_s=self.settings.idle_step_wait_s,
                 load_policy=self.settings.load_policy,
                 load_margin=self.settings.load_margin,

@@ -3,10 +3,12 @@ and public ways to wait for, and measure, its scheduler side's presence service.
 
 The connector's lookups are batched: a request's first ``get_num_new_matched_tokens``
 queues its lookup, the step's lookups go to the presence service's thread when the step
-ends, and the request's next call takes the answer. :func:`answer_lookups` and
-:func:`settle` stand in for the step's end (and the model's forward, while which the
-thread answers); :func:`matched_tokens` asks and waits; :class:`PresenceMeter` counts the
-existence checks and times the idle steps' pauses for lookups.
+ends, and the request's next call takes the answer. (A lookup answered within the step's
+``lookup_budget_ms`` is taken in the same call; :func:`make_scheduler` sets that budget to 0
+unless the test names it, so a test counts the same steps however loaded the machine is.)
+:func:`answer_lookups` and :func:`settle` stand in for the step's end (and the model's
+forward, while which the thread answers); :func:`matched_tokens` asks and waits;
+:class:`PresenceMeter` counts the existence checks and times the idle steps' pauses for lookups.
 """
 
 from __future__ import annotations
@@ -85,8 +87,15 @@ def make_scheduler(
     max_num_seqs: int | None = None,
     max_num_batched_tokens: int | None = None,
 ) -> Any:
-    """vLLM's ``Scheduler`` over ``groups`` with the connector ``transfer`` names (None: no connector)."""
+    """vLLM's ``Scheduler`` over ``groups`` with the connector ``transfer`` names (None: no connector).
+
+    KVPoolConnector gets ``lookup_budget_ms`` 0 unless ``transfer`` sets it: every new request
+    defers a step for its lookup, deterministically (a test of the budget sets its own).
+    """
     ensure_registry()
+    if transfer is not None and transfer.get("kv_connector") == "KVPoolConnector":
+        extra = transfer.get("kv_connector_extra_config", {})
+        transfer = {**transfer, "kv_connector_extra_config": {"lookup_budget_ms": 0, **extra}}
     vllm_config = engine_config(
         model_dir,
         transfer,

@@ -147,6 +147,13 @@ class ConnectorSettings(BaseModel):
     lookup_timeout_s: float = Field(
         default=1.0, gt=0, le=MAX_TIMEOUT_S, description="Longest a lookup waits; past it, a miss."
     )
+    lookup_budget_ms: float = Field(
+        default=5.0,
+        ge=0,
+        le=1000,
+        description="Longest one scheduler step waits for its new requests' lookups before it "
+        "defers the rest a step (0: always defer; a late answer is taken the next step).",
+    )
     load_timeout_s: float = Field(
         default=5.0,
         gt=0,

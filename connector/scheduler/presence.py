@@ -162,6 +162,17 @@ class PresenceService:
         for pending in refused:
             pending.answered = True
 
+    def wait_answered(self, pending: PendingLookup, timeout_s: float) -> bool:
+        """Until the thread is done with ``pending`` (answered or refused); False past ``timeout_s``."""
+        end = time.monotonic() + timeout_s
+        with self._cond:
+            while not pending.answered:
+                left = end - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
     def _refuse_lookups_if_stuck(self) -> list[PendingLookup]:
         """Every sent lookup, taken back, while a check is stuck (holding the lock)."""
         deadline = self._call_deadline

@@ -3,10 +3,11 @@
 ``get_num_new_matched_tokens`` runs the hybrid fixed point over what the pool
 holds, asking the master only about the blocks it reads, and remembers a load
 plan. Lookups are batched (``lookups``) and asked on the presence service's thread
-(``presence``): a request's first call queues its lookup and answers ``None`` (vLLM
-skips it this step); the step's lookups go to the master together when scheduling
-ends, and the request's next call takes the answer; ``update_state_after_alloc``
-pins the plan to the blocks vLLM allocated; ``build_connector_meta`` hands each
+(``presence``): a request's first call queues its lookup, hands it to that thread and
+waits for the answer within what is left of the step's lookup budget; past it, it
+answers ``None`` (vLLM skips it this step), the step's other lookups go to the master
+together when scheduling ends, and the request's next call takes the answer;
+``update_state_after_alloc`` pins the plan to the blocks vLLM allocated; ``build_connector_meta`` hands each
 step's loads and the saves of newly computed blocks to the workers. What the side
 keeps of a request is one :class:`RequestState`, forgotten in ``request_finished``.
 """
@@ -40,7 +41,7 @@ from kvpool.connector.scheduler.load_decision import LoadPolicy, Verdict, decide
 from kvpool.connector.scheduler.load_rates import LoadRates
 from kvpool.connector.scheduler.lookup_statistics import lookup_statistics
 from kvpool.connector.scheduler.lookups import Lookup, LookupQuery
-from kvpool.connector.scheduler.presence import PresenceService
+from kvpool.connector.scheduler.presence import PendingLookup, PresenceService
 from kvpool.connector.scheduler.request_state import (
     LoadPlan,
     LookedUp,
@@ -52,6 +53,7 @@ logger = get_logger(__name__)
 
 _DEFAULTS = ConnectorSettings.model_fields
 LOOKUP_TIMEOUT_S: float = _DEFAULTS["lookup_timeout_s"].default
+LOOKUP_BUDGET_S: float = _DEFAULTS["lookup_budget_ms"].default / 1000
 LOAD_MARGIN: float = _DEFAULTS["load_margin"].default
 LOAD_DECISION_MIN_SAMPLES: int = _DEFAULTS["load_decision_min_samples"].default
 
@@ -72,6 +74,7 @@ class SchedulerSide:
         can_save: bool,
         stats: StatsCollector,
         lookup_timeout_s: float = LOOKUP_TIMEOUT_S,
+        lookup_budget_s: float = LOOKUP_BUDGET_S,
         idle_step_wait_s: float = IDLE_STEP_WAIT_S,
         load_policy: LoadPolicy | str = LoadPolicy.AUTO,
         load_margin: float = LOAD_MARGIN,
@@ -92,6 +95,10 @@ class SchedulerSide:
         self.can_save = can_save
         self.stats = stats
         self.lookup_timeout_s = lookup_timeout_s
+        # What one step may still wait for its new requests' lookups (reset as each step ends).
+        self.lookup_budget_s = lookup_budget_s
+        self._step_budget_left_s = lookup_budget_s
+        self.lookup_deferrals = 0  # steps a request skipped waiting for its lookup
         self.idle_step_wait_s = idle_step_wait_s
         # Every existence check, on one thread. The client is bound on first use: a
         # connector out of the pool has a client with no calls at all.
@@ -209,11 +216,14 @@ class SchedulerSide:
         if pending is None or pending.lookup.query.num_tokens != request.num_tokens:
             state.cancel_lookup()
             query = self._query(request, num_computed_tokens)
-            state.pending = self.presence.queue(Lookup(coord, query, self._rank_prefixes, self._ranks))
-            return None
+            pending = state.pending = self.presence.queue(
+                Lookup(coord, query, self._rank_prefixes, self._ranks)
+            )
+            self._wait_within_budget(pending)
         query = pending.lookup.query
         answered = pending.answered
         if not answered and time.perf_counter() < query.deadline:
+            self.lookup_deferrals += 1
             return None
         state.cancel_lookup()
         if answered and pending.outcome is not None:
@@ -230,6 +240,18 @@ class SchedulerSide:
             lookup, miss, {g: {} for g in lookup.wanted}, {Outcome.TIMEOUT.value: 1}, 0
         )
         return query, record, looked_up
+
+    def _wait_within_budget(self, pending: PendingLookup) -> None:
+        """Ask the master about ``pending`` now and wait for its answer, within what is left of
+        this step's lookup budget (and its deadline): answered in time, the request is admitted
+        this step; not, it defers a step and takes the late answer then, as any deferred one."""
+        left = min(self._step_budget_left_s, pending.lookup.query.deadline - time.perf_counter())
+        if left <= 0:
+            return  # the step's budget is spent: flushed with the step's other lookups
+        started = time.perf_counter()
+        self.presence.flush()
+        self.presence.wait_answered(pending, left)
+        self._step_budget_left_s -= time.perf_counter() - started
 
     def _query(self, request: Any, num_computed_tokens: int) -> LookupQuery:
         """What the lookup needs of ``request`` (which vLLM's scheduler thread mutates), copied."""
@@ -429,8 +451,9 @@ class SchedulerSide:
                         meta.saves.append(save)
                 if not save_decode and request.num_prompt_tokens < tracked.next_save_at:
                     del self._saving[req_id]  # its prompt's blocks are all planned
-        # The lookups vLLM asked for during this schedule() go to the master together.
+        # The lookups vLLM asked for during this schedule() past its budget go to the master together.
         self.presence.flush()
+        self._step_budget_left_s = self.lookup_budget_s
         if meta.forward_tokens == 0:
             # An idle step: the engine only waits. Let the presence thread answer the
             # lookups (it needs the GIL the engine's loop would hold), so the next step

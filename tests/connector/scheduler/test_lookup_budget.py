@@ -1,0 +1,116 @@
+"""The step's lookup budget on vLLM's real scheduler, against a real Mooncake master: a lookup
+answered within ``lookup_budget_ms`` admits its request in the step it arrives; one answered
+past it defers the request a step, and its late answer still gives the right hit.
+
+The slow master is the real one held at the client boundary: the scheduler side's
+``client.exists`` waits for a gate the test opens (a frozen master could not answer later).
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+from vllm.v1.request import RequestStatus
+
+from kvpool.connector.contract.settings import ConnectorSettings
+from testing.engine import scheduler_of
+from testing.kv_cache import GroupDesc
+from testing.models import build_gemma3
+from testing.scheduler import PresenceMeter, answer_lookups, local_pool_transfer, make_request, make_scheduler
+from tests.connector.scheduler.test_scheduler_lookup import _load_of, store_blocks
+
+pytestmark = pytest.mark.mooncake
+
+FULL = [GroupDesc("full", 32)]
+HIT_BLOCKS = 4
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_gemma3(tmp_path_factory.mktemp("gemma3-budget"))
+
+
+def _hold_checks(scheduler: Any) -> threading.Event:
+    """Hold every existence check of ``scheduler``'s connector until the returned gate opens
+    (30 s at most: a test never hangs)."""
+    side = scheduler_of(scheduler.connector)
+    exists, gate = side.client.exists, threading.Event()
+
+    def held(keys: list[str]) -> list[bool]:
+        gate.wait(30.0)
+        return exists(keys)
+
+    side.client.exists = held
+    return gate
+
+
+def _requests(scheduler: Any, pool_client: Any, seed: int) -> tuple[Any, Any]:
+    """A request with ``HIT_BLOCKS`` blocks in the pool and one with none, both added."""
+    hit = make_request(scheduler, list(range(seed, seed + HIT_BLOCKS * 32 + 40)))
+    store_blocks(pool_client, scheduler, hit, {0: range(HIT_BLOCKS)})
+    miss = make_request(scheduler, list(range(seed + 5000, seed + 5000 + 3 * 32 + 7)))
+    scheduler.add_request(hit)
+    scheduler.add_request(miss)
+    return hit, miss
+
+
+def test_lookups_answered_within_the_budget_are_scheduled_in_their_first_step(
+    model_dir: Path, pool_settings: Any, pool_client: Any
+) -> None:
+    """Fails when every lookup defers its request a step (budget 0, as before)."""
+    scheduler = make_scheduler(model_dir, FULL, local_pool_transfer(pool_settings, lookup_budget_ms=1000))
+    try:
+        side = scheduler_of(scheduler.connector)
+        meter = PresenceMeter(scheduler.connector)
+        hit, miss = _requests(scheduler, pool_client, seed=11)
+        output = scheduler.schedule()
+        assert side.lookup_deferrals == 0
+        # The hit loads asynchronously from this step on; the miss computes in it.
+        assert hit.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        assert hit.num_computed_tokens == HIT_BLOCKS * 32
+        load = _load_of(output, hit.request_id)
+        assert load is not None and load.hit_tokens == HIT_BLOCKS * 32
+        assert output.num_scheduled_tokens.get(miss.request_id) == miss.num_tokens
+        assert _load_of(output, miss.request_id) is None
+        assert meter.checks >= 1  # lookups were asked (statistics may add checks)
+    finally:
+        scheduler.shutdown()
+
+
+def test_a_lookup_past_the_budget_defers_a_step_and_takes_its_late_answer(
+    model_dir: Path, pool_settings: Any, pool_client: Any
+) -> None:
+    """The master answers after the step's budget: the step goes on without the requests (no
+    wait without a deadline), and the next step admits them with the hits they have."""
+    scheduler = make_scheduler(model_dir, FULL, local_pool_transfer(pool_settings, lookup_budget_ms=20))
+    try:
+        side = scheduler_of(scheduler.connector)
+        gate = _hold_checks(scheduler)
+        hit, miss = _requests(scheduler, pool_client, seed=23)
+        first = scheduler.schedule()
+        assert not first.num_scheduled_tokens and _load_of(first, hit.request_id) is None
+        assert hit.status == miss.status == RequestStatus.WAITING
+        # The budget went on the first request's lookup: the second's waited for none.
+        assert side.lookup_deferrals == 2
+        gate.set()
+        assert answer_lookups(scheduler.connector)
+        second = scheduler.schedule()
+        assert side.lookup_deferrals == 2
+        assert hit.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        load = _load_of(second, hit.request_id)
+        assert load is not None and load.hit_tokens == HIT_BLOCKS * 32 == hit.num_computed_tokens
+        assert second.num_scheduled_tokens.get(miss.request_id) == miss.num_tokens
+    finally:
+        scheduler.shutdown()
+
+
+def test_the_budget_is_validated_by_name() -> None:
+    with pytest.raises(ValidationError, match="lookup_budget_ms") as raised:
+        ConnectorSettings(master_server_address="127.0.0.1:1", lookup_budget_ms=-1)
+    assert "greater than or equal to 0" in str(raised.value)
+    with pytest.raises(ValidationError, match="lookup_budget_ms"):
+        ConnectorSettings(master_server_address="127.0.0.1:1", lookup_budget_ms=5000)
