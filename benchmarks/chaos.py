@@ -229,7 +229,7 @@ def run_fleet(shape: Shape, wl: Workload, seed: int, out_dir: Path) -> Outcome:
     model = build_gemma3(MODELS_DIR / "bench-gemma3-tiny")
     switch = out_dir / "payload-check-off"
     switch.unlink(missing_ok=True)
-    fleet = Fleet(model, server_env=server_env(switch))
+    fleet = Fleet(model, server_env=server_env(switch, out_dir / "site"))
     reference = ApiServer(model, _cores()[-1], prefix_caching=False, kv_cache_bytes=fleet.kv_cache_bytes)
     history = ch.History()
     lock = threading.Lock()

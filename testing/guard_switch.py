@@ -18,7 +18,6 @@ import importlib.machinery
 import importlib.util
 import os
 import sys
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
@@ -30,9 +29,10 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 _SITECUSTOMIZE = "from testing.guard_switch import install\n\ninstall()\n"
 
 
-def server_env(switch_file: Path) -> dict[str, str]:
-    """Environment entries for a server whose payload check ``switch_file``'s presence turns off."""
-    site = Path(tempfile.mkdtemp(prefix="kvpool-guard-switch-"))
+def server_env(switch_file: Path, site: Path) -> dict[str, str]:
+    """Environment entries for a server whose payload check ``switch_file``'s presence turns off;
+    its ``sitecustomize`` is written into the folder ``site`` (the caller's, and removed by it)."""
+    site.mkdir(parents=True, exist_ok=True)
     (site / "sitecustomize.py").write_text(_SITECUSTOMIZE)
     paths = [str(site), str(REPO_ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
     return {"PYTHONPATH": os.pathsep.join(paths), SWITCH_ENV: str(switch_file)}

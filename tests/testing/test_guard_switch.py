@@ -40,7 +40,7 @@ def probe(env: dict[str, str], switch: Path) -> list[str]:
 
 def test_the_switch_turns_the_check_off_while_its_file_exists(tmp_path: Path) -> None:
     switch = tmp_path / "payload-check-off"
-    assert probe(server_env(switch), switch) == ["False", "False", "True", "False"]
+    assert probe(server_env(switch, tmp_path / "site"), switch) == ["False", "False", "True", "False"]
 
 
 def test_without_its_environment_nothing_changes(tmp_path: Path) -> None:
