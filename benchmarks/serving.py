@@ -485,6 +485,7 @@ class FleetRun:
     records: list[Sent]
     metrics: dict[str, Any]
     prompt_tokens_by_cohort: list[dict[str, float]]  # by source, each cohort's own
+    queue_by_cohort: list[dict[str, float]]  # arrival to first schedule (queue_time), each cohort's own
     kv_cache_tokens: list[int | None]
     started_seconds: float
     loadavg: tuple[float, float]
@@ -538,6 +539,38 @@ def _summarise_metrics(delta: dict[tuple[str, tuple[tuple[str, str], ...]], floa
         "failures": total(mn.FAILURES.exported),
         "load_error_blocks": total(mn.LOAD_ERROR_BLOCKS.exported),
         "preemptions": total("vllm:num_preemptions_total"),
+        "queue": queue_time(delta),
+    }
+
+
+QUEUE_TIME = "vllm:request_queue_time_seconds"
+
+
+def queue_time(delta: dict[tuple[str, tuple[tuple[str, str], ...]], float]) -> dict[str, float]:
+    """Arrival to first schedule over the phase (vLLM's per-request queue-time histogram, every
+    server): requests, mean seconds, and the bucket bounds p50 and p99 fall under (inf: none)."""
+    buckets: dict[float, float] = {}
+    count = seconds = 0.0
+    for (name, labels), value in delta.items():
+        if name == f"{QUEUE_TIME}_bucket":
+            bound = float(dict(labels)["le"])
+            buckets[bound] = buckets.get(bound, 0.0) + value
+        elif name == f"{QUEUE_TIME}_count":
+            count += value
+        elif name == f"{QUEUE_TIME}_sum":
+            seconds += value
+
+    def under(q: float) -> float:
+        for bound, cumulative in sorted(buckets.items()):
+            if count and cumulative >= q * count:
+                return bound
+        return float("inf")
+
+    return {
+        "requests": count,
+        "mean_s": seconds / count if count else 0.0,
+        "p50_le_s": under(0.5),
+        "p99_le_s": under(0.99),
     }
 
 
@@ -603,6 +636,7 @@ def _measure_fleet(
         records,
         _summarise_metrics(_metric_delta(before, after)),
         [_summarise_metrics(_metric_delta(a, b))["by_source"] for a, b in pairwise(snapshots)],
+        [queue_time(_metric_delta(a, b)) for a, b in pairwise(snapshots)],
         [s.kv_cache_tokens() for s in servers],
         startup,
         (load_before, load_after),
@@ -782,6 +816,24 @@ def _report(wl: Workload, model: Path, runs: dict[str, FleetRun], problems: list
             cohort_label(cohort), turn + 1, f"{lengths[0]}..{lengths[-1]}" if lengths else "-", *cells
         )
     report.tables.append(by_turn)
+
+    queued = Table(
+        "arrival to first schedule per request (vllm:request_queue_time_seconds, both servers): "
+        "mean, and the histogram bucket bounds p50 and p99 fall under; a pool lookup answered "
+        "past the step's lookup_budget_ms defers its request a step",
+        ["users", "fleet", "requests", "mean s", "p50 ≤ s", "p99 ≤ s"],
+    )
+    for cohort, fleet in ((c, f) for c in cohorts for f in FLEETS):
+        q = runs[fleet.name].queue_by_cohort[cohort]
+        queued.add(
+            cohort_label(cohort),
+            fleet.label,
+            f"{q['requests']:.0f}",
+            f"{q['mean_s']:.3f}" if q["requests"] else "-",
+            f"{q['p50_le_s']:g}" if q["requests"] else "-",
+            f"{q['p99_le_s']:g}" if q["requests"] else "-",
+        )
+    report.tables.append(queued)
 
     pm = runs["pool"].metrics
     groups = Table(
