@@ -248,6 +248,7 @@ class HybridHitCoordinator:
         max_hit_tokens: int,
         ask: Ask,
         max_rounds: int = MAX_ASK_ROUNDS,
+        ask_ahead_blocks: int = 0,
     ) -> tuple[HybridHit, dict[int, dict[int, bool]]]:
         """The hit over the pool's presence, asking only about the blocks the fixed point reads.
 
@@ -260,7 +261,10 @@ class HybridHitCoordinator:
         after ``max_rounds`` rounds it asks about every block left. The hit is the one
         :meth:`hit_over` finds over the pool's whole presence (``testing.hit_oracle``): the
         fixed point's result depends only on what it read, and everything it read was
-        answered by the pool. Returns the hit and, per group, what was asked
+        answered by the pool. When every block of ``wanted`` is at most ``ask_ahead_blocks``
+        more than the first round asks, the first round asks about every one: any hit is
+        then found in that one round (a shorter hit's later questions are among them).
+        Returns the hit and, per group, what was asked
         (index -> held); the per-group hits take a block never asked about as absent.
         """
         known: dict[int, dict[int, bool]] = {g: {} for g in wanted}
@@ -271,9 +275,12 @@ class HybridHitCoordinator:
             if shared is None:
                 shared = by_list[id(hashes)] = {h: i for i, h in enumerate(hashes)}
             index_of[group_id] = shared
-        if not self._ask(
-            ask, self._first_questions(block_hashes, index_of, known, wanted, max_hit_tokens), known
-        ):
+        first = self._first_questions(block_hashes, index_of, known, wanted, max_hit_tokens)
+        if ask_ahead_blocks > 0:
+            every = sum(len(hashes) for hashes in wanted.values())
+            if every - sum(len(indices) for indices in first.values()) <= ask_ahead_blocks:
+                first = {g: list(range(len(hashes))) for g, hashes in wanted.items()}
+        if not self._ask(ask, first, known):
             return self._miss(), known
         rounds = 1
         while True:

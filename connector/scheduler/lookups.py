@@ -8,7 +8,9 @@ every unfinished fixed point over the answers so far, gathers the blocks each
 one reads next, and asks the master about all of them in one call; a fixed
 point's result depends only on what it read, so each hit is exactly the one it
 finds answered alone (usually two rounds at most: the first questions, and a
-few keys for a shorter candidate).
+few keys for a shorter candidate; one when every block the lookup could read is
+at most :data:`ASK_AHEAD_KEYS` more keys than its first questions: then it asks
+about them all at once).
 
 The presence service (:mod:`kvpool.connector.scheduler.presence`) holds the
 lookups vLLM asked for during a ``schedule()`` and hands them to its thread when
@@ -37,6 +39,12 @@ from kvpool.connector.scheduler.lookup_statistics import read_by_position
 #: on the clock of the lookups' queries.
 Exists = Callable[[list[str], float], tuple[list[bool], str | None]]
 Questions = Mapping[int, Sequence[int]]
+
+#: Keys a lookup's first existence check may carry beyond its first round's, to ask about
+#: every block it could read in one round trip instead of two on a partial hit. A second
+#: round trip cost ~0.27 ms and a key ~0.6 µs in one call (benchmarks/README.md, finding 2);
+#: the per-group statistics ask about those keys anyway, on a check of their own.
+ASK_AHEAD_KEYS = 256
 
 
 @dataclass(frozen=True)
@@ -104,7 +112,11 @@ class Lookup:
         or None when it is done (:attr:`result`)."""
         try:
             self.result = self.coord.find_hit_asking(
-                self.query.block_hashes, self.wanted, self.max_hit, self._from_answers
+                self.query.block_hashes,
+                self.wanted,
+                self.max_hit,
+                self._from_answers,
+                ask_ahead_blocks=ASK_AHEAD_KEYS // max((self._ranks(g) for g in self.wanted), default=1),
             )
         except _Unanswered as unanswered:
             return unanswered.questions

@@ -118,10 +118,14 @@ def test_lookups_share_one_read_only_marker_per_block_index() -> None:
 
 @pytest.mark.mooncake
 def test_statistics_count_blocks_the_lookup_did_not_ask_about(
-    tmp_path_factory, pool_settings, pool_client
+    tmp_path_factory, pool_settings, pool_client, monkeypatch
 ) -> None:
+    from kvpool.connector.scheduler import lookups
     from testing.models import build_gemma3
     from testing.scheduler import local_pool_transfer, make_request, make_scheduler, matched_tokens
+
+    # Round by round, as a prompt whose blocks are more than ASK_AHEAD_KEYS past its first round.
+    monkeypatch.setattr(lookups, "ASK_AHEAD_KEYS", 0)
 
     groups = [GroupDesc("full", 32), GroupDesc("sliding_window", 32, window=64)]
     transfer = local_pool_transfer(pool_settings)

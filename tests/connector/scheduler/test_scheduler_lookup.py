@@ -191,8 +191,9 @@ def _master_counter(local_pool, name: str) -> float:
 
 
 def test_one_round_trip_per_lookup(model_dir, pool_settings, local_pool) -> None:
-    """A miss in one batch_is_exist, of only the blocks the fixed point reads: full
-    attention's whole prefix, and the window at its end."""
+    """A miss in one batch_is_exist: the blocks the fixed point reads first (full attention's
+    whole prefix, and the window at its end) and, being few more (``ASK_AHEAD_KEYS``), every
+    other window block, so neither a shorter hit nor the statistics need another."""
     scheduler = make_scheduler(model_dir, FULL_SWA, local_pool_transfer(pool_settings))
     try:
         calls = _master_counter(local_pool, "master_batch_exist_key_requests_total")
@@ -200,11 +201,11 @@ def test_one_round_trip_per_lookup(model_dir, pool_settings, local_pool) -> None
         request = make_request(scheduler, list(range(9, 9 + 40 * 32 + 1)))
         scheduler.add_request(request)
         admit(scheduler)
-        # 40 full-attention blocks; a 64-token window needs its last 2 blocks.
-        assert scheduler.connector.stats.lookups[-1].keys == 40 + 2
-        # The statistics ask about the other 38 window blocks, off the lookup's path.
+        # 40 full-attention blocks; a 64-token window needs its last 2 blocks, and 38 more are asked.
+        assert scheduler.connector.stats.lookups[-1].keys == 40 + 2 + 38
+        # The statistics have nothing left to ask.
         assert settle(scheduler.connector, 5.0)
-        assert _master_counter(local_pool, "master_batch_exist_key_requests_total") - calls == 2
+        assert _master_counter(local_pool, "master_batch_exist_key_requests_total") - calls == 1
         assert _master_counter(local_pool, "master_batch_exist_key_items_total") - items == 2 * 40
         (record,) = scheduler.connector.stats.lookups
         assert tuple(record.present_blocks) == (0, 0) and tuple(record.group_hit_tokens) == (0, 0)
