@@ -31,7 +31,7 @@ from benchmarks.vllm_env import bench_scheduler, ours_transfer, tiny_long_model
 from testing.engine import scheduler_of
 from testing.kv_cache import GroupDesc
 from testing.pool_store import raw_store
-from testing.scheduler import make_request, matched_tokens, settle
+from testing.scheduler import PresenceMeter, make_request, matched_tokens, settle
 
 LENGTHS = (1024, 8192, 32768)
 SMOKE_LENGTHS = (1024,)
@@ -180,6 +180,8 @@ def _measure_layout(
     }
     # One request's lookup, asked and answered within the call (see the module docstring).
     asks = {v: _asker(s) for v, s in schedulers.items()}
+    # Our calls to the master: every existence check of the scheduler side (rounds and statistics).
+    meter = PresenceMeter(schedulers["ours"].connector)
     worker = intree.start_worker(model, groups, it_transfer[0], NUM_BLOCKS, config_path)
     rows: list[dict[str, Any]] = []
     rng = random.Random(1000 + index)
@@ -200,16 +202,20 @@ def _measure_layout(
                     freeze_gc_heap()  # as vLLM's EngineCore does after start-up
                     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
                     hits: dict[str, set[int]] = {v: set() for v in VARIANTS}
+                    checks: list[int] = []  # ours, per call, its statistics' included (settled)
                     for v in VARIANTS:  # warm-up, untimed
                         hits[v].add(int(asks[v](requests[v]) or 0))
                         _settle(schedulers[v], requests[v])
                     for rep in range(reps):
                         for v in rotate(VARIANTS, rep):
+                            before = meter.checks
                             with stopwatch() as t:
                                 got = asks[v](requests[v])
                             times[v].append(t[0])
                             hits[v].add(int(got or 0))
                             _settle(schedulers[v], requests[v])
+                            if v == "ours":
+                                checks.append(meter.checks - before)
                     rows.append(
                         {
                             "layout": name,
@@ -219,6 +225,7 @@ def _measure_layout(
                             "hits": {v: sorted(h) for v, h in hits.items()},
                             "keys_ours": _ours_key_count(schedulers["ours"]),
                             "keys_intree": _intree_key_count(worker, requests["ours"]),
+                            "checks_ours": checks,
                             "seconds": times,
                         }
                     )
@@ -270,6 +277,7 @@ def _report(rows: list[dict[str, Any]], reps: int, opts: Options) -> Report:
             "pool holds",
             "hit",
             "keys ours/in-tree",
+            "master calls ours",
             "ours ms",
             "in-tree ms (thread)",
             "ratio",
@@ -299,6 +307,7 @@ def _report(rows: list[dict[str, Any]], reps: int, opts: Options) -> Report:
             r["pool"],
             hit,
             f"{r['keys_ours']}/{r['keys_intree']}",
+            "/".join(str(c) for c in sorted(set(r["checks_ours"]))),
             s["ours"].fmt(1e3),
             s["intree_thread"].fmt(1e3),
             ratio_t.ratio(),
@@ -348,9 +357,12 @@ def _report(rows: list[dict[str, Any]], reps: int, opts: Options) -> Report:
     report.notes.append(
         "'keys ours' are the keys our lookup asked about: every full-attention block up to the "
         "longest possible hit and each other group's blocks at a candidate hit's end (a second, "
-        "small round trip when the hit is shorter); in-tree asks about every block of every group. "
-        "Our per-group statistics ask about the other blocks on the presence service's thread after "
-        "the lookup is answered; each call waits for that (untimed) before the next variant runs."
+        "small round trip when the hit is shorter), or every block of every group when that is at "
+        "most ASK_AHEAD_KEYS (256) keys more: then one round trip; in-tree asks about every block "
+        "of every group. Our per-group statistics ask about the other blocks, if any, on the presence "
+        "service's thread after the lookup is answered; each call waits for that (untimed) before "
+        "the next variant runs. 'master calls ours': existence checks per call (the lookup's rounds "
+        "and the statistics' check), the values seen over the repetitions."
     )
     report.data["rows"] = rows
     path = common.plot_path("lookup", opts)
