@@ -181,19 +181,23 @@ def admit(scheduler: Any) -> Any:
 
 class PresenceMeter:
     """Counts the existence checks of ``target``'s scheduler side and times the pauses its idle
-    steps take for their lookups (benchmarks).
+    steps take for their lookups, and its waits for answers within a step's lookup budget
+    (benchmarks).
 
-    It wraps two public members of that side: its client's ``exists`` (every check the
+    It wraps three public members of that side: its client's ``exists`` (every check the
     presence service makes: lookups' and statistics'; a client the process shares counts
     its other users' checks too) and its presence service's ``wait_idle`` (calls for lookups
-    only: an idle step's pause, which :func:`answer_lookups` also takes).
+    only: an idle step's pause, which :func:`answer_lookups` also takes) and ``wait_answered``
+    (a request's wait for its lookup inside ``get_num_new_matched_tokens``).
     """
 
     def __init__(self, target: Any):
         self.checks = 0
         self.idle_paused_s = 0.0
+        self.budget_waited_s = 0.0
         side = scheduler_of(target)
         exists, wait_idle = side.client.exists, side.presence.wait_idle
+        wait_answered = side.presence.wait_answered
 
         def counted(keys: list[str]) -> list[bool]:
             self.checks += 1
@@ -208,8 +212,16 @@ class PresenceMeter:
             finally:
                 self.idle_paused_s += time.perf_counter() - started
 
+        def timed_answer(pending: Any, timeout_s: float) -> bool:
+            started = time.perf_counter()
+            try:
+                return bool(wait_answered(pending, timeout_s))
+            finally:
+                self.budget_waited_s += time.perf_counter() - started
+
         side.client.exists = counted
         side.presence.wait_idle = timed
+        side.presence.wait_answered = timed_answer
 
 
 def note_save_plans(side: Any) -> list[str]:
