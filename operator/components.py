@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvpool.operator import names
+from kvpool.operator.disk_tier import OFFLOAD_FLAG, master_tier_args, tier_env, tier_mount, tier_volume
 from kvpool.operator.spec import ComputeResources, PoolSpec, Toleration, format_bytes, parse_quantity
 
 RUN_AS_USER = 1000
@@ -113,11 +114,15 @@ def component_deployment(
     strategy: dict[str, Any],
     pod_scheduling: dict[str, Any],
     add_capabilities: list[str] | None = None,
+    env: list[dict[str, Any]] | None = None,
+    volumes: list[dict[str, Any]] | None = None,
+    mounts: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """A Deployment of one hardened container named ``component``, running the pool's image.
 
     ``container`` holds what differs between components (command, args, ports, probes,
-    resources); image, ``POD_IP``, security contexts and a writable ``/tmp`` are shared.
+    resources); image, ``POD_IP``, security contexts and a writable ``/tmp`` are shared;
+    ``env``, ``volumes`` and ``mounts`` come after the shared ones.
     """
     return {
         "apiVersion": "apps/v1",
@@ -139,13 +144,13 @@ def component_deployment(
                             "image": str(spec.image),
                             "imagePullPolicy": spec.image_pull_policy,
                             **container,
-                            "env": [pod_ip_env()],
+                            "env": [pod_ip_env(), *(env or [])],
                             "securityContext": container_security_context(add_capabilities),
-                            "volumeMounts": [{"name": TMP_VOLUME, "mountPath": "/tmp"}],
+                            "volumeMounts": [{"name": TMP_VOLUME, "mountPath": "/tmp"}, *(mounts or [])],
                         }
                     ],
                     # A writable /tmp (logs) beside the read-only root filesystem.
-                    "volumes": [{"name": TMP_VOLUME, "emptyDir": {}}],
+                    "volumes": [{"name": TMP_VOLUME, "emptyDir": {}}, *(volumes or [])],
                     **pod_scheduling,
                 },
             },
@@ -186,7 +191,7 @@ def master_args(spec: PoolSpec) -> list[str]:
             "--etcd_endpoints=" + ETCD_ENDPOINT_SEPARATOR.join(master.ha.etcd_endpoints),
             f"--rpc_address=$({POD_IP_ENV})",
         ]
-    return args + list(master.extra_args)
+    return args + master_tier_args(spec) + list(master.extra_args)
 
 
 def master_probes(spec: PoolSpec) -> dict[str, Any]:
@@ -289,6 +294,8 @@ def store_args(spec: PoolSpec, master_address: str, metadata_server: str) -> lis
     ]
     if store.rdma_devices:
         args.append("--device_names=" + ",".join(store.rdma_devices))
+    if store.disk_tier is not None:
+        args.append(OFFLOAD_FLAG)
     return args + list(store.extra_args)
 
 
@@ -312,6 +319,7 @@ def store_deployment(
     # Spread whatever the replica count: a template that changed with ``replicas`` would
     # restart every store (and lose what it holds) when the pool is scaled.
     spread = topology_spread(pool, names.STORE, hard=False)
+    tier = store.disk_tier
     return component_deployment(
         pool,
         namespace,
@@ -322,6 +330,9 @@ def store_deployment(
         strategy={"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}},
         pod_scheduling=scheduling(store.node_selector, store.tolerations, store.priority_class_name, spread),
         add_capabilities=STORE_RDMA_CAPABILITIES if store.protocol == "rdma" else None,
+        env=tier_env(tier) if tier else None,
+        volumes=[tier_volume(tier)] if tier else None,
+        mounts=[tier_mount()] if tier else None,
     )
 
 

@@ -199,6 +199,39 @@ class MasterSpec(_Model):
     extra_args: list[str] = Field(default_factory=list, description="More mooncake_master flags.")
 
 
+class DiskTierVolumeSpec(_Model):
+    """Where a store pod's disk tier lives: a volume of the pod's own, never a host path."""
+
+    type: Literal["ephemeralClaim", "emptyDir"] = Field(
+        default="ephemeralClaim",
+        description="ephemeralClaim: a PersistentVolumeClaim made from a template for each store pod "
+        "(a generic ephemeral volume, deleted with its pod); emptyDir: the node's scratch space.",
+    )
+    storage_class_name: DNSName | None = Field(
+        default=None, description="ephemeralClaim: the storage class (default: the cluster's)."
+    )
+    size: ByteSize | None = Field(
+        default=None,
+        ge=1 << 20,
+        description="The volume's size (default: the tier's capacity and a quarter more for "
+        "Mooncake's bucket metadata).",
+    )
+
+
+class DiskTierSpec(_Model):
+    """A local disk tier under each store pod's memory (Mooncake's offload; docs/tenancy.md):
+    objects are written to the pod's volume and served from it after their memory is evicted."""
+
+    capacity: ByteSize = Field(ge=1 << 20, description="Bytes the tier holds on each store pod.")
+    key_limit: int = Field(default=1_000_000, ge=1, le=2**31 - 1, description="Objects the tier holds.")
+    eviction_policy: Literal["none", "fifo", "lru"] = Field(
+        default="lru", description="What the tier drops when full (none: it refuses new objects)."
+    )
+    high_watermark: float = Field(default=0.9, gt=0, le=1, description="Disk use that starts eviction.")
+    low_watermark: float = Field(default=0.8, gt=0, lt=1, description="Disk use eviction stops at.")
+    volume: DiskTierVolumeSpec = Field(default_factory=DiskTierVolumeSpec)
+
+
 class StoreSpec(_Model):
     """Where the pool's memory comes from."""
 
@@ -225,6 +258,9 @@ class StoreSpec(_Model):
     node_selector: NodeSelector = Field(default_factory=dict)
     tolerations: list[Toleration] = Field(default_factory=list, max_length=64)
     priority_class_name: PriorityClassName | None = Field(default=None, description="Of the store pods.")
+    disk_tier: DiskTierSpec | None = Field(
+        default=None, description="A local disk tier on each store pod (standalone mode)."
+    )
     extra_args: list[str] = Field(default_factory=list, description="More mooncake_client flags.")
 
 

@@ -18,6 +18,7 @@ from kvpool.connector.contract.settings import ConnectorSettings, SettingsError
 from kvpool.operator import names
 from kvpool.operator.components import STORE_MEMORY_OVERHEAD, store_memory_limit
 from kvpool.operator.connector_settings import pool_connector_settings, spec_field_of
+from kvpool.operator.disk_tier import check_disk_tier
 from kvpool.operator.policy import OperatorPolicy, policy_problems
 from kvpool.operator.spec import ComputeResources, PoolSpec, format_bytes, parse_quantity
 
@@ -82,6 +83,8 @@ def check_master(spec: PoolSpec) -> list[Problem]:
 
 def check_store(spec: PoolSpec) -> list[Problem]:
     if spec.store.mode != "standalone":
+        if spec.store.disk_tier is not None:
+            return [_problem("spec.store.diskTier", "disk-tier-store-pods", "a disk tier needs store pods")]
         return []
     problems = []
     if spec.store.replicas < 1:
@@ -110,7 +113,7 @@ def check_store(spec: PoolSpec) -> list[Problem]:
                 f"set at least {format_bytes(needed)}",
             )
         )
-    return problems
+    return problems + check_disk_tier(spec)
 
 
 # What ``spec.store`` may say of an external pool: how consumers reach the pool's memory, and

@@ -100,9 +100,13 @@ class DiskTier:
 
     def store_env(self) -> dict[str, str]:
         """The store process's Mooncake offload variables (after :meth:`prepare`)."""
-        directory = self.prepare()
+        return self.offload_env(str(self.prepare()))
+
+    def offload_env(self, directory: str) -> dict[str, str]:
+        """The Mooncake offload variables of a store whose tier is ``directory`` (pure: the
+        operator renders them for store pods whose tier is a mounted volume)."""
         return {
-            "MOONCAKE_OFFLOAD_FILE_STORAGE_PATH": str(directory),
+            "MOONCAKE_OFFLOAD_FILE_STORAGE_PATH": directory,
             "MOONCAKE_OFFLOAD_STORAGE_BACKEND_DESCRIPTOR": "bucket_storage_backend",
             "MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES": str(self.capacity),
             "MOONCAKE_OFFLOAD_BUCKET_MAX_TOTAL_SIZE": str(self.capacity),
