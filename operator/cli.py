@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from kvpool.operator.crd import render_crd
+from kvpool.operator.crd import build_grant_crd, render_crd
 from kvpool.operator.leader import SERVICE_HEALTH_URL
 from kvpool.operator.pod_injection import DEPLOYMENT_PATCH, INJECTION_MODES, POD_ADMISSION
 from kvpool.operator.rbac import RULES, TENANT_RULES, WEBHOOK_RULES, render_rules
@@ -28,7 +28,8 @@ def _parser() -> argparse.ArgumentParser:
         description="Run the MooncakeKVPool operator, or print its CRD or its RBAC rules.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("crd", help="print the MooncakeKVPool CustomResourceDefinition (YAML)")
+    crd = sub.add_parser("crd", help="print the MooncakeKVPool CustomResourceDefinition (YAML)")
+    crd.add_argument("--grant", action="store_true", help="the MooncakeKVPoolGrant's instead")
     rbac = sub.add_parser("rbac", help="print the RBAC rules the operator needs (YAML)")
     rbac.add_argument(
         "--webhook-managed",
@@ -232,7 +233,8 @@ def options_from_args(args: argparse.Namespace) -> OperatorOptions:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "crd":
-        sys.stdout.write(render_crd())
+        grant = (build_grant_crd(), "kvpool-operator crd --grant") if args.grant else ()
+        sys.stdout.write(render_crd(*grant))
         return 0
     if args.command == "rbac" and args.tenant:
         command = f"kvpool-operator rbac --tenant {args.tenant}"

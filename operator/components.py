@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvpool.connector.contract import tenant_policy
 from kvpool.operator import names
 from kvpool.operator.disk_tier import OFFLOAD_FLAG, master_tier_args, tier_env, tier_mount, tier_volume
 from kvpool.operator.spec import ComputeResources, PoolSpec, Toleration, format_bytes, parse_quantity
@@ -191,6 +192,8 @@ def master_args(spec: PoolSpec) -> list[str]:
             "--etcd_endpoints=" + ETCD_ENDPOINT_SEPARATOR.join(master.ha.etcd_endpoints),
             f"--rpc_address=$({POD_IP_ENV})",
         ]
+    if spec.tenancy.enabled:
+        args += tenant_policy.master_args(f"{names.TENANTS_MOUNT_PATH}/{tenant_policy.POLICY_FILE}")
     return args + master_tier_args(spec) + list(master.extra_args)
 
 
@@ -224,6 +227,7 @@ def master_deployment(pool: str, namespace: str, spec: PoolSpec) -> dict[str, An
         else {"type": "Recreate"}
     )
     spread = topology_spread(pool, names.MASTER, hard=True) if master.ha.enabled else None
+    tenants = {"name": "tenants", "configMap": {"name": names.tenants_configmap_name(pool)}}
     return component_deployment(
         pool,
         namespace,
@@ -235,6 +239,10 @@ def master_deployment(pool: str, namespace: str, spec: PoolSpec) -> dict[str, An
         pod_scheduling=scheduling(
             master.node_selector, master.tolerations, master.priority_class_name, spread
         ),
+        volumes=[tenants] if spec.tenancy.enabled else None,
+        mounts=[{"name": "tenants", "mountPath": names.TENANTS_MOUNT_PATH, "readOnly": True}]
+        if spec.tenancy.enabled
+        else None,
     )
 
 

@@ -48,14 +48,15 @@ def pool_connector_settings(pool: str, namespace: str, spec: PoolSpec) -> Connec
 
 
 def consumer_connector_settings(
-    settings: ConnectorSettings, layout: KVLayout | None = None
+    settings: ConnectorSettings, layout: KVLayout | None = None, tenant: str = ""
 ) -> ConnectorSettings:
     """Settings as a consumer pod uses them: it serves and binds on its own pod IP.
 
     ``$(POD_IP)`` is expanded by the kubelet in the container's args (``POD_IP`` comes
     from the downward API; ``consumers`` injects it). With the consumer's declared
     ``layout``, they carry it and its fingerprint: the connector compares them with the
-    layout vLLM builds and stays out of the pool on any difference.
+    layout vLLM builds and stays out of the pool on any difference. ``tenant``: the
+    Mooncake tenant of the consumer's grant (pools with tenancy).
     """
     pod_ip = f"$({POD_IP_ENV})"
     declared: dict[str, object] = {}
@@ -64,6 +65,8 @@ def consumer_connector_settings(
             "declared_layout": layout.model_dump(mode="json", exclude_defaults=True),
             "declared_layout_fingerprint": fingerprint(layout),
         }
+    if tenant:
+        declared["tenant"] = tenant
     return ConnectorSettings.parse(
         {**settings.extra_config(), "local_hostname": pod_ip, "bind_address": pod_ip, **declared}
     )

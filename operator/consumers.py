@@ -82,13 +82,18 @@ class Injection:
 
 
 def plan_injection(
-    pool: str, consumer: ConsumerSpec, settings: ConnectorSettings, configmap: Mapping[str, Any]
+    pool: str,
+    consumer: ConsumerSpec,
+    settings: ConnectorSettings,
+    configmap: Mapping[str, Any],
+    tenant: str = "",
 ) -> Injection:
     """The injection for ``consumer``; its hash covers what matters to the consumer's pods:
     the transfer config (explicit settings only, never defaults), the env, the mount, the
-    layout. The ConfigMap's files hold the same settings (the transfer config overrides
-    them), so a rendering of the files alone never rolls a consumer."""
-    consumer_settings = consumer_connector_settings(settings, consumer.layout)
+    layout (``tenant``: the consumer's grant's Mooncake tenant). The ConfigMap's files hold
+    the same settings (the transfer config overrides them), so a rendering of the files
+    alone never rolls a consumer."""
+    consumer_settings = consumer_connector_settings(settings, consumer.layout, tenant)
     kv_config = kv_transfer_config_json(consumer_settings, consumer.kv_role)
     layout_fingerprint = fingerprint(consumer.layout)
     config_hash = digest(

@@ -46,6 +46,9 @@ class ApiResource:
 POOLS = ApiResource(GROUP, VERSION, "mooncakekvpools", "MooncakeKVPool")
 POOL_SINGULAR = "mooncakekvpool"
 POOL_SHORT_NAMES = ("mkvp",)
+GRANTS = ApiResource(GROUP, VERSION, "mooncakekvpoolgrants", "MooncakeKVPoolGrant")
+GRANT_SINGULAR = "mooncakekvpoolgrant"
+GRANT_SHORT_NAMES = ("mkvpg",)
 
 DEPLOYMENTS = ApiResource("apps", "v1", "deployments", "Deployment")
 SERVICES = ApiResource("", "v1", "services", "Service")
@@ -124,6 +127,15 @@ def store_name(pool: str) -> str:
 
 def connector_configmap_name(pool: str) -> str:
     return f"{pool}-connector"
+
+
+def tenants_configmap_name(pool: str) -> str:
+    """The master's tenant quota policy (pools with tenancy)."""
+    return f"{pool}-tenants"
+
+
+# Where the master reads its tenant quota policy.
+TENANTS_MOUNT_PATH = "/etc/kvpool/tenants"
 
 
 def network_policy_name(pool: str) -> str:

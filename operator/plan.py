@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +17,7 @@ from kvpool.operator.components import (
 )
 from kvpool.operator.connector_settings import connector_configmap
 from kvpool.operator.consumers import Injection, plan_injection
+from kvpool.operator.grants import Grant, Tenancy, consumer_grant_problems, plan_tenancy, tenants_configmap
 from kvpool.operator.names import (
     CONFIGMAPS,
     DEPLOYMENTS,
@@ -60,6 +61,8 @@ class Plan:
     children: list[dict[str, Any]] = field(default_factory=list)
     absent: list[tuple[ApiResource, str]] = field(default_factory=list)
     consumers: list[Injection] = field(default_factory=list)
+    # The grants' tenants and quotas (None: tenancy is off).
+    tenancy: Tenancy | None = None
 
     @property
     def valid(self) -> bool:
@@ -78,6 +81,7 @@ def children_names(pool: str) -> list[tuple[ApiResource, str]]:
         (NETWORK_POLICIES, names.consumers_network_policy_name(pool)),
         (NETWORK_POLICIES, names.etcd_network_policy_name(pool)),
         (CONFIGMAPS, names.connector_configmap_name(pool)),
+        (CONFIGMAPS, names.tenants_configmap_name(pool)),
     ]
 
 
@@ -87,22 +91,31 @@ def build_plan(
     raw_spec: Mapping[str, Any] | None,
     policy: OperatorPolicy | None = None,
     network: NamespaceNetwork | None = None,
+    grants: Sequence[Grant] = (),
 ) -> Plan:
     """Validate the spec and build every desired object from it (``network``: what the
-    namespace's own NetworkPolicies do to the consumers; default: none selects them)."""
+    namespace's own NetworkPolicies do to the consumers; default: none selects them;
+    ``grants``: the namespace's grants)."""
     policy = policy or OperatorPolicy()
     spec, settings, problems = validate(pool, namespace, raw_spec, policy)
+    if spec is not None:
+        problems = problems + consumer_grant_problems(pool, spec, grants)
     if problems or spec is None or settings is None:
         return Plan(pool=pool, namespace=namespace, problems=problems)
     address = master_address(pool, namespace, spec)
     configmap = connector_configmap(pool, namespace, settings)
+    tenancy = plan_tenancy(pool, grants, declared_capacity(spec)) if spec.tenancy.enabled else None
+    tenants = tenancy.tenants if tenancy else {}
+    injections = [
+        plan_injection(pool, c, settings, configmap, tenants.get(c.grant or "", "")) for c in spec.consumers
+    ]
     if spec.external is not None:
         return external_plan(
             pool,
             namespace,
             spec,
             configmap,
-            [plan_injection(pool, c, settings, configmap) for c in spec.consumers],
+            injections,
         )
     children = [
         configmap,
@@ -111,6 +124,10 @@ def build_plan(
         pod_disruption_budget(pool, namespace, names.MASTER, only_pod=not spec.master.ha.enabled),
     ]
     absent: list[tuple[ApiResource, str]] = []
+    if tenancy is not None:
+        children.append(tenants_configmap(pool, namespace, tenancy))
+    else:
+        absent.append((CONFIGMAPS, names.tenants_configmap_name(pool)))
     embedded = spec.store.mode == "embedded"
     if embedded:
         absent += [(DEPLOYMENTS, names.store_name(pool)), (POD_DISRUPTION_BUDGETS, names.store_name(pool))]
@@ -149,8 +166,14 @@ def build_plan(
         observed=not enabled or policy.operator_pods_known,
         children=children,
         absent=absent,
-        consumers=[plan_injection(pool, c, settings, configmap) for c in spec.consumers],
+        consumers=injections,
+        tenancy=tenancy,
     )
+
+
+def declared_capacity(spec: PoolSpec) -> int | None:
+    """The memory the store pods mount (None: embedded, the vLLM ranks mount it)."""
+    return spec.store.segment_size * spec.store.replicas if spec.store.mode == "standalone" else None
 
 
 def external_plan(

@@ -22,6 +22,7 @@ from kvpool.operator.names import (
     CONFIGMAPS,
     DEPLOYMENTS,
     EVENTS,
+    GRANTS,
     LEASES,
     NETWORK_POLICIES,
     POD_DISRUPTION_BUDGETS,
@@ -58,6 +59,9 @@ RULES: tuple[Rule, ...] = (
     # reads each pool fresh and writes its status.
     Rule(POOLS.group, (POOLS.plural,), ("get", "list", "watch", "patch")),
     Rule(POOLS.group, (f"{POOLS.plural}/status",), ("patch",)),
+    # Grants: read (the tenants of a pool with tenancy, watched for a pass) and their status.
+    Rule(GRANTS.group, (GRANTS.plural,), ("get", "list", "watch")),
+    Rule(GRANTS.group, (f"{GRANTS.plural}/status",), ("patch",)),
     # Children carry an ownerReference with blockOwnerDeletion: the API server's
     # OwnerReferencesPermissionEnforcement admission wants update on the pool's finalizers.
     Rule(POOLS.group, (f"{POOLS.plural}/finalizers",), ("update",)),
@@ -85,9 +89,12 @@ TENANT_EDIT_RULES: tuple[Rule, ...] = (
         ("get", "list", "watch", "create", "update", "patch", "delete", "deletecollection"),
     ),
     Rule(POOLS.group, (f"{POOLS.plural}/status",), ("get", "list", "watch")),
+    # Grants are the cluster admin's: a namespace's editors see theirs, never make one.
+    Rule(GRANTS.group, (GRANTS.plural, f"{GRANTS.plural}/status"), ("get", "list", "watch")),
 )
 TENANT_VIEW_RULES: tuple[Rule, ...] = (
     Rule(POOLS.group, (POOLS.plural, f"{POOLS.plural}/status"), ("get", "list", "watch")),
+    Rule(GRANTS.group, (GRANTS.plural, f"{GRANTS.plural}/status"), ("get", "list", "watch")),
 )
 TENANT_RULES = {"edit": TENANT_EDIT_RULES, "view": TENANT_VIEW_RULES}
 

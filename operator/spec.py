@@ -276,6 +276,9 @@ CONNECTOR_FIELDS = (
     "transfer_threads",
     "load_batch_bytes",
     "idle_step_wait_s",
+    "load_policy",
+    "load_margin",
+    "load_decision_min_samples",
 )
 
 
@@ -307,6 +310,11 @@ class ConsumerSpec(_Model):
         default=None, description="The vLLM container; default: the Deployment's first."
     )
     kv_role: Literal["kv_both", "kv_producer", "kv_consumer"] = "kv_both"
+    grant: DNSName | None = Field(
+        default=None,
+        description="The MooncakeKVPoolGrant in the consumer's own namespace it attaches with "
+        "(required when spec.tenancy.enabled): its Mooncake tenant becomes the consumer's.",
+    )
     layout: KVLayout = Field(
         description="The KV-cache layout the model produces (kvpool-layout prints it); the connector "
         "stays out of the pool when vLLM builds another."
@@ -358,6 +366,17 @@ class ExternalSpec(_Model):
     )
 
 
+class TenancySpec(_Model):
+    """Mooncake's multi-tenancy: the master admits each consumer's writes only within its
+    grant's quota (docs/tenancy.md says what is and is not isolated)."""
+
+    enabled: bool = Field(
+        default=False,
+        description="Run the master with --enable_multi_tenants and a quota per grant "
+        "(MooncakeKVPoolGrant objects naming this pool); every consumer then names a grant.",
+    )
+
+
 class PoolSpec(_Model):
     """Desired state of a Mooncake KV-cache pool and its vLLM consumers."""
 
@@ -377,6 +396,35 @@ class PoolSpec(_Model):
     connector: ConnectorSpec = Field(default_factory=ConnectorSpec)  # type: ignore[valid-type]
     consumers: list[ConsumerSpec] = Field(default_factory=list)
     network_policy: NetworkPolicySpec = Field(default_factory=NetworkPolicySpec)
+    tenancy: TenancySpec = Field(default_factory=TenancySpec)
+
+
+class GrantSpec(_Model):
+    """A share of a pool for the grant's namespace: one Mooncake tenant, one reuse domain."""
+
+    pool: DNSName = Field(description="The MooncakeKVPool this grant is a share of (in the same namespace).")
+    ceiling: ByteSize = Field(
+        ge=1 << 20,
+        description="Pool memory the grant's consumers may hold at most (bytes or '8GB'); cut in "
+        "proportion when the pool's grants ask more than its memory.",
+    )
+    reuse_domain: (
+        Annotated[str, StringConstraints(pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", max_length=40)] | None
+    ) = Field(
+        default=None,
+        description="Grants that name the same domain are one tenant: their consumers share blocks "
+        "and one quota, the largest of their ceilings. None: the grant is a tenant of its own.",
+    )
+
+
+class GrantStatus(_Model):
+    """What the pool's master is told of a grant."""
+
+    observed_generation: int | None = None
+    tenant: str | None = Field(default=None, description="The Mooncake tenant of the grant's consumers.")
+    ceiling: str | None = Field(default=None, description="The ceiling the master admits, as a quantity.")
+    ceiling_bytes: int | None = None
+    conditions: list[Condition] = Field(default_factory=list)
 
 
 ConditionStatus = Literal["True", "False", "Unknown"]

@@ -270,10 +270,27 @@ def validate(
     problems += check_external(spec, raw_spec or {})
     if spec.external is None:
         problems += check_master(spec) + check_store(spec) + check_requests(spec)
-    problems += check_consumers(spec)
+    problems += check_consumers(spec) + check_tenancy(spec)
     problems += check_policy(spec, policy or OperatorPolicy())
     settings, settings_problems = check_settings(pool, namespace, spec)
     return spec, settings, problems + settings_problems
+
+
+def check_tenancy(spec: PoolSpec) -> list[Problem]:
+    """Grants need a master the pool runs, and mean nothing without tenancy."""
+    if spec.tenancy.enabled and spec.external is not None:
+        return [
+            _problem(
+                "spec.tenancy.enabled", "external-tenancy", "the operator runs no master of an external pool"
+            )
+        ]
+    if spec.tenancy.enabled:
+        return []
+    return [
+        _problem(f"spec.consumers[{i}].grant", "tenancy-off", "a grant needs spec.tenancy.enabled")
+        for i, consumer in enumerate(spec.consumers)
+        if consumer.grant is not None
+    ]
 
 
 def describe(problems: list[Problem]) -> str:

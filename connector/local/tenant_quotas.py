@@ -11,15 +11,15 @@ docs/tenancy.md).
 from __future__ import annotations
 
 import json
-import re
 import urllib.request
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-# Mooncake's rule is looser (printable, not starting with '_'); the connector's is this.
-_TENANT_RE = re.compile(r"^[a-z0-9]([a-z0-9.-]{0,61}[a-z0-9])?$")
+from kvpool.connector.contract.tenant_policy import master_args, policy_yaml
+
+__all__ = ["TenantQuota", "master_args", "policy_yaml", "read_quotas", "write_policy"]
 
 
 @dataclass(frozen=True)
@@ -45,31 +45,10 @@ class TenantQuota:
         )
 
 
-def policy_yaml(quotas: Mapping[str, int]) -> str:
-    """Mooncake's tenant quota policy (schema version 1) granting each tenant its bytes."""
-    lines = ["version: 1", "tenants:"]
-    for tenant, quota in quotas.items():
-        if not _TENANT_RE.match(tenant):
-            raise ValueError(f"{tenant!r} is not a tenant: a DNS label of at most 63 characters")
-        if quota < 1:
-            raise ValueError(f"tenant {tenant}: a quota is at least 1 byte")
-        lines += [f"  - name: {tenant}", f"    quota: {int(quota)}"]
-    return "\n".join(lines) + "\n"
-
-
-def master_args(policy_path: Path) -> tuple[str, ...]:
-    """The master's flags for strict multi-tenant admission from the policy file at ``policy_path``."""
-    return (
-        "--enable_multi_tenants=true",
-        "--tenant_quota_connector_type=file",
-        f"--tenant_quota_connector_uri={policy_path}",
-    )
-
-
 def write_policy(path: Path, quotas: Mapping[str, int]) -> tuple[str, ...]:
     """Write the policy file and return the master's flags that read it."""
     path.write_text(policy_yaml(quotas))
-    return master_args(path)
+    return master_args(str(path))
 
 
 def read_quotas(metrics_host_port: str, timeout: float = 5.0) -> dict[str, TenantQuota]:

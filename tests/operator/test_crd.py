@@ -93,6 +93,9 @@ def test_field_names_and_contract_blocks() -> None:
         "transfer_threads",
         "load_batch_bytes",
         "idle_step_wait_s",
+        "load_policy",
+        "load_margin",
+        "load_decision_min_samples",
     }
     layout = spec["consumers"]["items"]["properties"]["layout"]
     assert {"groups", "tp_size", "pp_size", "pcp_size", "dcp_size"} <= set(layout["properties"])

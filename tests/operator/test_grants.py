@@ -1,0 +1,136 @@
+"""Grants: one Mooncake tenant each (or one per shared reuse domain), the master's policy
+rendered from them, cut as Mooncake cuts, refused by field and rule (pure)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from kvpool.connector.contract.tenant_policy import POLICY_FILE, effective_quotas, policy_yaml
+from kvpool.connector.local import tenant_quotas
+from kvpool.operator import names
+from kvpool.operator.grants import Grant, grant_status, read_grant
+from kvpool.operator.names import CONFIGMAPS
+from kvpool.operator.plan import build_plan
+from testing.kube_api import NAMESPACE
+from testing.operator_objects import consumer, pool_spec
+
+MiB = 1 << 20
+
+
+def grant(name: str, ceiling: str, pool: str = "pool", **spec: Any) -> Grant:
+    return read_grant(
+        {
+            "metadata": {"name": name, "namespace": NAMESPACE, "generation": 1},
+            "spec": {"pool": pool, "ceiling": ceiling, **spec},
+        }
+    )
+
+
+def tenant_spec(*grants: str | None, **store: Any) -> dict[str, Any]:
+    consumers = [
+        {**consumer(), "name": f"llm-{i}", **({"grant": g} if g else {})} for i, g in enumerate(grants)
+    ]
+    return pool_spec(
+        tenancy={"enabled": True},
+        store={"segmentSize": "16MB", "replicas": 2, **store},
+        consumers=consumers,
+    )
+
+
+def test_the_cut_is_mooncakes_proportional_share() -> None:
+    assert effective_quotas({"a": 24 * MiB, "b": 24 * MiB}, 32 * MiB) == {"a": 16 * MiB, "b": 16 * MiB}
+    assert effective_quotas({"a": 8, "b": 8}, 32) == {"a": 8, "b": 8}
+    cut = effective_quotas({"a": 1, "b": 1, "c": 1}, 2)
+    assert sum(cut.values()) == 2 and sorted(cut.values()) == [0, 1, 1]
+    # One policy format for the local pool and the operator.
+    assert tenant_quotas.policy_yaml is policy_yaml
+    assert policy_yaml({}) == "version: 1\ntenants: []\n"
+
+
+def test_a_pool_with_tenancy_renders_the_policy_and_each_consumers_tenant() -> None:
+    grants = [
+        grant("team-a", "24MB"),
+        grant("team-b", "24MB"),
+        grant("other", "8MB", pool="elsewhere"),
+    ]
+    plan = build_plan("pool", NAMESPACE, tenant_spec("team-a", "team-b"), grants=grants)
+    assert plan.problems == []
+    objs = {f"{c['kind']}/{c['metadata']['name']}": c for c in plan.children}
+    policy = objs["ConfigMap/pool-tenants"]["data"][POLICY_FILE]
+    assert policy == policy_yaml({f"{NAMESPACE}.team-a": 24 * MiB, f"{NAMESPACE}.team-b": 24 * MiB})
+    master = objs["Deployment/pool-master"]["spec"]["template"]["spec"]
+    (container,) = master["containers"]
+    path = f"{names.TENANTS_MOUNT_PATH}/{POLICY_FILE}"
+    assert set(tenant_quotas.master_args(path)) <= set(container["args"])
+    assert {"name": "tenants", "mountPath": names.TENANTS_MOUNT_PATH, "readOnly": True} in container[
+        "volumeMounts"
+    ]
+    assert {"name": "tenants", "configMap": {"name": "pool-tenants"}} in master["volumes"]
+    tenants = [
+        json.loads(inj.kv_transfer_config)["kv_connector_extra_config"]["tenant"] for inj in plan.consumers
+    ]
+    assert tenants == [f"{NAMESPACE}.team-a", f"{NAMESPACE}.team-b"]
+    assert plan.tenancy is not None and plan.tenancy.capacity == 32 * MiB
+
+
+def test_grants_of_one_reuse_domain_are_one_tenant_and_the_cut_is_in_their_status() -> None:
+    grants = [
+        grant("team-a", "24MB"),
+        grant("shared-1", "8MB", reuseDomain="llama"),
+        grant("shared-2", "16MB", reuseDomain="llama"),
+    ]
+    plan = build_plan("pool", NAMESPACE, tenant_spec("shared-1", "shared-2", "team-a"), grants=grants)
+    assert plan.tenancy is not None
+    assert plan.tenancy.requested == {"domain.llama": 16 * MiB, f"{NAMESPACE}.team-a": 24 * MiB}
+    # 16 + 24 MiB asked of 32 MiB: cut to 12.8 and 19.2 MiB (Mooncake's largest remainder).
+    assert plan.tenancy.effective == {"domain.llama": 13421773, f"{NAMESPACE}.team-a": 20132659}
+    status = grant_status(grants[0], plan.tenancy)
+    conditions = {c["type"]: c for c in status["conditions"]}
+    assert conditions["Accepted"]["status"] == "True"
+    assert conditions["Cut"]["status"] == "True" and "24Mi cut to" in conditions["Cut"]["message"]
+    assert status["ceilingBytes"] == 20132659 and status["tenant"] == f"{NAMESPACE}.team-a"
+    fits = build_plan("pool", NAMESPACE, tenant_spec("team-a", replicas=4), grants=grants[:1])
+    assert fits.tenancy is not None
+    fitting = {c["type"]: c["status"] for c in grant_status(grants[0], fits.tenancy)["conditions"]}
+    assert fitting == {"Accepted": "True", "Cut": "False"}
+
+
+@pytest.mark.parametrize(
+    ("consumer_grant", "tenancy", "grants", "field", "rule"),
+    [
+        (None, True, [], "spec.consumers[0].grant", "consumer-grant"),
+        ("missing", True, [], "spec.consumers[0].grant", "grant-not-found"),
+        (
+            "team-a",
+            True,
+            [grant("team-a", "8MB", pool="other")],
+            "spec.consumers[0].grant",
+            "grant-other-pool",
+        ),
+        ("team-a", True, [grant("team-a", "1KB")], "spec.consumers[0].grant", "grant-invalid"),
+        ("team-a", False, [grant("team-a", "8MB")], "spec.consumers[0].grant", "tenancy-off"),
+    ],
+)
+def test_a_consumer_attaches_only_to_a_grant_of_its_namespace_and_pool(
+    consumer_grant: str | None, tenancy: bool, grants: list[Grant], field: str, rule: str
+) -> None:
+    raw = tenant_spec(consumer_grant)
+    raw["tenancy"] = {"enabled": tenancy}
+    plan = build_plan("pool", NAMESPACE, raw, grants=grants)
+    assert [(p.field, p.rule) for p in plan.problems] == [(field, rule)]
+    assert plan.children == [] and plan.consumers == []
+
+
+def test_an_external_pool_takes_no_tenancy_and_a_pool_without_it_has_no_policy() -> None:
+    raw = pool_spec(external={"masterServerAddress": "mooncake.example:50051"}, tenancy={"enabled": True})
+    raw.pop("image")
+    raw["store"] = {"segmentSize": "1GB"}
+    raw["consumers"] = [{**consumer(), "grant": "team-a"}]
+    plan = build_plan("pool", NAMESPACE, raw, grants=[grant("team-a", "8MB")])
+    assert ("spec.tenancy.enabled", "external-tenancy") in [(p.field, p.rule) for p in plan.problems]
+    plain = build_plan("pool", NAMESPACE, pool_spec())
+    assert (CONFIGMAPS, "pool-tenants") in plain.absent and plain.tenancy is None
+    assert "tenant" not in json.loads(plain.consumers[0].kv_transfer_config)["kv_connector_extra_config"]
