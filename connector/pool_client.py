@@ -63,6 +63,13 @@ MAX_EXIST_KEYS = 16384
 UNREACHABLE_AFTER_BATCHES = 2
 UNREACHABLE_BACKOFF_S = 2.0
 
+# An existence check still inside Mooncake this long past Mooncake's own RPC timeout
+# (``store_timeout_s``) is wedged: Mooncake did not end it (benchmarks/README.md, finding 9).
+# Its caller gets a miss; later checks go to a spare client until the wedged call returns.
+EXISTS_GRACE_S = 2.0
+# The spare client's transfer buffer: it makes metadata calls only.
+SPARE_LOCAL_BUFFER = 1 << 20
+
 
 class Outcome(StrEnum):
     """What one key's transfer came to."""
@@ -136,6 +143,92 @@ def chunks(items: Sequence[T], size: int) -> list[Sequence[T]]:
     return [items[i : i + size] for i in range(0, len(items), size)]
 
 
+class _Answer:
+    """What a :class:`_Lane` job came to, once :attr:`done` is set."""
+
+    __slots__ = ("codes", "done", "error")
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.codes: list[int] = []
+        self.error: BaseException | None = None
+
+
+class _Lane:
+    """One daemon thread that runs a client's existence calls one at a time, so that a caller
+    waits for a call with a deadline, and a call Mooncake never ends holds this thread only."""
+
+    def __init__(self, name: str):
+        self._name = name
+        self._cond = threading.Condition()
+        self._job: tuple[Callable[[], list[int]], _Answer] | None = None
+        self._busy_since: float | None = None  # when the call inside started
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def wedged(self, after_s: float) -> bool:
+        """Whether a call has been inside for more than ``after_s``."""
+        since = self._busy_since
+        return since is not None and time.monotonic() - since > after_s
+
+    @property
+    def busy(self) -> bool:
+        return self._busy_since is not None
+
+    def call(self, job: Callable[[], list[int]], timeout_s: float) -> list[int] | None:
+        """``job``'s codes; None when it has not returned within ``timeout_s`` (waiting for the
+        call before it included): it may go on, holding this lane, until Mooncake ends it."""
+        end = time.monotonic() + timeout_s
+        answer = _Answer()
+        with self._cond:
+            while self._busy_since is not None or self._job is not None:
+                left = end - time.monotonic()
+                if left <= 0 or self._closed:
+                    return None
+                self._cond.wait(left)
+            if self._closed:
+                return None
+            self._job = (job, answer)
+            self._busy_since = time.monotonic()
+            self._start()
+            self._cond.notify_all()
+        if not answer.done.wait(max(0.0, end - time.monotonic())):
+            return None
+        if answer.error is not None:
+            raise answer.error
+        return answer.codes
+
+    def close(self) -> None:
+        """Let the thread end (after the call inside, if any)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def _start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while self._job is None and not self._closed:
+                    self._cond.wait()
+                if self._job is None:
+                    return
+                job, answer = self._job
+            try:
+                answer.codes = job()
+            except BaseException as error:  # handed to the caller, if it still waits
+                answer.error = error
+            finally:
+                with self._cond:
+                    self._job = None
+                    self._busy_since = None
+                    self._cond.notify_all()
+                answer.done.set()
+
+
 @dataclass
 class _Shared:
     client: PoolClient
@@ -149,7 +242,9 @@ class PoolClient:
     which prepares the process's Mooncake environment first.
     """
 
-    def __init__(self, settings: ConnectorSettings, *, global_segment_size: int | None = None):
+    def __init__(
+        self, settings: ConnectorSettings, *, global_segment_size: int | None = None, spare: bool = False
+    ):
         self.settings = settings
         self.batch_size = settings.batch_size
         self.tenant = settings.tenant
@@ -195,6 +290,21 @@ class PoolClient:
         self._state = threading.Lock()
         self._in_flight = 0
         self._close_pending = False
+        # Existence calls run on a lane of their own, each waited for at most
+        # ``exists_deadline_s``. While one is wedged (past it), checks go to a spare client
+        # (a client of its own, contributing no memory: metadata calls only) on a second
+        # lane: opened then, kept for the next wedge, closed with this client (Mooncake's
+        # setup and close hold the GIL, close for up to its leader watch's 30 s under HA:
+        # not while serving). A spare has no spare: a client has at most two existence
+        # calls inside Mooncake at a time.
+        self.exists_deadline_s = settings.store_timeout_s + EXISTS_GRACE_S
+        self.wedged_exists = 0  # existence calls given up on past exists_deadline_s
+        self._may_spare = not spare
+        self._exists_lane = _Lane("kvpool-exists")
+        self._spare_lane = _Lane("kvpool-exists-spare")
+        self._spare: PoolClient | None = None
+        self._spare_state = threading.Lock()
+        self._spare_retry_at = 0.0  # after a failed setup, none before this (monotonic)
 
     # --- guards -----------------------------------------------------------
     def _scoped(self, keys: Sequence[str]) -> list[str]:
@@ -217,6 +327,11 @@ class PoolClient:
                     self._close_pending = False
             if last:
                 self._close_now()
+
+    @property
+    def answering_from_spare(self) -> bool:
+        """Whether existence checks go to the spare client now (one of this client's is wedged)."""
+        return self._may_spare and self._exists_lane.wedged(self.exists_deadline_s)
 
     @property
     def unreachable(self) -> bool:
@@ -245,13 +360,16 @@ class PoolClient:
 
         Metadata only, so one round trip per ``MAX_EXIST_KEYS`` keys (not per
         ``batch_size``, which bounds data transfers).
+
+        A call waits at most :attr:`exists_deadline_s` (every key absent past it); while a
+        call Mooncake did not end holds this client's existence lane, a spare client answers.
         """
         present: list[bool] = []
         if self.unreachable:
             return [False] * len(keys)
         for part in chunks(keys, MAX_EXIST_KEYS):
             try:
-                codes = self._call(self._store.batch_is_exist, self._scoped(part))
+                codes = self._exists_codes(self._scoped(part))
             except StoreUnavailable:
                 raise
             except Exception:  # the RPC itself failed: nothing is known present
@@ -259,6 +377,61 @@ class PoolClient:
                 codes = [-1] * len(part)
             present.extend(code == 1 for code in codes)
         return present
+
+    def _exists_codes(self, scoped: list[str]) -> list[int]:
+        """``batch_is_exist`` of ``scoped`` (keys as stored), from this client or, while an
+        existence call of its is wedged, from the spare."""
+        deadline_s = self.exists_deadline_s
+        if self.answering_from_spare:
+            codes = self._spare_lane.call(lambda: self._spare_exists(scoped), deadline_s)
+            return [CODE_RPC_TIMEOUT] * len(scoped) if codes is None else codes
+        with self._state:
+            if not self._open:
+                raise StoreUnavailable("Mooncake client is closed")
+        codes = self._exists_lane.call(lambda: self._call(self._store.batch_is_exist, scoped), deadline_s)
+        if codes is None:
+            self.wedged_exists += 1
+            logger.warning(
+                "Mooncake existence check of %d keys still in flight after %.0f s: a miss; "
+                "checks go to a spare client until it returns",
+                len(scoped),
+                deadline_s,
+            )
+            return [CODE_RPC_TIMEOUT] * len(scoped)
+        return codes
+
+    def _spare_exists(self, scoped: list[str]) -> list[int]:
+        """On the spare lane: the spare's answer, the spare opened first when there is none
+        (a fresh client finds the current leader; setup is bounded by the caller's wait)."""
+        with self._spare_state:
+            spare = self._spare
+        if spare is None:
+            with self._state:
+                if not self._open:
+                    raise StoreUnavailable("Mooncake client is closed")
+            if time.monotonic() < self._spare_retry_at:
+                return [CODE_RPC_FAILED] * len(scoped)
+            try:
+                settings = self.settings.model_copy(update={"local_buffer_size": SPARE_LOCAL_BUFFER})
+                spare = PoolClient(settings, global_segment_size=0, spare=True)
+            except StoreUnavailable:  # no master to set up with yet: misses, tried again later
+                self._spare_retry_at = time.monotonic() + self.exists_deadline_s
+                logger.warning("Mooncake spare client failed to set up", exc_info=True)
+                return [CODE_RPC_FAILED] * len(scoped)
+            with self._spare_state:
+                self._spare = spare
+            logger.warning("Mooncake existence checks answered by a spare client")
+        try:
+            return spare._call(spare._store.batch_is_exist, scoped)
+        except StoreUnavailable:  # closed under this call, with this client
+            return [CODE_RPC_FAILED] * len(scoped)
+
+    def _close_spare(self) -> None:
+        """Close the spare, if any (once its call in flight returns, if one is)."""
+        with self._spare_state:
+            spare, self._spare = self._spare, None
+        if spare is not None:
+            spare.close()
 
     def register(self, ptr: int, size: int) -> None:
         """Register a memory region once for zero-copy transfers."""
@@ -436,6 +609,10 @@ class PoolClient:
             if not self._open:
                 return
             self._open = False
+        self._exists_lane.close()
+        self._spare_lane.close()
+        self._close_spare()
+        with self._state:
             if self._in_flight:
                 self._close_pending = True
                 logger.warning("Mooncake client: %d call(s) in flight; it closes after them", self._in_flight)
