@@ -33,7 +33,7 @@ from kvpool.operator.election import LeaseElector, LeaseLost, LeaseOptions
 from kvpool.operator.kube import USER_AGENT, ApiError, KubeClient, connection_info, load_configuration
 from kvpool.operator.leader import SERVICE_HEALTH_URL
 from kvpool.operator.metrics import OperatorMetrics, serve_metrics
-from kvpool.operator.names import DEPLOYMENTS, PODS, POOLS
+from kvpool.operator.names import DEPLOYMENTS, GRANTS, PODS, POOLS
 from kvpool.operator.pod_injection import DEPLOYMENT_PATCH, POD_ADMISSION, admit_pod
 from kvpool.operator.policy import OperatorPolicy
 from kvpool.operator.reconcile import Notify, Reconciler, pool_of
@@ -41,6 +41,15 @@ from kvpool.operator.validation import admission_problems, admission_warnings
 
 POOL = (POOLS.group, POOLS.version, POOLS.plural)
 CHILDREN = (DEPLOYMENTS.group, DEPLOYMENTS.version, DEPLOYMENTS.plural)
+GRANT = (GRANTS.group, GRANTS.version, GRANTS.plural)
+
+
+def grant_pool(body: Mapping[str, Any]) -> str | None:
+    """The pool a grant names (None: it names none)."""
+    pool = (body.get("spec") or {}).get("pool")
+    return pool if isinstance(pool, str) and pool else None
+
+
 VALIDATE_ID = "validate-pool"
 INJECT_ID = "inject-pod"
 # The webhook's read of the pool a new Pod names: well within the API server's call timeout.
@@ -228,6 +237,20 @@ def make_registry(
                 await reconciler.reconcile(pool, "child", notifier(pool), coalesce=True)
             except RETRYABLE as exc:
                 logging.getLogger(__name__).warning("pass after a change of %s/%s: %s", namespace, name, exc)
+
+    @kopf.on.event(*GRANT, registry=registry, id="grant", when=lambda body, **_: grant_pool(body) is not None)
+    async def grant(body: kopf.Body, **_: Any) -> None:
+        # A grant came, went or changed: a pass over the pool it names (its policy, its
+        # consumers' tenants, every grant's cut).
+        namespace, name = body.get("metadata", {}).get("namespace"), grant_pool(body)
+        if name is None or reconciler.queued(namespace, name):
+            return
+        pool = await reconciler.kube.get(POOLS, namespace, name)
+        if pool is not None and not pool.get("metadata", {}).get("deletionTimestamp"):
+            try:
+                await reconciler.reconcile(pool, "grant", notifier(pool), coalesce=True)
+            except RETRYABLE as exc:
+                logging.getLogger(__name__).warning("pass after a grant of %s/%s: %s", namespace, name, exc)
 
     @kopf.on.delete(*POOL, registry=registry, id="teardown", **retry)
     async def delete(body: kopf.Body, **_: Any) -> None:

@@ -63,6 +63,7 @@ _BY_KIND: dict[tuple[str, str], ApiResource] = {
     (r.api_version, r.kind): r
     for r in (
         POOLS,
+        GRANTS,
         DEPLOYMENTS,
         SERVICES,
         CONFIGMAPS,

@@ -36,6 +36,7 @@ from kvpool.operator.consumers import (
     restore_patch,
     restore_problem,
 )
+from kvpool.operator.grants import Grant, grant_status, read_grant
 from kvpool.operator.kube import ApiError, Applied, KubeClient, ensure, ensure_absent
 from kvpool.operator.leader import (
     SERVICE_HEALTH_URL,
@@ -47,7 +48,7 @@ from kvpool.operator.leader import (
 )
 from kvpool.operator.merge_patch import diff
 from kvpool.operator.metrics import OperatorMetrics
-from kvpool.operator.names import DEPLOYMENTS, PODS, POOLS
+from kvpool.operator.names import DEPLOYMENTS, GRANTS, PODS, POOLS
 from kvpool.operator.network import read_namespace_network
 from kvpool.operator.observation import Observation, base_of, poll_master
 from kvpool.operator.plan import Plan, build_plan, children_names
@@ -102,6 +103,52 @@ def pool_of(deployment: Mapping[str, Any]) -> str | None:
     return (meta.get("labels") or {}).get(names.LABEL_CONSUMER_OF) or (template.get("labels") or {}).get(
         names.LABEL_ALLOW_POOL
     )
+
+
+def uses_grants(pool: Mapping[str, Any]) -> bool:
+    """Whether a pool's spec turns tenancy on or names a grant (only then are grants read)."""
+    spec = pool.get("spec") or {}
+    tenancy = spec.get("tenancy") or {}
+    consumers = spec.get("consumers") or []
+    return bool(tenancy.get("enabled")) or any(isinstance(c, dict) and c.get("grant") for c in consumers)
+
+
+async def read_grants(kube: KubeClient, pool: Mapping[str, Any]) -> list[Grant]:
+    """The grants in the pool's namespace (none read when the pool uses none)."""
+    if not uses_grants(pool):
+        return []
+    return [read_grant(obj) for obj in await kube.list(GRANTS, pool["metadata"]["namespace"])]
+
+
+async def write_grant_statuses(
+    kube: KubeClient, pool: str, grants: list[Grant], plan: Plan, now: str
+) -> None:
+    """Each grant of ``pool``: its tenant and ceiling as the master admits it, or why the
+    pool does not serve it (written only when it changed)."""
+    refusal = (
+        f"pool {pool} is invalid: " + "; ".join(str(p) for p in plan.problems)
+        if plan.problems
+        else f"pool {pool} does not have spec.tenancy.enabled"
+    )
+    for grant in grants:
+        if grant.spec is not None and grant.spec.pool != pool:
+            continue
+        old = dict(await _grant_status_of(kube, grant))
+        new = grant_status(grant, plan.tenancy, refusal[:1024])
+        previous = {c.get("type"): c for c in old.get("conditions") or []}
+        for item in new["conditions"]:
+            before = previous.get(item["type"]) or {}
+            same = before.get("status") == item["status"]
+            item["lastTransitionTime"] = before.get("lastTransitionTime") if same else now
+        if new != old:
+            await kube.patch(
+                GRANTS, grant.namespace, grant.name, {"status": diff(old, new)}, subresource="status"
+            )
+
+
+async def _grant_status_of(kube: KubeClient, grant: Grant) -> Mapping[str, Any]:
+    obj = await kube.get(GRANTS, grant.namespace, grant.name)
+    return (obj or {}).get("status") or {}
 
 
 def utcnow() -> str:
@@ -536,7 +583,8 @@ class Reconciler:
             status = paused_status(old, utcnow())
         else:
             network = await read_namespace_network(self.kube, pool)
-            plan = build_plan(name, namespace, pool.get("spec"), self.policy, network)
+            grants = await read_grants(self.kube, pool)
+            plan = build_plan(name, namespace, pool.get("spec"), self.policy, network, grants)
             valid = plan.valid
             if plan.valid:
                 status = await converge(
@@ -551,6 +599,8 @@ class Reconciler:
                 )
             else:
                 status = invalid_status(plan.problems, old, pool["metadata"].get("generation"), utcnow())
+            # After the policy is applied: a grant says what the master was told.
+            await write_grant_statuses(self.kube, name, grants, plan, utcnow())
         if status != old:
             await self.kube.patch(POOLS, namespace, name, {"status": diff(old, status)}, subresource="status")
             announce(old, status, notify)

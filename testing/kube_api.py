@@ -27,8 +27,18 @@ from typing import Any
 import kmock
 
 from kvpool.operator.app import OperatorOptions, run
-from kvpool.operator.crd import build_crd
-from kvpool.operator.names import DEPLOYMENTS, POOL_SHORT_NAMES, POOL_SINGULAR, POOLS, api_resource_of
+from kvpool.operator.crd import build_crd, build_grant_crd
+from kvpool.operator.names import (
+    DEPLOYMENTS,
+    GRANT_SHORT_NAMES,
+    GRANT_SINGULAR,
+    GRANTS,
+    POOL_SHORT_NAMES,
+    POOL_SINGULAR,
+    POOLS,
+    ApiResource,
+    api_resource_of,
+)
 from kvpool.operator.rbac import allowed, implied_permissions, request_permission
 from testing import server_side
 
@@ -36,6 +46,7 @@ NAMESPACE = "team-a"
 WRITE_METHODS = {"POST", "PUT", "PATCH", "DELETE"}
 OPERATOR_AGENTS = ("kopf/", "kvpool-operator/")
 POOLS_PATH = f"{POOLS.group}/{POOLS.version}/{POOLS.plural}"
+GRANTS_PATH = f"{GRANTS.group}/{GRANTS.version}/{GRANTS.plural}"
 DEPLOYMENTS_PATH = f"{DEPLOYMENTS.api_version}/{DEPLOYMENTS.plural}"
 _SEQUENCE = itertools.count(1000)
 WRITE_ACTIONS = {kmock.action.CREATE, kmock.action.UPDATE, kmock.action.DELETE}
@@ -245,18 +256,33 @@ class LeanApiServer(ApiServer):
 
 
 def declare_resources(api: ApiServer) -> None:
-    """Teach the emulated API the builtin kinds and the ``MooncakeKVPool`` CRD (its schema too)."""
+    """Teach the emulated API the builtin kinds and the operator's CRDs (their schemas too)."""
     api.resources.load_bundled()
-    version = build_crd()["spec"]["versions"][0]
-    api.custom_resources[(POOLS.group, POOLS.plural)] = version["schema"]["openAPIV3Schema"]
+    for resource, path, crd, singular, short in (
+        (POOLS, POOLS_PATH, build_crd(), POOL_SINGULAR, POOL_SHORT_NAMES),
+        (GRANTS, GRANTS_PATH, build_grant_crd(), GRANT_SINGULAR, GRANT_SHORT_NAMES),
+    ):
+        _declare_crd(api, resource, path, crd, singular, short)
+
+
+def _declare_crd(
+    api: ApiServer,
+    resource: ApiResource,
+    path: str,
+    crd: dict[str, Any],
+    singular: str,
+    short: tuple[str, ...],
+) -> None:
+    version = crd["spec"]["versions"][0]
+    api.custom_resources[(resource.group, resource.plural)] = version["schema"]["openAPIV3Schema"]
     if "status" in version["subresources"]:
-        api.with_status.add((POOLS.group, POOLS.plural))
-    api.resources[POOLS_PATH] = kmock.ResourceInfo(
-        kind=POOLS.kind,
-        singular=POOL_SINGULAR,
+        api.with_status.add((resource.group, resource.plural))
+    api.resources[path] = kmock.ResourceInfo(
+        kind=resource.kind,
+        singular=singular,
         namespaced=True,
         verbs={"get", "list", "watch", "create", "patch", "delete"},
-        shortnames=set(POOL_SHORT_NAMES),
+        shortnames=set(short),
         subresources=set(version["subresources"]),
     )
 
