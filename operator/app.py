@@ -36,7 +36,7 @@ from kvpool.operator.metrics import OperatorMetrics, serve_metrics
 from kvpool.operator.names import DEPLOYMENTS, GRANTS, PODS, POOLS
 from kvpool.operator.pod_injection import DEPLOYMENT_PATCH, POD_ADMISSION, admit_pod
 from kvpool.operator.policy import OperatorPolicy
-from kvpool.operator.reconcile import Notify, Reconciler, pool_of
+from kvpool.operator.reconcile import Notify, Reconciler, pool_of, read_grants
 from kvpool.operator.validation import admission_problems, admission_warnings
 
 POOL = (POOLS.group, POOLS.version, POOLS.plural)
@@ -318,7 +318,16 @@ def register_admission(registry: kopf.OperatorRegistry, options: OperatorOptions
                 "the Pod is refused, the ReplicaSet controller retries [pool-unreachable]",
                 code=503,
             ) from exc
-        answer = admit_pod(dict(body), namespace, pool, options.policy)
+        try:
+            grants = await asyncio.wait_for(read_grants(kube, pool), POOL_LOOKUP_TIMEOUT) if pool else []
+        except RETRYABLE as exc:
+            raise kopf.AdmissionError(
+                f"the grants of pool {namespace}/{pool_name} could not be read "
+                f"({exc or type(exc).__name__}): "
+                "the Pod is refused, the ReplicaSet controller retries [pool-unreachable]",
+                code=503,
+            ) from exc
+        answer = admit_pod(dict(body), namespace, pool, options.policy, grants)
         if isinstance(answer, Refusal):
             raise kopf.AdmissionError(str(answer), code=403)
         patch.update(answer.patch)

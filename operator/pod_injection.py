@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +35,7 @@ from kvpool.operator.consumers import (
     injection_refusal,
     refusal,
 )
+from kvpool.operator.grants import Grant
 from kvpool.operator.merge_patch import diff
 from kvpool.operator.plan import build_plan
 from kvpool.operator.policy import OperatorPolicy
@@ -144,10 +145,16 @@ def pool_refusal(where: str, namespace: str, name: str, pool: Mapping[str, Any] 
 
 
 def consumer_of(
-    where: str, namespace: str, name: str, pool: Mapping[str, Any], deployment: str, policy: OperatorPolicy
+    where: str,
+    namespace: str,
+    name: str,
+    pool: Mapping[str, Any],
+    deployment: str,
+    policy: OperatorPolicy,
+    grants: Sequence[Grant] = (),
 ) -> Injection | Refusal:
     """The injection the pool's spec declares for ``deployment``, or why there is none."""
-    plan = build_plan(name, namespace, pool.get("spec"), policy)
+    plan = build_plan(name, namespace, pool.get("spec"), policy, grants=grants)
     if not plan.valid:
         problems = ", ".join(str(p) for p in plan.problems)
         return Refusal(
@@ -204,9 +211,11 @@ def admit_pod(
     namespace: str,
     pool: Mapping[str, Any] | None,
     policy: OperatorPolicy | None = None,
+    grants: Sequence[Grant] = (),
 ) -> PodInjection | Refusal:
     """The patch a new Pod with the opt-in label gets from ``pool`` (the one the label names,
-    None if there is none), or why it is refused."""
+    None if there is none; ``grants``: its namespace's, for a pool with tenancy), or why it
+    is refused."""
     meta = pod.get("metadata") or {}
     name = str((meta.get("labels") or {}).get(names.LABEL_ALLOW_POOL, ""))
     deployment = owning_deployment(pod)
@@ -224,7 +233,7 @@ def admit_pod(
         refusal(view, name, on=ON_TEMPLATE)
         or pool_refusal(where, namespace, name, pool)
         or (
-            consumer_of(where, namespace, name, pool, deployment, policy or OperatorPolicy())
+            consumer_of(where, namespace, name, pool, deployment, policy or OperatorPolicy(), grants)
             if pool
             else None
         )

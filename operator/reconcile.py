@@ -679,7 +679,8 @@ class Reconciler:
         consumers are rolled only onto a pool that serves)."""
         meta = body.get("metadata", {})
         namespace, name = meta["namespace"], meta["name"]
-        plan = build_plan(name, namespace, body.get("spec"), self.policy)
+        grants = await read_grants(self.kube, body)
+        plan = build_plan(name, namespace, body.get("spec"), self.policy, grants=grants)
         key = (namespace, name)
         if not plan.valid or not plan.observed or paused(body):
             self.observations.pop(key, None)

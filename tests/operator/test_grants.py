@@ -11,11 +11,15 @@ import pytest
 from kvpool.connector.contract.tenant_policy import POLICY_FILE, effective_quotas, policy_yaml
 from kvpool.connector.local import tenant_quotas
 from kvpool.operator import names
+from kvpool.operator.consumers import Refusal
 from kvpool.operator.grants import Grant, grant_status, read_grant
+from kvpool.operator.merge_patch import apply_merge_patch
 from kvpool.operator.names import CONFIGMAPS
 from kvpool.operator.plan import build_plan
+from kvpool.operator.pod_injection import PodInjection, admit_pod
 from testing.kube_api import NAMESPACE
-from testing.operator_objects import consumer, pool_spec
+from testing.operator_objects import consumer, pool_spec, vllm_deployment
+from testing.pod_admission import replica_set_pod, serving_pool
 
 MiB = 1 << 20
 
@@ -134,3 +138,20 @@ def test_an_external_pool_takes_no_tenancy_and_a_pool_without_it_has_no_policy()
     plain = build_plan("pool", NAMESPACE, pool_spec())
     assert (CONFIGMAPS, "pool-tenants") in plain.absent and plain.tenancy is None
     assert "tenant" not in json.loads(plain.consumers[0].kv_transfer_config)["kv_connector_extra_config"]
+
+
+def test_a_consumer_pod_admitted_by_the_webhook_gets_its_grants_tenant() -> None:
+    deployment = vllm_deployment("llm-0", allow_pool=None)
+    deployment["spec"]["template"]["metadata"]["labels"][names.LABEL_ALLOW_POOL] = "pool"
+    pod = replica_set_pod(deployment)
+    spec = tenant_spec("team-a")
+    grants = [grant("team-a", "8MB")]
+    answer = admit_pod(pod, NAMESPACE, serving_pool(spec), grants=grants)
+    assert isinstance(answer, PodInjection), answer
+    container = apply_merge_patch(pod, answer.patch)["spec"]["containers"][0]
+    (flag,) = [a for a in container["args"] if a.startswith("--kv-transfer-config=")]
+    config = json.loads(flag.split("=", 1)[1])
+    assert config["kv_connector_extra_config"]["tenant"] == f"{NAMESPACE}.team-a"
+    # Without its grant the Pod is refused, naming the field and the rule.
+    refusal = admit_pod(pod, NAMESPACE, serving_pool(spec))
+    assert isinstance(refusal, Refusal) and "grant-not-found" in str(refusal)
