@@ -140,13 +140,14 @@ def grant_status(grant: Grant, tenancy: Tenancy | None, refusal: str = "") -> di
         cut = _condition(
             CUT, "False", "Fits", f"the pool's grants fit in its {format_bytes(tenancy.capacity)}", gen
         )
+    accepted = f"tenant {tenant} in the pool's quota policy (a master reads it when it starts)"
     return {
         "observedGeneration": gen,
         "tenant": tenant,
         "ceiling": format_bytes(effective),
         "ceilingBytes": effective,
         "conditions": [
-            _condition(ACCEPTED, "True", "Accepted", f"tenant {tenant} of the pool's master", gen),
+            _condition(ACCEPTED, "True", "Accepted", accepted, gen),
             cut,
         ],
     }
