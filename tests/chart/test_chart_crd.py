@@ -10,20 +10,23 @@ import pytest
 import yaml
 
 from kvpool.operator import validation
-from kvpool.operator.crd import build_crd
-from kvpool.operator.generated import CRD_PATH
+from kvpool.operator.crd import build_crd, build_grant_crd
+from kvpool.operator.generated import CRD_PATH, GRANT_CRD_PATH
 from tests.chart.helm import CHART, EXAMPLES, ROOT, Helm, of_kind, one
 
 CRD_FILE = ROOT / CRD_PATH
 
 
-def test_the_chart_ships_the_operators_crd_alone() -> None:
+def test_the_chart_ships_the_operators_crds_alone() -> None:
     assert CRD_FILE.parent == CHART / "crds"
-    assert sorted(p.name for p in CRD_FILE.parent.iterdir()) == [CRD_FILE.name]
+    shipped = sorted(p.name for p in CRD_FILE.parent.iterdir())
+    assert shipped == sorted([CRD_FILE.name, (ROOT / GRANT_CRD_PATH).name])
 
 
-def test_helm_installs_it(helm: Helm) -> None:
-    assert one(helm.template(), "CustomResourceDefinition") == build_crd()
+def test_helm_installs_them(helm: Helm) -> None:
+    crds = {c["metadata"]["name"]: c for c in of_kind(helm.template(), "CustomResourceDefinition")}
+    expected = [build_crd(), build_grant_crd()]
+    assert crds == {c["metadata"]["name"]: c for c in expected}
 
 
 def crd_validator() -> jsonschema.Validator:
@@ -73,7 +76,9 @@ def test_example_pools_validate_against_the_crd_and_the_operator(helm: Helm) -> 
         (("spec", "store", "mode"), "shared"),
         (("spec", "master", "replicas"), 0),
         (("spec", "consumers", 0, "layout", "groups"), []),
-        (("spec", "image"), None),
+        # spec.image is optional since external pools (the operator requires it otherwise).
+        (("spec", "consumers", 0, "layout"), None),
+        (("spec", "store", "diskTier"), {"capacity": "1GB", "volume": {"type": "hostPath"}}),
     ],
 )
 def test_the_crd_check_bites(path: tuple[Any, ...], value: Any) -> None:
