@@ -39,7 +39,8 @@ def _parser() -> argparse.ArgumentParser:
     rbac.add_argument(
         "--tenant",
         choices=sorted(TENANT_RULES),
-        help="print instead what tenants get on pools through the aggregated edit or view role",
+        help="print instead what tenants get on pools through the aggregated edit or view role "
+        "(grant: what namespace admins get on grants when the chart allows it)",
     )
     run = sub.add_parser("run", help="run the operator")
     run.add_argument(

@@ -96,7 +96,13 @@ TENANT_VIEW_RULES: tuple[Rule, ...] = (
     Rule(POOLS.group, (POOLS.plural, f"{POOLS.plural}/status"), ("get", "list", "watch")),
     Rule(GRANTS.group, (GRANTS.plural, f"{GRANTS.plural}/status"), ("get", "list", "watch")),
 )
-TENANT_RULES = {"edit": TENANT_EDIT_RULES, "view": TENANT_VIEW_RULES}
+# Grants made by namespace admins, when the cluster admin allows it (the chart's
+# ``rbac.namespaceAdminsGrant``): aggregated into ``admin`` only. A namespace admin then
+# decides its namespace's share of a pool, within what the pool's memory holds (cut otherwise).
+TENANT_GRANT_RULES: tuple[Rule, ...] = (
+    Rule(GRANTS.group, (GRANTS.plural,), ("create", "update", "patch", "delete", "deletecollection")),
+)
+TENANT_RULES = {"edit": TENANT_EDIT_RULES, "view": TENANT_VIEW_RULES, "grant": TENANT_GRANT_RULES}
 
 # Leader election: the Lease in the operator's own namespace (a Role there).
 LEASE_RULES: tuple[Rule, ...] = (Rule(LEASES.group, (LEASES.plural,), ("get", "create", "patch")),)
