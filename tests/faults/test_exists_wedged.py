@@ -17,8 +17,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Iterator
 
 import pytest
 
@@ -26,7 +25,7 @@ from kvpool.connector.contract.settings import ConnectorSettings
 from kvpool.connector.local.pool import wait_for_capacity
 from kvpool.connector.pool_client import PoolClient, open_client
 from kvpool.connector.scheduler.presence import PresenceService
-from testing.mooncake_faults import mooncake_store_class
+from testing.exists_wedge import Wedge
 from testing.pool_store import put_bytes, raw_store
 from tests.faults.helpers import HAPool
 
@@ -34,47 +33,7 @@ pytestmark = [pytest.mark.faults, pytest.mark.mooncake, pytest.mark.timeout(300)
 
 KEYS = [f"wedge/{i}" for i in range(4)]
 STORE_TIMEOUT_S = 1  # Mooncake's RPC timeout; a check past it plus the grace is wedged
-WEDGE_CAP_S = 240.0  # the wedge's own bound (the chaos run's was ~270 s)
 HANG_GUARD_S = 90.0  # a bound against a test that never sees hits again, not a speed target
-
-
-class Wedge:
-    """``batch_is_exist`` of one Mooncake store object blocks until :meth:`release`."""
-
-    def __init__(self, store: Any):
-        self.store = store
-        self.entered = 0
-        self.returned = 0
-        self._gate = threading.Event()
-        self._lock = threading.Lock()
-
-    def install(self, monkeypatch: pytest.MonkeyPatch) -> Wedge:
-        store_class = mooncake_store_class()
-        original: Callable[..., Any] = store_class.batch_is_exist
-        wedge = self
-
-        def batch_is_exist(store: Any, keys: Any) -> Any:
-            if store is not wedge.store:
-                return original(store, keys)
-            with wedge._lock:
-                wedge.entered += 1
-            try:
-                wedge._gate.wait(WEDGE_CAP_S)
-                return original(store, keys)
-            finally:
-                with wedge._lock:
-                    wedge.returned += 1
-
-        monkeypatch.setattr(store_class, "batch_is_exist", batch_is_exist)
-        return self
-
-    @property
-    def in_flight(self) -> int:
-        with self._lock:
-            return self.entered - self.returned
-
-    def release(self) -> None:
-        self._gate.set()
 
 
 @pytest.fixture
