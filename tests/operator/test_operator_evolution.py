@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import pytest
 
+from kvpool.operator.names import GRANTS
 from kvpool.operator.policy import OperatorPolicy
 from kvpool.operator.rbac import RULES, implied_permissions, request_permission
 from testing.kube_api import (
     DEPLOYMENTS_PATH,
+    GRANTS_PATH,
     NAMESPACE,
     POOLS_PATH,
     Cluster,
@@ -16,6 +18,7 @@ from testing.kube_api import (
 from testing.operator_objects import (
     Operator,
     as_created,
+    consumer,
     converge,
     kv_flags,
     pool_manifest,
@@ -75,13 +78,34 @@ async def test_every_change_converges_and_uses_every_rule(cluster: Cluster, oper
     assert {c["type"]: c["reason"] for c in status["conditions"]}["StoreReady"] == "Embedded"
     assert '"global_segment_size":1073741824' in kv_flags(cluster.get(DEPLOYMENTS_PATH, "llm"))[0]
 
+    # Tenancy: the consumer attaches to a grant of its namespace, which says its tenant.
+    await cluster.create(
+        {
+            "apiVersion": f"{GRANTS.group}/{GRANTS.version}",
+            "kind": GRANTS.kind,
+            "metadata": {"name": "team", "namespace": NAMESPACE},
+            "spec": {"pool": "pool", "ceiling": "1GB"},
+        }
+    )
+    tenancy = {"tenancy": {"enabled": True}, "consumers": [{**consumer(), "grant": "team"}]}
+    await cluster.patch_pool("pool", {"spec": tenancy})
+    await converge(cluster, generation=4)
+    await eventually(
+        lambda: (
+            ((cluster.get(GRANTS_PATH, "team") or {}).get("status") or {}).get("tenant")
+            == f"{NAMESPACE}.team"
+        ),
+        what="the grant's tenant",
+    )
+    assert f"{NAMESPACE}.team" in kv_flags(cluster.get(DEPLOYMENTS_PATH, "llm"))[0]
+
     # No consumers: the Deployment gets its own settings back.
     await cluster.patch_pool("pool", {"spec": {"consumers": []}})
     await eventually(
         lambda: template(cluster.get(DEPLOYMENTS_PATH, "llm")) == template(as_created(cluster, "llm")),
         what="consumer released",
     )
-    await converge(cluster, generation=4)
+    await converge(cluster, generation=5)
 
     await cluster.delete_pool("pool")
     await eventually(lambda: cluster.get(POOLS_PATH, "pool") is None, what="pool gone")
