@@ -64,12 +64,23 @@ class _Payload:
         return {"counters": self.counters, "histograms": self.histograms}
 
 
+#: Payload counters no series exports: the loads the load rate learns from, those that
+#: failed nowhere (a failed load's time measures the fault, not the link).
+CLEAN_LOAD_BYTES = "clean_load_bytes"  # every rank's
+CLEAN_LOAD_SECONDS = "clean_load_seconds"  # rank 0's, summed over each load's groups
+
+
 def records_to_data(lookups: Iterable[LookupRecord], transfers: Iterable[TransferRecord]) -> dict[str, Any]:
     """The stats payload for a batch of records."""
     out = _Payload()
     _add_lookups(out, lookups)
     for t in transfers:
         op = t.operation
+        if op == m.LOAD and not t.failures and any(t.bytes):
+            out.counters[CLEAN_LOAD_BYTES] = out.counters.get(CLEAN_LOAD_BYTES, 0.0) + sum(t.bytes)
+            if not t.rank:
+                seconds = sum(s for s, tried in zip(t.group_seconds, t.group_attempted) if tried)
+                out.counters[CLEAN_LOAD_SECONDS] = out.counters.get(CLEAN_LOAD_SECONDS, 0.0) + seconds
         if op == m.REMOVE:
             for g, kind in enumerate(t.group_kinds):
                 out.inc(m.REMOVED_OBJECTS, t.blocks[g], group=g, group_kind=kind, reason=t.reason)
@@ -133,31 +144,25 @@ def _add_lookups(out: _Payload, lookups: Iterable[LookupRecord]) -> None:
 class TransferSample:
     """What one step's worker stats say about transfers, for the scheduler's load rates."""
 
-    load_bytes: float = 0.0  # every rank's
-    load_seconds: float = 0.0  # rank 0's, summed over each load's groups (they load in turn)
+    # Loads that failed nowhere: every rank's bytes; rank 0's seconds, summed over each
+    # load's groups (they load in turn).
+    load_bytes: float = 0.0
+    load_seconds: float = 0.0
     group_bytes: dict[int, float] = field(default_factory=dict)  # loads and saves, every rank's
     group_blocks: dict[int, float] = field(default_factory=dict)  # loads and saves, rank 0's
 
 
 def transfer_sample(data: Mapping[str, Any]) -> TransferSample:
     """The transfers in a stats payload (the workers' records, as :func:`records_to_data` wrote them)."""
-    sample = TransferSample()
-    for key, value in data.get("counters", {}).items():
+    counters = data.get("counters", {})
+    sample = TransferSample(counters.get(CLEAN_LOAD_BYTES, 0.0), counters.get(CLEAN_LOAD_SECONDS, 0.0))
+    for key, value in counters.items():
         name, labels = parse_key(key)
-        if name == m.TRANSFER_BYTES.name:
-            group, _, operation = labels
-            if operation == m.LOAD:
-                sample.load_bytes += value
-            if operation in (m.LOAD, m.SAVE):
-                sample.group_bytes[int(group)] = sample.group_bytes.get(int(group), 0.0) + value
-        elif name == m.TRANSFER_BLOCKS.name:
+        if name in (m.TRANSFER_BYTES.name, m.TRANSFER_BLOCKS.name):
             group, _, operation = labels
             if operation in (m.LOAD, m.SAVE):
-                sample.group_blocks[int(group)] = sample.group_blocks.get(int(group), 0.0) + value
-    for key, values in data.get("histograms", {}).items():
-        name, labels = parse_key(key)
-        if name == m.OPERATION_SECONDS.name and labels[0] == m.LOAD:
-            sample.load_seconds += sum(values)
+                into = sample.group_bytes if name == m.TRANSFER_BYTES.name else sample.group_blocks
+                into[int(group)] = into.get(int(group), 0.0) + value
     return sample
 
 

@@ -179,6 +179,7 @@ def _load(
     blocks: tuple[int, ...],
     seconds: tuple[float, ...],
     rank: int | None = None,
+    failed: int = 0,
 ):
     kinds = ("full", "sliding_window")[: len(blocks)]
     return TransferRecord(
@@ -187,9 +188,9 @@ def _load(
         blocks=blocks,
         masked=tuple(0 for _ in blocks),
         bytes=bytes_per_group,
-        failures={},
+        failures={"rpc_failed": failed} if failed else {},
         seconds=sum(seconds),
-        group_failures=tuple({} for _ in blocks),
+        group_failures=tuple({"rpc_failed": failed} if failed and g == 0 else {} for g in range(len(blocks))),
         group_seconds=seconds,
         group_attempted=tuple(True for _ in blocks),
         rank=rank,
@@ -228,3 +229,22 @@ def test_decisions_and_rates_are_exported_under_their_names() -> None:
     assert gauges[series_key(m.LOAD_RATE, transport="tcp")] == 5e8
     assert gauges[series_key(m.PREFILL_RATE)] == 2e4
     assert decision_data({}, 0, None, None) == {"counters": {}, "histograms": {}, "gauges": {}}
+
+
+def test_a_failed_load_teaches_the_load_rate_nothing() -> None:
+    """A load that failed (here: seconds waiting on a dead master, one group's bytes) measures
+    the fault, not the link: the rate learns from clean loads only, and the load still counts
+    in the exported bytes and latency."""
+    clean = _load((8 * MIB, 2 * MIB), (8, 2), (0.05, 0.05), rank=0)
+    failed = _load((0, 2 * MIB), (8, 2), (5.0, 0.05), rank=0, failed=8)
+    data = records_to_data([], [clean, failed])
+    sample = transfer_sample(data)
+    assert sample.load_bytes == 10 * MIB
+    assert sample.load_seconds == pytest.approx(0.1)
+    latencies = data["histograms"][series_key(m.OPERATION_SECONDS, operation=m.LOAD, group_kind="full")]
+    assert latencies == [0.05, 5.0]
+
+    only_failed = transfer_sample(records_to_data([], [failed]))
+    rates = LoadRates()
+    rates.observe_transfers(only_failed, "tcp")
+    assert rates.rates("tcp").load_samples == 0
