@@ -142,9 +142,17 @@ def request_results(
 
 
 def transfer_config(settings: Any, kv_role: str = "kv_both", **extra: Any) -> dict[str, Any]:
-    """``--kv-transfer-config`` for the recording connector against ``settings``' pool, plus ``extra``."""
+    """``--kv-transfer-config`` for the recording connector against ``settings``' pool, plus ``extra``.
+
+    ``load_policy`` is ``always`` unless ``settings`` or ``extra`` name one: a tiny model
+    recomputes a hit faster than it loads it, so the load decision (``auto``) would recompute
+    every hit once it has its samples, and a test of what the pool serves would see none.
+    Tests of the decision name the policy.
+    """
     from kvpool.connector.local.recording import recording_transfer_config
 
+    if "load_policy" not in settings.model_fields_set:
+        extra.setdefault("load_policy", "always")
     config = recording_transfer_config(settings, kv_role)
     config["kv_connector_extra_config"].update(extra)
     return config

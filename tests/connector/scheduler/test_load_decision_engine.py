@@ -48,7 +48,7 @@ def gemma_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_a_hit_slower_to_load_than_to_recompute_recomputes(gemma_dir, pool_settings, monkeypatch) -> None:
     (reference,) = reference_tokens(gemma_dir, [P2], MAX_TOKENS)
     link = RateCap(LINK_BYTES_PER_S).install(monkeypatch)
-    config = transfer_config(pool_settings, load_decision_min_samples=1)
+    config = transfer_config(pool_settings, load_policy="auto", load_decision_min_samples=1)
     llm = create_llm(EngineOptions(model=str(gemma_dir), kv_transfer_config=config, disable_log_stats=False))
     try:
         side = scheduler_of(llm)
