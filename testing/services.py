@@ -93,8 +93,11 @@ class PrometheusServer:
             raise RuntimeError(f"Prometheus {path} failed: {body}")
         return body["data"]
 
-    def query(self, promql: str) -> list[dict[str, Any]]:
-        return self.api("query", query=promql)["result"]
+    def query(self, promql: str, at: float | None = None) -> list[dict[str, Any]]:
+        """An instant query, now or at the Unix time ``at``."""
+        if at is None:
+            return self.api("query", query=promql)["result"]
+        return self.api("query", query=promql, time=f"{at:.3f}")["result"]
 
     def wait_for_scrapes(self, job: str, scrapes: int = 2, timeout: float = 30.0) -> None:
         """Until every target of ``job`` was scraped ``scrapes`` times and is up."""
