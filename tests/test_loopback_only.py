@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import psutil
 import pytest
@@ -80,7 +81,8 @@ class SocketSampler:
     def sample(self, processes: list[psutil.Process]) -> None:
         for process in processes:
             try:
-                name = f"{process.name()}[{process.pid}]"
+                # The executable's name: a pytest-xdist worker renames its process.
+                name = f"{Path(process.exe()).name or process.name()}[{process.pid}]"
                 connections = process.net_connections(kind="inet")
             except psutil.Error:  # it exited between listing and reading
                 continue

@@ -32,12 +32,14 @@ SOURCES = (
 LOCAL_MODULES = {
     "__init__",
     "demo",
+    "disk_tier",
     "engine",
     "layout_command",
     "layout_probe",
     "pool",
     "pool_command",
     "recording",
+    "tenant_quotas",
     "tiny_model",
 }
 IMPORTS_SCAFFOLDING = re.compile(r"^\s*(from|import)\s+(testing|tests|benchmarks)\b", re.MULTILINE)

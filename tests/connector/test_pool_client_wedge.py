@@ -23,7 +23,13 @@ pytestmark = pytest.mark.mooncake
 KEYS = ["a", "b", "c"]
 
 
+def existence_lanes() -> set[threading.Thread]:
+    """The existence lanes alive in this process now."""
+    return {t for t in threading.enumerate() if t.name.startswith("kvpool-exists")}
+
+
 def test_a_spare_answers_while_an_existence_call_is_wedged(pool_settings, monkeypatch) -> None:
+    lanes_before = existence_lanes()
     settings = pool_settings.model_copy(update={"store_timeout_s": 1})
     client = open_client(settings, global_segment_size=0)
     wedge: Wedge | None = None
@@ -55,7 +61,7 @@ def test_a_spare_answers_while_an_existence_call_is_wedged(pool_settings, monkey
         if wedge is not None:
             wedge.release()
         client.close()
-    lanes = [t for t in threading.enumerate() if t.name.startswith("kvpool-exists")]
+    lanes = [t for t in existence_lanes() if t not in lanes_before]  # clients of other tests keep theirs
     for thread in lanes:
         thread.join(10)
     assert not [t for t in lanes if t.is_alive()], "every existence lane ends with its client"

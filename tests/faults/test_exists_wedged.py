@@ -61,9 +61,15 @@ def _put_all(client: PoolClient) -> None:
             time.sleep(0.2)
 
 
+def existence_lanes() -> set[threading.Thread]:
+    """The existence lanes alive in this process now."""
+    return {t for t in threading.enumerate() if t.name.startswith("kvpool-exists")}
+
+
 def test_hits_again_while_a_wedged_check_holds(
     ha_pool: HAPool, monkeypatch: pytest.MonkeyPatch, record_property: pytest.RecordProperty
 ) -> None:
+    lanes_before = existence_lanes()
     settings = ConnectorSettings.parse(
         {"master_server_address": ha_pool.address, "store_timeout_s": STORE_TIMEOUT_S}
     )
@@ -119,7 +125,7 @@ def test_hits_again_while_a_wedged_check_holds(
             wedge.release()
         presence.close()
         client.close()
-    lanes = [t for t in threading.enumerate() if t.name.startswith("kvpool-exists")]
+    lanes = [t for t in existence_lanes() if t not in lanes_before]  # clients of other tests keep theirs
     for thread in lanes:
         thread.join(10)
     assert not [t for t in lanes if t.is_alive()], "every existence lane ends with its client"
