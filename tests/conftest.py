@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -48,3 +49,41 @@ def pool_client(pool_settings) -> Iterator[object]:
     client = open_client(pool_settings, global_segment_size=0)
     yield client
     client.close()
+
+
+#: Folders whose tests share session fixtures across files (one cluster, one set of
+#: reference outputs, the operator's recorded requests read by the chart's RBAC tests):
+#: under ``pytest -n`` each runs whole on one worker. Any other file is a group of its own.
+SHARED_GROUPS = {"e2e": "e2e", "faults": "faults", "operator": "operator", "chart": "operator"}
+#: These groups go first, longest first, so that the workers finish together.
+GROUP_ORDER = ("e2e", "operator", "faults")
+
+
+def share_group(nodeid: str) -> str:
+    """The group of a test (by node id: ``tests/<folder>/<file>::<name>``): its shared
+    folder's, or its file's."""
+    path = nodeid.split("::", 1)[0].removeprefix("tests/")
+    return SHARED_GROUPS.get(path.split("/", 1)[0], path)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The shared groups first (a stable sort: each group keeps its order)."""
+
+    def rank(item: pytest.Item) -> int:
+        group = share_group(item.nodeid)
+        return GROUP_ORDER.index(group) if group in GROUP_ORDER else len(GROUP_ORDER)
+
+    items.sort(key=rank)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Under ``pytest -n``: each group runs whole on one worker, in collection order."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SharedFixtureScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return share_group(nodeid)
+
+    config.option.loadscopereorder = False  # keep the order above, not the most tests first
+    return SharedFixtureScheduling(config, log)
