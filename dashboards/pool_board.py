@@ -133,6 +133,50 @@ def build() -> Board:
         height=6,
     )
 
+    board.row("Grants (what the operator reads from the master per tenant)")
+    per_grant = f"{NAMESPACE}, {POOL}, grant"
+    board.timeseries(
+        "Memory per grant",
+        "Memory the master charges to each grant's tenant (its objects and reservations in flight), "
+        "and the quota it enforces (the grant's ceiling, cut when the grants oversubscribe the pool; "
+        "kubectl get mkvpg shows the same). Grants of one reuse domain share one tenant's numbers. "
+        "No line while the master does not answer or does not know the tenant: unknown, not zero.",
+        [
+            Target(f"max by ({per_grant}) ({o.GRANT_USED_BYTES.exported}{SEL})", "{{grant}} used"),
+            Target(f"max by ({per_grant}) ({o.GRANT_QUOTA_BYTES.exported}{SEL})", "{{grant}} quota"),
+        ],
+        unit="bytes",
+        width=8,
+    )
+    board.timeseries(
+        "Use of quota per grant",
+        "Charged over enforced quota of each grant's tenant; at its quota, a tenant's own oldest "
+        "objects are evicted to admit its writes, and writes are refused while they are leased.",
+        [
+            Target(
+                ratio(
+                    f"max by ({per_grant}) ({o.GRANT_USED_BYTES.exported}{SEL})",
+                    f"max by ({per_grant}) ({o.GRANT_QUOTA_BYTES.exported}{SEL})",
+                ),
+                "{{namespace}}/{{grant}}",
+            )
+        ],
+        unit="percentunit",
+        max_value=1,
+        width=8,
+    )
+    board.timeseries(
+        "Writes refused for quota per grant",
+        "Writes the master refused for each grant's quota since it started (its own counter, "
+        "as the operator last read it): a consumer that saves nothing more recomputes.",
+        [
+            Target(
+                f"max by ({per_grant}) ({o.GRANT_REJECTED_WRITES.exported}{SEL})", "{{namespace}}/{{grant}}"
+            )
+        ],
+        width=8,
+    )
+
     board.row("Evictions")
     board.timeseries(
         "Eviction passes per second",

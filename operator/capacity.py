@@ -1,7 +1,8 @@
 """The pool's capacity and health in its status, from what its master said (pure).
 
 ``status.capacity`` holds the master's own numbers: mounted and allocated memory in total
-and per segment (each segment named by the store pod whose IP it has), objects, evictions.
+and per segment (each segment named by the store pod whose IP it has), objects, evictions,
+and with tenancy each grant's tenant: its charge and the quota the master enforces.
 Two conditions come from the same poll:
 
 * ``Observed``: True when the master answered; False when it did not (within the poll's
@@ -20,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvpool.operator.master_view import MasterNumbers, Segment
+from kvpool.operator.master_view import MasterNumbers, Segment, TenantNumbers
 from kvpool.operator.observation import Observation
 from kvpool.operator.spec import DEGRADED, OBSERVED, Condition, PoolStatus, format_bytes
 from kvpool.operator.status import condition, merge_conditions, phase_of
@@ -41,13 +42,48 @@ def percent(part: int, whole: int) -> int:
     return round(100 * part / whole) if whole else 0
 
 
+UNKNOWN = "unknown"
+
+
+def used_text(tenant: TenantNumbers) -> str:
+    """``"5Mi (31%)"``: charged memory and its share of the quota the master enforces."""
+    return f"{quantity(tenant.charged_bytes)} ({percent(tenant.charged_bytes, tenant.effective_bytes)}%)"
+
+
+def pool_grants(tenants: Mapping[str, str], observation: Observation) -> list[dict[str, Any]]:
+    """``status.capacity.grants`` from a poll that answered: each grant (by name) with its
+    tenant's numbers, or ``used: unknown`` when the master does not know the tenant."""
+    numbers = observation.numbers
+    known = numbers.tenants if numbers is not None else {}
+    out: list[dict[str, Any]] = []
+    for grant, tenant in sorted(tenants.items()):
+        found = known.get(tenant)
+        if found is None:
+            out.append({"grant": grant, "tenant": tenant, "used": UNKNOWN})
+        else:
+            out.append(
+                {
+                    "grant": grant,
+                    "tenant": tenant,
+                    "used": used_text(found),
+                    "usedBytes": found.charged_bytes,
+                    "quotaBytes": found.effective_bytes,
+                    "rejectedWrites": found.rejected_writes,
+                }
+            )
+    return out
+
+
 def store_segments(numbers: MasterNumbers, store_pods: dict[str, str]) -> list[Segment]:
     """The segments a store pod mounts (its IP is the segment's host)."""
     return [s for s in numbers.segments if s.host in store_pods]
 
 
-def capacity_status(observation: Observation, expected: int | None) -> dict[str, object] | None:
-    """``status.capacity`` from a poll that answered (None otherwise)."""
+def capacity_status(
+    observation: Observation, expected: int | None, tenants: Mapping[str, str] | None = None
+) -> dict[str, object] | None:
+    """``status.capacity`` from a poll that answered (None otherwise); with ``tenants`` (grant
+    name -> tenant: tenancy is on), each grant's tenant as the master counts it."""
     numbers = observation.numbers
     if numbers is None:
         return None
@@ -82,6 +118,8 @@ def capacity_status(observation: Observation, expected: int | None) -> dict[str,
     }
     if expected is not None:
         out["storesExpected"] = expected
+    if tenants:
+        out["grants"] = pool_grants(tenants, observation)
     return out
 
 
@@ -206,6 +244,7 @@ def apply_observation(
     external: bool,
     expected: int | None,
     now: str,
+    tenants: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """``status`` (a valid pool's) with ``capacity``, ``Observed``, ``Degraded`` and the phase
     they lead to. A poll that failed keeps the last numbers; a pool not asked has none. The
@@ -224,7 +263,7 @@ def apply_observation(
     )
     conditions = kept + new
     capacity: Mapping[str, Any] | None = (
-        capacity_status(observation, expected) if observation is not None else None
+        capacity_status(observation, expected, tenants) if observation is not None else None
     )
     before = old.get("capacity")
     if capacity is None and asked:

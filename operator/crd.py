@@ -168,9 +168,12 @@ def build_grant_crd() -> dict[str, Any]:
         {"name": "Pool", "type": "string", "jsonPath": ".spec.pool"},
         {"name": "Ceiling", "type": "string", "jsonPath": ".spec.ceiling"},
         {"name": "Granted", "type": "string", "jsonPath": ".status.ceiling"},
+        # What the master charges the grant's tenant, of the quota it enforces ('unknown': not observed).
+        {"name": "Used", "type": "string", "jsonPath": ".status.usage.used"},
         _condition_column("Accepted") | {"priority": 0},
         _condition_column("Cut") | {"priority": 0},
         {"name": "Tenant", "type": "string", "jsonPath": ".status.tenant", "priority": 1},
+        {"name": "Rejected", "type": "integer", "jsonPath": ".status.usage.rejectedWrites", "priority": 1},
         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     ]
     return _definition(GRANTS, GRANT_SINGULAR, GRANT_SHORT_NAMES, schema, columns)

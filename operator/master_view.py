@@ -12,7 +12,14 @@ the status uses (names checked against a real 0.3.13 master in the tests):
 * ``master_successful_evictions_total``, ``master_evicted_key_count``,
   ``master_evicted_size_bytes``: eviction passes, evicted objects and bytes since the master
   started (counters);
-* ``master_put_start_alloc_failures_total``: puts that found no room even after evicting.
+* ``master_put_start_alloc_failures_total``: puts that found no room even after evicting;
+* with ``--enable_multi_tenants``, per tenant (``{tenant_id="<tenant>"}``):
+  ``mooncake_tenant_quota_{requested,effective,charged}_bytes`` (the policy's quota, the
+  quota the master admits after its proportional cut, the memory of the tenant's objects and
+  reservations in flight), ``mooncake_tenant_quota_over_quota`` and
+  ``..._admission_closed`` (0/1), ``mooncake_tenant_quota_reject_total{reason}`` and
+  ``mooncake_tenant_evict_bytes_total`` (counters, present once they count). The same
+  numbers as the admin API's ``GET /api/v1/tenant_quotas``, without asking the admin API.
 
 The master counts objects for the whole pool only: there is no per-segment object count.
 A standby master (HA) reports zero capacity: only the serving leader's numbers count.
@@ -37,6 +44,16 @@ EVICTED_BYTES = "master_evicted_size_bytes"
 ALLOC_FAILURES = "master_put_start_alloc_failures_total"
 SEGMENT_CAPACITY = "segment_total_capacity_bytes"
 SEGMENT_ALLOCATED = "segment_allocated_bytes"
+TENANT_REQUESTED = "mooncake_tenant_quota_requested_bytes"
+TENANT_EFFECTIVE = "mooncake_tenant_quota_effective_bytes"
+TENANT_CHARGED = "mooncake_tenant_quota_charged_bytes"
+TENANT_OVER_QUOTA = "mooncake_tenant_quota_over_quota"
+TENANT_ADMISSION_CLOSED = "mooncake_tenant_quota_admission_closed"
+TENANT_REJECTS = "mooncake_tenant_quota_reject_total"
+TENANT_EVICTED_BYTES = "mooncake_tenant_evict_bytes_total"
+TENANT_LABEL = "tenant_id"
+# At most this many tenants are kept from one answer (a policy names far fewer).
+MAX_TENANTS = 4096
 # What a master must export for its numbers to be read at all.
 REQUIRED = (CAPACITY, ALLOCATED, KEYS)
 
@@ -61,6 +78,20 @@ class Segment:
 
 
 @dataclass(frozen=True)
+class TenantNumbers:
+    """One tenant as a multi-tenant master counts it (bytes; counters since it started)."""
+
+    tenant: str
+    requested_bytes: int
+    effective_bytes: int  # the quota the master enforces: the requested one, cut when oversubscribed
+    charged_bytes: int  # memory of the tenant's objects and its reservations in flight
+    over_quota: bool = False
+    admission_closed: bool = False
+    rejected_writes: int = 0
+    evicted_bytes: int = 0
+
+
+@dataclass(frozen=True)
 class MasterNumbers:
     """The pool as its master counts it."""
 
@@ -73,6 +104,8 @@ class MasterNumbers:
     evicted_bytes: int = 0
     alloc_failures: int = 0
     segments: tuple[Segment, ...] = field(default_factory=tuple)
+    # Every tenant the master reports (none: tenancy off, or no tenant in its policy).
+    tenants: Mapping[str, TenantNumbers] = field(default_factory=dict)
 
 
 def _count(value: float, name: str) -> int:
@@ -86,10 +119,17 @@ def parse_metrics(text: str) -> MasterNumbers:
     Mooncake master's (unparseable, or without the pool's capacity, use and object count)."""
     totals: dict[str, float] = {}
     segments: dict[str, dict[str, float]] = {}
+    tenants: dict[str, dict[str, float]] = {}
     try:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
-                if sample.name in (SEGMENT_CAPACITY, SEGMENT_ALLOCATED):
+                tenant = sample.labels.get(TENANT_LABEL)
+                if tenant and sample.name.startswith("mooncake_tenant_"):
+                    if tenant in tenants or len(tenants) < MAX_TENANTS:
+                        values = tenants.setdefault(tenant, {})
+                        # Counters by reason (rejects) add up; each gauge is one sample.
+                        values[sample.name] = values.get(sample.name, 0.0) + sample.value
+                elif sample.name in (SEGMENT_CAPACITY, SEGMENT_ALLOCATED):
                     name = sample.labels.get("segment")
                     if name:
                         segments.setdefault(name, {})[sample.name] = sample.value
@@ -124,6 +164,27 @@ def parse_metrics(text: str) -> MasterNumbers:
             )
             for name, values in sorted(segments.items())
         ),
+        tenants={
+            tenant: _tenant(tenant, values)
+            for tenant, values in sorted(tenants.items())
+            if TENANT_EFFECTIVE in values and TENANT_CHARGED in values
+        },
+    )
+
+
+def _tenant(tenant: str, values: Mapping[str, float]) -> TenantNumbers:
+    def count(name: str) -> int:
+        return _count(values.get(name, values.get(name.removesuffix("_total"), 0.0)), name)
+
+    return TenantNumbers(
+        tenant=tenant,
+        requested_bytes=count(TENANT_REQUESTED),
+        effective_bytes=count(TENANT_EFFECTIVE),
+        charged_bytes=count(TENANT_CHARGED),
+        over_quota=count(TENANT_OVER_QUOTA) > 0,
+        admission_closed=count(TENANT_ADMISSION_CLOSED) > 0,
+        rejected_writes=count(TENANT_REJECTS),
+        evicted_bytes=count(TENANT_EVICTED_BYTES),
     )
 
 

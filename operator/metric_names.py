@@ -109,6 +109,29 @@ OBSERVED_POOL_GAUGES = (
     POOL_STORES_EXPECTED,
 )
 
+# Each grant's tenant as the pool's master counts it (status.capacity.grants), while the
+# master answers: no series when its numbers are not known (unknown, not zero). Labels are
+# the grant's namespace (the pool's), pool and name: one series per grant.
+GRANT_USED_BYTES = MetricSpec(
+    f"{PREFIX}grant_used_bytes",
+    Kind.GAUGE,
+    "Memory the pool's master charges to a grant's tenant (its objects and reservations in flight).",
+    ("namespace", "pool", "grant"),
+)
+GRANT_QUOTA_BYTES = MetricSpec(
+    f"{PREFIX}grant_quota_bytes",
+    Kind.GAUGE,
+    "The quota the pool's master enforces for a grant's tenant (its ceiling, cut when oversubscribed).",
+    ("namespace", "pool", "grant"),
+)
+GRANT_REJECTED_WRITES = MetricSpec(
+    f"{PREFIX}grant_rejected_writes",
+    Kind.GAUGE,
+    "Writes the pool's master refused for a grant's quota since it started (its own counter).",
+    ("namespace", "pool", "grant"),
+)
+OBSERVED_GRANT_GAUGES = (GRANT_USED_BYTES, GRANT_QUOTA_BYTES, GRANT_REJECTED_WRITES)
+
 ALL: tuple[MetricSpec, ...] = (
     RECONCILES,
     RECONCILE_ERRORS,
@@ -120,6 +143,7 @@ ALL: tuple[MetricSpec, ...] = (
     CONSUMERS_ROLLED_OUT,
     POOL_PHASE,
     *OBSERVED_POOL_GAUGES,
+    *OBSERVED_GRANT_GAUGES,
 )
 BY_NAME = {spec.name: spec for spec in ALL}
 

@@ -18,6 +18,7 @@ from kvpool.operator.metric_names import (
     API_WRITES,
     CONSUMERS,
     CONSUMERS_ROLLED_OUT,
+    OBSERVED_GRANT_GAUGES,
     OBSERVED_POOL_GAUGES,
     POOL_CONDITION,
     POOL_PHASE,
@@ -28,7 +29,7 @@ from kvpool.operator.metric_names import (
     MetricSpec,
 )
 from kvpool.operator.names import ApiResource
-from kvpool.operator.spec import CONDITION_TYPES
+from kvpool.operator.spec import CONDITION_TYPES, OBSERVED
 
 METRICS_PATH = "/metrics"
 
@@ -77,6 +78,12 @@ class _PoolCollector(Collector):
                 if value is not None:
                     family.add_metric([namespace, pool], value)
             yield family
+        for index, spec in enumerate(OBSERVED_GRANT_GAUGES):
+            family = _gauge(spec)
+            for (namespace, pool), grants in sorted(self._metrics.grants.items()):
+                for grant, numbers in sorted(grants.items()):
+                    family.add_metric([namespace, pool, grant], numbers[index])
+            yield family
 
 
 class OperatorMetrics:
@@ -89,6 +96,8 @@ class OperatorMetrics:
         self.phases: dict[tuple[str, str], str] = {}
         # capacity, used, objects, stores mounted, stores expected (``OBSERVED_POOL_GAUGES``)
         self.capacity: dict[tuple[str, str], tuple[int | None, ...]] = {}
+        # grant -> used, quota, rejected writes (``OBSERVED_GRANT_GAUGES``), while the master answers
+        self.grants: dict[tuple[str, str], dict[str, tuple[int, int, int]]] = {}
         self.reconciles = _counter(RECONCILES, self.registry)
         self.errors = _counter(RECONCILE_ERRORS, self.registry)
         self.writes = _counter(API_WRITES, self.registry)
@@ -119,12 +128,32 @@ class OperatorMetrics:
             )
         else:
             self.capacity.pop((namespace, pool), None)
+        self.grants[(namespace, pool)] = grant_numbers(status)
 
     def forget_pool(self, namespace: str, pool: str) -> None:
         self.conditions.pop((namespace, pool), None)
         self.consumers.pop((namespace, pool), None)
         self.phases.pop((namespace, pool), None)
         self.capacity.pop((namespace, pool), None)
+        self.grants.pop((namespace, pool), None)
+
+
+def grant_numbers(status: Mapping[str, Any]) -> dict[str, tuple[int, int, int]]:
+    """Each grant's used bytes, quota and rejected writes from a pool's ``status.capacity.grants``;
+    none unless the master answered the last poll (``Observed`` True): kept numbers of a master
+    that no longer answers are not exported, nor a grant whose tenant it does not know."""
+    observed = any(
+        c.get("type") == OBSERVED and c.get("status") == "True" for c in status.get("conditions") or []
+    )
+    capacity = status.get("capacity")
+    if not observed or not isinstance(capacity, Mapping):
+        return {}
+    out = {}
+    for item in capacity.get("grants") or []:
+        numbers = (item.get("usedBytes"), item.get("quotaBytes"), item.get("rejectedWrites"))
+        if all(isinstance(n, int) for n in numbers):
+            out[str(item.get("grant"))] = numbers
+    return out
 
 
 @asynccontextmanager

@@ -36,6 +36,7 @@ from kvpool.operator.consumers import (
     restore_patch,
     restore_problem,
 )
+from kvpool.operator.grant_usage import grant_usage, with_changed_at
 from kvpool.operator.grants import Grant, grant_status, read_grant
 from kvpool.operator.kube import ApiError, Applied, KubeClient, ensure, ensure_absent
 from kvpool.operator.leader import (
@@ -121,10 +122,11 @@ async def read_grants(kube: KubeClient, pool: Mapping[str, Any]) -> list[Grant]:
 
 
 async def write_grant_statuses(
-    kube: KubeClient, pool: str, grants: list[Grant], plan: Plan, now: str
+    kube: KubeClient, pool: str, grants: list[Grant], plan: Plan, now: str, observation: Observation | None
 ) -> None:
-    """Each grant of ``pool``: its tenant and ceiling as the master admits it, or why the
-    pool does not serve it (written only when it changed)."""
+    """Each grant of ``pool``: its tenant and ceiling as the master admits it and its usage
+    as the last poll (``observation``) counts it, or why the pool does not serve it (written
+    only when it changed)."""
     refusal = (
         f"pool {pool} is invalid: " + "; ".join(str(p) for p in plan.problems)
         if plan.problems
@@ -135,6 +137,11 @@ async def write_grant_statuses(
             continue
         old = dict(await _grant_status_of(kube, grant))
         new = grant_status(grant, plan.tenancy, refusal[:1024])
+        if plan.tenancy is not None and grant.name in plan.tenancy.tenants:
+            usage = grant_usage(
+                grant.name, plan.tenancy.tenants, observation, asked=plan.observed, external=plan.external
+            )
+            new["usage"] = with_changed_at(usage, old.get("usage"), now)
         previous = {c.get("type"): c for c in old.get("conditions") or []}
         for item in new["conditions"]:
             before = previous.get(item["type"]) or {}
@@ -475,6 +482,7 @@ async def converge(
         external=plan.external,
         expected=plan.store_replicas,
         now=now,
+        tenants=plan.tenancy.tenants if plan.tenancy is not None else None,
     )
 
 
@@ -600,7 +608,8 @@ class Reconciler:
             else:
                 status = invalid_status(plan.problems, old, pool["metadata"].get("generation"), utcnow())
             # After the policy is applied: a grant says what the master was told.
-            await write_grant_statuses(self.kube, name, grants, plan, utcnow())
+            observation = self.observations.get((namespace, name))
+            await write_grant_statuses(self.kube, name, grants, plan, utcnow(), observation)
         if status != old:
             await self.kube.patch(POOLS, namespace, name, {"status": diff(old, status)}, subresource="status")
             announce(old, status, notify)
@@ -703,6 +712,7 @@ class Reconciler:
                 external=plan.external,
                 expected=plan.store_replicas,
                 now=utcnow(),
+                tenants=plan.tenancy.tenants if plan.tenancy is not None else None,
             )
             if status != old:
                 await self.kube.patch(
@@ -710,5 +720,8 @@ class Reconciler:
                 )
                 announce(old, status, notify)
                 self.metrics.observe_pool(namespace, name, status)
+            if plan.tenancy is not None:
+                # Each grant's usage from the same poll (a grant's status is written when it changed).
+                await write_grant_statuses(self.kube, name, grants, plan, utcnow(), observation)
         if plan.external and (before is None or before.answered != observation.answered):
             await self.reconcile(pool, "observe", notify, coalesce=True)

@@ -417,13 +417,57 @@ class GrantSpec(_Model):
     )
 
 
+class GrantUsage(_Model):
+    """The grant's tenant as the pool's master counts it, or why that is not known (never a zero)."""
+
+    state: Literal["Observed", "Unknown"] = Field(
+        description="Observed: the numbers below are the master's at changedAt. Unknown: the "
+        "master was not asked, did not answer, or does not know the grant's tenant (reason)."
+    )
+    reason: str = Field(
+        description="Answered, NotAsked, NotYet, Unreachable, NoLeader, NotAMaster, "
+        "NoTenancyAtMaster or TenantNotAtMaster."
+    )
+    message: str = ""
+    changed_at: str = Field(
+        description="When the master first answered these numbers, or when they became unknown "
+        "(a poll that finds them unchanged writes nothing)."
+    )
+    used: str = Field(description="Memory charged to the tenant and its share of the quota, or 'unknown'.")
+    used_bytes: int | None = Field(
+        default=None, description="Memory of the tenant's objects and of its reservations in flight."
+    )
+    used_percent: int | None = None
+    quota: str | None = Field(default=None, description="The quota the master enforces, as a quantity.")
+    quota_bytes: int | None = Field(
+        default=None,
+        description="The quota the master enforces: the policy's, cut when the quotas oversubscribe "
+        "its memory (the master reads the policy when it starts: it may differ from ceilingBytes).",
+    )
+    requested_bytes: int | None = Field(default=None, description="The quota in the policy the master read.")
+    over_quota: bool | None = Field(default=None, description="The tenant holds more than its quota.")
+    admission_closed: bool | None = Field(default=None, description="The master admits no write of it.")
+    rejected_writes: int | None = Field(
+        default=None, description="Writes the master refused for the tenant's quota since it started."
+    )
+    evicted_bytes: int | None = Field(
+        default=None, description="The tenant's bytes evicted for its own writes since the master started."
+    )
+    shared_with: list[str] = Field(
+        default_factory=list,
+        max_length=64,
+        description="Other grants of the same tenant (a shared reuse domain): the numbers are the tenant's.",
+    )
+
+
 class GrantStatus(_Model):
-    """What the pool's master is told of a grant."""
+    """What the pool's master is told of a grant, and what it counts of it."""
 
     observed_generation: int | None = None
     tenant: str | None = Field(default=None, description="The Mooncake tenant of the grant's consumers.")
     ceiling: str | None = Field(default=None, description="The ceiling the master admits, as a quantity.")
     ceiling_bytes: int | None = None
+    usage: GrantUsage | None = None
     conditions: list[Condition] = Field(default_factory=list)
 
 
@@ -473,6 +517,17 @@ class StoreUsage(_Model):
     used_bytes: int
 
 
+class PoolGrantUsage(_Model):
+    """One grant's tenant as the master counts it (numbers absent: the master does not know it)."""
+
+    grant: str
+    tenant: str
+    used: str = Field(description="Charged memory and its share of the quota, or 'unknown'.")
+    used_bytes: int | None = None
+    quota_bytes: int | None = Field(default=None, description="The quota the master enforces.")
+    rejected_writes: int | None = None
+
+
 class CapacityStatus(_Model):
     """The pool's memory and objects as its master counts them (``/metrics``)."""
 
@@ -494,6 +549,11 @@ class CapacityStatus(_Model):
     stores_expected: int | None = None
     stores_mounted: int
     segments: list[StoreUsage] = Field(default_factory=list, max_length=1024)
+    grants: list[PoolGrantUsage] | None = Field(
+        default=None,
+        max_length=1024,
+        description="With tenancy: each accepted grant's tenant as the master counts it.",
+    )
 
 
 class ScaleDownStatus(_Model):
