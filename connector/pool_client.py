@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -32,6 +33,14 @@ T = TypeVar("T")
 # Per-key return codes of Mooncake's batch calls (mooncake-store ErrorCode).
 CODE_STORE_FULL = -200
 CODE_BUFFER_TOO_SMALL = -600
+# The same code (Mooncake's INVALID_PARAMS) per key from a reservation: this client already
+# holds a put session for the key (a save of it in flight here, or one whose publish or
+# revoke failed: after a master failover, the session of a reservation made on the old leader
+# lingers in the client until revoked, and every reservation of its key answers this).
+CODE_SESSION_HELD = -600
+# The master lists the object but holds no readable copy of it (its store died, or has not
+# finished writing it): REPLICA_IS_NOT_READY, REPLICA_NOT_FOUND, REPLICA_IS_GONE.
+CODES_REPLICA_UNAVAILABLE = (-703, -710, -712)
 CODE_OBJECT_NOT_FOUND = -704
 CODE_OBJECT_EXISTS = -705
 # Not Mooncake's: a reservation answered CODE_OBJECT_EXISTS for a key whose object is not
@@ -84,6 +93,7 @@ class Outcome(StrEnum):
     IN_FLIGHT = "in_flight"  # a save found the key reserved by another writer, not published
     QUOTA_EXCEEDED = "quota_exceeded"  # Mooncake refused a save past its tenant's quota
     TENANT_NOT_REGISTERED = "tenant_not_registered"  # the master holds no quota for the tenant
+    REPLICA_UNAVAILABLE = "replica_unavailable"  # listed, but no copy readable (its store died)
     OTHER = "other_error"
 
 
@@ -116,7 +126,23 @@ def classify(code: int, expected_size: int | None = None) -> Outcome:
         return Outcome.QUOTA_EXCEEDED
     if code == CODE_TENANT_NOT_REGISTERED:
         return Outcome.TENANT_NOT_REGISTERED
+    if code in CODES_REPLICA_UNAVAILABLE:
+        return Outcome.REPLICA_UNAVAILABLE
+    _note_unclassified(code)
     return Outcome.OTHER
+
+
+_unclassified_logged: dict[int, float] = {}
+
+
+def _note_unclassified(code: int) -> None:
+    """Log (at most once a ``REFUSAL_LOG_S`` per code) a code no outcome names: its keys count
+    as ``other_error``, and the log says which code that was."""
+    now = time.monotonic()
+    if now - _unclassified_logged.get(code, -REFUSAL_LOG_S) < REFUSAL_LOG_S:
+        return
+    _unclassified_logged[code] = now
+    logger.warning("Mooncake answered code %d, which no failure reason names: counted as other_error", code)
 
 
 class StoreUnavailable(RuntimeError):
@@ -286,6 +312,10 @@ class PoolClient:
         self._unreachable_until = 0.0
         self._failed_batches = 0
         self._refusal_logged = -REFUSAL_LOG_S
+        # Keys of the put sessions this client holds or is opening (a count per key: threads
+        # may race for one), to tell a session in flight here from one left behind.
+        self._sessions: Counter[str] = Counter()
+        self._sessions_lock = threading.Lock()
         # Calls inside Mooncake now; a close requested meanwhile waits for the last of them.
         self._state = threading.Lock()
         self._in_flight = 0
@@ -356,7 +386,14 @@ class PoolClient:
 
     # --- batch API --------------------------------------------------------
     def exists(self, keys: Sequence[str]) -> list[bool]:
-        """Presence of each key; an error for a key counts as absent.
+        """Presence of each key; an error for a key counts as absent (:meth:`presence` says
+        whether there was one)."""
+        return self.presence(keys)[0]
+
+    def presence(self, keys: Sequence[str]) -> tuple[list[bool], str | None]:
+        """Presence of each key, and why the pool could not tell for some (None: it told for
+        every key): ``timeout`` past the call's deadline or Mooncake's RPC timeout,
+        ``rpc_failed`` for any other error. A key it could not tell about counts as absent.
 
         Metadata only, so one round trip per ``MAX_EXIST_KEYS`` keys (not per
         ``batch_size``, which bounds data transfers).
@@ -366,7 +403,8 @@ class PoolClient:
         """
         present: list[bool] = []
         if self.unreachable:
-            return [False] * len(keys)
+            return [False] * len(keys), Outcome.RPC_FAILED.value
+        failure: str | None = None
         for part in chunks(keys, MAX_EXIST_KEYS):
             try:
                 codes = self._exists_codes(self._scoped(part))
@@ -374,9 +412,12 @@ class PoolClient:
                 raise
             except Exception:  # the RPC itself failed: nothing is known present
                 logger.warning("batch_is_exist failed for %d keys", len(part), exc_info=True)
-                codes = [-1] * len(part)
+                codes = [CODE_RPC_FAILED] * len(part)
             present.extend(code == 1 for code in codes)
-        return present
+            if failure is None and any(code not in (0, 1) for code in codes):
+                timed_out = CODE_RPC_TIMEOUT in codes
+                failure = (Outcome.TIMEOUT if timed_out else Outcome.RPC_FAILED).value
+        return present, failure
 
     def _exists_codes(self, scoped: list[str]) -> list[int]:
         """``batch_is_exist`` of ``scoped`` (keys as stored), from this client or, while an
@@ -506,8 +547,21 @@ class PoolClient:
         ``CODE_OBJECT_EXISTS``; one another writer reserved and has not published answers
         ``CODE_RESERVED_ELSEWHERE`` (Mooncake answers both alike: presence tells them apart).
         """
-        config = () if self._put_config is None else (self._put_config,)
-        codes = self._session_call(self._store.batch_put_session_start, keys, list(sizes), *config)
+        codes = self._open_sessions(keys, sizes)
+        held = [i for i, code in enumerate(codes) if code == CODE_SESSION_HELD]
+        if held:
+            with self._sessions_lock:
+                in_flight = {i for i in held if self._sessions[keys[i]] > 0}
+            for i in in_flight:  # another save here holds it: as another writer's
+                codes[i] = CODE_RESERVED_ELSEWHERE
+            left_behind = [i for i in held if i not in in_flight]
+            if left_behind:
+                # Sessions a save left behind: revoked (nothing of them is visible), then
+                # reserved again, once.
+                self.revoke([keys[i] for i in left_behind], tracked=False)
+                again = self._open_sessions([keys[i] for i in left_behind], [sizes[i] for i in left_behind])
+                for i, code in zip(left_behind, again):
+                    codes[i] = code
         taken = [i for i, code in enumerate(codes) if code == CODE_OBJECT_EXISTS]
         if taken:
             published = self.exists([keys[i] for i in taken])
@@ -516,6 +570,23 @@ class PoolClient:
                     codes[i] = CODE_RESERVED_ELSEWHERE
         self._note_refusals(codes)
         return codes
+
+    def _open_sessions(self, keys: Sequence[str], sizes: Sequence[int]) -> list[int]:
+        """``batch_put_session_start`` of ``keys``, each counted as a session of this client
+        while the call runs, and after it when reserved."""
+        with self._sessions_lock:
+            self._sessions.update(keys)
+        config = () if self._put_config is None else (self._put_config,)
+        codes = self._session_call(self._store.batch_put_session_start, keys, list(sizes), *config)
+        self._end_sessions([key for key, code in zip(keys, codes) if code != 0])
+        return codes
+
+    def _end_sessions(self, keys: Sequence[str]) -> None:
+        with self._sessions_lock:
+            for key in keys:
+                self._sessions[key] -= 1
+                if self._sessions[key] <= 0:
+                    del self._sessions[key]
 
     def _note_refusals(self, codes: Sequence[int]) -> None:
         """Log (at most once a ``REFUSAL_LOG_S``) the reservations Mooncake's tenant admission refused."""
@@ -552,12 +623,23 @@ class PoolClient:
         )
 
     def publish(self, keys: Sequence[str]) -> list[int]:
-        """Make written reservations visible; 0 per key when published."""
-        return self._session_call(self._store.batch_put_session_end, keys)
+        """Make written reservations visible; 0 per key when published. A key that fails to
+        publish is revoked: its session does not linger in this client (after a master
+        failover, one made on the old leader would refuse every later reservation of its key)."""
+        codes = self._session_call(self._store.batch_put_session_end, keys)
+        failed = [key for key, code in zip(keys, codes) if code != 0]
+        self._end_sessions([key for key, code in zip(keys, codes) if code == 0])
+        if failed:
+            self.revoke(failed)
+        return codes
 
-    def revoke(self, keys: Sequence[str]) -> list[int]:
-        """Drop reservations: nothing of them is ever visible."""
-        return self._session_call(self._store.batch_put_session_revoke, keys)
+    def revoke(self, keys: Sequence[str], *, tracked: bool = True) -> list[int]:
+        """Drop reservations: nothing of them is ever visible (``tracked``: sessions this
+        client counted as its own)."""
+        codes = self._session_call(self._store.batch_put_session_revoke, keys)
+        if tracked:
+            self._end_sessions(keys)
+        return codes
 
     def _session_call(self, fn: Callable[..., list[int]], keys: Sequence[str], *args: Any) -> list[int]:
         if not keys:

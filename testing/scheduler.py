@@ -184,7 +184,7 @@ class PresenceMeter:
     steps take for their lookups, and its waits for answers within a step's lookup budget
     (benchmarks).
 
-    It wraps three public members of that side: its client's ``exists`` (every check the
+    It wraps three public members of that side: its client's ``presence`` (every check the
     presence service makes: lookups' and statistics'; a client the process shares counts
     its other users' checks too) and its presence service's ``wait_idle`` (calls for lookups
     only: an idle step's pause, which :func:`answer_lookups` also takes) and ``wait_answered``
@@ -196,12 +196,12 @@ class PresenceMeter:
         self.idle_paused_s = 0.0
         self.budget_waited_s = 0.0
         side = scheduler_of(target)
-        exists, wait_idle = side.client.exists, side.presence.wait_idle
+        presence, wait_idle = side.client.presence, side.presence.wait_idle
         wait_answered = side.presence.wait_answered
 
-        def counted(keys: list[str]) -> list[bool]:
+        def counted(keys: list[str]) -> tuple[list[bool], str | None]:
             self.checks += 1
-            return exists(keys)
+            return presence(keys)
 
         def timed(timeout_s: float, *, lookups_only: bool = False) -> bool:
             if not lookups_only:
@@ -219,7 +219,7 @@ class PresenceMeter:
             finally:
                 self.budget_waited_s += time.perf_counter() - started
 
-        side.client.exists = counted
+        side.client.presence = counted
         side.presence.wait_idle = timed
         side.presence.wait_answered = timed_answer
 

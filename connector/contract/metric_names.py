@@ -75,8 +75,10 @@ FAILURES = _counter(
     "failures",
     "Keys whose transfer failed, by kind (missing, store_full, transfer_failed, rpc_failed, timeout, "
     "corrupt, in_flight: a save found the key reserved by another writer, quota_exceeded and "
-    "tenant_not_registered: the master refused a tenant's save, other_error); a lookup "
-    "past its deadline counts as a timeout of group all.",
+    "tenant_not_registered: the master refused a tenant's save, replica_unavailable: the "
+    "master lists the object but no copy of it is readable, its store gone, other_error); a "
+    "lookup past its deadline counts as a timeout of group all, one whose existence check the "
+    "master could not answer as a timeout or rpc_failed of group all.",
     (*GROUP_LABELS, "operation", "reason"),
 )
 REMOVED_OBJECTS = _counter(

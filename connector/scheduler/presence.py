@@ -109,13 +109,15 @@ class PresenceService:
     """Existence checks on one thread, each with a deadline; see the module docstring.
 
     ``exists(keys)`` asks the pool (bound late: a connector out of the pool has a client
-    with no calls at all); ``conclude(lookup)`` turns an answered lookup into the outcome
+    with no calls at all): the presence of each key, or that and why the pool could not
+    tell (a failure reason, None when it told; then the check fails as if past its
+    deadline, with that reason); ``conclude(lookup)`` turns an answered lookup into the outcome
     the scheduler takes, on this service's thread; ``timeout_s`` bounds statistics.
     """
 
     def __init__(
         self,
-        exists: Callable[[list[str]], list[bool]],
+        exists: Callable[[list[str]], list[bool] | tuple[list[bool], str | None]],
         conclude: Callable[[Lookup], Any],
         timeout_s: float,
         *,
@@ -312,14 +314,17 @@ class PresenceService:
         with self._cond:
             self._call_deadline = deadline
         try:
-            flags = self._exists(keys)
+            answer = self._exists(keys)
         finally:
             with self._cond:
                 self._call_deadline = None
                 self._cond.notify_all()
+        flags, failure = answer if isinstance(answer, tuple) else (answer, None)
         if self._clock() > deadline:
             logger.warning(
                 "KVPoolConnector existence check of %d keys answered past its deadline: a miss", len(keys)
             )
             return [False] * len(keys), TIMEOUT
+        if failure is not None:  # the pool could not tell about some keys: a miss, counted
+            return [False] * len(keys), failure
         return flags, None

@@ -26,6 +26,9 @@ class LookedUp:
     num_tokens: int  # the request's length when it was looked up
     answered_at: float = field(default_factory=time.perf_counter)
     verdict: Verdict | None = None  # load or recompute its hit: decided once per answer
+    # The pool answered every question of the lookup (no failure, no deadline missed): its
+    # hit is what the pool holds of the prompt, not a miss for want of an answer.
+    complete: bool = True
 
 
 @dataclass

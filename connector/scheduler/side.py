@@ -103,7 +103,7 @@ class SchedulerSide:
         # Every existence check, on one thread. The client is bound on first use: a
         # connector out of the pool has a client with no calls at all.
         self.presence = PresenceService(
-            lambda keys: self.client.exists(keys), self._conclude, lookup_timeout_s
+            lambda keys: self.client.presence(keys), self._conclude, lookup_timeout_s
         )
         self.coordinator: HybridHitCoordinator | None = None
         self._hit_unit = 1  # set with the coordinator (bind)
@@ -302,7 +302,7 @@ class SchedulerSide:
             keys=asked_keys,
             failures=failures,
         )
-        return record, LookedUp(hit, lookup.digests, query.num_tokens)
+        return record, LookedUp(hit, lookup.digests, query.num_tokens, complete=not failures)
 
     def _trace(self, query: LookupQuery, record: LookupRecord) -> None:
         """The lookup's span, from the request's first call until its answer was taken."""
@@ -351,16 +351,25 @@ class SchedulerSide:
         state = self.requests.get(req_id)
         plan: LoadPlan | None = None
         local_tokens = request.num_computed_tokens
+        pool_tokens: int | None = None  # what the pool holds of the prompt, where its lookup could tell
         if state is not None:  # its lookup is spent (one vLLM scheduled without its answer too)
             state.cancel_lookup()
+            if state.looked_up is not None and state.looked_up.complete:
+                pool_tokens = state.looked_up.hit.hit_tokens
             state.looked_up = None
             plan, state.plan = state.plan, None
             if state.local_tokens is not None:
                 local_tokens, state.local_tokens = state.local_tokens, None
         if self.can_save and self.coordinator is not None:
             # Blocks the request starts with (local or pool hit) need no saving;
-            # after a failed load, the blocks it recomputes instead do.
+            # after a failed load, the blocks it recomputes instead do. So do the blocks of
+            # its local hit that its lookup found the pool lacks (a store restarted, a master
+            # failed over, eviction): saved again from the local cache, so that the pool
+            # heals even while every server keeps a shared prefix cached locally, and so never
+            # computes (and saves) it again.
             start_tokens = local_tokens + num_external
+            if pool_tokens is not None and pool_tokens < start_tokens:
+                start_tokens = pool_tokens
             start = [start_tokens // g.block_size for g in self.coordinator.groups]
             if state is None:
                 state = self.requests[req_id] = RequestState()

@@ -54,7 +54,7 @@ def test_a_dead_master_makes_transfers_fail_fast() -> None:
             # ...then, for a moment, nothing is sent: loads, saves and lookups fail at once.
             assert client.get_into(["a"], [[buf.ctypes.data]], [[64]]) == [CODE_RPC_FAILED]
             assert put_from(client, ["c"], [[buf.ctypes.data]], [[64]]) == [CODE_RPC_FAILED]
-            assert client.exists(["a"]) == [False]
+            assert client.presence(["a"]) == ([False], "rpc_failed")
             assert len(spy.calls) == reached
         finally:
             client.close()
@@ -92,3 +92,31 @@ def test_calls_stay_within_the_buffer_bound(pool_client) -> None:
     pool_client.register(out.ctypes.data, out.nbytes)
     got = pool_client.get_into(keys[:1], [[out.ctypes.data + 8 * j for j in range(per_key)]], sizes[:1])
     assert got == [8 * per_key] and np.array_equal(out[: 8 * per_key], buf[: 8 * per_key])
+
+
+def test_every_code_mooncake_answers_for_a_replica_gone_is_named() -> None:
+    """A store that died under a read leaves objects the master lists with no readable copy
+    (REPLICA_IS_NOT_READY, seen in the chaos run): a reason of its own, not other_error."""
+    from kvpool.connector.pool_client import FAILURE_OUTCOMES, Outcome, classify
+
+    assert [classify(code) for code in (-703, -710, -712)] == [Outcome.REPLICA_UNAVAILABLE] * 3
+    assert Outcome.REPLICA_UNAVAILABLE in FAILURE_OUTCOMES
+    assert classify(-12345) is Outcome.OTHER
+
+
+def test_a_put_session_left_behind_is_revoked_and_reserved_again(pool_client) -> None:
+    """Mooncake refuses (-600) a reservation of a key its client still holds a put session for:
+    one a save left behind (after a master failover, the reservation made on the old leader
+    lingers until revoked: benchmarks/README.md, table 10) is revoked and reserved again; one a
+    save of this client holds now is another writer's reservation (``in_flight``)."""
+    from kvpool.connector.pool_client import CODE_RESERVED_ELSEWHERE, CODE_SESSION_HELD
+
+    store = raw_store(pool_client)
+    assert store.batch_put_session_start(["left"], [64]) == [0]  # behind the client's back
+    assert store.batch_put_session_start(["left"], [64]) == [CODE_SESSION_HELD]
+    assert pool_client.reserve(["left"], [64]) == [0], "revoked, then reserved again"
+    assert pool_client.reserve(["left"], [64]) == [CODE_RESERVED_ELSEWHERE], "a save here holds it"
+    assert pool_client.revoke(["left"]) == [0]
+    assert pool_client.reserve(["left"], [64]) == [0]
+    assert pool_client.revoke(["left"]) == [0]
+    assert pool_client.exists(["left"]) == [False], "nothing of it ever visible"

@@ -2,7 +2,8 @@
 (the wedge, :mod:`testing.exists_wedge`: Mooncake's call on the client's own store object
 never ends until released).
 
-A check waits at most ``exists_deadline_s`` (then: every key absent, counted); while that
+A check waits at most ``exists_deadline_s`` (then: every key absent, counted, and
+``presence`` says it timed out); while that
 call stays inside Mooncake, a spare client answers; once it returns, the client answers
 again; closing the client ends both existence lanes.
 """
@@ -35,17 +36,17 @@ def test_a_spare_answers_while_an_existence_call_is_wedged(pool_settings, monkey
     wedge: Wedge | None = None
     try:
         assert put_bytes(client, KEYS[0], b"kv" * 8) == 0
-        assert client.exists(KEYS) == [True, False, False]
+        assert client.presence(KEYS) == ([True, False, False], None), "absent keys are no failure"
         wedge = Wedge(raw_store(client)).install(monkeypatch)
 
-        # The call wedges: its caller gets misses at the deadline, counted.
-        assert client.exists(KEYS) == [False, False, False]
+        # The call wedges: its caller gets misses at the deadline, counted, a timeout.
+        assert client.presence(KEYS) == ([False, False, False], "timeout")
         assert wedge.in_flight == 1 and client.wedged_exists == 1
         assert client.answering_from_spare
 
         # A spare answers, byte-true to the pool, while the wedged call holds.
         assert put_bytes(client, KEYS[1], b"kv" * 8) == 0
-        assert client.exists(KEYS) == [True, True, False]
+        assert client.presence(KEYS) == ([True, True, False], None)
         assert wedge.in_flight == 1
 
         # The wedged call returns: the client answers again.

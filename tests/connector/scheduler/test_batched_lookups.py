@@ -217,14 +217,14 @@ def test_a_request_that_leaves_while_its_lookup_is_in_flight_is_forgotten(
 
     scheduler = make_scheduler(model_dir, FULL_SWA, local_pool_transfer(pool_settings))
     side = scheduler_of(scheduler.connector)
-    real_exists, gate, asked = side.client.exists, threading.Event(), threading.Event()
+    real_presence, gate, asked = side.client.presence, threading.Event(), threading.Event()
 
-    def held_exists(keys: list[str]) -> list[bool]:
+    def held_presence(keys: list[str]) -> tuple[list[bool], str | None]:
         asked.set()
         gate.wait(30)
-        return real_exists(keys)
+        return real_presence(keys)
 
-    side.client.exists = held_exists  # the real check, held until the request has left
+    side.client.presence = held_presence  # the real check, held until the request has left
     try:
         leaving = make_request(scheduler, list(range(7, 7 + 6 * 32)))
         staying = make_request(scheduler, list(range(9, 9 + 6 * 32)))
@@ -244,7 +244,7 @@ def test_a_request_that_leaves_while_its_lookup_is_in_flight_is_forgotten(
         assert [r.query_tokens for r in scheduler.connector.stats.lookups] == [6 * 32]
     finally:
         gate.set()
-        side.client.exists = real_exists
+        side.client.presence = real_presence
         scheduler.shutdown()
 
 

@@ -116,3 +116,53 @@ def test_decode_steps_plan_no_save_once_the_prompt_is_planned(model_dir, pool_se
         assert planned == [], "decode steps planned saves for a prompt saved in full"
     finally:
         scheduler.shutdown()
+
+
+# --- a local prefix the pool lost ---------------------------------------------------------------
+GROWN = PROMPT + list(range(500, 500 + 2 * BLOCK))  # the prompt and two more blocks
+
+
+def _prefill_saves(scheduler: Any, prompt: list[int]) -> tuple[list[int], list[str]]:
+    """Admit a one-token request for ``prompt`` and run its prefill: the indices (in its
+    blocks) of the blocks that step plans to save, and their digests."""
+    request = make_request(scheduler, prompt, max_tokens=1)
+    scheduler.add_request(request)
+    schedule_answered(scheduler)  # its lookup's step: nothing is scheduled
+    output = scheduler.schedule()
+    block_ids = request_block_ids(scheduler, request.request_id)
+    saves = [s for s in output.kv_connector_metadata.saves if s.req_id == request.request_id]
+    indices = [block_ids.index(b) for s in saves for b in s.groups[0].block_ids]
+    digests = [d for s in saves for d in s.groups[0].digests]
+    _sample_one_each(scheduler, output)
+    return indices, digests
+
+
+def test_a_local_prefix_the_pool_lost_is_saved_again(model_dir, pool_settings) -> None:
+    """A prefix vLLM holds in its local cache but the pool does not (here: the first request's
+    saves never ran; in a fleet, a store restarted or a master failed over) is saved again by
+    the next request that starts with it, from the local cache: the pool heals even while
+    every server keeps the prefix cached and never computes it again."""
+    scheduler = make_scheduler(model_dir, FULL, local_pool_transfer(pool_settings))
+    try:
+        first, _ = _prefill_saves(scheduler, PROMPT)
+        assert first == list(range(PROMPT_BLOCKS))
+        grown, _ = _prefill_saves(scheduler, GROWN)
+        assert grown == list(range(len(GROWN) // BLOCK)), "the lost prefix is saved again"
+    finally:
+        scheduler.shutdown()
+
+
+def test_a_local_prefix_the_pool_holds_is_not_saved_again(model_dir, pool_settings, pool_client) -> None:
+    from testing.pool_store import put_bytes
+
+    scheduler = make_scheduler(model_dir, FULL, local_pool_transfer(pool_settings))
+    try:
+        side = scheduler_of(scheduler.connector)
+        first, digests = _prefill_saves(scheduler, PROMPT)
+        assert first == list(range(PROMPT_BLOCKS))
+        for digest in digests:  # what the first request's saves would have stored
+            assert put_bytes(pool_client, side.keyspace.key(0, 0, 0, digest), b"x") == 0
+        grown, _ = _prefill_saves(scheduler, GROWN)
+        assert grown == list(range(PROMPT_BLOCKS, len(GROWN) // BLOCK)), "only the blocks past the prefix"
+    finally:
+        scheduler.shutdown()

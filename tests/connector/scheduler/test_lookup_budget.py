@@ -3,7 +3,7 @@ answered within ``lookup_budget_ms`` admits its request in the step it arrives; 
 past it defers the request a step, and its late answer still gives the right hit.
 
 The slow master is the real one held at the client boundary: the scheduler side's
-``client.exists`` waits for a gate the test opens (a frozen master could not answer later).
+``client.presence`` waits for a gate the test opens (a frozen master could not answer later).
 """
 
 from __future__ import annotations
@@ -38,13 +38,13 @@ def _hold_checks(scheduler: Any) -> threading.Event:
     """Hold every existence check of ``scheduler``'s connector until the returned gate opens
     (30 s at most: a test never hangs)."""
     side = scheduler_of(scheduler.connector)
-    exists, gate = side.client.exists, threading.Event()
+    presence, gate = side.client.presence, threading.Event()
 
-    def held(keys: list[str]) -> list[bool]:
+    def held(keys: list[str]) -> tuple[list[bool], str | None]:
         gate.wait(30.0)
-        return exists(keys)
+        return presence(keys)
 
-    side.client.exists = held
+    side.client.presence = held
     return gate
 
 

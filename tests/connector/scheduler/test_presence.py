@@ -252,6 +252,29 @@ def test_a_check_that_raises_is_a_miss_and_the_thread_serves_on(clock: Clock) ->
     )
 
 
+def test_a_check_the_pool_could_not_answer_is_a_miss_counted_with_its_reason(clock: Clock) -> None:
+    """``exists`` may say why the pool could not tell (the client's ``presence``): then every
+    lookup it served misses with that reason, whatever the flags, and statistics get none."""
+    failure = ["rpc_failed"]
+
+    def presence_of(keys: list[str]) -> tuple[list[bool], str | None]:
+        return held(keys), (failure.pop() if failure else None)
+
+    presence = PresenceService(presence_of, lambda lookup: lookup.result, timeout_s=1.0, clock=clock)
+    try:
+        (unanswered,) = send(presence, lookup(deadline=10.0))
+        assert presence.wait_idle(30)
+        hit, _ = unanswered.outcome
+        assert hit.hit_tokens == 0 and unanswered.lookup.failures == {"rpc_failed": 1}
+        (answered,) = send(presence, lookup(deadline=10.0))
+        assert presence.wait_idle(30)
+        assert answered.outcome[0].hit_tokens == 3 * 32 and answered.lookup.failures == {}
+        failure.append("timeout")
+        assert presence.ask(lambda: ["held"]).result() is None
+    finally:
+        presence.close()
+
+
 def test_close_refuses_what_is_left_and_waits_for_no_stuck_check(clock: Clock, gate: Gate) -> None:
     presence = service(gate, clock)
     question = presence.ask(lambda: ["held"])
