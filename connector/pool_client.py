@@ -48,6 +48,9 @@ CODE_OBJECT_EXISTS = -705
 # Mooncake drops such a reservation after about 30 s).
 CODE_RESERVED_ELSEWHERE = -70500
 CODE_TRANSFER_FAILED = -800
+# A read whose lease on the object ran out before its transfer completed (Mooncake's
+# LEASE_EXPIRED, seen under a frozen store): its bytes may not be the object's.
+CODE_LEASE_EXPIRED = -707
 CODE_RPC_FAILED = -900
 CODE_RPC_TIMEOUT = -901
 # Mooncake's multi-tenant admission: a write past its tenant's quota, or of a tenant the
@@ -114,7 +117,7 @@ def classify(code: int, expected_size: int | None = None) -> Outcome:
         return Outcome.MISSING
     if code == CODE_STORE_FULL:
         return Outcome.STORE_FULL
-    if code == CODE_TRANSFER_FAILED:
+    if code in (CODE_TRANSFER_FAILED, CODE_LEASE_EXPIRED):
         return Outcome.TRANSFER_FAILED
     if code == CODE_RPC_FAILED:
         return Outcome.RPC_FAILED

@@ -100,6 +100,7 @@ def test_every_code_mooncake_answers_for_a_replica_gone_is_named() -> None:
     from kvpool.connector.pool_client import FAILURE_OUTCOMES, Outcome, classify
 
     assert [classify(code) for code in (-703, -710, -712)] == [Outcome.REPLICA_UNAVAILABLE] * 3
+    assert classify(-707) is Outcome.TRANSFER_FAILED, "a read whose lease ran out: bytes untrusted"
     assert Outcome.REPLICA_UNAVAILABLE in FAILURE_OUTCOMES
     assert classify(-12345) is Outcome.OTHER
 
