@@ -82,7 +82,7 @@ class Shape:
 
 
 SHORT = Shape(180.0, 1, 40.0, 40.0, 8.0, 10.0, 50.0, 3, 40.0)
-FULL = Shape(1200.0, 3, 60.0, 120.0, None, 20.0, 60.0, 4, 60.0)
+FULL = Shape(1200.0, 3, 60.0, 120.0, None, 20.0, 60.0, 6, 60.0)
 
 
 def connector_extra() -> dict[str, Any]:
@@ -351,6 +351,16 @@ def judge_outcome(out: Outcome) -> Report:
     wrong = judge.wrong_answers(chaos.requests, out.references)
     control_wrong = judge.wrong_answers(control.requests, out.references)
     control_fates = judge.fates(control.requests, control.faults, out.bound_s)
+    control_loaded = (
+        judge.loaded_blocks(
+            out.history.metrics,
+            min(r.sent for r in control.requests),
+            # The phase's last loads reach /metrics by the sample after its last request.
+            max(r.ended or r.sent for r in control.requests) + 2 * SAMPLE_EVERY_S,
+        )
+        if control.requests
+        else 0.0
+    )
     kinds = judge.by_kind(chaos, fates, wrong, timeline, shape.window_s, fraction=RECOVERY_FRACTION)
     leaks = judge.leaks(out.history.procs, LEAK_WARMUP_S)
     disagreements = judge.metrics_disagreements(out.history, final_generations=out.final_generations)
@@ -453,7 +463,8 @@ def judge_outcome(out: Outcome) -> Report:
         Target("/metrics agree with the history", "; ".join(disagreements) or "agree", not disagreements),
         Target(
             "negative control (payload check off, objects overwritten): wrong answers found",
-            f"{len(control_wrong)} wrong of {len(control_fates.completed)} completed",
+            f"{len(control_wrong)} wrong of {len(control_fates.completed)} completed; "
+            f"{control_loaded:.0f} blocks loaded from the pool in the phase",
             bool(control_wrong),
         ),
     ]  # fmt: skip
@@ -476,7 +487,12 @@ def judge_outcome(out: Outcome) -> Report:
         "and worker summed): RSS within +25% + 256 MiB, threads +8, fds +32.",
         "Metrics: each server generation that lived to the end finished (vllm:request_success, "
         "length) between the history's completed requests and those plus its hung-up ones; "
-        "every failure reason is one of the connector's; pool outages show as failures.",
+        "every failure reason is one of the connector's named ones (other_error, its catch-all "
+        "for a code none names, is not); pool outages show as failures.",
+        "Negative control: each overwrite replaces the stored blocks (past the system prompt) of "
+        "a turn just answered, before its conversation's next turn, sent to the other server, "
+        "loads the part its local cache lacks from the pool; blocks loaded: every load of the "
+        "phase (vllm:kvpool_transfer_blocks_total, operation load).",
         "slow_link: not injected; this kernel has no sch_netem (`tc qdisc add ... netem` in a "
         "network namespace answers 'Specified qdisc kind is unknown', and no modules can be loaded).",
     ]
@@ -498,6 +514,7 @@ def judge_outcome(out: Outcome) -> Report:
         "disconnected": len(fates.disconnected),
         "control_wrong": len(control_wrong),
         "control_completed": len(control_fates.completed),
+        "control_loaded_blocks": control_loaded,
         "leaks": leaks,
         "metrics_disagreements": disagreements,
         "failures": failures,

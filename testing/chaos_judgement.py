@@ -48,6 +48,7 @@ QUERY_TOKENS = "vllm:kvpool_lookup_query_tokens_total"
 HIT_TOKENS = "vllm:kvpool_lookup_hit_tokens_total"
 FINISHED_LENGTH = 'vllm:request_success_total{finished_reason="length"}'
 FAILURES_PREFIX = "vllm:kvpool_failures_total"
+TRANSFER_BLOCKS_PREFIX = "vllm:kvpool_transfer_blocks_total{"
 #: The connector's failure outcomes but its catch-all: a reason outside them is unexplained.
 KNOWN_FAILURE_REASONS = {o.value for o in FAILURE_OUTCOMES} - {Outcome.OTHER.value}
 #: Faults that take pool memory or its master away: under traffic, failures must be counted.
@@ -130,6 +131,18 @@ def counter_increments(samples: Iterable[MetricsSample], name: str) -> list[tupl
             out.append((sample.t, max(0.0, value - last[key])))
         last[key] = value
     return out
+
+
+def loaded_blocks(samples: Sequence[MetricsSample], start: float, end: float) -> float:
+    """Blocks the servers loaded from the pool (every group's, summed), counted by the samples
+    taken from ``start`` to ``end``."""
+    names = {
+        name
+        for sample in samples
+        for name in sample.series
+        if name.startswith(TRANSFER_BLOCKS_PREFIX) and 'operation="load"' in name
+    }
+    return sum(value for name in names for t, value in counter_increments(samples, name) if start <= t <= end)
 
 
 def hit_rate_timeline(samples: Sequence[MetricsSample], window_s: float) -> list[tuple[float, float | None]]:

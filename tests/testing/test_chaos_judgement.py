@@ -16,6 +16,7 @@ from testing.chaos_judgement import (
     fates,
     hit_rate_timeline,
     leaks,
+    loaded_blocks,
     metrics_disagreements,
     recovery_seconds,
     wrong_answers,
@@ -117,6 +118,21 @@ def test_the_hit_rate_sums_increments_of_every_server_generation() -> None:
     ]
     timeline = hit_rate_timeline(samples, window_s=10.0)
     assert timeline == [(10.0, 0.4), (20.0, 0.05), (30.0, None)]
+
+
+def test_loaded_blocks_sum_every_group_s_loads_in_the_window_and_nothing_else() -> None:
+    load = 'vllm:kvpool_transfer_blocks_total{group="%d",group_kind="full",operation="load"}'
+    save = 'vllm:kvpool_transfer_blocks_total{group="0",group_kind="full",operation="save"}'
+    samples = [
+        MetricsSample(0.0, 0, 0, {load % 0: 5.0, load % 1: 5.0, save: 9.0}),
+        MetricsSample(10.0, 0, 0, {load % 0: 7.0, load % 1: 8.0, save: 19.0}),
+        MetricsSample(20.0, 0, 0, {load % 0: 9.0, load % 1: 8.0, save: 29.0}),
+        MetricsSample(12.0, 1, 1, {load % 0: 100.0}),  # a restarted server counts from its own start
+        MetricsSample(18.0, 1, 1, {load % 0: 104.0}),
+    ]
+    assert loaded_blocks(samples, 5.0, 18.0) == 5.0 + 4.0
+    assert loaded_blocks(samples, 19.0, 30.0) == 2.0
+    assert loaded_blocks(samples, 30.0, 40.0) == 0.0
 
 
 def fault(kind: str, started: float, ended: float, target: int = 0) -> FaultRecord:
