@@ -504,6 +504,14 @@ class OperatorThread:
         assert not self._thread.is_alive(), "the operator did not stop"
 
 
+#: No master runs behind an emulated cluster: unless a test names one, the operator asks a
+#: loopback port nothing listens on (never a cluster DNS name, which would leave this
+#: machine), and once an hour, so that when a test's pool is observed does not depend on
+#: how long the test takes. Tests of the observation set both.
+UNSERVED_MASTER_HEALTH_URL = "http://127.0.0.1:9/health"  # the discard port: nothing listens
+RARE_OBSERVE_INTERVAL_S = 3600.0
+
+
 def quick_options(kubeconfig: Path, **overrides: Any) -> dict[str, Any]:
     """Run options for an operator under test: loopback endpoints on free ports, quick timings."""
     return {
@@ -515,6 +523,8 @@ def quick_options(kubeconfig: Path, **overrides: Any) -> dict[str, Any]:
         "retry_delay": 0.3,
         "request_timeout": 10.0,
         "exit_timeout": None,
+        "master_health_url": UNSERVED_MASTER_HEALTH_URL,
+        "observe_interval": RARE_OBSERVE_INTERVAL_S,
         **overrides,
     }
 

@@ -144,13 +144,17 @@ async def converge(cluster: Cluster, name: str = "pool", generation: int | None 
     """Play the Deployment controller until the pool is Ready (at ``generation``) and
     kopf has finished handling its spec."""
 
-    def ready() -> dict[str, Any] | None:
+    def ready() -> dict[str, Any]:
         cluster.settle()
         status = cluster.pool_status(name)
-        if status.get("phase") != "Ready":
-            return None
-        if generation is not None and status.get("observedGeneration") != generation:
-            return None
-        return status if cluster.handled(name) else None
+        phase, seen, handled = status.get("phase"), status.get("observedGeneration"), cluster.handled(name)
+        if phase != "Ready" or (generation is not None and seen != generation) or not handled:
+            unmet = [
+                f"{c.get('type')}={c.get('status')} ({c.get('reason')})"
+                for c in status.get("conditions") or []
+            ]
+            # The last of these is what a failure reports.
+            raise AssertionError(f"phase {phase}, observedGeneration {seen}, handled {handled}: {unmet}")
+        return status
 
     return await eventually(ready, what=f"{name} is Ready")
