@@ -25,7 +25,13 @@ import pytest
 from kvpool.connector.contract.keys import hash_digest
 from kvpool.connector.contract.object_header import HEADER_BYTES
 from kvpool.connector.contract.settings import ConnectorSettings
-from testing.engine import EngineOptions, EngineReport, run_engine_subprocess, transfer_config
+from testing.engine import (
+    PATIENT_DEADLINES,
+    EngineOptions,
+    EngineReport,
+    run_engine_subprocess,
+    transfer_config,
+)
 from testing.models import build_gemma3_one_kv_head
 from testing.objects import over_payload
 from testing.pool_store import put_bytes, raw_store
@@ -37,7 +43,6 @@ from tests.connector.test_tensor_parallel import (
     NOISY,
     NOISY_FOLLOWER,
     NOISY_HIT,
-    PATIENT,
     SHARED,
     TP_ENV,
     connector_warnings,
@@ -87,7 +92,7 @@ def test_one_object_per_shard_read_by_every_rank_and_by_another_tp_size(
 ) -> None:
     model = build_gemma3_one_kv_head(tmp_path / "model")
     reference = run(model, None, 1, B_BATCHES).token_ids
-    config = transfer_config(pool_settings, **PATIENT)
+    config = transfer_config(pool_settings, **PATIENT_DEADLINES)
 
     a = run(model, config, 2, [[LONG], [NOISY]], log_path=tmp_path / "a.log")
     keyspace, kinds = logged_keyspace(tmp_path / "a.log", pool_settings.cache_prefix)

@@ -38,7 +38,13 @@ import pytest
 from kvpool.connector.contract.keys import KeySpace, hash_digest
 from kvpool.connector.contract.object_header import HEADER_BYTES
 from kvpool.connector.contract.settings import ConnectorSettings
-from testing.engine import EngineOptions, EngineReport, run_engine_subprocess, transfer_config
+from testing.engine import (
+    PATIENT_DEADLINES,
+    EngineOptions,
+    EngineReport,
+    run_engine_subprocess,
+    transfer_config,
+)
 from testing.models import build_gemma3, build_gemma3_full
 from testing.objects import over_payload
 from testing.pool_store import put_bytes, raw_store
@@ -50,16 +56,6 @@ TP = 2
 #: What a TP=2 CPU engine needs here: one OpenMP thread per rank, each on its own core. vLLM
 #: stops a worker 5 s into shutdown (its saves in flight die with it): here it gets longer.
 TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": "60"}
-#: The hits asserted here must not depend on how busy the machine is: deadlines a
-#: shared 2-core machine does not reach (a deadline's own behaviour is tested elsewhere).
-#: (Load and save deadlines are at their upper bound, 30 s.)
-PATIENT = {
-    "lookup_timeout_s": 30.0,
-    "load_timeout_s": 30.0,
-    "save_timeout_s": 30.0,
-    "shutdown_timeout_s": 50.0,
-    "store_timeout_s": 30,
-}
 MAX_TOKENS = 8
 _rng = random.Random(718)
 LONG = [_rng.randrange(3, 500) for _ in range(700)]
@@ -135,7 +131,7 @@ def test_tp2_engine_b_loads_what_tp2_engine_a_stored(
     pool_client: Any,
     tmp_path: Path,
 ) -> None:
-    config = transfer_config(pool_settings, **PATIENT)
+    config = transfer_config(pool_settings, **PATIENT_DEADLINES)
     del config["kv_load_failure_policy"]  # vLLM's default ("fail") is in force
     run_tp(tp_options(model_dir, config), [[LONG], [NOISY]], log_path=tmp_path / "a.log")
     keyspace, kinds = logged_keyspace(tmp_path / "a.log", pool_settings.cache_prefix)

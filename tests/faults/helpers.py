@@ -133,10 +133,28 @@ class HAPool:
             leader = self.wait_for_leader(timeout)
             self.store = MooncakeStore(self.address, self.segment_size).start()
             wait_for_capacity(leader, timeout)
+            self.wait_for_clients(timeout)
         except BaseException:
             self.stop()
             raise
         return self
+
+    def wait_for_clients(self, timeout: float) -> None:
+        """Until a client sets up through etcd (the leader's address there, its RPC answering):
+        on a loaded machine that can come after the leader mounts the store's memory."""
+        from kvpool.connector.contract.settings import ConnectorSettings
+        from kvpool.connector.pool_client import StoreUnavailable, open_client
+
+        settings = ConnectorSettings.parse({"master_server_address": self.address})
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                open_client(settings, global_segment_size=0).close()
+                return
+            except StoreUnavailable:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
 
     def leader(self) -> MooncakeMaster | None:
         live = [m for m in self.masters if m.process is not None and m.process.poll() is None]

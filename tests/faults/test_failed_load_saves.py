@@ -28,6 +28,7 @@ from typing import Any
 import pytest
 
 from testing.engine import (
+    PATIENT_DEADLINES,
     EngineOptions,
     RequestResult,
     create_llm,
@@ -129,8 +130,9 @@ def _scenario(
     *,
     b_recovers: bool = True,
 ) -> Outcome:
-    """A stores P1; B serves P2 and the sharer in one batch under ``fault``; D reads the pool."""
-    a = _run(model.path, transfer_config(settings), [[P1]])
+    """A stores P1; B serves P2 and the sharer in one batch under ``fault``; D reads the pool
+    (deadlines no busy machine reaches: the hits asserted are the faults', not the load's)."""
+    a = _run(model.path, transfer_config(settings, **PATIENT_DEADLINES), [[P1]])
     reads = FailingReads(digests_of(P2, FAILED_BLOCKS))
     if fault == "read_fails":
         reads.install(monkeypatch)
@@ -145,13 +147,14 @@ def _scenario(
                 assert MooncakeDistributedStore.upsert(raw_store(client), key, b"x") == 0
         finally:
             client.close()
-    b = _run(model.path, transfer_config(settings, role), [PROMPTS])
+    b = _run(model.path, transfer_config(settings, role, **PATIENT_DEADLINES), [PROMPTS])
     monkeypatch.undo()
     if b_recovers:
         assert [r.token_ids for r in b.results] == [r.token_ids for r in model.references], "vLLM recovered B"
     if fault == "read_fails":
         assert reads.failed, "B's reads of blocks 4..8 failed"
-    d = _run(model.path, transfer_config(settings, "kv_consumer"), [[p] for p in PROMPTS])
+    consumer = transfer_config(settings, "kv_consumer", **PATIENT_DEADLINES)
+    d = _run(model.path, consumer, [[p] for p in PROMPTS])
     return Outcome(b, d, reads)
 
 
