@@ -98,7 +98,15 @@ def chart_install(kubeconfig: Path) -> Install:
     (container,) = one(objects, "Deployment")["spec"]["template"]["spec"]["containers"]
     rendered = options_from_args(_parser().parse_args(container["args"]))
     assert rendered.namespaces == (harness.NAMESPACE,), rendered.namespaces
-    options = dataclasses.replace(rendered, **quick_options(kubeconfig, resync_interval=RESYNC_S))
+    # The scenarios run real masters that the node resolves by their Service name: the
+    # operator observes them as rendered, not at the harness's unserved port.
+    quick = quick_options(
+        kubeconfig,
+        resync_interval=RESYNC_S,
+        master_health_url=rendered.master_health_url,
+        observe_interval=rendered.observe_interval,
+    )
+    options = dataclasses.replace(rendered, **quick)
     return Install(options, rendered_grants(objects))
 
 
