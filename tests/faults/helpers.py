@@ -6,12 +6,16 @@ Everything binds to 127.0.0.1 and everything started here is stopped by its owne
 
 from __future__ import annotations
 
+import atexit
+import base64
+import json
 import os
 import random
 import shutil
 import subprocess
 import tempfile
 import time
+import urllib.request
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -106,10 +110,40 @@ class Etcd:
         stop_process(self.process)
         shutil.rmtree(self.workdir, ignore_errors=True)
 
+    def clear(self, timeout: float = 10.0) -> None:
+        """Delete every key (through etcd's JSON gateway): the next masters elect at once,
+        with no leader key of masters gone before them."""
+        everything = base64.b64encode(b"\0").decode()
+        request = urllib.request.Request(
+            f"http://{self.endpoint}/v3/kv/deleterange",
+            data=json.dumps({"key": everything, "range_end": everything}).encode(),
+            method="POST",
+        )
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            response.read()
+
+
+_process_etcd: Etcd | None = None
+
+
+def process_etcd() -> Etcd:
+    """The one etcd of this process's HA pools, started on first use, stopped at exit.
+
+    Mooncake's client joins one etcd per process: a client of a second address fails its
+    set-up ("Etcd client already connected"). So the pools a process runs (one after another)
+    take turns on one etcd, each from an empty keyspace."""
+    global _process_etcd
+    if _process_etcd is None or _process_etcd.process is None or _process_etcd.process.poll() is not None:
+        _process_etcd = Etcd().start()
+        atexit.register(_process_etcd.stop)
+    _process_etcd.clear()
+    return _process_etcd
+
 
 @dataclass
 class HAPool:
-    """etcd, two masters with ``--enable_ha`` electing a leader through it, one store."""
+    """Two masters with ``--enable_ha`` electing a leader through the process's etcd
+    (:func:`process_etcd`), one store."""
 
     segment_size: str = "256MB"
     etcd: Etcd | None = None
@@ -127,7 +161,7 @@ class HAPool:
 
     def start(self, timeout: float = 60.0) -> HAPool:
         try:
-            self.etcd = Etcd().start()
+            self.etcd = process_etcd()
             for _ in range(2):
                 self.masters.append(MooncakeMaster(extra_args=self.ha_args()).start(wait_rpc=False))
             leader = self.wait_for_leader(timeout)
@@ -177,8 +211,6 @@ class HAPool:
         for master in self.masters:
             master.stop()
             shutil.rmtree(master.log_dir, ignore_errors=True)
-        if self.etcd is not None:
-            self.etcd.stop()
 
 
 @dataclass
