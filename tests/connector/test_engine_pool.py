@@ -29,7 +29,6 @@ from testing.models import build_gemma3, build_gpt_oss
 from testing.objects import over_payload
 from testing.pool_store import put_bytes, raw_store
 from testing.prompts import MAX_TOKENS, P1, P2, PREFIX, PREFIX_HIT, pool_keys
-from testing.worker import before_each_load
 
 pytestmark = [pytest.mark.engine, pytest.mark.mooncake]
 
@@ -175,24 +174,6 @@ def test_keys_deleted_between_lookup_and_load(
     assert num_groups == 3
     assert first.failures == {"missing": 5 + 2 + 2}
     assert all(not r.failures for r in retries)
-
-
-def test_master_killed_during_load(gemma_dir, gemma_reference, cache_prefix, monkeypatch) -> None:
-    from kvpool.connector.contract.settings import ConnectorSettings
-    from kvpool.connector.local.pool import LocalPool
-
-    with LocalPool(segment_size="128MB") as pool:
-        settings = ConnectorSettings.parse(
-            {"master_server_address": pool.address, "cache_prefix": cache_prefix}
-        )
-        config = transfer_config(settings)
-        run_in_process(gemma_dir, config, [P1])
-        before_each_load(monkeypatch, pool.master.kill)
-        results, (_, _, transfers) = run_in_process(gemma_dir, config, [P2, P1])
-    assert results[0].token_ids == gemma_reference
-    assert all(r.finish_reason == "length" for r in results)
-    loads = [t for t in transfers if t.operation == "load"]
-    assert loads and sum(sum(t.failures.values()) for t in loads) > 0
 
 
 def test_gpt_oss_layout_shares_prefixes(tmp_path_factory, pool_settings) -> None:
