@@ -531,6 +531,7 @@ def _summarise_metrics(delta: dict[tuple[str, tuple[tuple[str, str], ...]], floa
         "prompt_tokens": total("vllm:prompt_tokens_total"),
         "by_source": by_source,
         "lookups": total(mn.LOOKUPS.exported),
+        "lookup_deferred_steps": total(mn.LOOKUP_DEFERRED_STEPS.exported),
         "lookup_query_tokens": total(mn.LOOKUP_QUERY_TOKENS.exported),
         "lookup_hit_tokens": total(mn.LOOKUP_HIT_TOKENS.exported),
         "groups": dict(sorted(groups.items(), key=lambda kv: int(kv[0]))),
@@ -839,7 +840,8 @@ def _report(wl: Workload, model: Path, runs: dict[str, FleetRun], problems: list
     groups = Table(
         "the pool fleet's /metrics (vllm:kvpool_*, both servers, measured phase): hit rate = hit "
         f"tokens / tokens looked up past the local hit ({pm['lookup_query_tokens']:.0f} in "
-        f"{pm['lookups']:.0f} lookups)",
+        f"{pm['lookups']:.0f} lookups, which deferred their requests "
+        f"{pm.get('lookup_deferred_steps', 0.0):.0f} scheduler steps in all)",
         ["group", "kind", "hit tokens", "hit rate"],
     )
     query = pm["lookup_query_tokens"]

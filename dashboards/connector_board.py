@@ -206,6 +206,20 @@ def build() -> Board:
         unit="bytes",
     )
 
+    board.timeseries(
+        "Steps a request waited for its lookup",
+        "Scheduler steps vLLM skipped a request while its lookup was in flight (answered past "
+        "the step's lookup_budget_ms), per lookup: each delays the request's first token by one "
+        "step of the other requests' forward.",
+        [
+            Target(
+                _hit_rate(m.LOOKUP_DEFERRED_STEPS.exported, m.LOOKUPS.exported, by_model),
+                "{{model_name}}",
+            )
+        ],
+        unit="short",
+    )
+
     board.row("Load or recompute")
     board.timeseries(
         "Pool hits loaded or recomputed",

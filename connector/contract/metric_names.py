@@ -52,6 +52,12 @@ LOOKUP_HIT_TOKENS = _counter(
     "lookup_hit_tokens", "Tokens the reconciled hybrid (HMA) hit granted from the pool."
 )
 LOOKUPS = _counter("lookups", "Scheduler lookups against the pool.")
+LOOKUP_DEFERRED_STEPS = _counter(
+    "lookup_deferred_steps",
+    "Scheduler steps that skipped a request while its lookup was in flight (answered past the "
+    "step's lookup_budget_ms): each delays the request's first token by one step of the "
+    "others' forward. Over lookups, the mean deferral per request.",
+)
 GROUP_HIT_TOKENS = _counter(
     "group_hit_tokens",
     "Tokens each KV-cache group alone could have served from the pool (per-group hit).",
@@ -168,6 +174,7 @@ TRANSFER_SIZE_BYTES = MetricSpec(
 
 ALL: tuple[MetricSpec, ...] = (
     LOOKUPS,
+    LOOKUP_DEFERRED_STEPS,
     LOOKUP_QUERY_TOKENS,
     LOOKUP_HIT_TOKENS,
     GROUP_HIT_TOKENS,

@@ -28,6 +28,7 @@ class LookupRecord:
     seconds: float
     keys: int
     failures: Mapping[str, int] = field(default_factory=dict)  # by reason (e.g. timeout: a miss)
+    deferred_steps: int = 0  # scheduler steps the request skipped waiting for this answer
 
 
 class Deferred(Sequence[int]):

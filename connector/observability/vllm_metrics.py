@@ -108,7 +108,7 @@ def records_to_data(lookups: Iterable[LookupRecord], transfers: Iterable[Transfe
 
 def _add_lookups(out: _Payload, lookups: Iterable[LookupRecord]) -> None:
     """Lookup counters summed over the batch first (a step admits many requests), then added."""
-    count = query_tokens = hit_tokens = 0
+    count = query_tokens = hit_tokens = deferred_steps = 0
     per_group: dict[tuple[int, str], list[int]] = {}  # (group, kind) -> [group hit, present, hit blocks]
     failures: dict[str, int] = {}
     seconds = []
@@ -116,6 +116,7 @@ def _add_lookups(out: _Payload, lookups: Iterable[LookupRecord]) -> None:
         count += 1
         query_tokens += r.query_tokens
         hit_tokens += r.hit_tokens
+        deferred_steps += r.deferred_steps
         for g, kind in enumerate(r.group_kinds):
             sums = per_group.setdefault((g, kind), [0, 0, 0])
             sums[0] += r.group_hit_tokens[g]
@@ -130,6 +131,7 @@ def _add_lookups(out: _Payload, lookups: Iterable[LookupRecord]) -> None:
     out.inc(m.LOOKUPS, count)
     out.inc(m.LOOKUP_QUERY_TOKENS, query_tokens)
     out.inc(m.LOOKUP_HIT_TOKENS, hit_tokens)
+    out.inc(m.LOOKUP_DEFERRED_STEPS, deferred_steps)
     for (g, kind), (group_hit, present, hit_blocks) in per_group.items():
         out.inc(m.GROUP_HIT_TOKENS, group_hit, group=g, group_kind=kind)
         out.inc(m.PRESENT_BLOCKS, present, group=g, group_kind=kind)

@@ -45,13 +45,14 @@ class PendingLookup:
     """A queued lookup: :attr:`outcome` is set, then :attr:`answered`, once the thread is
     done with it (an outcome of None: it failed or was refused, a miss)."""
 
-    __slots__ = ("answered", "cancelled", "lookup", "outcome")
+    __slots__ = ("answered", "cancelled", "deferred_steps", "lookup", "outcome")
 
     def __init__(self, lookup: Lookup):
         self.lookup = lookup
         self.outcome: Any = None
         self.answered = False
         self.cancelled = False  # its request no longer wants it: dropped unanswered
+        self.deferred_steps = 0  # scheduler steps its request skipped waiting for the answer
 
     def cancel(self) -> None:
         self.cancelled = True

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from vllm.utils.math_utils import cdiv
@@ -224,11 +225,12 @@ class SchedulerSide:
         answered = pending.answered
         if not answered and time.perf_counter() < query.deadline:
             self.lookup_deferrals += 1
+            pending.deferred_steps += 1
             return None
         state.cancel_lookup()
         if answered and pending.outcome is not None:
             record, looked_up = pending.outcome
-            return query, record, looked_up
+            return query, replace(record, deferred_steps=pending.deferred_steps), looked_up
         # Past its deadline (or its batch failed, or it was refused): a miss.
         if not answered:
             logger.warning(
@@ -239,7 +241,7 @@ class SchedulerSide:
         record, looked_up = self._record(
             lookup, miss, {g: {} for g in lookup.wanted}, {Outcome.TIMEOUT.value: 1}, 0
         )
-        return query, record, looked_up
+        return query, replace(record, deferred_steps=pending.deferred_steps), looked_up
 
     def _wait_within_budget(self, pending: PendingLookup) -> None:
         """Ask the master about ``pending`` now and wait for its answer, within what is left of

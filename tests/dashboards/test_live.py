@@ -173,9 +173,11 @@ def run(local_pool, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
         # last round (no fault) carries the step stats of the one before to /metrics.
         # Fresh prompts (the shared prefix, then a block the pool does not hold) have the
         # forward compute a whole block on top of the failed load: a save kept out of the pool.
+        # No lookup budget: every lookup answers a step later (the deferral panel shows it).
         q1, q2, q3 = (fresh_prompt(seed) for seed in range(3))
+        deferring = settings.model_copy(update={"lookup_budget_ms": 0.0})
         engines, built = _rounds(
-            single, settings, client,
+            single, deferring, client,
             [(P1, None, REMOVE), (q1, LATE, REMOVE), (P1, EARLY, REMOVE), (q2, EARLY, REPLACE),
              (q3, LATE, REPLACE), (P2, None, REMOVE)],
         )  # fmt: skip

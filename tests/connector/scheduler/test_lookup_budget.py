@@ -16,7 +16,9 @@ import pytest
 from pydantic import ValidationError
 from vllm.v1.request import RequestStatus
 
+from kvpool.connector.contract import metric_names as m
 from kvpool.connector.contract.settings import ConnectorSettings
+from kvpool.connector.observability.vllm_metrics import records_to_data, series_key
 from testing.engine import scheduler_of
 from testing.kv_cache import GroupDesc
 from testing.models import build_gemma3
@@ -69,6 +71,7 @@ def test_lookups_answered_within_the_budget_are_scheduled_in_their_first_step(
         hit, miss = _requests(scheduler, pool_client, seed=11)
         output = scheduler.schedule()
         assert side.lookup_deferrals == 0
+        assert [r.deferred_steps for r in side.stats.drain()[0]] == [0, 0]
         # The hit loads asynchronously from this step on; the miss computes in it.
         assert hit.status == RequestStatus.WAITING_FOR_REMOTE_KVS
         assert hit.num_computed_tokens == HIT_BLOCKS * 32
@@ -100,6 +103,11 @@ def test_a_lookup_past_the_budget_defers_a_step_and_takes_its_late_answer(
         assert answer_lookups(scheduler.connector)
         second = scheduler.schedule()
         assert side.lookup_deferrals == 2
+        # Each request's record says it waited one step, and the metrics count both.
+        lookups, _ = side.stats.drain()
+        assert [r.deferred_steps for r in lookups] == [1, 1]
+        data = records_to_data(lookups, [])
+        assert data["counters"][series_key(m.LOOKUP_DEFERRED_STEPS)] == 2
         assert hit.status == RequestStatus.WAITING_FOR_REMOTE_KVS
         load = _load_of(second, hit.request_id)
         assert load is not None and load.hit_tokens == HIT_BLOCKS * 32 == hit.num_computed_tokens
