@@ -380,11 +380,20 @@ def test_a_store_frozen_mid_load_is_recomputed_and_its_late_read_writes_no_block
     prefix_keys = set(setup.keys(prefix, range(PREFIX_BLOCKS)))
     state: dict[str, Any] = {}
 
+    freezing = threading.Lock()  # transfer threads may call at once: one freezes
+
     def freeze_then_read(self: Any, keys: list[str], *args: Any) -> list[int]:
-        if "thaw" not in state and prefix_keys & set(keys):
-            state["frozen"] = frozen(store.process)
-            state["thaw"] = state["frozen"].__enter__()
-        return original(self, keys, *args)
+        ours = bool(prefix_keys & set(keys))
+        with freezing:
+            if "thaw" not in state and ours:
+                state["frozen"] = frozen(store.process)
+                state["thaw"] = state["frozen"].__enter__()
+                state["frozen_at"] = time.monotonic()
+        codes = original(self, keys, *args)
+        if ours and "thawed" not in state and "frozen_at" in state:
+            # A read of the prefix returning while the store is frozen (for the message below).
+            state.setdefault("returned_frozen", []).append(round(time.monotonic() - state["frozen_at"], 3))
+        return codes
 
     def thaw_once_recomputed(tokens: int) -> None:
         # Given up (stalled) and recomputed (a token): a late write would now be KV it uses.
@@ -401,9 +410,11 @@ def test_a_store_frozen_mid_load_is_recomputed_and_its_late_read_writes_no_block
         monkeypatch.undo()
         if "frozen" in state:
             state["frozen"].__exit__(None, None, None)
-    assert state.get("thawed"), "the store was frozen mid-load and thawed after the recompute"
-    check([faulted], setup.model.references)
     loads = [t for t in setup.engine.transfers()[mark:] if t.operation == "load"]
+    assert state.get("thawed"), (
+        f"the store was frozen mid-load and thawed after the recompute: {state}, {loads}"
+    )
+    check([faulted], setup.model.references)
     assert loads[0].failures.get("timeout"), "the frozen load passed its deadline"
     setup.engine.wait_unstuck()
     after = setup.engine.serve((prefix, 2))
@@ -537,10 +548,13 @@ def test_a_store_frozen_mid_save_publishes_nothing(setup: Setup, monkeypatch: py
     mine = {keyspace.key(g, 0, 0, hash_digest(h)) for g in range(setup.model.groups) for h in hashes}
     setup.engine.wait_unstuck()  # earlier tests' saves are done: the first write below is this prefix's
 
+    freezing = threading.Lock()  # saves write on several threads at once: one freezes
+
     def freeze_then_write(self: Any, keys: list[str], *args: Any) -> list[int]:
-        if "frozen" not in state and mine.issuperset(keys):
-            state["frozen"] = frozen(store.process)
-            state["thaw"] = state["frozen"].__enter__()
+        with freezing:
+            if "frozen" not in state and mine.issuperset(keys):
+                state["frozen"] = frozen(store.process)
+                state["thaw"] = state["frozen"].__enter__()
         codes = original(self, keys, *args)
         if "thaw" in state and mine.issuperset(keys):
             # A write that returns while the store is frozen (its bytes fit the loopback
