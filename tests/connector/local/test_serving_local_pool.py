@@ -131,7 +131,14 @@ class PoolCommand:
         return self.process.wait(60)
 
     def kill(self) -> None:
-        if self.process is not None and self.process.poll() is None:
+        """Stop it if it still runs: Ctrl-C first (it stops its master and store), SIGKILL
+        only if that does not end it (a SIGKILL alone leaves those two running)."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.send_signal(signal.SIGINT)
+        try:
+            self.process.wait(30)
+        except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
 
