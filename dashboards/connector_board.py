@@ -213,7 +213,10 @@ def build() -> Board:
         "step of the other requests' forward.",
         [
             Target(
-                _hit_rate(m.LOOKUP_DEFERRED_STEPS.exported, m.LOOKUPS.exported, by_model),
+                ratio(
+                    sum_rate(m.LOOKUP_DEFERRED_STEPS.exported, SEL, by_model),
+                    sum_rate(m.LOOKUPS.exported, SEL, by_model),
+                ),
                 "{{model_name}}",
             )
         ],

@@ -99,7 +99,6 @@ class SchedulerSide:
         # What one step may still wait for its new requests' lookups (reset as each step ends).
         self.lookup_budget_s = lookup_budget_s
         self._step_budget_left_s = lookup_budget_s
-        self.lookup_deferrals = 0  # steps a request skipped waiting for its lookup
         self.idle_step_wait_s = idle_step_wait_s
         # Every existence check, on one thread. The client is bound on first use: a
         # connector out of the pool has a client with no calls at all.
@@ -224,7 +223,6 @@ class SchedulerSide:
         query = pending.lookup.query
         answered = pending.answered
         if not answered and time.perf_counter() < query.deadline:
-            self.lookup_deferrals += 1
             pending.deferred_steps += 1
             return None
         state.cancel_lookup()
