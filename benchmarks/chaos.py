@@ -25,7 +25,7 @@ A slowed or lossy link (``tc netem`` in a network namespace) is not among the fa
 the kernel has no ``sch_netem`` (this machine's: ``tc`` answers "Specified qdisc kind is
 unknown"); the report says so.
 
-``--smoke`` is the short variant the test suite runs (~3 minutes of traffic, every kind once);
+``--smoke`` is the short variant the test suite runs (~2 minutes of traffic, every kind once);
 without it, 20 minutes, every kind three times. ``--out DIR`` keeps the history there.
 """
 
@@ -81,7 +81,7 @@ class Shape:
     settle_s: float  # traffic after the last fault ended (its recovery is judged in it)
 
 
-SHORT = Shape(180.0, 1, 40.0, 40.0, 8.0, 10.0, 50.0, 3, 40.0)
+SHORT = Shape(120.0, 1, 25.0, 25.0, 6.0, 10.0, 36.0, 3, 30.0)
 FULL = Shape(1200.0, 3, 60.0, 120.0, None, 20.0, 60.0, 6, 60.0)
 
 

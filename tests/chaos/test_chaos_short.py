@@ -1,6 +1,6 @@
 """The chaos run's short variant: a fleet under every fault kind, judged; and its negative control.
 
-``python -m benchmarks.chaos --smoke`` in its own process (as a user runs it): about three
+``python -m benchmarks.chaos --smoke`` in its own process (as a user runs it): about two
 minutes of traffic on two vLLM servers over an HA pool, every fault kind injected at least
 once, then the negative control (the payload check off while objects are overwritten). The
 run exits non-zero when any target of its judgement is not met; this test reads the
