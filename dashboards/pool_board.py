@@ -132,6 +132,27 @@ def build() -> Board:
         width=24,
         height=6,
     )
+    per_consumer = f"{NAMESPACE}, {POOL}, consumer"
+    board.timeseries(
+        "Consumers' hit rate in the status",
+        "Tokens the pool served over tokens each consumer looked up past its local hit, summed "
+        "over its pods since each started, as the operator last read them from the pods' own "
+        "/metrics (status.hits; kubectl get mkvp shows the pool's). No line while no pod of the "
+        "consumer answers: unknown, not zero.",
+        [
+            Target(
+                ratio(
+                    f"max by ({per_consumer}) ({o.CONSUMER_HIT_TOKENS.exported}{SEL})",
+                    f"max by ({per_consumer}) ({o.CONSUMER_LOOKED_UP_TOKENS.exported}{SEL})",
+                ),
+                "{{pool}}/{{consumer}}",
+            )
+        ],
+        unit="percentunit",
+        max_value=1,
+        width=24,
+        height=6,
+    )
 
     board.row("Grants (what the operator reads from the master per tenant)")
     per_grant = f"{NAMESPACE}, {POOL}, grant"

@@ -142,6 +142,8 @@ def build_crd() -> dict[str, Any]:
         {"name": "Used", "type": "string", "jsonPath": ".status.capacity.used"},
         {"name": "Objects", "type": "integer", "jsonPath": ".status.capacity.objects"},
         {"name": "Stores", "type": "string", "jsonPath": ".status.capacity.stores"},
+        # What the consumers themselves count (status.hits).
+        {"name": "Hit rate", "type": "string", "jsonPath": ".status.hits.hitRate"},
         {"name": "Evictions", "type": "integer", "jsonPath": ".status.capacity.evictions", "priority": 1},
         {"name": "Master", "type": "string", "jsonPath": ".status.masterAddress", "priority": 1},
         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},

@@ -132,6 +132,23 @@ GRANT_REJECTED_WRITES = MetricSpec(
 )
 OBSERVED_GRANT_GAUGES = (GRANT_USED_BYTES, GRANT_QUOTA_BYTES, GRANT_REJECTED_WRITES)
 
+# What each consumer's pods report (status.hits): tokens looked up past the local hit and
+# tokens the pool served, summed over the pods that answered, since each started.
+CONSUMER_HIT_TOKENS = MetricSpec(
+    f"{PREFIX}consumer_hit_tokens",
+    Kind.GAUGE,
+    "Tokens the pool served to a consumer's pods since each started, as its status last observed them.",
+    ("namespace", "pool", "consumer"),
+)
+CONSUMER_LOOKED_UP_TOKENS = MetricSpec(
+    f"{PREFIX}consumer_looked_up_tokens",
+    Kind.GAUGE,
+    "Tokens a consumer's pods looked up past their local hit since each started, as its status "
+    "last observed them.",
+    ("namespace", "pool", "consumer"),
+)
+CONSUMER_HIT_GAUGES = (CONSUMER_HIT_TOKENS, CONSUMER_LOOKED_UP_TOKENS)
+
 ALL: tuple[MetricSpec, ...] = (
     RECONCILES,
     RECONCILE_ERRORS,
@@ -144,6 +161,7 @@ ALL: tuple[MetricSpec, ...] = (
     POOL_PHASE,
     *OBSERVED_POOL_GAUGES,
     *OBSERVED_GRANT_GAUGES,
+    *CONSUMER_HIT_GAUGES,
 )
 BY_NAME = {spec.name: spec for spec in ALL}
 

@@ -16,6 +16,7 @@ from prometheus_client.registry import Collector
 
 from kvpool.operator.metric_names import (
     API_WRITES,
+    CONSUMER_HIT_GAUGES,
     CONSUMERS,
     CONSUMERS_ROLLED_OUT,
     OBSERVED_GRANT_GAUGES,
@@ -84,6 +85,12 @@ class _PoolCollector(Collector):
                 for grant, numbers in sorted(grants.items()):
                     family.add_metric([namespace, pool, grant], numbers[index])
             yield family
+        for index, spec in enumerate(CONSUMER_HIT_GAUGES):
+            family = _gauge(spec)
+            for (namespace, pool), consumers in sorted(self._metrics.hits.items()):
+                for consumer, numbers in sorted(consumers.items()):
+                    family.add_metric([namespace, pool, consumer], numbers[index])
+            yield family
 
 
 class OperatorMetrics:
@@ -98,6 +105,8 @@ class OperatorMetrics:
         self.capacity: dict[tuple[str, str], tuple[int | None, ...]] = {}
         # grant -> used, quota, rejected writes (``OBSERVED_GRANT_GAUGES``), while the master answers
         self.grants: dict[tuple[str, str], dict[str, tuple[int, int, int]]] = {}
+        # consumer -> hit tokens, looked-up tokens (``CONSUMER_HIT_GAUGES``), from status.hits
+        self.hits: dict[tuple[str, str], dict[str, tuple[int, int]]] = {}
         self.reconciles = _counter(RECONCILES, self.registry)
         self.errors = _counter(RECONCILE_ERRORS, self.registry)
         self.writes = _counter(API_WRITES, self.registry)
@@ -129,6 +138,7 @@ class OperatorMetrics:
         else:
             self.capacity.pop((namespace, pool), None)
         self.grants[(namespace, pool)] = grant_numbers(status)
+        self.hits[(namespace, pool)] = consumer_hit_numbers(status)
 
     def forget_pool(self, namespace: str, pool: str) -> None:
         self.conditions.pop((namespace, pool), None)
@@ -136,6 +146,7 @@ class OperatorMetrics:
         self.phases.pop((namespace, pool), None)
         self.capacity.pop((namespace, pool), None)
         self.grants.pop((namespace, pool), None)
+        self.hits.pop((namespace, pool), None)
 
 
 def grant_numbers(status: Mapping[str, Any]) -> dict[str, tuple[int, int, int]]:
@@ -168,3 +179,18 @@ async def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> As
         yield
     finally:
         await runner.cleanup()
+
+
+def consumer_hit_numbers(status: Mapping[str, Any]) -> dict[str, tuple[int, int]]:
+    """Each consumer's hit and looked-up tokens from a pool's ``status.hits``; a consumer none
+    of whose pods answered has no numbers (unknown, not zero)."""
+    hits = status.get("hits")
+    if not isinstance(hits, Mapping):
+        return {}
+    out = {}
+    for item in hits.get("consumers") or []:
+        numbers = (item.get("hitTokens"), item.get("lookedUpTokens"))
+        answered = str(item.get("pods", "0/")).split("/", 1)[0]
+        if all(isinstance(n, int) for n in numbers) and answered not in ("", "0"):
+            out[str(item.get("name"))] = (int(numbers[0]), int(numbers[1]))
+    return out

@@ -74,7 +74,8 @@ RULES: tuple[Rule, ...] = (
     Rule(
         POD_DISRUPTION_BUDGETS.group, (POD_DISRUPTION_BUDGETS.plural,), ("get", "create", "patch", "delete")
     ),
-    # An HA pool's master pods: their IPs are the only addresses a leader check may ask.
+    # Pods, read only: an HA pool's master pods (their IPs are the only addresses a leader
+    # check may ask), store pods (to name segments) and consumer pods (asked for their hits).
     Rule(PODS.group, (PODS.plural,), ("list",)),
     # Events posted by kopf about pools.
     Rule(EVENTS.group, (EVENTS.plural,), ("create",)),

@@ -24,6 +24,7 @@ import kopf
 
 from kvpool.operator import names
 from kvpool.operator.capacity import apply_observation, external_conditions, scale_down_message
+from kvpool.operator.consumer_hits import consumer_pods, hits_status, poll_consumers, with_hits
 from kvpool.operator.consumers import (
     ConsumerError,
     Injection,
@@ -50,7 +51,7 @@ from kvpool.operator.leader import (
 from kvpool.operator.merge_patch import diff
 from kvpool.operator.metrics import OperatorMetrics
 from kvpool.operator.names import DEPLOYMENTS, GRANTS, PODS, POOLS
-from kvpool.operator.network import read_namespace_network
+from kvpool.operator.network import read_namespace_network, selects
 from kvpool.operator.observation import Observation, base_of, poll_master
 from kvpool.operator.plan import Plan, build_plan, children_names
 from kvpool.operator.pod_injection import (
@@ -681,22 +682,54 @@ class Reconciler:
             store_pods=store_pods,
         )
 
+    async def poll_hits(self, plan: Plan) -> dict[str, Any] | None:
+        """``status.hits`` from the consumers' own ``/metrics`` (None: no consumer pod is ready):
+        the ready pods of each consumer the pool rolled, asked within ``observe_timeout``."""
+        if not plan.consumers:
+            return None
+        pods = await self.kube.list(
+            PODS, plan.namespace, label_selector=f"{names.LABEL_POOL}={plan.pool},!{names.LABEL_COMPONENT}"
+        )
+        asked: dict[str, int] = {}
+        targets = []
+        for injection in plan.consumers:
+            deployment = await self.kube.get(DEPLOYMENTS, plan.namespace, injection.deployment)
+            if deployment is None or owner_pool(deployment) != plan.pool:
+                continue
+            selector = (deployment.get("spec") or {}).get("selector")
+            if not selector:
+                continue
+            own = consumer_pods(
+                injection.deployment,
+                [p for p in pods if selects(selector, (p.get("metadata") or {}).get("labels") or {})],
+            )
+            asked[injection.deployment] = len(own)
+            targets += own
+        if not targets:
+            return None  # no consumer pod is ready: nothing to report
+        answers = await poll_consumers(targets, timeout=self.observe_timeout)
+        return hits_status([c.deployment for c in plan.consumers], answers, asked, utcnow())
+
     async def observe(self, body: Mapping[str, Any], notify: Notify) -> None:
-        """The observation timer: poll the pool's master (outside the pool's lock), keep the
-        answer, and write what it changes in the status (capacity, ``Observed``, ``Degraded``,
-        the phase). When it changes whether an external pool serves, a pass follows (its
-        consumers are rolled only onto a pool that serves)."""
+        """The observation timer: poll the pool's master and its consumers (outside the pool's
+        lock), keep the answer, and write what it changes in the status (capacity, ``Observed``,
+        ``Degraded``, the phase, the consumers' hits). When it changes whether an external pool
+        serves, a pass follows (its consumers are rolled only onto a pool that serves)."""
         meta = body.get("metadata", {})
         namespace, name = meta["namespace"], meta["name"]
         grants = await read_grants(self.kube, body)
         plan = build_plan(name, namespace, body.get("spec"), self.policy, grants=grants)
         key = (namespace, name)
-        if not plan.valid or not plan.observed or paused(body):
+        if not plan.valid or paused(body):
             self.observations.pop(key, None)
             return
-        observation = await self.poll(plan)
+        observation = await self.poll(plan) if plan.observed else None
+        if observation is None:
+            self.observations.pop(key, None)
+        hits = await self.poll_hits(plan)
         before = self.observations.get(key)
-        self.observations[key] = observation
+        if observation is not None:
+            self.observations[key] = observation
         async with self._lock(namespace, name):
             pool = await self.kube.get(POOLS, namespace, name)
             if pool is None or pool.get("metadata", {}).get("deletionTimestamp") or paused(pool):
@@ -704,24 +737,29 @@ class Reconciler:
             old = dict(pool.get("status") or {})
             if (condition_of(old, "ConfigValid") or {}).get("status") != "True":
                 return  # not applied yet, or invalid: the next pass writes the observation
-            status = apply_observation(
-                old,
-                old,
-                observation,
-                asked=plan.observed,
-                external=plan.external,
-                expected=plan.store_replicas,
-                now=utcnow(),
-                tenants=plan.tenancy.tenants if plan.tenancy is not None else None,
-            )
+            status = old
+            if observation is not None:
+                status = apply_observation(
+                    old,
+                    old,
+                    observation,
+                    asked=plan.observed,
+                    external=plan.external,
+                    expected=plan.store_replicas,
+                    now=utcnow(),
+                    tenants=plan.tenancy.tenants if plan.tenancy is not None else None,
+                )
+            status = with_hits(status, hits)
             if status != old:
                 await self.kube.patch(
                     POOLS, namespace, name, {"status": diff(old, status)}, subresource="status"
                 )
                 announce(old, status, notify)
                 self.metrics.observe_pool(namespace, name, status)
-            if plan.tenancy is not None:
+            if plan.tenancy is not None and observation is not None:
                 # Each grant's usage from the same poll (a grant's status is written when it changed).
                 await write_grant_statuses(self.kube, name, grants, plan, utcnow(), observation)
+        if observation is None:
+            return
         if plan.external and (before is None or before.answered != observation.answered):
             await self.reconcile(pool, "observe", notify, coalesce=True)

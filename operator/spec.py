@@ -556,6 +556,27 @@ class CapacityStatus(_Model):
     )
 
 
+class ConsumerHits(_Model):
+    """One consumer's hit rate, from its pods' own ``/metrics``."""
+
+    name: str
+    hit_rate: str = Field(description="Tokens the pool served over tokens looked up past the local hit.")
+    hit_tokens: int
+    looked_up_tokens: int
+    pods: str = Field(description="Pods that answered, of the consumer's ready pods ('2/2').")
+    problem: str | None = Field(default=None, description="Why a pod did not answer (the first).")
+
+
+class HitsStatus(_Model):
+    """The hit rate the pool's consumers report, since each of their pods started."""
+
+    changed_at: str = Field(description="When these numbers were first seen.")
+    hit_rate: str = Field(description="Over every consumer: hit tokens over tokens looked up.")
+    hit_tokens: int
+    looked_up_tokens: int
+    consumers: list[ConsumerHits] = Field(default_factory=list, max_length=1024)
+
+
 class ScaleDownStatus(_Model):
     """The last scale-down of the store pods, and what it loses."""
 
@@ -574,6 +595,7 @@ class PoolStatus(_Model):
     ] = "Pending"
     master_address: str | None = None
     capacity: CapacityStatus | None = None
+    hits: HitsStatus | None = None
     last_scale_down: ScaleDownStatus | None = None
     conditions: list[Condition] = Field(default_factory=list)
     consumers: list[ConsumerStatus] = Field(default_factory=list)

@@ -170,6 +170,7 @@ def invalid_status(
                 "phase": _phase(merged),
                 "masterAddress": old.get("masterAddress"),
                 "capacity": old.get("capacity"),
+                "hits": old.get("hits"),
                 "lastScaleDown": old.get("lastScaleDown"),
                 "conditions": [c.model_dump(by_alias=True) for c in merged],
                 "consumers": [c.model_dump(by_alias=True) for c in consumers],
@@ -360,6 +361,7 @@ def valid_status(
                 "phase": _phase(merged),
                 "masterAddress": master_address,
                 "capacity": old.get("capacity"),
+                "hits": old.get("hits"),
                 "lastScaleDown": last_scale_down or old.get("lastScaleDown"),
                 "conditions": [c.model_dump(by_alias=True) for c in merged],
                 "consumers": [

@@ -111,14 +111,15 @@ def chart_install(kubeconfig: Path) -> Install:
 
 
 class PodMirror:
-    """Writes the node's pods into the API as Pod objects (name, labels, ``status.podIP``), as
-    the kubelet would: the operator reads an HA pool's master pods from there."""
+    """Writes the node's pods into the API as Pod objects (name, labels, containers' argv,
+    ``status.podIP``, phase and ``Ready``), as the kubelet would: the operator reads an HA
+    pool's master pods, and the consumer pods it asks for their hits, from there."""
 
     def __init__(self, node: Node, kube: Kube):
         self.node, self.kube = node, kube
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="pod-mirror", daemon=True)
-        self._mirrored: dict[str, str] = {}  # name -> IP
+        self._mirrored: dict[str, tuple[str, bool]] = {}  # name -> IP, ready
 
     def start(self) -> PodMirror:
         self._thread.start()
@@ -141,7 +142,7 @@ class PodMirror:
             self.kube.delete(harness.path("v1", "Pod", name))
             del self._mirrored[name]
         for name, pod in pods.items():
-            if self._mirrored.get(name) == pod.ip:
+            if self._mirrored.get(name) == (pod.ip, pod.ready):
                 continue
             if name in self._mirrored:
                 self.kube.delete(harness.path("v1", "Pod", name))
@@ -150,11 +151,20 @@ class PodMirror:
                     "apiVersion": "v1",
                     "kind": "Pod",
                     "metadata": {"name": name, "namespace": harness.NAMESPACE, "labels": dict(pod.labels)},
-                    "spec": {"containers": [{"name": c.name, "image": "node"} for c in pod.containers]},
-                    "status": {"podIP": pod.ip, "podIPs": [{"ip": pod.ip}]},
+                    "spec": {
+                        "containers": [
+                            {"name": c.name, "image": "node", "command": list(c.argv)} for c in pod.containers
+                        ]
+                    },
+                    "status": {
+                        "phase": "Running" if pod.reason == "Running" else "Pending",
+                        "conditions": [{"type": "Ready", "status": "True" if pod.ready else "False"}],
+                        "podIP": pod.ip,
+                        "podIPs": [{"ip": pod.ip}],
+                    },
                 }
             )
-            self._mirrored[name] = pod.ip
+            self._mirrored[name] = (pod.ip, pod.ready)
 
 
 @pytest.fixture(scope="session")

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from kvpool.operator import names
+from kvpool.operator.consumer_hits import percent_text
 from kvpool.operator.names import POOLS
 from testing.node import PodInfo
 from testing.prompts import MAX_TOKENS, PREFIX_HIT
@@ -33,6 +34,7 @@ STORE = names.store_name(POOL)
 CONSUMER_PATH = path("apps/v1", "Deployment", CONSUMER)
 POOL_PATH = path(POOLS.api_version, POOLS.kind, POOL)
 HIT_TOKENS = "vllm:kvpool_lookup_hit_tokens_total"
+QUERY_TOKENS = "vllm:kvpool_lookup_query_tokens_total"
 LOAD_BLOCKS = "vllm:kvpool_transfer_blocks_total"
 MISMATCHES = "vllm:kvpool_layout_mismatches_total"
 
@@ -128,6 +130,22 @@ def test_pool_serves_its_consumer_from_real_processes(
     assert metric_total(samples, LOAD_BLOCKS, operation="load") > 0
     # The layout it declared (from kvpool-layout) is the one its engine built: no mismatch.
     assert metric_total(samples, MISMATCHES) == 0
+
+    # The operator reads the same counters from the pod's own /metrics into status.hits.
+    hit, looked_up = int(metric_total(samples, HIT_TOKENS)), int(metric_total(samples, QUERY_TOKENS))
+    wanted = {
+        "name": CONSUMER,
+        "hitRate": percent_text(hit, looked_up),
+        "hitTokens": hit,
+        "lookedUpTokens": looked_up,
+        "pods": "1/1",
+    }
+    wait_for(
+        lambda: ((status(e2e).get("hits") or {}).get("consumers") or [None])[0] == wanted,
+        60,
+        f"the consumer's hits in the status: {wanted}",
+    )
+    assert status(e2e)["hits"]["hitRate"] == wanted["hitRate"] != "-"
 
 
 def test_connector_setting_rolls_the_consumer(

@@ -1,0 +1,304 @@
+"""The hit rate the consumers report, in the pool's status, its printer column and the
+operator's gauges.
+
+Pure tests of the parsing, the pods asked and the status; then the asking itself against
+stand-in pods on loopback (their ``/metrics`` written by prometheus_client as vLLM's registry
+writes it), and the real operator on the emulated API. Real vLLM pods are asked in
+``tests/e2e/test_pool.py``, whose status must equal the pod's own counters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import urllib.request
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import pytest_asyncio
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvpool.operator import consumer_hits, names
+from kvpool.operator.consumer_hits import (
+    ConsumerPod,
+    ConsumerTextError,
+    api_port,
+    consumer_pods,
+    hits_status,
+    parse_hits,
+    percent_text,
+    poll_consumers,
+    with_hits,
+)
+from kvpool.operator.crd import build_crd
+from kvpool.operator.metric_names import CONSUMER_HIT_TOKENS, CONSUMER_LOOKED_UP_TOKENS
+from kvpool.operator.metrics import consumer_hit_numbers
+from kvpool.operator.spec import PoolStatus
+from testing.kube_api import NAMESPACE, Cluster, eventually, free_port
+from testing.operator_objects import Operator, pool_manifest, pool_spec, vllm_deployment
+
+
+def vllm_text(per_engine: list[tuple[float, float]], other: bool = True) -> str:
+    """A vLLM ``/metrics`` text with the connector's lookup counters, one series per engine:
+    ``(looked-up tokens, hit tokens)``; ``other``: with an unrelated series too."""
+    registry = CollectorRegistry()
+    labels = ["model_name", "engine"]
+    queried = Counter("vllm:kvpool_lookup_query_tokens", "looked up", labels, registry=registry)
+    hit = Counter("vllm:kvpool_lookup_hit_tokens", "hit", labels, registry=registry)
+    for engine, (q, h) in enumerate(per_engine):
+        queried.labels("m", str(engine)).inc(q)
+        hit.labels("m", str(engine)).inc(h)
+    if other:
+        Counter("vllm:prompt_tokens", "prompt", labels, registry=registry).labels("m", "0").inc(999)
+    return generate_latest(registry).decode()
+
+
+def pod(
+    name: str,
+    ip: str = "127.0.0.1",
+    args: tuple[str, ...] = ("--kv-transfer-config", "{}", "--port", "8123"),
+    ready: bool = True,
+    labels: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": NAMESPACE, "labels": labels or {}},
+        "spec": {
+            "containers": [
+                {"name": "sidecar", "image": "proxy", "args": ["--port", "9"]},
+                {"name": "vllm", "image": "vllm", "args": list(args)},
+            ]
+        },
+        "status": {
+            "phase": "Running",
+            "podIP": ip,
+            "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+        },
+    }
+
+
+# --- pure --------------------------------------------------------------------------------------
+
+
+def test_a_pods_counters_are_summed_over_its_engines_and_nothing_else() -> None:
+    hits = parse_hits(vllm_text([(100, 60), (50, 15)]))
+    assert (hits.query_tokens, hits.hit_tokens) == (150, 75)
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        (vllm_text([], other=True), "is the connector loaded"),
+        ("this is { not prometheus", "not Prometheus text"),
+    ],
+)
+def test_an_answer_without_the_counters_is_an_error(text: str, says: str) -> None:
+    with pytest.raises(ConsumerTextError, match=says):
+        parse_hits(text)
+
+
+@pytest.mark.parametrize(
+    ("args", "port"),
+    [
+        (["--port", "8123"], 8123),
+        (["--port=8124"], 8124),
+        ([], 8000),  # vLLM's default
+        (["--port", "http"], None),
+        (["--port", "70000"], None),
+    ],
+)
+def test_the_api_port_is_the_containers_port_flag(args: list[str], port: int | None) -> None:
+    assert api_port({"command": ["python", "-m", "vllm.entrypoints.openai.api_server"], "args": args}) == port
+
+
+def test_only_ready_pods_at_a_valid_ip_are_asked_on_the_connector_containers_port() -> None:
+    pods = [
+        pod("a"),
+        pod("b", ready=False),
+        pod("c", ip="not-an-ip"),
+        pod("d", args=("--port", "8123")),  # no connector in it
+        pod("e", ip="fd00::5", args=("--kv-transfer-config={}",)),
+    ]
+    asked = consumer_pods("llm", pods)
+    assert asked == [
+        ConsumerPod("llm", "a", "127.0.0.1", 8123),
+        ConsumerPod("llm", "e", "fd00::5", 8000),
+    ]
+    assert asked[1].url == "http://[fd00::5]:8000/metrics"
+    terminating = pod("f")
+    terminating["metadata"]["deletionTimestamp"] = "2026-12-03T00:00:00Z"
+    assert consumer_pods("llm", [terminating]) == []
+
+
+def answer(consumer: str, name: str, queried: float | None, hit: float = 0.0) -> consumer_hits.PodAnswer:
+    target = ConsumerPod(consumer, name, "127.0.0.1", 1)
+    if queried is None:
+        return consumer_hits.PodAnswer(target, problem=f"{name}: no answer")
+    return consumer_hits.PodAnswer(target, hits=consumer_hits.PodHits(queried, hit))
+
+
+def test_the_status_has_each_consumers_rate_and_the_pools_and_is_valid() -> None:
+    answers = [answer("a", "a-1", 200, 150), answer("a", "a-2", None), answer("b", "b-1", 200, 50)]
+    hits = hits_status(["a", "b", "c"], answers, {"a": 2, "b": 1}, "t0")
+    assert hits == {
+        "changedAt": "t0",
+        "hitRate": "50.0%",
+        "hitTokens": 200,
+        "lookedUpTokens": 400,
+        "consumers": [
+            {
+                "name": "a",
+                "hitRate": "75.0%",
+                "hitTokens": 150,
+                "lookedUpTokens": 200,
+                "pods": "1/2",
+                "problem": "a-2: no answer",
+            },
+            {"name": "b", "hitRate": "25.0%", "hitTokens": 50, "lookedUpTokens": 200, "pods": "1/1"},
+            {"name": "c", "hitRate": "-", "hitTokens": 0, "lookedUpTokens": 0, "pods": "0/0"},
+        ],
+    }
+    PoolStatus.model_validate({"hits": hits})
+    # The gauges: a consumer none of whose pods answered has no numbers (unknown, not zero).
+    assert consumer_hit_numbers({"hits": hits}) == {"a": (150, 200), "b": (50, 200)}
+    assert percent_text(1, 3) == "33.3%"
+
+
+def test_numbers_that_hold_still_keep_their_time_and_none_removes_them() -> None:
+    first = hits_status(["a"], [answer("a", "a-1", 10, 5)], {"a": 1}, "t0")
+    status = with_hits({"phase": "Ready"}, first)
+    again = with_hits(status, hits_status(["a"], [answer("a", "a-1", 10, 5)], {"a": 1}, "t1"))
+    assert again == status and again["hits"]["changedAt"] == "t0"
+    moved = with_hits(status, hits_status(["a"], [answer("a", "a-1", 20, 5)], {"a": 1}, "t2"))
+    assert moved["hits"]["changedAt"] == "t2" and moved["hits"]["hitRate"] == "25.0%"
+    assert with_hits(status, None) == {"phase": "Ready"}
+
+
+def test_kubectl_get_shows_the_pools_hit_rate() -> None:
+    columns = build_crd()["spec"]["versions"][0]["additionalPrinterColumns"]
+    assert {"name": "Hit rate", "type": "string", "jsonPath": ".status.hits.hitRate"} in columns
+
+
+# --- asking stand-in pods on loopback ----------------------------------------------------------
+
+
+class StandInPods:
+    """Pods' ``/metrics`` on loopback, one port each: text, an HTTP error, or no answer."""
+
+    def __init__(self) -> None:
+        self.texts: dict[int, str | int | None] = {}  # port -> text, HTTP status, or None (hang)
+        self.runners: list[web.AppRunner] = []
+        self.release = asyncio.Event()
+
+    async def add(self, answer: str | int | None) -> int:
+        port = free_port()
+        self.texts[port] = answer
+
+        async def metrics(_: web.Request) -> web.StreamResponse:
+            said = self.texts[port]
+            if said is None:
+                await self.release.wait()
+                return web.Response(text="")
+            if isinstance(said, int):
+                return web.Response(status=said)
+            return web.Response(text=said)
+
+        app = web.Application()
+        app.router.add_get("/metrics", metrics)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        self.runners.append(runner)
+        return port
+
+
+@pytest_asyncio.fixture
+async def pods() -> AsyncIterator[StandInPods]:
+    stand_in = StandInPods()
+    yield stand_in
+    stand_in.release.set()
+    for runner in stand_in.runners:
+        await runner.cleanup()
+
+
+@pytest.mark.asyncio
+async def test_each_pod_is_asked_once_within_the_deadline_and_says_why_not(
+    pods: StandInPods, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    text = vllm_text([(40, 30)])
+    limit = len(text) + 10
+    ok = await pods.add(text)
+    error = await pods.add(503)
+    hanging = await pods.add(None)
+    no_connector = await pods.add(vllm_text([]))
+    large = await pods.add("#" * limit + "\n")
+    monkeypatch.setattr(consumer_hits, "MAX_BODY", limit)
+    targets = [
+        ConsumerPod("llm", name, "127.0.0.1", port)
+        for name, port in (
+            ("ok", ok),
+            ("error", error),
+            ("hang", hanging),
+            ("bare", no_connector),
+            ("big", large),
+        )
+    ]
+    answers = await poll_consumers(targets, timeout=1.0)
+    by_pod = {a.pod.pod: a for a in answers}
+    assert by_pod["ok"].hits == consumer_hits.PodHits(40, 30)
+    assert by_pod["error"].problem == "error: HTTP 503"
+    assert by_pod["hang"].problem == "hang: no answer within 1 s"
+    assert "is the connector loaded" in str(by_pod["bare"].problem)
+    assert by_pod["big"].problem == f"big: /metrics larger than {limit} bytes"
+    assert [a.pod for a in answers] == targets  # in order, one answer each
+
+
+# --- the real operator on the emulated API -----------------------------------------------------
+
+OBSERVING = {"observe_interval": 0.3, "observe_timeout": 1.0}
+
+
+def operator_hit_series(url: str) -> dict[tuple[str, str], float]:
+    with urllib.request.urlopen(url, timeout=5) as response:
+        text = response.read().decode()
+    return {
+        (s.name, s.labels["consumer"]): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name.startswith("kvpool_operator_consumer_")
+    }
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("operator_config", [OBSERVING])
+async def test_the_operator_writes_what_the_consumers_pods_report(
+    cluster: Cluster, operator: Operator, pods: StandInPods
+) -> None:
+    serving = await pods.add(vllm_text([(300, 120)]))
+    failing = await pods.add(500)
+    await cluster.create(vllm_deployment())
+    await cluster.create(pool_manifest(spec=pool_spec()))
+    consumer_labels = {"app": "llm", names.LABEL_POOL: "pool"}
+    for name, port in (("llm-a", serving), ("llm-b", failing)):
+        args = ("--kv-transfer-config", "{}", "--port", str(port))
+        await cluster.create(pod(name, args=args, labels=consumer_labels))
+    # Another Deployment's pod of the same pool label is not the consumer's.
+    await cluster.create(pod("other", labels={"app": "other", names.LABEL_POOL: "pool"}))
+
+    def hits() -> dict[str, Any]:
+        cluster.settle()
+        return cluster.pool_status("pool").get("hits") or {}
+
+    seen = await eventually(lambda: hits().get("hitTokens") == 120 and hits(), what="the consumer's hits")
+    assert seen["hitRate"] == "40.0%" and seen["lookedUpTokens"] == 300
+    [entry] = seen["consumers"]
+    assert entry["name"] == "llm" and entry["pods"] == "1/2" and entry["problem"] == "llm-b: HTTP 500"
+    series = await eventually(lambda: operator_hit_series(operator.metrics_url), what="the hit gauges")
+    assert series == {(CONSUMER_HIT_TOKENS.name, "llm"): 120, (CONSUMER_LOOKED_UP_TOKENS.name, "llm"): 300}
+
+    # The consumers serve more: the next poll shows it.
+    pods.texts[serving] = vllm_text([(400, 220)])
+    await eventually(lambda: hits().get("hitRate") == "55.0%", what="55% after more hits")
