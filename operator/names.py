@@ -90,6 +90,8 @@ LABEL_ALLOW_POOL = f"{PREFIX}/allow-pool"
 LABEL_PART_OF = "app.kubernetes.io/part-of"
 PART_OF = "mooncake-kvpool"  # on every object of this project: pool children and the operator
 ANNOTATION_CONFIG_HASH = f"{PREFIX}/config-hash"
+# On the master's pod template: the digest of the quota policy it starts with (a change rolls it).
+ANNOTATION_TENANT_POLICY = f"{PREFIX}/tenant-policy"
 ANNOTATION_LAST_APPLIED = f"{PREFIX}/last-applied"
 ANNOTATION_RESTORE = f"{PREFIX}/restore"
 # On a Pod the admission webhook injected: what it added (JSON; the Deployment is unchanged).

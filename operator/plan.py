@@ -18,6 +18,7 @@ from kvpool.operator.components import (
 from kvpool.operator.connector_settings import connector_configmap
 from kvpool.operator.consumers import Injection, plan_injection
 from kvpool.operator.grants import Grant, Tenancy, consumer_grant_problems, plan_tenancy, tenants_configmap
+from kvpool.operator.merge_patch import digest
 from kvpool.operator.names import (
     CONFIGMAPS,
     DEPLOYMENTS,
@@ -117,15 +118,18 @@ def build_plan(
             configmap,
             injections,
         )
+    master = master_deployment(pool, namespace, spec)
     children = [
         configmap,
-        master_deployment(pool, namespace, spec),
+        master,
         master_service(pool, namespace, spec),
         pod_disruption_budget(pool, namespace, names.MASTER, only_pod=not spec.master.ha.enabled),
     ]
     absent: list[tuple[ApiResource, str]] = []
     if tenancy is not None:
         children.append(tenants_configmap(pool, namespace, tenancy))
+        if spec.tenancy.grant_changes == "RestartMaster":
+            roll_on_policy_change(master, tenancy)
     else:
         absent.append((CONFIGMAPS, names.tenants_configmap_name(pool)))
     embedded = spec.store.mode == "embedded"
@@ -169,6 +173,13 @@ def build_plan(
         consumers=injections,
         tenancy=tenancy,
     )
+
+
+def roll_on_policy_change(master: dict[str, Any], tenancy: Tenancy) -> None:
+    """Stamp the quota policy's digest on the master's pod template: the master reads the
+    policy only when it starts, so a grant change rolls it (``grantChanges: RestartMaster``)."""
+    template = master["spec"]["template"].setdefault("metadata", {})
+    template.setdefault("annotations", {})[names.ANNOTATION_TENANT_POLICY] = digest(tenancy.policy())
 
 
 def declared_capacity(spec: PoolSpec) -> int | None:

@@ -375,6 +375,14 @@ class TenancySpec(_Model):
         description="Run the master with --enable_multi_tenants and a quota per grant "
         "(MooncakeKVPoolGrant objects naming this pool); every consumer then names a grant.",
     )
+    grant_changes: Literal["RestartMaster", "NextMasterStart"] = Field(
+        default="RestartMaster",
+        description="How a grant added, changed or removed reaches the master, which reads its "
+        "quota policy only when it starts. RestartMaster: the master is rolled at once (the pool's "
+        "objects are lost; consumers recompute while the cache refills). NextMasterStart: the "
+        "policy waits for the master's next start; until then the master refuses a new grant's "
+        "writes and keeps old quotas.",
+    )
 
 
 class PoolSpec(_Model):

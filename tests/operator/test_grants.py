@@ -155,3 +155,40 @@ def test_a_consumer_pod_admitted_by_the_webhook_gets_its_grants_tenant() -> None
     # Without its grant the Pod is refused, naming the field and the rule.
     refusal = admit_pod(pod, NAMESPACE, serving_pool(spec))
     assert isinstance(refusal, Refusal) and "grant-not-found" in str(refusal)
+
+
+def master_template_annotations(plan: Any) -> dict[str, str]:
+    (master,) = [
+        c for c in plan.children if c["kind"] == "Deployment" and c["metadata"]["name"] == "pool-master"
+    ]
+    return master["spec"]["template"]["metadata"].get("annotations") or {}
+
+
+def test_a_grant_change_rolls_the_master_unless_the_pool_waits_for_its_next_start() -> None:
+    def stamp(grants: list[Grant], changes: str | None = None) -> str | None:
+        raw = tenant_spec("team-a")
+        if changes is not None:
+            raw["tenancy"]["grantChanges"] = changes
+        plan = build_plan("pool", NAMESPACE, raw, grants=grants)
+        assert plan.problems == []
+        return master_template_annotations(plan).get(names.ANNOTATION_TENANT_POLICY)
+
+    before = stamp([grant("team-a", "8MB")])
+    assert before is not None
+    assert stamp([grant("team-a", "8MB")]) == before  # the same grants: nothing rolls
+    assert stamp([grant("team-a", "12MB")]) not in (None, before)  # a ceiling changed
+    assert stamp([grant("team-a", "8MB"), grant("team-b", "8MB")]) not in (None, before)  # a grant added
+    # NextMasterStart: the template does not depend on the grants; the policy file still follows.
+    assert stamp([grant("team-a", "8MB")], "NextMasterStart") is None
+    assert stamp([grant("team-a", "12MB")], "NextMasterStart") is None
+    # Without tenancy there is no policy to stamp.
+    plan = build_plan("pool", NAMESPACE, pool_spec(), grants=[])
+    assert names.ANNOTATION_TENANT_POLICY not in master_template_annotations(plan)
+
+
+def test_an_unknown_grant_change_mode_is_refused_by_field() -> None:
+    raw = tenant_spec("team-a")
+    raw["tenancy"]["grantChanges"] = "Sometimes"
+    plan = build_plan("pool", NAMESPACE, raw, grants=[grant("team-a", "8MB")])
+    assert [p.field for p in plan.problems] == ["spec.tenancy.grantChanges"]
+    assert plan.children == []
