@@ -33,6 +33,7 @@ FILLER_OBJECT_BYTES = 4 << 20
 FILLER_OVER_CAPACITY = 1.25  # filler put, as a share of the pool's capacity
 IN_FLIGHT_WAIT_S = 10.0  # longest a server restart waits for a request in flight on it
 FILL_DEADLINE_S = 60.0  # longest the filler's puts (or removals) may take: a frozen store stalls them
+CANDIDATE_WAIT_S = 30.0  # longest a corruption waits for an answered turn whose conversation goes on
 
 
 @dataclass
@@ -213,9 +214,15 @@ class Injector:
 
         fingerprint, groups = self.hands.identity()
         keyspace = KeySpace(self.hands.cache_prefix, fingerprint)
+        # A fault may strike while the fleet answers nothing (a restart, a frozen store): wait
+        # a bounded while for a turn to be answered.
+        deadline = time.monotonic() + CANDIDATE_WAIT_S
         candidates = [r for r in self.traffic.completed if self.traffic.goes_on(r)]
+        while not candidates and time.monotonic() < deadline:
+            time.sleep(0.5)
+            candidates = [r for r in self.traffic.completed if self.traffic.goes_on(r)]
         if not candidates:
-            raise RuntimeError("no answered turn with a next one to come")
+            raise RuntimeError(f"no answered turn with a next one to come within {CANDIDATE_WAIT_S:.0f} s")
         chosen = candidates[-1]
         digests = [hash_digest(h) for h in block_hashes(chosen.prompt)[self.system_blocks :]]
         keys = [keyspace.key(group, 0, 0, digest) for group in range(groups) for digest in digests]
