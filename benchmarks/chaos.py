@@ -37,6 +37,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import threading
@@ -62,6 +63,7 @@ COMPUTE_ALLOWANCE_S = 60.0
 RECOVERY_BOUND_S = 90.0
 RECOVERY_FRACTION = 0.5
 SAMPLE_EVERY_S = 2.0
+OVERRUN_S = 300.0  # the longest the traffic goes on past its length, waiting for faults to end
 LEAK_WARMUP_S = 60.0
 CACHE_PREFIX = "chaos"
 
@@ -282,8 +284,15 @@ def run_fleet(shape: Shape, wl: Workload, seed: int, out_dir: Path) -> Outcome:
         traffic = Traffic(wl, lambda: urls, t0, client_timeout, add)
         injector = Injector(fleet, traffic, hands, t0, add, system_blocks=wl.system_len // BLOCK_SIZE)
         injector.play(schedule)
-        # The traffic goes on until every fault has ended and the fleet had time to heal.
-        asyncio.run(traffic.run(shape.traffic_s, lambda: not injector.settled(shape.settle_s)))
+        # The traffic goes on until every fault has ended and the fleet had time to heal, within
+        # a bound: a fault that never ends fails the judgement, it does not hang the run.
+        overrun = t0 + shape.traffic_s + OVERRUN_S
+        asyncio.run(
+            traffic.run(
+                shape.traffic_s,
+                lambda: not injector.settled(shape.settle_s) and time.monotonic() < overrun,
+            )
+        )
         injector.wait(timeout=STARTUP_TIMEOUT_S)
         _log(f"chaos phase done: {len(history.requests)} requests, {len(history.faults)} faults")
 
@@ -596,6 +605,8 @@ def main(argv: list[str] | None = None) -> int:
         out_dir: Path = args.judge
         outcome = Outcome.load(out_dir)
     else:
+        # SIGTERM stops the fleet as Ctrl-C does (a background run ignores SIGINT).
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
         out_dir = args.out or Path(tempfile.mkdtemp(prefix="kvpool-chaos-"))
         out_dir.mkdir(parents=True, exist_ok=True)
         outcome = run_fleet(shape, Workload(seed=args.seed), args.seed, out_dir)

@@ -93,7 +93,8 @@ class Injector:
         def run() -> None:
             for planned in schedule:
                 while self.now() < planned.at and not self.stopping.is_set():
-                    time.sleep(min(0.1, planned.at - self.now()))
+                    # Never negative: the clock may pass ``planned.at`` after the check.
+                    time.sleep(max(0.0, min(0.1, planned.at - self.now())))
                 if self.stopping.is_set():
                     return
                 thread = threading.Thread(target=self.inject, args=(planned,), daemon=True)
