@@ -29,7 +29,8 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvpool.connector.contract import metric_names as m
-from kvpool.operator.consumers import FLAG_SPELLINGS
+from kvpool.operator.consumers import FLAG_SPELLINGS, container_tokens, flag_values
+from kvpool.operator.grant_usage import with_changed_at
 from kvpool.operator.leader import excerpt
 
 HIT_TOKENS = m.LOOKUP_HIT_TOKENS.exported
@@ -96,35 +97,22 @@ def parse_hits(text: str) -> PodHits:
     return PodHits(query_tokens=sums[QUERY_TOKENS], hit_tokens=sums[HIT_TOKENS])
 
 
-def _flag_value(tokens: Sequence[str], flag: str) -> str | None:
-    for i, token in enumerate(tokens):
-        if token == flag and i + 1 < len(tokens):
-            return tokens[i + 1]
-        if token.startswith(f"{flag}="):
-            return token.split("=", 1)[1]
-    return None
-
-
-def _tokens(container: Mapping[str, Any]) -> list[str]:
-    return [str(t) for key in ("command", "args") for t in container.get(key) or []]
-
-
 def connector_container(pod: Mapping[str, Any]) -> Mapping[str, Any] | None:
     """The pod's container that runs vLLM with a ``--kv-transfer-config`` (the operator's)."""
     for container in (pod.get("spec") or {}).get("containers") or []:
-        if any(t.split("=", 1)[0] in FLAG_SPELLINGS for t in _tokens(container)):
+        if flag_values(container_tokens(container), FLAG_SPELLINGS):
             return container
     return None
 
 
 def api_port(container: Mapping[str, Any]) -> int | None:
-    """The container's vLLM API port: its ``--port`` (vLLM's default 8000 without one); None
-    when the flag's value is not a port."""
-    value = _flag_value(_tokens(container), "--port")
-    if value is None:
+    """The container's vLLM API port: its ``--port`` (the last one, as vLLM reads it; vLLM's
+    default 8000 without one); None when the flag's value is not a port."""
+    values = flag_values(container_tokens(container), ("--port",))
+    if not values:
         return VLLM_DEFAULT_PORT
     try:
-        port = int(value)
+        port = int(values[-1])
     except ValueError:
         return None
     return port if 0 < port < 65536 else None
@@ -139,11 +127,12 @@ def _ready(pod: Mapping[str, Any]) -> bool:
 
 def consumer_pods(consumer: str, pods: Sequence[Mapping[str, Any]]) -> list[ConsumerPod]:
     """The ready pods of one consumer to ask: each at its own IP (a valid address, from the
-    pod's status) and the API port of its connector container."""
+    pod's status) and the API port of its connector container. A pod on the host's network is
+    never asked: its IP is the node's, and the port is the pod author's to choose."""
     out = []
     for pod in pods:
         container = connector_container(pod)
-        if not _ready(pod) or container is None:
+        if not _ready(pod) or container is None or (pod.get("spec") or {}).get("hostNetwork"):
             continue
         port = api_port(container)
         try:
@@ -213,10 +202,10 @@ def _entry(name: str, answers: Sequence[PodAnswer], expected: int) -> dict[str, 
 
 
 def hits_status(
-    consumers: Sequence[str], answers: Sequence[PodAnswer], asked: Mapping[str, int], now: str
+    consumers: Sequence[str], answers: Sequence[PodAnswer], asked: Mapping[str, int]
 ) -> dict[str, Any]:
-    """``status.hits`` from one poll: per consumer (in ``consumers``' order) and for the pool;
-    ``asked``: the ready pods of each consumer."""
+    """``status.hits`` from one poll (without ``changedAt``): per consumer (in ``consumers``'
+    order) and for the pool; ``asked``: the ready pods of each consumer."""
     by_consumer: dict[str, list[PodAnswer]] = {name: [] for name in consumers}
     for answer in answers:
         by_consumer.setdefault(answer.pod.consumer, []).append(answer)
@@ -224,7 +213,6 @@ def hits_status(
     hit = sum(e["hitTokens"] for e in entries)
     queried = sum(e["lookedUpTokens"] for e in entries)
     return {
-        "changedAt": now,
         "hitRate": percent_text(hit, queried),
         "hitTokens": hit,
         "lookedUpTokens": queried,
@@ -232,15 +220,10 @@ def hits_status(
     }
 
 
-def with_hits(status: Mapping[str, Any], hits: Mapping[str, Any] | None) -> dict[str, Any]:
-    """``status`` with ``hits`` (None: none kept); the same numbers keep their ``changedAt``,
-    so consumers whose counters hold still are not written."""
+def with_hits(status: Mapping[str, Any], hits: dict[str, Any] | None, now: str) -> dict[str, Any]:
+    """``status`` with ``hits`` (None: none kept) and its ``changedAt``: the same numbers keep
+    theirs, so consumers whose counters hold still are not written."""
     out = {k: v for k, v in status.items() if k != "hits"}
-    if hits is None:
-        return out
-    before = status.get("hits")
-    if isinstance(before, Mapping) and {**hits, "changedAt": None} == {**before, "changedAt": None}:
-        out["hits"] = dict(before)
-    else:
-        out["hits"] = dict(hits)
+    if hits is not None:
+        out["hits"] = with_changed_at(hits, status.get("hits"), now)
     return out

@@ -160,7 +160,12 @@ SHELLS = frozenset({"sh", "bash", "dash", "ash", "zsh", "ksh", "busybox"})
 DTYPE_FLAGS = ("--kv-cache-dtype", "--kv_cache_dtype")
 
 
-def _flag_values(tokens: list[str], spellings: tuple[str, ...]) -> list[str]:
+def container_tokens(container: Mapping[str, Any]) -> list[str]:
+    """A container's command and args, in order."""
+    return [str(t) for t in (container.get("command") or []) + (container.get("args") or [])]
+
+
+def flag_values(tokens: list[str], spellings: tuple[str, ...]) -> list[str]:
     """The values of a ``--flag value`` / ``--flag=value`` option in ``tokens``."""
     values = []
     for index, token in enumerate(tokens):
@@ -180,7 +185,7 @@ def _is_ours(kv_config: str) -> bool:
 
 
 def _looks_like_vllm(container: Mapping[str, Any]) -> bool:
-    tokens = [str(t) for t in (container.get("command") or []) + (container.get("args") or [])]
+    tokens = container_tokens(container)
     return any("vllm" in t for t in [*tokens, str(container.get("image", ""))])
 
 
@@ -239,14 +244,14 @@ def injection_refusal(deployment: Mapping[str, Any], injection: Injection) -> Re
             "an appended --kv-transfer-config would become the shell's $0 and never reach vLLM: "
             'run vLLM directly (command: [vllm, serve, ...]) or an entrypoint script that passes "$@" on',
         )
-    foreign = [v for v in _flag_values(tokens, FLAG_SPELLINGS) if not _is_ours(v)]
+    foreign = [v for v in flag_values(tokens, FLAG_SPELLINGS) if not _is_ours(v)]
     if foreign:
         return Refusal(
             "kv-config-set",
             f"{where} sets its own --kv-transfer-config (another connector), which the pool's would "
             "replace: remove it from the Deployment to take the pool's, or leave the pool",
         )
-    for dtype in _flag_values(tokens, DTYPE_FLAGS):
+    for dtype in flag_values(tokens, DTYPE_FLAGS):
         if dtype != injection.kv_cache_dtype:
             return Refusal(
                 "kv-cache-dtype",

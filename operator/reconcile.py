@@ -475,6 +475,13 @@ async def converge(
         components=ready,
         last_scale_down=scale_down,
     )
+    return observed_status(status, old, observation, plan, now)
+
+
+def observed_status(
+    status: Mapping[str, Any], old: Mapping[str, Any], observation: Observation | None, plan: Plan, now: str
+) -> dict[str, Any]:
+    """``status`` with what the last poll of the plan's master found (``apply_observation``)."""
     return apply_observation(
         status,
         old,
@@ -690,11 +697,18 @@ class Reconciler:
         pods = await self.kube.list(
             PODS, plan.namespace, label_selector=f"{names.LABEL_POOL}={plan.pool},!{names.LABEL_COMPONENT}"
         )
+        # The consumer Deployments this pool patched (they carry its label), in one call.
+        rolled = {
+            str((d.get("metadata") or {}).get("name")): d
+            for d in await self.kube.list(
+                DEPLOYMENTS, plan.namespace, label_selector=f"{names.LABEL_CONSUMER_OF}={plan.pool}"
+            )
+        }
         asked: dict[str, int] = {}
         targets = []
         for injection in plan.consumers:
-            deployment = await self.kube.get(DEPLOYMENTS, plan.namespace, injection.deployment)
-            if deployment is None or owner_pool(deployment) != plan.pool:
+            deployment = rolled.get(injection.deployment)
+            if deployment is None:
                 continue
             selector = (deployment.get("spec") or {}).get("selector")
             if not selector:
@@ -708,7 +722,7 @@ class Reconciler:
         if not targets:
             return None  # no consumer pod is ready: nothing to report
         answers = await poll_consumers(targets, timeout=self.observe_timeout)
-        return hits_status([c.deployment for c in plan.consumers], answers, asked, utcnow())
+        return hits_status([c.deployment for c in plan.consumers], answers, asked)
 
     async def observe(self, body: Mapping[str, Any], notify: Notify) -> None:
         """The observation timer: poll the pool's master and its consumers (outside the pool's
@@ -737,19 +751,9 @@ class Reconciler:
             old = dict(pool.get("status") or {})
             if (condition_of(old, "ConfigValid") or {}).get("status") != "True":
                 return  # not applied yet, or invalid: the next pass writes the observation
-            status = old
-            if observation is not None:
-                status = apply_observation(
-                    old,
-                    old,
-                    observation,
-                    asked=plan.observed,
-                    external=plan.external,
-                    expected=plan.store_replicas,
-                    now=utcnow(),
-                    tenants=plan.tenancy.tenants if plan.tenancy is not None else None,
-                )
-            status = with_hits(status, hits)
+            now = utcnow()
+            status = old if observation is None else observed_status(old, old, observation, plan, now)
+            status = with_hits(status, hits, now)
             if status != old:
                 await self.kube.patch(
                     POOLS, namespace, name, {"status": diff(old, status)}, subresource="status"

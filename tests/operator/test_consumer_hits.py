@@ -108,6 +108,7 @@ def test_an_answer_without_the_counters_is_an_error(text: str, says: str) -> Non
         ([], 8000),  # vLLM's default
         (["--port", "http"], None),
         (["--port", "70000"], None),
+        (["--port", "8123", "--port=8125"], 8125),  # the last one, as vLLM reads it
     ],
 )
 def test_the_api_port_is_the_containers_port_flag(args: list[str], port: int | None) -> None:
@@ -130,7 +131,10 @@ def test_only_ready_pods_at_a_valid_ip_are_asked_on_the_connector_containers_por
     assert asked[1].url == "http://[fd00::5]:8000/metrics"
     terminating = pod("f")
     terminating["metadata"]["deletionTimestamp"] = "2026-12-03T00:00:00Z"
-    assert consumer_pods("llm", [terminating]) == []
+    # On the host's network its IP is the node's: never asked, whatever port it names.
+    host_network = pod("g")
+    host_network["spec"]["hostNetwork"] = True
+    assert consumer_pods("llm", [terminating, host_network]) == []
 
 
 def answer(consumer: str, name: str, queried: float | None, hit: float = 0.0) -> consumer_hits.PodAnswer:
@@ -142,7 +146,7 @@ def answer(consumer: str, name: str, queried: float | None, hit: float = 0.0) ->
 
 def test_the_status_has_each_consumers_rate_and_the_pools_and_is_valid() -> None:
     answers = [answer("a", "a-1", 200, 150), answer("a", "a-2", None), answer("b", "b-1", 200, 50)]
-    hits = hits_status(["a", "b", "c"], answers, {"a": 2, "b": 1}, "t0")
+    hits = with_hits({}, hits_status(["a", "b", "c"], answers, {"a": 2, "b": 1}), "t0")["hits"]
     assert hits == {
         "changedAt": "t0",
         "hitRate": "50.0%",
@@ -168,13 +172,15 @@ def test_the_status_has_each_consumers_rate_and_the_pools_and_is_valid() -> None
 
 
 def test_numbers_that_hold_still_keep_their_time_and_none_removes_them() -> None:
-    first = hits_status(["a"], [answer("a", "a-1", 10, 5)], {"a": 1}, "t0")
-    status = with_hits({"phase": "Ready"}, first)
-    again = with_hits(status, hits_status(["a"], [answer("a", "a-1", 10, 5)], {"a": 1}, "t1"))
+    def hits(queried: float) -> dict[str, Any]:
+        return hits_status(["a"], [answer("a", "a-1", queried, 5)], {"a": 1})
+
+    status = with_hits({"phase": "Ready"}, hits(10), "t0")
+    again = with_hits(status, hits(10), "t1")
     assert again == status and again["hits"]["changedAt"] == "t0"
-    moved = with_hits(status, hits_status(["a"], [answer("a", "a-1", 20, 5)], {"a": 1}, "t2"))
+    moved = with_hits(status, hits(20), "t2")
     assert moved["hits"]["changedAt"] == "t2" and moved["hits"]["hitRate"] == "25.0%"
-    assert with_hits(status, None) == {"phase": "Ready"}
+    assert with_hits(status, None, "t3") == {"phase": "Ready"}
 
 
 def test_kubectl_get_shows_the_pools_hit_rate() -> None:
