@@ -109,14 +109,20 @@ class Table:
 
 @dataclass
 class Target:
-    """A stated goal and whether this run met it (None: not measurable here)."""
+    """A stated goal and whether this run met it (None: not measurable here).
+
+    ``retired``: why the goal no longer stands (it is still measured and reported).
+    """
 
     goal: str
     measured: str
     met: bool | None
+    retired: str = ""
 
     @property
     def verdict(self) -> str:
+        if self.retired:
+            return f"retired: {self.retired}"
         return {True: "met", False: "NOT met", None: "n/a"}[self.met]
 
 
