@@ -757,12 +757,53 @@ def run(opts: Options) -> Report:
         runs = _run_fleets(model, convs, transfer, opts.smoke)
     problems = compare_outputs(runs["none"], runs["local"]) + compare_outputs(runs["none"], runs["pool"])
     problems += [f"none: user {r.user} turn {r.turn}: {r.error}" for r in runs["none"].records if r.error]
-    report = _report(wl, model, runs, problems)
+    report = _report(wl, model, runs, problems, None if opts.smoke else _last_written())
     _plot(report, runs, opts)
     return report
 
 
-def _report(wl: Workload, model: Path, runs: dict[str, FleetRun], problems: list[str]) -> Report:
+#: Issue #32: the warm fleet's TTFT over local caching's, met in two consecutive runs.
+WARM_P50_GOAL, WARM_P99_GOAL = 0.5, 0.7
+
+
+def _last_written() -> dict[str, Any] | None:
+    """The last run written to ``results/serving.json`` (None: none)."""
+    path = common.RESULTS_DIR / "serving.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _warm_ratios(summaries: dict[str, dict[str, Any]]) -> tuple[float, float]:
+    """(p50, p99) TTFT of the pool fleet over local caching's, from one cohort's summaries."""
+    pool_s, local = summaries["pool"], summaries["local"]
+    return pool_s["ttft_p50"] / local["ttft_p50"], pool_s["ttft_p99"] / local["ttft_p99"]
+
+
+def _consecutive_target(now: tuple[float, float], previous: dict[str, Any] | None, label: str) -> Target:
+    """The warm fleet's targets met in this run and in the last written one."""
+
+    def met(ratios: tuple[float, float]) -> bool:
+        return ratios[0] <= WARM_P50_GOAL and ratios[1] <= WARM_P99_GOAL
+
+    goal = (
+        f"{label}: TTFT p50 ≤ {WARM_P50_GOAL}x and p99 ≤ {WARM_P99_GOAL}x local prefix caching "
+        "in two consecutive runs"
+    )
+    measured = f"this run {now[0]:.2f}x / {now[1]:.2f}x"
+    earlier = None if previous is None else previous["data"].get("summaries_by_cohort", {}).get(label)
+    if previous is None or earlier is None:
+        return Target(goal, f"{measured}; no earlier written run", False)
+    before = _warm_ratios(earlier)
+    measured += f"; run of {previous['machine']['time']} {before[0]:.2f}x / {before[1]:.2f}x"
+    return Target(goal, measured, met(now) and met(before))
+
+
+def _report(
+    wl: Workload,
+    model: Path,
+    runs: dict[str, FleetRun],
+    problems: list[str],
+    previous: dict[str, Any] | None = None,
+) -> Report:
     report = Report("serving", "7. Serving: a fleet of two vLLM servers sharing one pool", "")
     sums = {name: summarise(r) for name, r in runs.items()}
     cohorts = range(wl.cohorts)
@@ -893,6 +934,10 @@ def _report(wl: Workload, model: Path, runs: dict[str, FleetRun], problems: list
                 p99 <= 0.7,
             ),
         ]
+    warm = cohorts[-1]
+    if warm > 0:
+        summaries = {name: asdict(by_cohort[warm][name]) for name in ("pool", "local")}
+        report.targets.append(_consecutive_target(_warm_ratios(summaries), previous, cohort_label(warm)))
     pool_s, local = sums["pool"], sums["local"]
     tput = pool_s.throughput / local.throughput
     checked = sum(len(runs[f].records) for f in ("local", "pool"))

@@ -61,7 +61,7 @@ VOCAB = 30000  # the large model has 32768 token ids
 SMOKE_VOCAB = 500  # the tiny one 512
 BLOCKS = 2  # engines alternate: no connector, connector, no connector, connector
 #: Slowed-link rates (Mbit/s): loading wins at the first, loses at the second.
-LINK_RATES = (2000.0, 100.0)
+LINK_RATES = (2000.0, 25.0)
 SMOKE_LINK_RATES = (1000.0, 1.0)
 #: The link while a miss saves its blocks (the hit's rate is the one measured).
 SAVE_RATE = 4000.0

@@ -16,7 +16,8 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, TypeVar
@@ -152,6 +153,17 @@ class StoreUnavailable(RuntimeError):
     """The Mooncake client could not be set up or has been closed."""
 
 
+def _listening_ports() -> set[int]:
+    """The TCP ports this process listens on (empty when they cannot be read)."""
+    import psutil
+
+    try:
+        connections = psutil.Process().net_connections(kind="tcp")
+    except (psutil.Error, OSError):
+        return set()
+    return {c.laddr.port for c in connections if c.status == psutil.CONN_LISTEN}
+
+
 def tenant_key_prefix(tenant: str) -> str:
     """What a client of ``tenant`` puts in front of every key (nothing without a tenant)."""
     return f"{tenant}/" if tenant else ""
@@ -279,6 +291,7 @@ class PoolClient:
         self.tenant = settings.tenant
         self._key_prefix = tenant_key_prefix(settings.tenant)
         segment = settings.global_segment_size if global_segment_size is None else global_segment_size
+        listening = _listening_ports() if segment > 0 else set()
         # The client's threads start here: off the cores vLLM pins its compute to.
         # (Loading Mooncake starts threads too.)
         with unpinned():
@@ -312,6 +325,11 @@ class PoolClient:
             self._put_config = ReplicateConfig()
             self._put_config.preferred_segment = self._store.get_hostname()
         self._registered: set[tuple[int, int]] = set()
+        # The transfer endpoint ("host:port") of this client's own segment is one of the ports
+        # its setup started listening on, at its local_hostname: no other process can serve it.
+        ports = _listening_ports() - listening if segment > 0 else set()
+        self._own_endpoints = frozenset(f"{settings.local_hostname}:{port}" for port in ports)
+        self.holds_segment = bool(self._own_endpoints)
         self._unreachable_until = 0.0
         self._failed_batches = 0
         self._refusal_logged = -REFUSAL_LOG_S
@@ -345,21 +363,9 @@ class PoolClient:
         prefix = self._key_prefix
         return [prefix + key for key in keys] if prefix else list(keys)
 
-    def _call(self, fn: Callable[..., list[int]], *args: Any) -> list[int]:
-        with self._state:
-            if not self._open:
-                raise StoreUnavailable("Mooncake client is closed")
-            self._in_flight += 1
-        try:
+    def _call(self, fn: Callable[..., Sequence[T]], *args: Any) -> list[T]:
+        with self.holding_segment():
             return list(fn(*args))
-        finally:
-            with self._state:
-                self._in_flight -= 1
-                last = self._close_pending and self._in_flight == 0
-                if last:
-                    self._close_pending = False
-            if last:
-                self._close_now()
 
     @property
     def answering_from_spare(self) -> bool:
@@ -673,6 +679,57 @@ class PoolClient:
         negative Mooncake code."""
         scoped = scoped_pattern(self.tenant, pattern)
         return int(self._call(lambda p: [self._store.remove_by_regex(p)], scoped)[0])
+
+    def own_objects(self, keys: Sequence[str]) -> list[tuple[int, int] | None]:
+        """Per key, ``(address, size)`` of its object when a complete copy of it is in this
+        client's own segment (memory of this process), else None; one call to the master.
+
+        The answer is a snapshot: the object may be evicted and its memory reused after it,
+        so a reader checks what it copied (:meth:`holding_segment` keeps the memory mapped).
+        """
+        if not self.holds_segment or not keys or self.unreachable:
+            return [None] * len(keys)
+        from mooncake.store import ReplicaStatus
+
+        scoped = self._scoped(keys)
+        try:
+            found = self._call(lambda k: [self._store.batch_get_replica_desc(k)], scoped)[0]
+        except StoreUnavailable:
+            return [None] * len(keys)
+        except Exception:
+            logger.warning("batch_get_replica_desc failed for %d keys", len(keys), exc_info=True)
+            return [None] * len(keys)
+        out: list[tuple[int, int] | None] = []
+        for key in scoped:
+            at = None
+            for replica in found.get(key, ()):
+                if replica.status != ReplicaStatus.COMPLETE or not replica.is_memory_replica():
+                    continue
+                where = replica.get_memory_descriptor().buffer_descriptor
+                if where.transport_endpoint in self._own_endpoints:
+                    at = (int(where.buffer_address), int(where.size))
+                    break
+            out.append(at)
+        return out
+
+    @contextmanager
+    def holding_segment(self) -> Iterator[None]:
+        """While inside, this client does not close (its segment stays mapped); raises
+        ``StoreUnavailable`` when it is closed already."""
+        with self._state:
+            if not self._open:
+                raise StoreUnavailable("Mooncake client is closed")
+            self._in_flight += 1
+        try:
+            yield
+        finally:
+            with self._state:
+                self._in_flight -= 1
+                last = self._close_pending and self._in_flight == 0
+                if last:
+                    self._close_pending = False
+            if last:
+                self._close_now()
 
     def size_of(self, key: str) -> int:
         """The stored size of ``key``'s object; negative when absent or unknown."""

@@ -61,6 +61,11 @@ def crc32c(payload: Any) -> int:
     return int(google_crc32c.value(payload))
 
 
+def crc32c_extend(crc: int, chunk: Any) -> int:
+    """The CRC-32C of what ``crc`` covered followed by ``chunk`` (a buffer)."""
+    return int(google_crc32c.extend(crc, chunk))
+
+
 def crc32c_in_hardware() -> bool:
     """Whether :func:`crc32c` runs compiled (else pure Python: correct, far slower)."""
     return google_crc32c.implementation == "c"

@@ -195,6 +195,12 @@ class ConnectorSettings(BaseModel):
         description="Read-ahead batch of a load whose client holds a segment of the pool (0: one read "
         "a group).",
     )
+    direct_local_loads: bool = Field(
+        default=True,
+        description="Load an object held in this client's own segment by copying it straight into "
+        "the blocks, then checking its checksum there (a mismatch fails the load: recompute). Other "
+        "loads move through the staging buffer.",
+    )
     idle_step_wait_s: float = Field(
         default=0.005,
         gt=0,

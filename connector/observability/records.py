@@ -89,6 +89,7 @@ class TransferRecord:
     group_failures: tuple[Mapping[str, int], ...] = ()
     group_seconds: tuple[float, ...] = ()
     group_attempted: tuple[bool, ...] = ()  # whether the group had blocks to move
+    direct_blocks: int = 0  # a load's blocks copied straight from this process's own segment
     load_error_blocks: int = 0  # blocks handed back to vLLM to recompute
     recomputed: bool = False  # the whole request was sent back to recompute
     reason: str = ""  # operation "remove": why the objects (``blocks`` per group) were removed

@@ -21,6 +21,7 @@ transfers fail at once.
 
 from __future__ import annotations
 
+import ctypes
 import threading
 import time
 from collections import Counter
@@ -32,7 +33,14 @@ from typing import Any
 
 from kvpool.connector.contract.keys import KeySpace
 from kvpool.connector.contract.metric_names import REMOVE
-from kvpool.connector.contract.object_header import ObjectIdentity, mismatch, pack_header
+from kvpool.connector.contract.object_header import (
+    HEADER_BYTES,
+    ObjectIdentity,
+    mismatch,
+    pack_header,
+    stated_checksum,
+)
+from kvpool.connector.contract.payload_checks import Checksum
 from kvpool.connector.contract.settings import ConnectorSettings
 from kvpool.connector.contract.shards import shard_of, writes_shard
 from kvpool.connector.cpu_affinity import unpin_this_thread
@@ -48,6 +56,7 @@ from kvpool.connector.pool_client import (
     CODE_TRANSFER_FAILED,
     Outcome,
     PoolClient,
+    StoreUnavailable,
     classify,
 )
 from kvpool.connector.worker.block_regions import LayerBlocks, describe_layer, storage_span
@@ -119,6 +128,7 @@ class GroupResult:
     seconds: float = 0.0
     attempted: bool = False
     corrupt_keys: list[str] = field(default_factory=list)
+    direct_blocks: int = 0  # blocks loaded straight from this process's own segment
 
     def fail(self, block_ids: Sequence[int], outcome: Outcome | str) -> None:
         self.failures[str(outcome)] += len(block_ids)
@@ -147,6 +157,7 @@ class WorkerSide:
         transfer_threads: int = TRANSFER_THREADS,
         idle_step_wait_s: float = IDLE_STEP_WAIT_S,
         device_path: bool | None = None,
+        direct_local_loads: bool = False,
     ):
         self.client = client
         self.keyspace = keyspace
@@ -172,6 +183,8 @@ class WorkerSide:
         # At most one staging buffer per transfer thread rests after a call given up on.
         self.retired_max = transfer_threads
         self.idle_step_wait_s = idle_step_wait_s
+        # Objects in the client's own segment load straight into host blocks (checked there).
+        self.direct_local_loads = direct_local_loads and bool(getattr(client, "holds_segment", False))
         # Transfers touch blocks only after the device work queued before them.
         self.order = order or TransferOrder()
         self._pool = ThreadPoolExecutor(
@@ -564,6 +577,10 @@ class WorkerSide:
         copier = self.copiers[transfer.group_id]
         if not transfer.block_ids or copier is None:
             return result
+        if self.direct_local_loads and copier.use_memmove and copier.runs:
+            direct = self._load_direct(transfer, job, copier)
+            if direct is not None:
+                return direct
         slot = self._staging_for(transfer, copier, result)
         if slot is None:
             return result
@@ -606,6 +623,46 @@ class WorkerSide:
         finally:
             if pending is not None:  # its half is written until the call returns
                 pending.exception()
+        return result
+
+    def _load_direct(self, transfer: GroupTransfer, job: Job, copier: GroupCopier) -> GroupResult | None:
+        """One group's blocks copied straight from this process's own segment; None when not
+        every object is there whole with a CRC-32C header (then the group is staged).
+
+        The only copies are memmoves within this process's memory: nothing a frozen peer can
+        stall, so the job touches the blocks only while it copies. Each block is checked
+        after its copy, from the block itself: a block whose bytes are not as its header
+        states is a failed load (recomputed, never cached) and its object is removed.
+        """
+        keys = self._keys(transfer)
+        located = self.client.own_objects(keys)
+        if any(at is None or at[1] != copier.object_bytes for at in located):
+            return None
+        addresses = [at[0] for at in located if at is not None]
+        headers = [ctypes.string_at(address, HEADER_BYTES) for address in addresses]
+        if any(stated_checksum(h) is not Checksum.CRC32C for h in headers):
+            return None
+        result = GroupResult(direct_blocks=len(keys))
+        if not job.begin_touch():
+            result.fail(transfer.block_ids, Outcome.TIMEOUT)
+            return result
+        try:
+            with self.client.holding_segment():  # the segment stays mapped while it is read
+                for index, (block, address, header) in enumerate(zip(transfer.block_ids, addresses, headers)):
+                    if mismatch(header, self._identity(transfer, index, copier)) is not None:
+                        result.fail([block], Outcome.CORRUPT)
+                        result.corrupt_keys.append(keys[index])
+                    elif copier.into_block_checked(address, block, header):
+                        job.copied.add((transfer.group_id, block))
+                        result.blocks += 1
+                        result.bytes += copier.payload_bytes
+                    else:
+                        result.fail([block], Outcome.CORRUPT)
+                        result.corrupt_keys.append(keys[index])
+        except StoreUnavailable:  # closed meanwhile (shutdown): nothing was copied
+            result.fail(transfer.block_ids, Outcome.RPC_FAILED)
+        finally:
+            job.end_touch()
         return result
 
     def _take_batch(
@@ -861,7 +918,9 @@ class WorkerSide:
                 result = GroupResult(attempted=True)
                 result.fail(transfer.block_ids, Outcome.OTHER)
             result.seconds = time.perf_counter() - started
-            tracing.set_attributes(span, blocks=result.blocks, bytes=result.bytes)
+            tracing.set_attributes(
+                span, blocks=result.blocks, bytes=result.bytes, direct_blocks=result.direct_blocks
+            )
             tracing.mark_failed(span, result.failures)
         return result
 
@@ -889,6 +948,7 @@ class WorkerSide:
                 group_failures=tuple(dict(r.failures) for r in results),
                 group_seconds=tuple(r.seconds for r in results),
                 group_attempted=tuple(r.attempted for r in results),
+                direct_blocks=sum(r.direct_blocks for r in results),
                 load_error_blocks=load_errors,
                 recomputed=recomputed,
             )

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpool.connector.contract.object_header import HEADER_BYTES, payload_matches, stated_checksum
-from kvpool.connector.contract.payload_checks import Checksum, crc32c, word_sums
+from kvpool.connector.contract.payload_checks import Checksum, crc32c, crc32c_extend, word_sums
 from kvpool.connector.worker.block_regions import LayerBlocks
 
 
@@ -167,6 +167,24 @@ class GroupCopier:
             else:
                 bad.append(k)
         return bad
+
+    # --- own segment -> blocks (direct loads, CPU) --------------------------------
+    def into_block_checked(self, obj: int, block: int, header: bytes) -> bool:
+        """Copy the object at address ``obj`` (in this process's memory) straight into
+        ``block``, then check the block: whether its runs, read back from the block, have
+        the CRC-32C ``header`` states. False: the block holds bytes that must not be used.
+
+        Host memory only (``use_memmove``); ``header`` must state CRC-32C.
+        """
+        if not self.use_memmove or stated_checksum(header) is not Checksum.CRC32C:
+            raise ValueError("a direct copy needs host blocks and a CRC-32C header")
+        self.check([block])
+        self._object_into_block(obj, block)
+        crc = 0
+        for run in self.runs:
+            in_block = (ctypes.c_char * run.size).from_address(run.base + block * run.block_stride)
+            crc = crc32c_extend(crc, in_block)
+        return payload_matches(header, Checksum.CRC32C, crc)
 
     # --- one object on the CPU: a memmove per run --------------------------------
     def _block_into_object(self, block: int, obj: int) -> None:

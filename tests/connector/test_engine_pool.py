@@ -8,12 +8,14 @@ pool must change B's output (so the loaded KV is really used).
 
 from __future__ import annotations
 
+import ctypes
 import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from kvpool.connector.contract.object_header import HEADER_BYTES
 from testing.engine import (
     EngineOptions,
     create_llm,
@@ -24,6 +26,7 @@ from testing.engine import (
     shutdown_llm,
     transfer_config,
     worker_connector,
+    worker_of,
 )
 from testing.models import build_gemma3, build_gpt_oss
 from testing.objects import over_payload
@@ -113,14 +116,32 @@ def test_window_groups_move_only_their_window(gemma_dir, gemma_reference, pool_s
         assert nbytes == blocks * per_block[kind]
 
 
-def test_an_engine_holding_a_segment_reads_its_hit_ahead(
+def corrupt_own_objects(worker: Any, keys: list[str]) -> int:
+    """Invert every payload byte of those of ``keys`` that lie in the worker's own segment
+    (headers intact: memory gone bad after the write); how many there were."""
+    found = [at for at in worker.client.own_objects(keys) if at is not None]
+    for address, size in found:
+        payload = ctypes.string_at(address + HEADER_BYTES, size - HEADER_BYTES)
+        ctypes.memmove(address + HEADER_BYTES, bytes(b ^ 0xFF for b in payload), len(payload))
+    return len(found)
+
+
+def test_an_engine_holding_a_segment_loads_its_hits_directly_and_checks_them(
     gemma_dir, gemma_reference, pool_settings, monkeypatch
 ) -> None:
-    """An engine contributing memory (embedded pools) keeps its saves there and reads a hit
-    ahead: here one object a batch, so P2's nine prefix blocks per group move through both
-    halves of the staging buffer. Its local cache is dropped between the prompts, so the
-    hit comes from the pool; the output is the reference's."""
+    """An engine contributing memory (embedded pools) keeps its saves there. Its local cache
+    is dropped before each P2, so the prefix can come only from the pool.
+
+    * Direct loads off, it reads a hit ahead through its staging buffer (here one object a
+      batch, so the nine prefix blocks move through both halves).
+    * On, the hit is copied straight into the blocks: the output is the reference's.
+    * Its objects corrupted in place, the direct writes are caught from the blocks: the
+      request recomputes, the output is the reference's, and the next P2 (from vLLM's own
+      cache) too: no bad block was kept.
+    * Negative control: the blocks' check skipped, the same corruption changes the output.
+    """
     from kvpool.connector.worker import side as worker_side
+    from kvpool.connector.worker import staging
 
     halves: list[int] = []
     original = worker_side.load_batches
@@ -134,21 +155,53 @@ def test_an_engine_holding_a_segment_reads_its_hit_ahead(
     config = transfer_config(pool_settings, global_segment_size="64MB", load_batch_bytes=1)
     llm = create_llm(EngineOptions(model=str(gemma_dir), kv_transfer_config=config))
     try:
+        worker = worker_of()
+        keyspace, groups = scheduler_connector(llm).keyspace, len(scheduler_connector(llm).layout.groups)
+        p2_keys = pool_keys(keyspace, P2, groups)  # P2's own blocks too, once a P2 saved them
+
+        def p2_from_the_pool() -> tuple[Any, list[Any]]:
+            worker.wait_for_saves()
+            assert llm.reset_prefix_cache(), "vLLM's own cache dropped"
+            seen = len(worker_connector().recording.transfers)
+            (result,) = generate(llm, [P2], MAX_TOKENS)
+            loads = [t for t in worker_connector().recording.transfers[seen:] if t.operation == "load"]
+            return result, loads
+
         generate(llm, [P1], MAX_TOKENS)
-        assert llm.reset_prefix_cache(), "vLLM's own cache dropped: P2's prefix can come only from the pool"
-        (result,) = generate(llm, [P2], MAX_TOKENS)
-        transfers = list(worker_connector().recording.transfers)
+        worker.direct_local_loads = False
+        staged, (load,) = p2_from_the_pool()
+        assert staged.token_ids == gemma_reference and staged.num_cached_tokens == PREFIX_HIT
+        assert 2 in halves, "the full-attention group's nine blocks were read ahead"
+        assert (load.direct_blocks, load.failures) == (0, {})
+
+        # The staged P2 saved its own last full block too: the hit is 10 blocks now.
+        worker.direct_local_loads = True
+        direct, (load,) = p2_from_the_pool()
+        assert direct.token_ids == gemma_reference and direct.num_cached_tokens == PREFIX_HIT + 32
+        assert {kind: blocks for kind, blocks in zip(load.group_kinds, load.blocks)} == {
+            "full": 10,
+            "sliding_window": 2,
+        }
+        assert (load.direct_blocks, load.failures) == (10 + 2 + 2, {})
+
+        worker.wait_for_saves()
+        assert corrupt_own_objects(worker, p2_keys) >= 10 + 2 + 2
+        caught, loads = p2_from_the_pool()
+        assert caught.token_ids == gemma_reference, "recomputed, not served from the bad blocks"
+        assert loads[0].recomputed and loads[0].direct_blocks == 10 + 2 + 2
+        assert loads[0].failures == {"corrupt": 10 + 2 + 2}, "each block caught from its bytes"
+        (cached,) = generate(llm, [P2], MAX_TOKENS)
+        assert cached.num_cached_tokens > 0 and cached.token_ids == gemma_reference, "no bad block kept"
+
+        worker.wait_for_saves()
+        assert corrupt_own_objects(worker, p2_keys) >= 10 + 2 + 2
+
+        monkeypatch.setattr(staging, "payload_matches", lambda *_: True)  # the blocks' check skipped
+        used, (load,) = p2_from_the_pool()
+        assert load.direct_blocks and not load.failures
+        assert used.token_ids != gemma_reference, "unchecked, the corrupted KV is used"
     finally:
         shutdown_llm(llm)
-    assert result.token_ids == gemma_reference
-    assert result.num_cached_tokens == PREFIX_HIT
-    (load,) = [t for t in transfers if t.operation == "load"]
-    assert not load.failures
-    assert {kind: blocks for kind, blocks in zip(load.group_kinds, load.blocks)} == {
-        "full": 9,
-        "sliding_window": 2,
-    }
-    assert 2 in halves, "the full-attention group's nine blocks were read ahead"
 
 
 def test_keys_deleted_between_lookup_and_load(

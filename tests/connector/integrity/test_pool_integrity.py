@@ -39,7 +39,9 @@ FAST = Deadlines(load_s=2.0, save_s=2.0, shutdown_s=2.0)
 BOUND_S = 30.0  # how long the tests poll for something that must happen
 
 
-def make_worker(pool_client: Any, prefix: str, groups: int = 1, fingerprint: str = "fp") -> WorkerSide:
+def make_worker(
+    pool_client: Any, prefix: str, groups: int = 1, fingerprint: str = "fp", **options: Any
+) -> WorkerSide:
     gen = torch.Generator().manual_seed(groups)
     layers = {f"l{i}": torch.randn(SHAPE, generator=gen) for i in range(2 * groups)}
     worker = WorkerSide(
@@ -51,6 +53,7 @@ def make_worker(pool_client: Any, prefix: str, groups: int = 1, fingerprint: str
         num_blocks=NUM_BLOCKS,
         stats=StatsCollector(group_kinds=("full", "sliding_window")[:groups]),
         deadlines=FAST,
+        **options,
     )
     worker.register_kv_caches(layers)
     worker.caches = layers  # type: ignore[attr-defined]
