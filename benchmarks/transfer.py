@@ -117,6 +117,7 @@ def _make_rig(address: str, max_n: int, segment: int = 0) -> Rig:
         num_blocks=num_blocks,
         stats=StatsCollector(group_kinds=("full", "sliding_window")),
         load_batch_bytes=read_ahead_bytes(segment),  # as the connector sets it
+        direct_local_loads=segment > 0,  # as the connector does by default
     )
     worker.register_kv_caches(caches)
     block_bytes = worker.group_block_bytes(0)
@@ -248,6 +249,8 @@ def _measure(rig: Rig, n: int, reps: int) -> dict[str, Any]:
 # Read-ahead batches compared with the connector's (``LOAD_BATCH_BYTES``): this many times it.
 READ_AHEAD_ALTERNATIVE = 4
 ONE_READ = "one read a group"
+#: A co-located load's variant with no staging at all (issue #32's direct loads).
+DIRECT = "direct (no staging)"
 
 
 def _read_ahead(rig: Rig, n: int, reps: int) -> dict[str, Any]:
@@ -265,15 +268,17 @@ def _read_ahead(rig: Rig, n: int, reps: int) -> dict[str, Any]:
     worker.start_saves(PoolConnectorMetadata(saves=[RequestSave(f"ahead-seed-{n}", seed)]))
     worker.before_forward()
     worker.wait_for_saves()
-    used = worker.load_batch_bytes
+    used, direct = worker.load_batch_bytes, worker.direct_local_loads
     default = worker_side.LOAD_BATCH_BYTES
     larger = READ_AHEAD_ALTERNATIVE * default
     batch_bytes = {common.mib(default): default, common.mib(larger): larger, ONE_READ: None}
-    seconds: dict[str, list[float]] = {v: [] for v in batch_bytes}
+    variants = [*batch_bytes, *([DIRECT] if direct else [])]
+    seconds: dict[str, list[float]] = {v: [] for v in variants}
     try:
         for rep in range(-1, reps):  # -1: warm-up, untimed
-            for variant in rotate(list(batch_bytes), max(rep, 0)):
-                worker.load_batch_bytes = batch_bytes[variant]
+            for variant in rotate(variants, max(rep, 0)):
+                worker.direct_local_loads = variant == DIRECT
+                worker.load_batch_bytes = batch_bytes.get(variant, used)
                 groups = [GroupTransfer(g, list(digests[g]), list(dst[g])) for g in range(2)]
                 request = RequestLoad(f"ahead-{n}-{rep}-{variant}", groups, hit_tokens=n * 32)
                 with stopwatch() as t:
@@ -283,20 +288,42 @@ def _read_ahead(rig: Rig, n: int, reps: int) -> dict[str, Any]:
                 if rep >= 0:
                     seconds[variant].append(t[0])
     finally:
-        worker.load_batch_bytes = used
+        worker.load_batch_bytes, worker.direct_local_loads = used, direct
     rig.client.remove(rig.keys(0, digests[0]) + rig.keys(1, digests[1]))
-    worker.stats.drain()
+    _, records = worker.stats.drain()
+    if direct and not any(r.direct_blocks for r in records if r.operation == "load"):
+        raise RuntimeError("no co-located load was direct: the objects are not in the client's segment")
     return {
         "blocks_per_group": n,
         "batch_bytes": default,
-        "used": common.mib(used) if used is not None else ONE_READ,
+        "used": DIRECT if direct else common.mib(used) if used is not None else ONE_READ,
         "seconds": seconds,
     }
 
 
+def _direct_table(rows: list[dict[str, Any]], reps: int) -> Table:
+    """Co-located loads: straight into the blocks vs through staging, paired; and vs memcpy."""
+    table = Table(
+        f"co-located loads with no staging (direct_local_loads, issue #32), ms, median (min..max) of {reps}; "
+        "speed-up paired per repetition; memcpy: the same bytes copied once (table above)",
+        ["blocks/group", f"{DIRECT} ms", f"staged, {ONE_READ} ms", "speed-up", "direct vs memcpy"],
+    )
+    for r in rows:
+        sec = r["read_ahead"]["seconds"]
+        memcpy = r["seconds"]["load"]["memcpy"]
+        table.add(
+            r["blocks_per_group"],
+            Stat.of([1e3 * s for s in sec[DIRECT]]).fmt(),
+            Stat.of([1e3 * s for s in sec[ONE_READ]]).fmt(),
+            ratios(sec[ONE_READ], sec[DIRECT]).ratio(),
+            ratios(memcpy, sec[DIRECT][: len(memcpy)]).ratio(),
+        )
+    return table
+
+
 def _read_ahead_table(rows: list[dict[str, Any]], reps: int) -> Table:
     variants = list(rows[0]["read_ahead"]["seconds"]) if rows else []
-    reads_ahead = [v for v in variants if v != ONE_READ]
+    reads_ahead = [v for v in variants if v not in (ONE_READ, DIRECT)]
     table = Table(
         f"the load's read-ahead: connector load ms reading ahead in batches of each size and with one "
         f"read a group, median (min..max) of {reps}; speed-up = one read a group / read-ahead, paired "
@@ -583,6 +610,9 @@ def _report(rows: list[dict[str, Any]], reps: int, opts: Options) -> Report:
     }
     report.tables.append(_header_table(remote, reps))
     report.tables.append(_read_ahead_table([r for r in rows if "read_ahead" in r], reps))
+    direct_rows = [r for r in rows if DIRECT in r.get("read_ahead", {}).get("seconds", {})]
+    if direct_rows:
+        report.tables.append(_direct_table(direct_rows, reps))
     for row in remote:
         for op in ("load", "save"):
             row[f"{op}_header_share"] = _header_share(row, op)
@@ -622,8 +652,9 @@ def _report(rows: list[dict[str, Any]], reps: int, opts: Options) -> Report:
     report.notes.append(
         "remote: the pool's memory is in the Mooncake store process; every transfer crosses loopback "
         "TCP (the CPU build has no RDMA), which memcpy does not. co-located: the client contributes "
-        "its own segment (an embedded pool) and keeps its saves there, so Mooncake copies them "
-        "locally; the connector still moves each object through its staging buffer (two copies a "
+        "its own segment (an embedded pool) and keeps its saves there, so its loads copy them "
+        "straight into the blocks and check them there (direct_local_loads: one copy a load). "
+        "The read-ahead table measures the staged load the connector makes otherwise (two copies a "
         "load: segment to staging, staging to the blocks), overlapped batch by batch: the next "
         "batch is read into one half of the buffer while the other is checked and copied into the "
         "blocks, each object's check just before its copy. The read-ahead table sets that against "
