@@ -231,7 +231,7 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
                 ),
                 transfer_threads=self.settings.transfer_threads,
                 idle_step_wait_s=self.settings.idle_step_wait_s,
-                direct_local_loads=self.settings.direct_local_loads,
+                direct_local_loads=self.settings.direct_local_loads and self.settings.global_segment_size > 0,
                 order=TransferOrder(drain_saves=_zeroes_before_preemptions(vllm_config)),
             )
         # layout= is the layout's fingerprint (the operator's layoutFingerprint of a declared one);

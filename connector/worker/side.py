@@ -183,8 +183,9 @@ class WorkerSide:
         # At most one staging buffer per transfer thread rests after a call given up on.
         self.retired_max = transfer_threads
         self.idle_step_wait_s = idle_step_wait_s
-        # Objects in the client's own segment load straight into host blocks (checked there).
-        self.direct_local_loads = direct_local_loads and bool(getattr(client, "holds_segment", False))
+        # Objects in the client's own segment load straight into host blocks (checked there);
+        # a client without a segment answers that none are there, without asking the master.
+        self.direct_local_loads = direct_local_loads
         # Transfers touch blocks only after the device work queued before them.
         self.order = order or TransferOrder()
         self._pool = ThreadPoolExecutor(
@@ -639,28 +640,43 @@ class WorkerSide:
         if any(at is None or at[1] != copier.object_bytes for at in located):
             return None
         addresses = [at[0] for at in located if at is not None]
-        headers = [ctypes.string_at(address, HEADER_BYTES) for address in addresses]
-        if any(stated_checksum(h) is not Checksum.CRC32C for h in headers):
+        try:
+            # The segment stays mapped while anything of it is read, headers included.
+            with self.client.holding_segment():
+                headers = [ctypes.string_at(address, HEADER_BYTES) for address in addresses]
+                if any(stated_checksum(h) is not Checksum.CRC32C for h in headers):
+                    return None
+                return self._copy_direct(transfer, job, copier, keys, addresses, headers)
+        except StoreUnavailable:  # the client closed (shutdown): nothing was read
             return None
+
+    def _copy_direct(
+        self,
+        transfer: GroupTransfer,
+        job: Job,
+        copier: GroupCopier,
+        keys: Sequence[str],
+        addresses: Sequence[int],
+        headers: Sequence[bytes],
+    ) -> GroupResult:
+        """Each object at ``addresses`` into its block, checked from the block (see
+        :meth:`_load_direct`); nothing once the job was given up."""
         result = GroupResult(direct_blocks=len(keys))
         if not job.begin_touch():
             result.fail(transfer.block_ids, Outcome.TIMEOUT)
             return result
         try:
-            with self.client.holding_segment():  # the segment stays mapped while it is read
-                for index, (block, address, header) in enumerate(zip(transfer.block_ids, addresses, headers)):
-                    if mismatch(header, self._identity(transfer, index, copier)) is not None:
-                        result.fail([block], Outcome.CORRUPT)
-                        result.corrupt_keys.append(keys[index])
-                    elif copier.into_block_checked(address, block, header):
-                        job.copied.add((transfer.group_id, block))
-                        result.blocks += 1
-                        result.bytes += copier.payload_bytes
-                    else:
-                        result.fail([block], Outcome.CORRUPT)
-                        result.corrupt_keys.append(keys[index])
-        except StoreUnavailable:  # closed meanwhile (shutdown): nothing was copied
-            result.fail(transfer.block_ids, Outcome.RPC_FAILED)
+            for index, (block, address, header) in enumerate(zip(transfer.block_ids, addresses, headers)):
+                if mismatch(header, self._identity(transfer, index, copier)) is not None:
+                    result.fail([block], Outcome.CORRUPT)
+                    result.corrupt_keys.append(keys[index])
+                elif copier.into_block_checked(address, block, header):
+                    job.copied.add((transfer.group_id, block))
+                    result.blocks += 1
+                    result.bytes += copier.payload_bytes
+                else:
+                    result.fail([block], Outcome.CORRUPT)
+                    result.corrupt_keys.append(keys[index])
         finally:
             job.end_touch()
         return result
