@@ -661,10 +661,11 @@ class WorkerSide:
     ) -> GroupResult:
         """Each object at ``addresses`` into its block, checked from the block (see
         :meth:`_load_direct`); nothing once the job was given up."""
-        result = GroupResult(direct_blocks=len(keys))
+        result = GroupResult()
         if not job.begin_touch():
             result.fail(transfer.block_ids, Outcome.TIMEOUT)
             return result
+        result.direct_blocks = len(keys)  # written into the blocks from here on, checked or not
         try:
             for index, (block, address, header) in enumerate(zip(transfer.block_ids, addresses, headers)):
                 if mismatch(header, self._identity(transfer, index, copier)) is not None:
