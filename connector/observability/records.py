@@ -14,9 +14,11 @@ from typing import Any, overload
 TRACE_HEADERS = ("traceparent", "tracestate")
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class LookupRecord:
-    """One scheduler lookup: what the pool held and what the hybrid hit kept."""
+    """One scheduler lookup: what the pool held and what the hybrid hit kept (made on the
+    presence service's thread; the scheduler thread sets ``deferred_steps`` once it takes the
+    answer, before recording it, and nothing changes it after)."""
 
     query_tokens: int
     hit_tokens: int

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
@@ -33,7 +34,7 @@ def configure_from_env(environ: Mapping[str, str] | None = None) -> bool:
 
     Leaves an already installed tracer provider (the host's) alone.
     """
-    global _configured
+    global _configured, _off_until
     environ = os.environ if environ is None else environ
     with _lock:
         if _configured:
@@ -42,6 +43,7 @@ def configure_from_env(environ: Mapping[str, str] | None = None) -> bool:
             return False
         if not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
             _configured = True  # the host process set one up
+            _off_until = 0.0  # seen at the next check
             return True
         if not any(environ.get(var) for var in ENDPOINT_VARS):
             return False
@@ -55,6 +57,7 @@ def configure_from_env(environ: Mapping[str, str] | None = None) -> bool:
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
         trace.set_tracer_provider(provider)
         _configured = True
+        _off_until = 0.0  # seen at the next check
         return True
 
 
@@ -74,9 +77,26 @@ def tracer() -> trace.Tracer:
 _OFF: AbstractContextManager[Span] = nullcontext(trace.INVALID_SPAN)
 
 
+#: While none is installed, how long "off" is believed before asking OpenTelemetry again
+#: (the hooks ask per request; OpenTelemetry's answer costs ~1.5 µs). A provider is
+#: installed once per process and never removed, so "on" is believed for good.
+OFF_RECHECK_S = 0.1
+_on = False
+_off_until = 0.0
+
+
 def enabled() -> bool:
-    """Whether a tracer provider is installed (the host's or :func:`configure_from_env`'s)."""
-    return not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)
+    """Whether a tracer provider is installed (the host's or :func:`configure_from_env`'s);
+    one installed is seen within :data:`OFF_RECHECK_S`."""
+    global _on, _off_until
+    if _on:
+        return True
+    now = time.monotonic()
+    if now < _off_until:
+        return False
+    _on = not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)
+    _off_until = now + OFF_RECHECK_S
+    return _on
 
 
 def span(

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
 from typing import Any
 
 from vllm.utils.math_utils import cdiv
@@ -228,7 +227,8 @@ class SchedulerSide:
         state.cancel_lookup()
         if answered and pending.outcome is not None:
             record, looked_up = pending.outcome
-            return query, replace(record, deferred_steps=pending.deferred_steps), looked_up
+            record.deferred_steps = pending.deferred_steps
+            return query, record, looked_up
         # Past its deadline (or its batch failed, or it was refused): a miss.
         if not answered:
             logger.warning(
@@ -239,7 +239,8 @@ class SchedulerSide:
         record, looked_up = self._record(
             lookup, miss, {g: {} for g in lookup.wanted}, {Outcome.TIMEOUT.value: 1}, 0
         )
-        return query, replace(record, deferred_steps=pending.deferred_steps), looked_up
+        record.deferred_steps = pending.deferred_steps
+        return query, record, looked_up
 
     def _wait_within_budget(self, pending: PendingLookup) -> None:
         """Ask the master about ``pending`` now and wait for its answer, within what is left of
@@ -490,8 +491,9 @@ class SchedulerSide:
         request = tracked.request
         savable = request.num_tokens if self.save_decode_cache else request.num_prompt_tokens
         computed_after = min(request.num_computed_tokens + num_new, savable)
-        block_sizes = [g.block_size for g in coord.groups]
-        tracked.note_saved(block_sizes)  # unknown after a rewind
+        block_sizes = self._block_sizes
+        if not tracked.next_save_at:
+            tracked.note_saved(block_sizes)  # unknown: new, or after a rewind
         if computed_after < tracked.next_save_at:
             return None  # completes no block: nothing to plan
         block_ids = block_ids_of(req_id)

@@ -31,6 +31,7 @@ from kvpool.connector.contract import metric_names as m
 from kvpool.connector.contract.keys import KeySpace
 from kvpool.connector.local.pool import LOOPBACK, free_port
 from kvpool.connector.metadata import GroupTransfer, PoolConnectorMetadata, RequestLoad, RequestSave
+from kvpool.connector.observability import tracing
 from kvpool.connector.observability.records import LookupRecord, StatsCollector, TransferRecord
 from kvpool.connector.observability.vllm_metrics import (
     PoolConnectorStats,
@@ -68,6 +69,7 @@ def spans() -> InMemorySpanExporter:
         provider = TracerProvider()
         provider.add_span_processor(SimpleSpanProcessor(_exporter))
         trace.set_tracer_provider(provider)
+    tracing.configure_from_env({})  # as the connector does at start: the provider is seen now
     _exporter.clear()
     return _exporter
 

@@ -166,3 +166,35 @@ def test_a_local_prefix_the_pool_holds_is_not_saved_again(model_dir, pool_settin
         assert grown == list(range(PROMPT_BLOCKS, len(GROWN) // BLOCK)), "only the blocks past the prefix"
     finally:
         scheduler.shutdown()
+
+
+def test_a_steps_new_requests_plan_from_the_block_tables_vllm_put_in_its_output(
+    model_dir, pool_settings
+) -> None:
+    """Save planning reads a request scheduled anew this step from the step's output (the same
+    table vLLM's manager holds), others from the manager."""
+    from kvpool.connector.connector import step_block_ids
+
+    scheduler = make_scheduler(model_dir, FULL, local_pool_transfer(pool_settings))
+    try:
+        request = make_request(scheduler, PROMPT, max_tokens=4)
+        scheduler.add_request(request)
+        schedule_answered(scheduler)
+        output = scheduler.schedule()  # the prefill: the request is new in this step
+        asked: list[str] = []
+
+        def manager_block_ids(req_id: str) -> Any:
+            asked.append(req_id)
+            return scheduler.kv_cache_manager.get_block_ids(req_id)
+
+        of = step_block_ids(output, manager_block_ids)
+        assert [r.req_id for r in output.scheduled_new_reqs] == [request.request_id]
+        assert [list(g) for g in of(request.request_id)] == [request_block_ids(scheduler, request.request_id)]
+        assert asked == [], "the new request's table came from the step's output"
+        of("not-scheduled-this-step")  # not in this step's output: the manager is asked
+        assert asked == ["not-scheduled-this-step"]
+        _sample_one_each(scheduler, output)
+        decode = scheduler.schedule()  # no new request: the manager's own call, unchanged
+        assert step_block_ids(decode, manager_block_ids) is manager_block_ids
+    finally:
+        scheduler.shutdown()
