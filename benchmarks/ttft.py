@@ -62,7 +62,7 @@ SMOKE_VOCAB = 500  # the tiny one 512
 BLOCKS = 2  # engines alternate: no connector, connector, no connector, connector
 #: Slowed-link rates (Mbit/s): loading wins at the first, loses at the second.
 LINK_RATES = (2000.0, 25.0)
-SMOKE_LINK_RATES = (1000.0, 1.0)
+SMOKE_LINK_RATES = (1000.0, 5.0)
 #: The link while a miss saves its blocks (the hit's rate is the one measured).
 SAVE_RATE = 4000.0
 #: With the decision, a hit's TTFT at the losing rate, as a fraction of the recompute's.
