@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import signal
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -250,8 +252,14 @@ def command_line(module: str, opts: Options) -> str:
 def main(
     module: str, doc: str | None, run: Callable[[Options], Report], argv: list[str] | None = None
 ) -> int:
-    """Parse the common options, run, print the report, write it if asked."""
+    """Parse the common options, run, print the report, write it if asked.
+
+    SIGTERM ends the run as Ctrl-C does (a background run ignores SIGINT): every pool,
+    server and namespace it started is stopped on the way out, none is left behind.
+    """
     args = parser((doc or module).strip().splitlines()[0]).parse_args(argv)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     opts = Options(smoke=args.smoke, reps=args.reps, write=args.write and not args.smoke)
     started = time.perf_counter()
     report = run(opts)
