@@ -134,6 +134,19 @@ class GroupResult:
         self.failures[str(outcome)] += len(block_ids)
         self.failed_block_ids.extend(block_ids)
 
+    def merged(self, other: GroupResult) -> GroupResult:
+        """This result and ``other``'s, of two parts of one group's transfer."""
+        return GroupResult(
+            blocks=self.blocks + other.blocks,
+            bytes=self.bytes + other.bytes,
+            failed_block_ids=self.failed_block_ids + other.failed_block_ids,
+            failures=self.failures + other.failures,
+            seconds=self.seconds + other.seconds,
+            attempted=self.attempted or other.attempted,
+            corrupt_keys=self.corrupt_keys + other.corrupt_keys,
+            direct_blocks=self.direct_blocks + other.direct_blocks,
+        )
+
 
 class WorkerSide:
     """Worker-process state of ``KVPoolConnector``."""
@@ -565,7 +578,9 @@ class WorkerSide:
         )
 
     def _load_group(self, transfer: GroupTransfer, job: Job) -> GroupResult:
-        """One group's blocks, batch by batch through this thread's staging buffer.
+        """One group's blocks: those whose objects are in this process's own segment copied
+        straight in (:meth:`_load_direct`, with ``direct_local_loads``), the others batch by
+        batch through this thread's staging buffer.
 
         Reading ahead (``load_batch_bytes`` set), the buffer's two halves alternate:
         while this thread checks one batch and copies it into the blocks, a fetch
@@ -574,14 +589,18 @@ class WorkerSide:
         it returned and its batch was copied, and the group returns only after every
         call it made returned (the buffer is this thread's again).
         """
-        result = GroupResult()
         copier = self.copiers[transfer.group_id]
         if not transfer.block_ids or copier is None:
-            return result
+            return GroupResult()
         if self.direct_local_loads and copier.use_memmove and copier.runs:
-            direct = self._load_direct(transfer, job, copier)
-            if direct is not None:
-                return direct
+            direct, rest = self._load_direct(transfer, job, copier)
+            if direct is not None:  # the objects elsewhere, if any, go through the staging buffer
+                return direct if rest is None else direct.merged(self._load_staged(rest, job, copier))
+        return self._load_staged(transfer, job, copier)
+
+    def _load_staged(self, transfer: GroupTransfer, job: Job, copier: GroupCopier) -> GroupResult:
+        """``transfer``'s blocks read through this thread's staging buffer (see :meth:`_load_group`)."""
+        result = GroupResult()
         slot = self._staging_for(transfer, copier, result)
         if slot is None:
             return result
@@ -626,9 +645,12 @@ class WorkerSide:
                 pending.exception()
         return result
 
-    def _load_direct(self, transfer: GroupTransfer, job: Job, copier: GroupCopier) -> GroupResult | None:
-        """One group's blocks copied straight from this process's own segment; None when not
-        every object is there whole with a CRC-32C header (then the group is staged).
+    def _load_direct(
+        self, transfer: GroupTransfer, job: Job, copier: GroupCopier
+    ) -> tuple[GroupResult | None, GroupTransfer | None]:
+        """The group's blocks whose objects are in this process's own segment, whole and with
+        a CRC-32C header, copied straight into the blocks: (their result, or None when there
+        are none; the rest of the group to stage, or None when nothing is left).
 
         The only copies are memmoves within this process's memory: nothing a frozen peer can
         stall, so the job touches the blocks only while it copies. Each block is checked
@@ -637,18 +659,30 @@ class WorkerSide:
         """
         keys = self._keys(transfer)
         located = self.client.own_objects(keys)
-        if any(at is None or at[1] != copier.object_bytes for at in located):
-            return None
-        addresses = [at[0] for at in located if at is not None]
+        size = copier.object_bytes
+        address = {i: at[0] for i, at in enumerate(located) if at is not None and at[1] == size}
+        if not address:
+            return None, transfer
         try:
             # The segment stays mapped while anything of it is read, headers included.
             with self.client.holding_segment():
-                headers = [ctypes.string_at(address, HEADER_BYTES) for address in addresses]
-                if any(stated_checksum(h) is not Checksum.CRC32C for h in headers):
-                    return None
-                return self._copy_direct(transfer, job, copier, keys, addresses, headers)
+                headers = {i: ctypes.string_at(at, HEADER_BYTES) for i, at in address.items()}
+                own = [i for i in address if stated_checksum(headers[i]) is Checksum.CRC32C]
+                if not own:
+                    return None, transfer
+                direct = self._copy_direct(
+                    _subset(transfer, own),
+                    job,
+                    copier,
+                    [keys[i] for i in own],
+                    [address[i] for i in own],
+                    [headers[i] for i in own],
+                )
         except StoreUnavailable:  # the client closed (shutdown): nothing was read
-            return None
+            return None, transfer
+        taken = set(own)
+        rest = [i for i in range(len(keys)) if i not in taken]
+        return direct, (_subset(transfer, rest) if rest else None)
 
     def _copy_direct(
         self,
@@ -661,7 +695,8 @@ class WorkerSide:
     ) -> GroupResult:
         """Each object at ``addresses`` into its block, checked from the block (see
         :meth:`_load_direct`); nothing once the job was given up."""
-        result = GroupResult()
+        result = GroupResult(attempted=True)
+        copier.check(transfer.block_ids)
         if not job.begin_touch():
             result.fail(transfer.block_ids, Outcome.TIMEOUT)
             return result
@@ -1023,3 +1058,12 @@ def _timed_out(transfer: GroupTransfer, skip: set[tuple[int, int]] | None = None
         result.fail(missed, Outcome.TIMEOUT)
     result.blocks = len(transfer.block_ids) - len(missed)
     return result
+
+
+def _subset(transfer: GroupTransfer, indices: Sequence[int]) -> GroupTransfer:
+    """The blocks of ``transfer`` at ``indices`` (a load's part: its digests and block ids)."""
+    return GroupTransfer(
+        group_id=transfer.group_id,
+        digests=[transfer.digests[i] for i in indices],
+        block_ids=[transfer.block_ids[i] for i in indices],
+    )

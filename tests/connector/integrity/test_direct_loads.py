@@ -76,7 +76,39 @@ def test_objects_in_the_own_segment_load_straight_into_the_blocks(
         assert same(block(co_located, target), block(co_located, source)), f"block {target}"
     (loaded,) = records(co_located, "load")
     assert (loaded.blocks, loaded.direct_blocks, loaded.failures) == ((3,), 3, {})
+    assert loaded.group_attempted == (True,), "its time counts in the group's load latency"
     assert staged == [], "no object went through a staging buffer"
+
+
+def test_a_group_partly_in_the_own_segment_loads_those_directly_and_stages_the_rest(
+    co_located: WorkerSide, pool_settings: Any, cache_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An embedded pool of several engines: of one group's objects, those in this process's
+    segment are copied straight in, the one another engine's segment holds is read through
+    the staging buffer, and every block ends up equal to what was saved."""
+    from kvpool.connector.contract.keys import KeySpace
+    from kvpool.connector.pool_client import open_client
+
+    other_client = open_client(pool_settings, global_segment_size=64 << 20)
+    other = make_worker(other_client, cache_prefix, direct_local_loads=True)
+    try:
+        save(co_located, ["a", "b"], [1, 2])
+        save(other, ["c"], [3])  # kept in the other engine's segment
+        keys = [KeySpace(cache_prefix, "fp").key(0, 0, 0, d) for d in ("a", "b", "c")]
+        assert [at is not None for at in co_located.client.own_objects(keys)] == [True, True, False]
+        staged = reads(monkeypatch)
+        for b in (8, 9, 10):
+            zero(co_located, b)
+        load(co_located, ["a", "b", "c"], [8, 9, 10])
+        assert co_located.take_load_errors() == set()
+        for source, target in ((block(co_located, 1), 8), (block(co_located, 2), 9), (block(other, 3), 10)):
+            assert same(block(co_located, target), source), f"block {target}"
+        (loaded,) = records(co_located, "load")
+        assert (loaded.blocks, loaded.direct_blocks, loaded.failures) == ((3,), 2, {})
+        assert staged == [1], "only the other engine's object went through a staging buffer"
+    finally:
+        other.shutdown()
+        other_client.close()
 
 
 def test_a_worker_without_direct_loads_stages_the_same_objects(
