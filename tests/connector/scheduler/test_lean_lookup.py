@@ -22,6 +22,10 @@ from testing.pool_store import put_bytes
 
 def test_span_is_a_shared_no_op_without_a_tracer_provider(monkeypatch) -> None:
     monkeypatch.setattr(trace, "get_tracer_provider", trace.ProxyTracerProvider)
+    # This process may have installed a provider for another test, and tracing believes
+    # "on" for good once seen: forget it, as in a process that never had one.
+    monkeypatch.setattr(tracing, "_on", False)
+    monkeypatch.setattr(tracing, "_off_until", 0.0)
     assert not tracing.enabled()
     first = tracing.span("kvpool.lookup", {"traceparent": "00-" + "1" * 32 + "-" + "2" * 16 + "-01"}, a=1)
     assert first is tracing.span("kvpool.load")
