@@ -670,11 +670,12 @@ class WorkerSide:
                 own = [i for i in address if stated_checksum(headers[i]) is Checksum.CRC32C]
                 if not own:
                     return None, transfer
+                whole = len(own) == len(keys)  # the usual case: the group's every object
                 direct = self._copy_direct(
-                    _subset(transfer, own),
+                    transfer if whole else _subset(transfer, own),
                     job,
                     copier,
-                    [keys[i] for i in own],
+                    keys if whole else [keys[i] for i in own],
                     [address[i] for i in own],
                     [headers[i] for i in own],
                 )
