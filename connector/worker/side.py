@@ -134,19 +134,6 @@ class GroupResult:
         self.failures[str(outcome)] += len(block_ids)
         self.failed_block_ids.extend(block_ids)
 
-    def merged(self, other: GroupResult) -> GroupResult:
-        """This result and ``other``'s, of two parts of one group's transfer."""
-        return GroupResult(
-            blocks=self.blocks + other.blocks,
-            bytes=self.bytes + other.bytes,
-            failed_block_ids=self.failed_block_ids + other.failed_block_ids,
-            failures=self.failures + other.failures,
-            seconds=self.seconds + other.seconds,
-            attempted=self.attempted or other.attempted,
-            corrupt_keys=self.corrupt_keys + other.corrupt_keys,
-            direct_blocks=self.direct_blocks + other.direct_blocks,
-        )
-
 
 class WorkerSide:
     """Worker-process state of ``KVPoolConnector``."""
@@ -595,12 +582,14 @@ class WorkerSide:
         if self.direct_local_loads and copier.use_memmove and copier.runs:
             direct, rest = self._load_direct(transfer, job, copier)
             if direct is not None:  # the objects elsewhere, if any, go through the staging buffer
-                return direct if rest is None else direct.merged(self._load_staged(rest, job, copier))
-        return self._load_staged(transfer, job, copier)
+                return direct if rest is None else self._load_staged(rest, job, copier, direct)
+        return self._load_staged(transfer, job, copier, GroupResult())
 
-    def _load_staged(self, transfer: GroupTransfer, job: Job, copier: GroupCopier) -> GroupResult:
-        """``transfer``'s blocks read through this thread's staging buffer (see :meth:`_load_group`)."""
-        result = GroupResult()
+    def _load_staged(
+        self, transfer: GroupTransfer, job: Job, copier: GroupCopier, result: GroupResult
+    ) -> GroupResult:
+        """``transfer``'s blocks read through this thread's staging buffer (see
+        :meth:`_load_group`), counted into ``result`` (the group's, which may hold its direct part)."""
         slot = self._staging_for(transfer, copier, result)
         if slot is None:
             return result
