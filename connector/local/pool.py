@@ -49,23 +49,26 @@ def find_binary(name: str) -> str:
     return found
 
 
-def port_open(port: int) -> bool:
-    """Whether something accepts connections on loopback ``port``."""
+def port_open(port: int, host: str = LOOPBACK) -> bool:
+    """Whether something accepts connections on ``port`` of a loopback address."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.settimeout(0.2)
-        return sock.connect_ex((LOOPBACK, port)) == 0
+        return sock.connect_ex((host, port)) == 0
 
 
-def wait_for_port(port: int, timeout: float, process: subprocess.Popen[bytes] | None = None) -> None:
-    """Until something accepts connections on loopback ``port``; fails early if ``process`` exits."""
+def wait_for_port(
+    port: int, timeout: float, process: subprocess.Popen[bytes] | None = None, host: str = LOOPBACK
+) -> None:
+    """Until something accepts connections on ``port`` of a loopback address; fails early if
+    ``process`` exits."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process is not None and process.poll() is not None:
             raise RuntimeError(f"process exited with {process.returncode} before listening on {port}")
-        if port_open(port):
+        if port_open(port, host):
             return
         time.sleep(0.05)
-    raise TimeoutError(f"nothing listening on {LOOPBACK}:{port} after {timeout}s")
+    raise TimeoutError(f"nothing listening on {host}:{port} after {timeout}s")
 
 
 def stop_process(process: subprocess.Popen[bytes] | None, timeout: float = 10.0) -> None:
@@ -169,6 +172,7 @@ class MooncakeStore:
 
     master_address: str
     segment_size: str = "256MB"
+    host: str = LOOPBACK  # its transfer engine's address (its segment's name): a 127.x address
     port: int = field(default_factory=free_port)
     log_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="kvpool-store-")))
     process: subprocess.Popen[bytes] | None = None
@@ -177,7 +181,7 @@ class MooncakeStore:
     def command(self) -> list[str]:
         return [
             find_binary("mooncake_client"),
-            f"--host={LOOPBACK}",
+            f"--host={self.host}",
             f"--port={self.port}",
             f"--master_server_address={self.master_address}",
             "--metadata_server=P2PHANDSHAKE",
@@ -187,12 +191,12 @@ class MooncakeStore:
         ]
 
     def start(self, master: MooncakeMaster | None = None, timeout: float = 60.0) -> MooncakeStore:
-        env = {**os.environ, **client_env(LOOPBACK)}
+        env = {**os.environ, **client_env(self.host)}
         if self.disk_tier is not None:
             env.update(self.disk_tier.store_env())
         try:
             self.process = start_logged(self.command(), self.log_dir / "store.log", env)
-            wait_for_port(self.port, timeout, self.process)
+            wait_for_port(self.port, timeout, self.process, self.host)
             if master is not None:
                 wait_for_capacity(master, timeout)
         except BaseException:
