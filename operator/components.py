@@ -15,6 +15,7 @@ from kvpool.connector.contract import tenant_policy
 from kvpool.operator import names
 from kvpool.operator.disk_tier import OFFLOAD_FLAG, master_tier_args, tier_env, tier_mount, tier_volume
 from kvpool.operator.spec import ComputeResources, PoolSpec, Toleration, format_bytes, parse_quantity
+from kvpool.operator.store_probe import probe_env, readiness_probe
 
 RUN_AS_USER = 1000
 POD_IP_ENV = "POD_IP"
@@ -307,16 +308,29 @@ def store_args(spec: PoolSpec, master_address: str, metadata_server: str) -> lis
     return args + list(store.extra_args)
 
 
+def drains_on_scale_down(spec: PoolSpec) -> bool:
+    """Whether a scale-down of the spec's store pods drains them first (``store_drain``)."""
+    store = spec.store
+    return store.mode == "standalone" and not spec.master.ha.enabled and store.drain_timeout_seconds > 0
+
+
 def store_deployment(
     pool: str, namespace: str, spec: PoolSpec, master_address: str, metadata_server: str
 ) -> dict[str, Any]:
-    """The store Deployment (standalone mode): ``mooncake_client`` pods that own the pool's memory."""
+    """The store Deployment (standalone mode): ``mooncake_client`` pods that own the pool's memory.
+
+    When scale-downs drain (a single master, ``drainTimeoutSeconds`` > 0), a store is ready
+    while its port answers and the master does not say its segment is drained
+    (``store_probe``); otherwise while its port answers."""
     store = spec.store
+    drains = drains_on_scale_down(spec)
     container: dict[str, Any] = {
         "command": ["mooncake_client"],
         "args": store_args(spec, master_address, metadata_server),
         "ports": [{"name": "store", "containerPort": store.port, "protocol": "TCP"}],
-        "readinessProbe": {"tcpSocket": {"port": "store"}, "periodSeconds": 5},
+        "readinessProbe": (
+            readiness_probe() if drains else {"tcpSocket": {"port": "store"}, "periodSeconds": 5}
+        ),
         "livenessProbe": {
             "tcpSocket": {"port": "store"},
             "initialDelaySeconds": 15,
@@ -338,7 +352,10 @@ def store_deployment(
         strategy={"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}},
         pod_scheduling=scheduling(store.node_selector, store.tolerations, store.priority_class_name, spread),
         add_capabilities=STORE_RDMA_CAPABILITIES if store.protocol == "rdma" else None,
-        env=tier_env(tier) if tier else None,
+        env=[
+            *(probe_env(pool, namespace, spec.master.metrics_port, store.port) if drains else []),
+            *(tier_env(tier) if tier else []),
+        ],
         volumes=[tier_volume(tier)] if tier else None,
         mounts=[tier_mount()] if tier else None,
     )

@@ -118,7 +118,7 @@ def api_port(container: Mapping[str, Any]) -> int | None:
     return port if 0 < port < 65536 else None
 
 
-def _ready(pod: Mapping[str, Any]) -> bool:
+def pod_ready(pod: Mapping[str, Any]) -> bool:
     status = pod.get("status") or {}
     if (pod.get("metadata") or {}).get("deletionTimestamp") or status.get("phase") != "Running":
         return False
@@ -132,7 +132,7 @@ def consumer_pods(consumer: str, pods: Sequence[Mapping[str, Any]]) -> list[Cons
     out = []
     for pod in pods:
         container = connector_container(pod)
-        if not _ready(pod) or container is None or (pod.get("spec") or {}).get("hostNetwork"):
+        if not pod_ready(pod) or container is None or (pod.get("spec") or {}).get("hostNetwork"):
             continue
         port = api_port(container)
         try:

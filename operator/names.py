@@ -158,6 +158,11 @@ def selector(pool: str, component: str) -> dict[str, str]:
     return {LABEL_POOL: pool, LABEL_COMPONENT: component}
 
 
+def label_selector(pool: str, component: str) -> str:
+    """``selector`` as a list call's ``labelSelector``."""
+    return ",".join(f"{key}={value}" for key, value in selector(pool, component).items())
+
+
 def labels(pool: str, component: str) -> dict[str, str]:
     """Recommended labels of a pool component's objects and pods."""
     return {

@@ -9,6 +9,7 @@ from typing import Any
 from kvpool.connector.contract.layout import Problem
 from kvpool.operator import names
 from kvpool.operator.components import (
+    drains_on_scale_down,
     master_address,
     master_deployment,
     master_service,
@@ -56,6 +57,9 @@ class Plan:
     metrics_endpoints: tuple[str, ...] = ()
     # Store pods that should mount memory at the master (None: embedded or external).
     store_replicas: int | None = None
+    # How long a scale-down of the stores waits for their drain (0: none; HA and embedded:
+    # none, see ``store_drain``).
+    drain_seconds: int = 0
     # Whether the operator asks the master for health and capacity: an external pool that
     # names its masters' HTTP ports, or a pool whose NetworkPolicy lets the operator in.
     observed: bool = False
@@ -167,6 +171,7 @@ def build_plan(
         ha=spec.master.ha.enabled,
         metrics_port=spec.master.metrics_port,
         store_replicas=None if embedded else spec.store.replicas,
+        drain_seconds=spec.store.drain_timeout_seconds if drains_on_scale_down(spec) else 0,
         observed=not enabled or policy.operator_pods_known,
         children=children,
         absent=absent,

@@ -14,6 +14,7 @@ condition (and an Event when the refusal is new). Teardown deletes only owned ch
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import datetime
 import logging
@@ -24,7 +25,7 @@ import kopf
 
 from kvpool.operator import names
 from kvpool.operator.capacity import apply_observation, external_conditions, scale_down_message
-from kvpool.operator.consumer_hits import consumer_pods, hits_status, poll_consumers, with_hits
+from kvpool.operator.consumer_hits import consumer_pods, hits_status, pod_ready, poll_consumers, with_hits
 from kvpool.operator.consumers import (
     ConsumerError,
     Injection,
@@ -37,6 +38,8 @@ from kvpool.operator.consumers import (
     restore_patch,
     restore_problem,
 )
+from kvpool.operator.drain_jobs import DrainRefused, cancel_drain_job
+from kvpool.operator.drain_timer import advance
 from kvpool.operator.grant_usage import grant_usage, with_changed_at
 from kvpool.operator.grants import Grant, grant_status, read_grant
 from kvpool.operator.kube import ApiError, Applied, KubeClient, ensure, ensure_absent
@@ -63,6 +66,7 @@ from kvpool.operator.pod_injection import (
     template_refusal,
 )
 from kvpool.operator.policy import OperatorPolicy
+from kvpool.operator.spec import StoreDrainStatus
 from kvpool.operator.status import (
     ConsumerState,
     condition_of,
@@ -76,6 +80,15 @@ from kvpool.operator.status import (
     pool_serves,
     store_condition,
     valid_status,
+)
+from kvpool.operator.store_drain import (
+    DRAINED,
+    GIVEN_UP,
+    StoreScale,
+    drained_message,
+    dump,
+    record_of,
+    store_scale,
 )
 
 # notify(type, reason, message): post a Kubernetes Event about the pool.
@@ -205,6 +218,14 @@ def announce(old: Mapping[str, Any], new: Mapping[str, Any], notify: Notify) -> 
     for warning in new.get("warnings") or []:
         if warning not in (old.get("warnings") or []):
             notify("Warning", "PoolWarning", warning)
+
+
+def announce_drain(drain: StoreDrainStatus, notify: Notify) -> None:
+    """An Event for a drain that moved to another state (its status message)."""
+    if drain.state == GIVEN_UP:
+        notify("Warning", "StoreDrainGivenUp", drain.message)
+    else:
+        notify("Normal", f"Store{drain.state}", drain.message)
 
 
 def announce_change(child: str, applied: Applied, notify: Notify) -> None:
@@ -400,7 +421,8 @@ async def converge(
     the last poll of the pool's master (the observation timer's, never made here)."""
     meta = pool.get("metadata", {})
     name, namespace, uid = meta["name"], meta["namespace"], meta["uid"]
-    scale_down = await announce_scale_down(kube, plan, uid, observation, notify, now)
+    scale = await store_scale_of(kube, plan, uid, pool.get("status") or {}, observation, now)
+    scale_down = announce_scale_down(scale, observation, notify, now)
     live: dict[str, dict[str, Any]] = {}
     refused: set[str] = set()
     conflicts: list[str] = []
@@ -413,6 +435,8 @@ async def converge(
         key = f"{obj['kind']}/{obj['metadata']['name']}"
         if unprotected and key in components:
             obj["spec"]["replicas"] = 0
+        elif key == f"Deployment/{names.store_name(name)}" and scale.replicas is not None:
+            obj["spec"]["replicas"] = scale.replicas  # held while the leaving pods drain
         kopf.adopt(obj, owner=dict(pool))
         applied = await ensure(kube, obj, uid)
         if applied.conflict is not None:
@@ -474,6 +498,7 @@ async def converge(
         unprotected=unprotected,
         components=ready,
         last_scale_down=scale_down,
+        store_drain=dump(scale.drain),
     )
     return observed_status(status, old, observation, plan, now)
 
@@ -494,28 +519,53 @@ def observed_status(
     )
 
 
-async def announce_scale_down(
+async def store_scale_of(
     kube: KubeClient,
     plan: Plan,
     uid: str,
+    status: Mapping[str, Any],
     observation: Observation | None,
-    notify: Notify,
     now: str,
-) -> dict[str, Any] | None:
-    """Before fewer store pods are applied: say what the leaving ones take with them (an
-    Event ``StoreScaleDown``, and ``status.lastScaleDown``); None when this is no scale-down."""
+) -> StoreScale:
+    """The store replicas this pass applies, from the live store Deployment (the pool's own),
+    ``status.storeDrain`` and, while the leaving pods drain, which store pods are ready."""
     if plan.store_replicas is None:
-        return None
+        return StoreScale(None)
     live = await kube.get(DEPLOYMENTS, plan.namespace, names.store_name(plan.pool))
     meta = (live or {}).get("metadata") or {}
-    if not any(ref.get("uid") == uid for ref in meta.get("ownerReferences") or []):
+    owned = any(ref.get("uid") == uid for ref in meta.get("ownerReferences") or [])
+    replicas = ((live or {}).get("spec") or {}).get("replicas") if owned else None
+    before = replicas if isinstance(replicas, int) else None
+    record = record_of(status)
+    ready: list[str] = []
+    if record is not None and record.state == DRAINED:
+        selector = names.label_selector(plan.pool, names.STORE)
+        pods = await kube.list(PODS, plan.namespace, label_selector=selector)
+        ready = [str((p.get("metadata") or {}).get("name")) for p in pods if pod_ready(p)]
+    return store_scale(plan, before, record, observation, ready, now)
+
+
+def announce_scale_down(
+    scale: StoreScale, observation: Observation | None, notify: Notify, now: str
+) -> dict[str, Any] | None:
+    """When this pass applies fewer store pods: say what the leaving ones take with them (an
+    Event ``StoreScaleDown``, and ``status.lastScaleDown``; nothing when they were drained);
+    None when this is no scale-down. A drain this pass begins is announced
+    (``StoreDrainPending``)."""
+    before, ended = scale.before, scale.ended
+    if scale.begins and scale.drain is not None:
+        notify("Normal", "StoreDrainPending", scale.drain.message)
+    if before is None or scale.replicas is None or scale.replicas >= before:
         return None
-    before = ((live or {}).get("spec") or {}).get("replicas")
-    if not isinstance(before, int) or plan.store_replicas >= before:
-        return None
-    message = scale_down_message(before, plan.store_replicas, observation)
-    notify("Warning", "StoreScaleDown", message)
-    return {"at": now, "fromReplicas": before, "toReplicas": plan.store_replicas, "message": message}
+    if ended is not None and ended.state == DRAINED:
+        message = drained_message(ended, scale.stayed_ready)
+        notify("Warning" if scale.stayed_ready else "Normal", "StoreScaleDown", message)
+    else:
+        message = scale_down_message(before, scale.replicas, observation)
+        if ended is not None:
+            message = f"{message} (the drain was given up: {ended.message})"
+        notify("Warning", "StoreScaleDown", message)
+    return {"at": now, "fromReplicas": before, "toReplicas": scale.replicas, "message": message}
 
 
 class Reconciler:
@@ -660,6 +710,22 @@ class Reconciler:
             self.observations.pop((namespace, name), None)
             self._locks.pop((namespace, name), None)
 
+    def master_base(self, plan: Plan) -> str:
+        """``http://host:port`` of the pool's own master Service's HTTP port."""
+        return base_of(health_url(self.master_health_url, plan.pool, plan.namespace, plan.metrics_port))
+
+    async def step_drain(
+        self, plan: Plan, drain: StoreDrainStatus, observation: Observation | None
+    ) -> StoreDrainStatus | None:
+        """The drain one step further (``drain_timer``), outside the pool's lock."""
+        return await advance(drain, observation, self.master_base(plan), utcnow(), self.observe_timeout)
+
+    async def forget_drain_job(self, plan: Plan, drain: StoreDrainStatus) -> None:
+        """Cancel a drain job no status names (best effort: a job that finished refuses)."""
+        if drain.job_id is not None:
+            with contextlib.suppress(DrainRefused):
+                await cancel_drain_job(self.master_base(plan), drain.job_id, self.observe_timeout)
+
     async def poll(self, plan: Plan) -> Observation:
         """One poll of the pool's master, within ``observe_timeout`` (no lock held)."""
         now = utcnow()
@@ -669,7 +735,7 @@ class Reconciler:
         stores = await self.kube.list(
             PODS,
             plan.namespace,
-            label_selector=f"{names.LABEL_POOL}={plan.pool},{names.LABEL_COMPONENT}={names.STORE}",
+            label_selector=names.label_selector(plan.pool, names.STORE),
         )
         store_pods = {
             str(ip): str((pod.get("metadata") or {}).get("name")) for pod in stores for ip in pod_ips([pod])
@@ -679,9 +745,8 @@ class Reconciler:
             masters = pod_ips(
                 await self.kube.list(PODS, plan.namespace, label_selector=master_pods_selector(plan.pool))
             )
-        base = base_of(health_url(self.master_health_url, plan.pool, plan.namespace, plan.metrics_port))
         return await poll_master(
-            [base],
+            [self.master_base(plan)],
             now=now,
             timeout=self.observe_timeout,
             master_ips=masters,
@@ -744,6 +809,8 @@ class Reconciler:
         before = self.observations.get(key)
         if observation is not None:
             self.observations[key] = observation
+        drain = record_of(body.get("status") or {}) if plan.store_replicas is not None else None
+        stepped = None if drain is None else await self.step_drain(plan, drain, observation)
         async with self._lock(namespace, name):
             pool = await self.kube.get(POOLS, namespace, name)
             if pool is None or pool.get("metadata", {}).get("deletionTimestamp") or paused(pool):
@@ -754,6 +821,18 @@ class Reconciler:
             now = utcnow()
             status = old if observation is None else observed_status(old, old, observation, plan, now)
             status = with_hits(status, hits, now)
+            drain_moved = False
+            if drain is not None:
+                if record_of(old) == drain:
+                    status = {k: v for k, v in status.items() if k != "storeDrain"}
+                    if stepped is not None:
+                        status["storeDrain"] = dump(stepped)
+                    drain_moved = stepped is None or stepped.state != drain.state
+                    if drain_moved and stepped is not None:
+                        announce_drain(stepped, notify)
+                elif stepped is not None and stepped.job_id and drain.job_id is None:
+                    # A pass moved on while this step asked for a job: give it back.
+                    await self.forget_drain_job(plan, stepped)
             if status != old:
                 await self.kube.patch(
                     POOLS, namespace, name, {"status": diff(old, status)}, subresource="status"
@@ -763,6 +842,10 @@ class Reconciler:
             if plan.tenancy is not None and observation is not None:
                 # Each grant's usage from the same poll (a grant's status is written when it changed).
                 await write_grant_statuses(self.kube, name, grants, plan, utcnow(), observation)
+        if drain_moved:
+            # A drain moved on: the pass applies what it leads to (fewer pods, or as before).
+            await self.reconcile(pool, "observe", notify, coalesce=True)
+            return
         if observation is None:
             return
         if plan.external and (before is None or before.answered != observation.answered):

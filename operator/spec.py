@@ -261,6 +261,14 @@ class StoreSpec(_Model):
     disk_tier: DiskTierSpec | None = Field(
         default=None, description="A local disk tier on each store pod (standalone mode)."
     )
+    drain_timeout_seconds: int = Field(
+        default=300,
+        ge=0,
+        le=86400,
+        description="Before fewer store pods are applied, the master moves the leaving pods' objects "
+        "to the others and sends them no new writes (a Mooncake drain job), for at most this long; "
+        "0: no drain (the leaving pods' objects are lost). A single master only.",
+    )
     extra_args: list[str] = Field(default_factory=list, description="More mooncake_client flags.")
 
 
@@ -594,6 +602,22 @@ class ScaleDownStatus(_Model):
     message: str
 
 
+class StoreDrainStatus(_Model):
+    """A scale-down of the store pods that waits for their drain (``store_drain`` module)."""
+
+    state: Literal["Pending", "Draining", "Drained", "GivenUp", "Withdrawn"]
+    from_replicas: int
+    to_replicas: int
+    started_at: str
+    deadline: str
+    job_id: str | None = Field(default=None, description="The master's drain job.")
+    segments: list[str] = Field(default_factory=list, max_length=1024, description="Drained segments.")
+    pods: list[str] = Field(default_factory=list, max_length=1024, description="Their store pods.")
+    moved_objects: int = 0
+    moved_bytes: int = 0
+    message: str = ""
+
+
 class PoolStatus(_Model):
     """Observed state of a pool."""
 
@@ -605,6 +629,7 @@ class PoolStatus(_Model):
     capacity: CapacityStatus | None = None
     hits: HitsStatus | None = None
     last_scale_down: ScaleDownStatus | None = None
+    store_drain: StoreDrainStatus | None = None
     conditions: list[Condition] = Field(default_factory=list)
     consumers: list[ConsumerStatus] = Field(default_factory=list)
     warnings: list[str] = Field(

@@ -172,6 +172,7 @@ def invalid_status(
                 "capacity": old.get("capacity"),
                 "hits": old.get("hits"),
                 "lastScaleDown": old.get("lastScaleDown"),
+                "storeDrain": old.get("storeDrain"),
                 "conditions": [c.model_dump(by_alias=True) for c in merged],
                 "consumers": [c.model_dump(by_alias=True) for c in consumers],
                 "warnings": list(old.get("warnings") or []),
@@ -331,12 +332,14 @@ def valid_status(
     unprotected: bool = False,
     components: tuple[Condition, Condition] | None = None,
     last_scale_down: Mapping[str, Any] | None = None,
+    store_drain: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Status after a successful reconcile; ``blocked`` names the components ("master",
     "store") whose Deployment is not the pool's; ``unprotected``: master and store are not
     started, as the pool's NetworkPolicy cannot be applied; ``components``: ``MasterReady``
     and ``StoreReady`` decided elsewhere (an external pool's, from its master's answer);
-    ``last_scale_down``: a scale-down of the stores this pass made (else the last one kept)."""
+    ``last_scale_down``: a scale-down of the stores this pass made (else the last one kept);
+    ``store_drain``: the drain a scale-down of the stores waits for (``store_drain``), if any."""
     master_ready, store_ready = components or (
         master_condition(master, "master" in blocked, ha, leader, unprotected),
         store_condition(store, "store" in blocked, embedded, unprotected),
@@ -363,6 +366,7 @@ def valid_status(
                 "capacity": old.get("capacity"),
                 "hits": old.get("hits"),
                 "lastScaleDown": last_scale_down or old.get("lastScaleDown"),
+                "storeDrain": store_drain,
                 "conditions": [c.model_dump(by_alias=True) for c in merged],
                 "consumers": [
                     {

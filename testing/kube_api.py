@@ -33,6 +33,7 @@ from kvpool.operator.names import (
     GRANT_SHORT_NAMES,
     GRANT_SINGULAR,
     GRANTS,
+    PODS,
     POOL_SHORT_NAMES,
     POOL_SINGULAR,
     POOLS,
@@ -48,6 +49,7 @@ OPERATOR_AGENTS = ("kopf/", "kvpool-operator/")
 POOLS_PATH = f"{POOLS.group}/{POOLS.version}/{POOLS.plural}"
 GRANTS_PATH = f"{GRANTS.group}/{GRANTS.version}/{GRANTS.plural}"
 DEPLOYMENTS_PATH = f"{DEPLOYMENTS.api_version}/{DEPLOYMENTS.plural}"
+PODS_PATH = f"{PODS.api_version}/{PODS.plural}"
 _SEQUENCE = itertools.count(1000)
 WRITE_ACTIONS = {kmock.action.CREATE, kmock.action.UPDATE, kmock.action.DELETE}
 # Built-in resources whose status is a subresource (group, plural).
@@ -443,6 +445,22 @@ class Cluster:
             }
             if obj.raw.get("status") != status:
                 obj.patch({"status": status, "metadata": {"resourceVersion": str(next(_SEQUENCE))}})
+
+    def set_pod_ready(self, name: str, ready: bool) -> None:
+        """Play the kubelet: the pod is Running, and Ready as its readiness probe said."""
+        obj = self.api.objects[kmock.resource(PODS_PATH), self.namespace, name]
+        status = {
+            **(obj.raw.get("status") or {}),
+            "phase": "Running",
+            "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+        }
+        if obj.raw.get("status") != status:
+            obj.patch({"status": status, "metadata": {"resourceVersion": str(next(_SEQUENCE))}})
+
+    async def delete_pod(self, name: str) -> None:
+        """Play the ReplicaSet controller removing a pod."""
+        response = await self.api.delete(PODS.path(self.namespace, name))
+        assert response.status == 200, await response.text()
 
     def pool_status(self, name: str) -> dict[str, Any]:
         pool = self.get(POOLS_PATH, name)

@@ -21,6 +21,7 @@ on their own IPs.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import json
 import os
@@ -41,12 +42,13 @@ from kvpool.connector.contract.mooncake_env import client_env
 from kvpool.connector.contract.settings import ConnectorSettings
 from kvpool.connector.local.pool import LocalPool, find_binary, free_port, start_logged, stop_process
 from kvpool.connector.pool_client import open_client
-from kvpool.operator import names
+from kvpool.operator import names, store_probe
+from kvpool.operator.consumer_hits import pod_ready
 from kvpool.operator.leader import check_leader
 from kvpool.operator.network import TRANSFER_PORT_ENV, TRANSFER_PORT_MAX, TRANSFER_PORT_MIN
 from kvpool.operator.plan import Plan, build_plan
 from kvpool.operator.policy import OperatorPolicy
-from testing.kube_api import DEPLOYMENTS_PATH, NAMESPACE, Cluster, eventually
+from testing.kube_api import DEPLOYMENTS_PATH, NAMESPACE, PODS_PATH, Cluster, eventually
 from testing.operator_objects import Operator, kv_flags, pool_manifest, pool_spec, vllm_deployment
 from testing.pool_store import put_bytes, raw_store
 
@@ -146,6 +148,17 @@ class EtcdCluster:
     def stop(self) -> None:
         self.stop_members()
         shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def wait_for_capacity_of(metrics_port: int, minimum: int, timeout: float = 60) -> None:
+    """Until the master on ``metrics_port`` has ``minimum`` bytes of store memory mounted."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError, KeyError):
+            if masters_own_numbers(metrics_port)["master_total_capacity_bytes"] >= minimum:
+                return
+        time.sleep(0.2)
+    raise TimeoutError(f"less than {minimum} bytes mounted after {timeout}s")
 
 
 def distinct_free_ports(count: int) -> list[int]:
@@ -433,6 +446,33 @@ def store_pod(name: str, host: str) -> dict[str, Any]:
     }
 
 
+def start_rendered_store(processes: Processes, plan: Plan, name: str, rpc_port: int) -> int:
+    """The store pod ``name`` (at its ``STORE_HOSTS`` address) as rendered, reaching the
+    master on loopback; its service port. Each store gets its own port (pods would share the
+    rendered one on their own IPs)."""
+    service = f"{names.master_name('pool')}.{NAMESPACE}.svc:{rpc_port}"  # as the cluster's DNS would
+    host, port = STORE_HOSTS[name], free_port()
+    rendered_port = f"--port={plan_store_port(plan)}"
+    args = [
+        a.replace(service, f"127.0.0.1:{rpc_port}").replace(rendered_port, f"--port={port}")
+        for a in rendered(plan, "pool-store", host)
+    ]
+    processes.start(name, args, {**os.environ, **client_env(host)})
+    return port
+
+
+def store_container(plan: Plan) -> dict[str, Any]:
+    (child,) = [
+        c for c in plan.children if c["kind"] == "Deployment" and c["metadata"]["name"] == "pool-store"
+    ]
+    (container,) = child["spec"]["template"]["spec"]["containers"]
+    return dict(container)
+
+
+def plan_store_port(plan: Plan) -> int:
+    return int(store_container(plan)["ports"][0]["containerPort"])
+
+
 def masters_own_numbers(metrics_port: int) -> dict[str, float]:
     """The master's /metrics as plain ``name{labels} value`` lines (read here without the
     operator's parser)."""
@@ -494,25 +534,17 @@ async def test_the_status_shows_the_masters_own_capacity_and_use(
     spec = pool_spec(
         consumers=[],
         master={"rpcPort": rpc_port, "metricsPort": metrics_port},
-        store={"segmentSize": SEGMENT, "replicas": 2},
+        # No drain: what a scale-down loses is said (the drain: the next test).
+        store={"segmentSize": SEGMENT, "replicas": 2, "drainTimeoutSeconds": 0},
     )
     plan = build_plan("pool", NAMESPACE, spec)
-    plan_store_port = 50052  # the spec's default store port
     for name, host in STORE_HOSTS.items():
         await cluster.create(store_pod(name, host))
     await cluster.create(pool_manifest(spec=spec))
     processes.start("master", rendered(plan, "pool-master", "127.0.0.1") + LOOPBACK_MASTER)
-    service = f"{names.master_name('pool')}.{NAMESPACE}.svc:{rpc_port}"  # as the cluster's DNS would
 
     def start_store(name: str) -> None:
-        # Each store on its own address; the client's service port binds every address, so
-        # each gets its own (pods would share the rendered one on their own IPs).
-        host, port = STORE_HOSTS[name], free_port()
-        args = [
-            a.replace(service, f"127.0.0.1:{rpc_port}").replace(f"--port={plan_store_port}", f"--port={port}")
-            for a in rendered(plan, "pool-store", host)
-        ]
-        processes.start(name, args, {**os.environ, **client_env(host)})
+        start_rendered_store(processes, plan, name, rpc_port)
 
     def status() -> dict[str, Any]:
         cluster.settle()
@@ -569,6 +601,144 @@ async def test_the_status_shows_the_masters_own_capacity_and_use(
     observed = cluster.condition("pool", "Observed")
     assert observed["status"] == "False" and observed["reason"] == "Unreachable", observed
     assert cluster.pool_status("pool")["capacity"]["objects"] == 6  # the last numbers, kept
+
+
+def probe_ready(container: dict[str, Any], host: str, port: int, metrics_port: int) -> bool:
+    """Play the kubelet: run the store container's rendered readiness probe as in a pod at
+    ``host`` (the master Service's name, which no DNS resolves here, is the master's loopback
+    address; the store's own port is ``port``)."""
+    probe = container["readinessProbe"]["exec"]["command"]
+    env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+    env.update(
+        {
+            "POD_IP": host,
+            store_probe.MASTER_HTTP_ENV: f"http://127.0.0.1:{metrics_port}",
+            store_probe.STORE_PORT_ENV: str(port),
+            "PATH": os.environ["PATH"],
+        }
+    )
+    return subprocess.run(probe, env=env, capture_output=True, timeout=30).returncode == 0
+
+
+def read_objects(master_address: str, count: int, size: int = 1 << 20) -> list[int]:
+    """The objects of ``put_objects`` that do not read back byte for byte."""
+    client = open_client(
+        ConnectorSettings.parse({"master_server_address": master_address}), global_segment_size=0
+    )
+    try:
+        return [
+            i
+            for i in range(count)
+            if raw_store(client).get(f"kvpool-capacity-{i}") != bytes([i % 256]) * size
+        ]
+    finally:
+        client.close()
+
+
+def put_on(master_address: str, segment: str, keys: range, size: int = 1 << 20) -> None:
+    """``put_objects``' objects ``keys``, placed on ``segment``."""
+    from mooncake.store import ReplicateConfig
+
+    config = ReplicateConfig()
+    config.preferred_segment = segment
+    client = open_client(
+        ConnectorSettings.parse({"master_server_address": master_address}), global_segment_size=0
+    )
+    try:
+        for i in keys:
+            assert raw_store(client).put(f"kvpool-capacity-{i}", bytes([i % 256]) * size, config) == 0
+    finally:
+        client.close()
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.asyncio
+@pytest.mark.parametrize("operator_config", [OBSERVING])
+async def test_a_scale_down_drains_the_leaving_store_first_and_loses_nothing(
+    cluster: Cluster, operator: Operator, processes: Processes
+) -> None:
+    """Master and two stores started from what the operator renders; the test plays the
+    kubelet (each store pod's rendered readiness probe decides its Ready condition) and the
+    ReplicaSet controller (at one replica, the pod that is not ready goes). Scaling 2 -> 1:
+    the Deployment stays at two while the master drains the emptiest store (which holds
+    objects); only that store turns unready; then one replica is applied, that store stops,
+    and every object reads back byte for byte. Events and the status say so."""
+    rpc_port, metrics_port = distinct_free_ports(2)
+    spec = pool_spec(
+        consumers=[],
+        master={"rpcPort": rpc_port, "metricsPort": metrics_port},
+        store={"segmentSize": SEGMENT, "replicas": 2},
+    )
+    plan = build_plan("pool", NAMESPACE, spec)
+    container = store_container(plan)
+    master = f"127.0.0.1:{rpc_port}"
+    for name, host in STORE_HOSTS.items():
+        await cluster.create(store_pod(name, host))
+    await cluster.create(pool_manifest(spec=spec))
+    processes.start("master", rendered(plan, "pool-master", "127.0.0.1") + LOOPBACK_MASTER)
+    ports = {"pool-store-a": start_rendered_store(processes, plan, "pool-store-a", rpc_port)}
+    await asyncio.to_thread(wait_for_capacity_of, metrics_port, SEGMENT)
+    await asyncio.to_thread(put_objects, master, 6)  # all on store a, the only one
+    ports["pool-store-b"] = start_rendered_store(processes, plan, "pool-store-b", rpc_port)
+    await asyncio.to_thread(wait_for_capacity_of, metrics_port, 2 * SEGMENT)
+    (segment_b,) = [
+        key.split('"')[1]
+        for key in masters_own_numbers(metrics_port)
+        if key.startswith("segment_total_capacity_bytes{") and STORE_HOSTS["pool-store-b"] in key
+    ]
+    await asyncio.to_thread(put_on, master, segment_b, range(6, 9))  # store b: the emptiest
+    removed: set[str] = set()
+
+    async def kubelet() -> None:
+        while True:
+            for name, port in ports.items():
+                if name not in removed:
+                    ready = await asyncio.to_thread(
+                        probe_ready, container, STORE_HOSTS[name], port, metrics_port
+                    )
+                    cluster.set_pod_ready(name, ready)
+            await asyncio.sleep(0.3)
+
+    def status() -> dict[str, Any]:
+        cluster.settle()
+        return cluster.pool_status("pool")
+
+    def store_replicas() -> int:
+        return int((cluster.get(DEPLOYMENTS_PATH, "pool-store") or {})["spec"]["replicas"])
+
+    playing = asyncio.create_task(kubelet())
+    try:
+        await eventually(
+            lambda: status().get("phase") == "Ready" and status()["capacity"]["objects"] == 9,
+            what="Ready, nine objects",
+        )
+        await cluster.patch_pool("pool", {"spec": {"store": {"replicas": 1}}})
+        drain = await eventually(lambda: status().get("storeDrain"), what="status.storeDrain")
+        assert store_replicas() == 2, "the scale-down waits for the drain"
+        assert drain["toReplicas"] == 1 and drain["fromReplicas"] == 2
+        await eventually(
+            lambda: store_replicas() == 1, timeout=120, what="one store replica, after the drain"
+        )
+        pods = {name: cluster.get(PODS_PATH, name) or {} for name in STORE_HOSTS}
+        ready = {name: pod_ready(pod) for name, pod in pods.items()}
+        assert ready == {"pool-store-a": True, "pool-store-b": False}, ready
+        removed.add("pool-store-b")  # the ReplicaSet controller removes the pod that is not ready
+        await cluster.delete_pod("pool-store-b")
+        processes.stop("pool-store-b")
+        assert await asyncio.to_thread(read_objects, master, 9) == []
+    finally:
+        playing.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await playing
+
+    (event,) = cluster.events("StoreScaleDown")
+    assert event["type"] == "Normal", event
+    assert "drained pool-store-b first (3 objects" in event["message"], event["message"]
+    for reason in ("StoreDrainPending", "StoreDraining", "StoreDrained"):
+        assert cluster.events(reason), reason
+    scale_down = await eventually(lambda: status().get("lastScaleDown"), what="lastScaleDown")
+    assert scale_down["message"] == event["message"]
+    assert "storeDrain" not in status()
 
 
 @pytest.mark.timeout(180)

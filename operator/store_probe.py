@@ -1,0 +1,71 @@
+"""The store pod's readiness probe when scale-downs drain: ready while its port answers and
+its master does not say that its segment is drained.
+
+The ReplicaSet controller removes pods that are not ready before ready ones, so a store
+whose segment the master has drained (``DRAINED``: its objects moved to the other stores,
+no new writes placed on it) is the one a scale-down removes, and the operator needs no
+access to Pods beyond reading them (``store_drain``). The probe runs in the store container
+(``python3``, which Mooncake's ``mooncake_client`` script runs on; only the standard library)
+and asks the pool's master over its HTTP port, which the pool's own pods may reach: its
+``/metrics`` names each mounted segment ``<pod IP>:<port>``, and
+``/api/v1/segments/status`` says whether this pod's is drained. Anything else it cannot
+tell (no answer within a second, no segment of this pod yet, an unexpected answer) keeps the
+pod ready: only the master's positive word takes a store out, so a master that restarts or
+does not answer never makes every store unready.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvpool.operator import names
+
+MASTER_HTTP_ENV = "KVPOOL_MASTER_HTTP"
+STORE_PORT_ENV = "KVPOOL_STORE_PORT"
+DRAINED = "DRAINED"
+
+# Run as ``python3 -c SCRIPT`` in the store container (its env: POD_IP and the two above).
+SCRIPT = r"""
+import json, os, re, socket, sys, urllib.parse, urllib.request
+ip = os.environ["POD_IP"]
+try:
+    socket.create_connection((ip, int(os.environ["KVPOOL_STORE_PORT"])), 1).close()
+except OSError as exc:
+    sys.exit("store port closed: %s" % exc)
+base = os.environ["KVPOOL_MASTER_HTTP"]
+opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+try:
+    text = opener.open(base + "/metrics", timeout=1).read(4 << 20).decode("utf-8", "replace")
+    found = re.findall(r'^segment_total_capacity_bytes\{segment="([^"]+)"\}', text, re.M)
+    for segment in sorted(set(found)):
+        if segment.rsplit(":", 1)[0].strip("[]") != ip:
+            continue
+        url = base + "/api/v1/segments/status?segment=" + urllib.parse.quote(segment, safe="")
+        answer = json.loads(opener.open(url, timeout=1).read(1 << 16))
+        if answer.get("status_name") == "DRAINED":
+            sys.exit("segment %s is drained: this pod leaves at the scale-down" % segment)
+except Exception:
+    pass
+"""
+
+
+def master_http(pool: str, namespace: str, metrics_port: int) -> str:
+    """The master Service's HTTP base URL, as a pod of the pool reaches it."""
+    return f"http://{names.master_name(pool)}.{namespace}.svc:{metrics_port}"
+
+
+def readiness_probe() -> dict[str, Any]:
+    """The store container's readiness probe (period 5 s; a second for each of its asks)."""
+    return {
+        "exec": {"command": ["python3", "-c", SCRIPT]},
+        "periodSeconds": 5,
+        "timeoutSeconds": 4,
+    }
+
+
+def probe_env(pool: str, namespace: str, metrics_port: int, store_port: int) -> list[dict[str, Any]]:
+    """The env the probe reads (beside ``POD_IP``, which every pool pod has)."""
+    return [
+        {"name": MASTER_HTTP_ENV, "value": master_http(pool, namespace, metrics_port)},
+        {"name": STORE_PORT_ENV, "value": str(store_port)},
+    ]

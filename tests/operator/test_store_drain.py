@@ -1,0 +1,452 @@
+"""Scaling stores down: drain first, then remove only the drained pods (``store_drain``).
+
+Pure: the replicas each pass applies through a drain's states, where no drain is tried, a
+drain called off, drained pods that stay ready. Real processes (a master and two stores on
+their own 127.x addresses): Mooncake's drain job moves a segment's objects to the other store
+byte for byte and places no new write on it; the store readiness probe the operator renders
+fails on exactly the drained store; stopping it then loses nothing, where stopping a store
+that was not drained loses what it held (the negative control). The whole flow through the
+operator is in ``test_real_mooncake.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from kvpool.connector.contract.settings import ConnectorSettings
+from kvpool.connector.local.pool import MooncakeMaster, MooncakeStore, wait_for_capacity
+from kvpool.connector.pool_client import PoolClient, open_client
+from kvpool.operator.drain_jobs import DrainRefused, cancel_drain_job, create_drain_job, query_drain_job
+from kvpool.operator.drain_timer import advance
+from kvpool.operator.master_view import MasterNumbers, Segment
+from kvpool.operator.observation import Observation, poll_master
+from kvpool.operator.plan import Plan, build_plan
+from kvpool.operator.policy import OperatorPolicy
+from kvpool.operator.spec import StoreDrainStatus
+from kvpool.operator.store_drain import (
+    DRAINED,
+    DRAINING,
+    GIVEN_UP,
+    PENDING,
+    WITHDRAWN,
+    drained_message,
+    leaving_segments,
+    new_record,
+    store_scale,
+)
+from kvpool.operator.store_probe import MASTER_HTTP_ENV, SCRIPT, STORE_PORT_ENV
+from testing.kube_api import NAMESPACE
+from testing.operator_objects import pool_spec
+from testing.pool_store import raw_store
+
+T0 = "2026-12-03T10:00:00Z"
+T1 = "2026-12-03T10:01:00Z"
+LATE = "2026-12-03T11:00:00Z"
+
+
+# The operator's pods are known: the pool's NetworkPolicy lets it reach the master.
+POLICY = OperatorPolicy(operator_namespace="kvpool-system", operator_pod_labels=(("app", "op"),))
+
+
+def plan_of(replicas: int, **store: Any) -> Plan:
+    spec = pool_spec(store={"segmentSize": "1GB", "replicas": replicas, **store})
+    plan = build_plan("pool", NAMESPACE, spec, POLICY)
+    assert plan.valid, plan.problems
+    return plan
+
+
+def observation(*allocated: int) -> Observation:
+    """A poll that named one segment per store pod ``pool-store-<i>`` at 10.0.0.<i>."""
+    segments = tuple(Segment(f"10.0.0.{i}:15000", 1 << 30, used) for i, used in enumerate(allocated))
+    numbers = MasterNumbers(
+        capacity_bytes=len(allocated) << 30, allocated_bytes=sum(allocated), objects=3, segments=segments
+    )
+    pods = {f"10.0.0.{i}": f"pool-store-{i}" for i in range(len(allocated))}
+    return Observation(at=T0, master="m", numbers=numbers, store_pods=pods)
+
+
+# --- Pure: what each pass applies ----------------------------------------------------------
+
+
+def test_a_scale_down_holds_until_the_drained_pods_are_not_ready() -> None:
+    plan = plan_of(1)
+    begun = store_scale(plan, 3, None, observation(5, 1, 9), ["pool-store-0", "pool-store-1"], T0)
+    assert begun.replicas == 3 and begun.begins  # held at the live count
+    pending = begun.drain
+    assert pending is not None and pending.state == PENDING
+    assert (pending.from_replicas, pending.to_replicas) == (3, 1)
+    assert pending.deadline == "2026-12-03T10:05:00Z"  # drainTimeoutSeconds, 300 by default
+
+    draining = pending.model_copy(
+        update={"state": DRAINING, "job_id": "j", "pods": ["pool-store-1", "pool-store-0"]}
+    )
+    held = store_scale(plan, 3, draining, None, [], T1)
+    assert (held.replicas, held.drain, held.begins) == (3, draining, False)
+
+    drained = draining.model_copy(update={"state": DRAINED, "moved_objects": 2, "moved_bytes": 6 << 20})
+    one_still_ready = store_scale(plan, 3, drained, None, ["pool-store-0", "pool-store-2"], T1)
+    assert (one_still_ready.replicas, one_still_ready.drain) == (3, drained)
+
+    done = store_scale(plan, 3, drained, None, ["pool-store-2"], T1)
+    assert (done.replicas, done.drain, done.ended, done.stayed_ready) == (1, None, drained, ())
+    message = drained_message(drained)
+    assert "pool-store-1, pool-store-0" in message and "2 objects, 6Mi moved" in message
+    assert "not ready" in message
+
+
+def test_drained_pods_still_ready_at_the_deadline_go_with_a_warning() -> None:
+    drained = new_record(
+        state=DRAINED, from_replicas=2, to_replicas=1, started_at=T0, deadline=T1, pods=["pool-store-1"]
+    )
+    late = store_scale(plan_of(1), 2, drained, None, ["pool-store-0", "pool-store-1"], LATE)
+    assert (late.replicas, late.drain, late.stayed_ready) == (1, None, ("pool-store-1",))
+    assert "may remove other pods instead" in drained_message(drained, late.stayed_ready)
+
+
+def test_a_drain_given_up_scales_down_as_without_one() -> None:
+    given_up = new_record(state=GIVEN_UP, from_replicas=2, to_replicas=1, started_at=T0, deadline=T1)
+    scale = store_scale(plan_of(1), 2, given_up, None, ["pool-store-0"], T1)
+    assert (scale.replicas, scale.drain, scale.ended) == (1, None, given_up)
+
+
+@pytest.mark.parametrize(
+    ("why", "plan", "seen"),
+    [
+        ("drains off", plan_of(1, drainTimeoutSeconds=0), observation(1, 2)),
+        ("to zero: nowhere to move to", dataclasses.replace(plan_of(1), store_replicas=0), observation(1, 2)),
+        ("the master not observed", plan_of(1), None),
+        ("the operator cannot reach it", build_plan("pool", NAMESPACE, pool_spec()), observation(1, 2)),
+        ("the master did not answer", plan_of(1), Observation(at=T0, reason="Unreachable", problem="x")),
+    ],
+)
+def test_where_no_drain_can_run_the_scale_down_is_at_once(
+    why: str, plan: Plan, seen: Observation | None
+) -> None:
+    scale = store_scale(plan, 2, None, seen, [], T0)
+    assert (scale.replicas, scale.drain) == (plan.store_replicas, None), why
+
+
+def test_ha_and_embedded_pools_do_not_drain_and_keep_the_port_probe() -> None:
+    ha = build_plan(
+        "pool",
+        NAMESPACE,
+        pool_spec(master={"replicas": 2, "ha": {"enabled": True, "etcdEndpoints": ["etcd:2379"]}}),
+    )
+    embedded = build_plan("pool", NAMESPACE, pool_spec(store={"mode": "embedded"}))
+    assert ha.valid and embedded.valid and ha.drain_seconds == 0 and embedded.drain_seconds == 0
+    (store,) = [c for c in ha.children if c["kind"] == "Deployment" and c["metadata"]["name"] == "pool-store"]
+    (container,) = store["spec"]["template"]["spec"]["containers"]
+    assert container["readinessProbe"]["tcpSocket"] == {"port": "store"}
+
+
+def test_the_store_probe_and_its_env_are_rendered_when_drains_are_on() -> None:
+    def store_container(plan: Plan) -> dict[str, Any]:
+        (store,) = [
+            c for c in plan.children if c["kind"] == "Deployment" and c["metadata"]["name"] == "pool-store"
+        ]
+        (container,) = store["spec"]["template"]["spec"]["containers"]
+        return container
+
+    on, off = store_container(plan_of(2)), store_container(plan_of(2, drainTimeoutSeconds=0))
+    assert on["readinessProbe"]["exec"]["command"] == ["python3", "-c", SCRIPT]
+    env = {e["name"]: e.get("value") for e in on["env"]}
+    assert env[MASTER_HTTP_ENV] == f"http://pool-master.{NAMESPACE}.svc:9003"
+    assert env[STORE_PORT_ENV] == "50052"
+    assert off["readinessProbe"]["tcpSocket"] == {"port": "store"}
+    assert MASTER_HTTP_ENV not in {e["name"] for e in off["env"]}
+    # The template does not change with the count: scaling restarts no store.
+    assert store_container(plan_of(5)) == on
+
+
+def test_raising_replicas_back_calls_the_drain_off() -> None:
+    pending = new_record(state=PENDING, from_replicas=3, to_replicas=1, started_at=T0, deadline=T1)
+    assert store_scale(plan_of(3), 3, pending, None, [], T0).drain is None  # no job yet: gone
+    draining = pending.model_copy(update={"state": DRAINING, "job_id": "j"})
+    called_off = store_scale(plan_of(4), 3, draining, None, [], T0)
+    assert called_off.replicas == 4 and called_off.drain is not None
+    assert called_off.drain.state == WITHDRAWN  # the timer cancels its job, then clears it
+    assert store_scale(plan_of(4), 3, called_off.drain, None, [], T0).replicas == 4
+
+
+def test_the_leaving_segments_are_the_emptiest_named_ones() -> None:
+    assert leaving_segments(observation(5, 1, 9), 2) == [
+        ("10.0.0.1:15000", "pool-store-1"),
+        ("10.0.0.0:15000", "pool-store-0"),
+    ]
+    assert leaving_segments(observation(5, 1), 2) is None  # none would be left to move to
+    assert leaving_segments(None, 1) is None
+
+
+# --- Real processes: Mooncake's drain job and the rendered probe -----------------------------
+
+HOSTS = ("127.0.0.4", "127.0.0.5")
+OBJECT = 1 << 20
+
+
+@pytest.fixture
+def two_stores() -> Iterator[tuple[MooncakeMaster, list[MooncakeStore]]]:
+    """A master and store A (127.0.0.4); store B (127.0.0.5) is started by the test."""
+    master = MooncakeMaster().start()
+    stores = [MooncakeStore(master.address, "64MB", host=host) for host in HOSTS]
+    try:
+        stores[0].start(master)
+        yield master, stores
+    finally:
+        for store in stores:
+            store.stop()
+        master.stop()
+
+
+def segments_of(master: MooncakeMaster) -> dict[str, str]:
+    """Each mounted segment by its host (the store's address)."""
+    text = master.metrics()
+    return {
+        name.rsplit(":", 1)[0]: name
+        for name in re.findall(r'segment_total_capacity_bytes\{segment="([^"]+)"', text)
+    }
+
+
+def client_of(master: MooncakeMaster) -> PoolClient:
+    return open_client(
+        ConnectorSettings.parse({"master_server_address": master.address}), global_segment_size=0
+    )
+
+
+def put(client: PoolClient, keys: range, segment: str | None = None) -> None:
+    from mooncake.store import ReplicateConfig
+
+    config = ReplicateConfig()
+    if segment is not None:
+        config.preferred_segment = segment
+    for i in keys:
+        assert raw_store(client).put(f"drain-{i}", value(i), config) == 0
+
+
+def value(i: int) -> bytes:
+    return bytes([i % 251]) * (OBJECT - i)
+
+
+def missing(client: PoolClient, keys: range) -> list[int]:
+    """The keys whose object does not read back byte for byte."""
+    return [i for i in keys if raw_store(client).get(f"drain-{i}") != value(i)]
+
+
+def probe(master: MooncakeMaster, store: MooncakeStore) -> subprocess.CompletedProcess[str]:
+    """The rendered readiness probe, run as the kubelet would in ``store``'s container."""
+    env = {
+        **os.environ,
+        "POD_IP": store.host,
+        MASTER_HTTP_ENV: f"http://127.0.0.1:{master.metrics_port}",
+        STORE_PORT_ENV: str(store.port),
+    }
+    return subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=30)
+
+
+def start_second(master: MooncakeMaster, stores: list[MooncakeStore]) -> dict[str, str]:
+    stores[1].start()
+    wait_for_capacity(master, 30, minimum=2 * (64 << 20))
+    segments = segments_of(master)
+    assert set(segments) == set(HOSTS), segments
+    return segments
+
+
+@pytest.mark.mooncake
+@pytest.mark.timeout(120)
+def test_a_real_drain_moves_every_object_and_only_the_drained_store_turns_unready(
+    two_stores: tuple[MooncakeMaster, list[MooncakeStore]],
+) -> None:
+    master, stores = two_stores
+    base = f"http://127.0.0.1:{master.metrics_port}"
+    client = client_of(master)
+    try:
+        put(client, range(6))  # on A, the only store
+        segments = start_second(master, stores)
+        put(client, range(6, 10), segments[HOSTS[1]])  # on B
+        assert [probe(master, s).returncode for s in stores] == [0, 0]
+
+        job_id = asyncio.run(create_drain_job(base, [segments[HOSTS[1]]], timeout=5))
+        deadline = time.monotonic() + 60
+        job = asyncio.run(query_drain_job(base, job_id, timeout=5))
+        while not job.finished and time.monotonic() < deadline:
+            time.sleep(0.2)
+            job = asyncio.run(query_drain_job(base, job_id, timeout=5))
+        assert job.status == "SUCCEEDED", job
+        assert (job.moved_objects, job.moved_bytes) == (4, sum(len(value(i)) for i in range(6, 10)))
+        with pytest.raises(DrainRefused):  # a finished job is not canceled
+            asyncio.run(cancel_drain_job(base, job_id, timeout=5))
+
+        drained, kept = probe(master, stores[1]), probe(master, stores[0])
+        assert drained.returncode == 1 and "is drained" in drained.stderr, drained
+        assert kept.returncode == 0, kept
+        put(client, range(10, 16))  # written after the drain: none may go to B
+
+        stores[1].stop()  # the ReplicaSet controller removes the pod that is not ready
+        deadline = time.monotonic() + 30
+        while HOSTS[1] in segments_of(master) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert missing(client, range(16)) == []
+    finally:
+        client.close()
+
+
+@pytest.mark.mooncake
+@pytest.mark.timeout(120)
+def test_without_a_drain_stopping_a_store_loses_what_it_held(
+    two_stores: tuple[MooncakeMaster, list[MooncakeStore]],
+) -> None:
+    """The negative control: the check above can see a loss."""
+    master, stores = two_stores
+    client = client_of(master)
+    try:
+        put(client, range(6))
+        segments = start_second(master, stores)
+        put(client, range(6, 10), segments[HOSTS[1]])
+        stores[1].stop()
+        deadline = time.monotonic() + 30
+        while HOSTS[1] in segments_of(master) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert missing(client, range(10)) == [6, 7, 8, 9]
+    finally:
+        client.close()
+
+
+@pytest.mark.mooncake
+@pytest.mark.timeout(120)
+def test_the_timer_steps_drain_the_emptiest_store_and_give_a_canceled_one_back(
+    two_stores: tuple[MooncakeMaster, list[MooncakeStore]],
+) -> None:
+    """``drain_timer.advance`` against the real master: Pending -> Draining -> Drained on the
+    emptiest store; a drain called off before it finished gives its segment back (the probe
+    says ready again)."""
+    master, stores = two_stores
+    base = f"http://127.0.0.1:{master.metrics_port}"
+    client = client_of(master)
+    try:
+        put(client, range(6))
+        segments = start_second(master, stores)
+        put(client, range(6, 8), segments[HOSTS[1]])
+        pods = {HOSTS[0]: "pool-store-a", HOSTS[1]: "pool-store-b"}
+        seen = asyncio.run(poll_master([base], now=T0, timeout=5, store_pods=pods))
+        pending = new_record(state=PENDING, from_replicas=2, to_replicas=1, started_at=T0, deadline=LATE)
+        draining = asyncio.run(advance(pending, seen, base, T0, 5))
+        assert draining is not None and draining.state == DRAINING and draining.job_id
+        assert (draining.segments, draining.pods) == ([segments[HOSTS[1]]], ["pool-store-b"])
+        record: StoreDrainStatus | None = draining
+        deadline = time.monotonic() + 60
+        while record is not None and record.state == DRAINING and time.monotonic() < deadline:
+            time.sleep(0.2)
+            record = asyncio.run(advance(record, seen, base, T1, 5))
+        assert record is not None and record.state == DRAINED, record
+        assert record.moved_objects == 2 and probe(master, stores[1]).returncode == 1
+
+        # A drain withdrawn before it finishes: a job on A that cannot finish (B takes no
+        # writes, so A's objects have nowhere to go) is canceled, and A is ready again.
+        job_id = asyncio.run(create_drain_job(base, [segments[HOSTS[0]]], timeout=5))
+        withdrawn = pending.model_copy(update={"state": WITHDRAWN, "job_id": job_id})
+        assert asyncio.run(advance(withdrawn, seen, base, T1, 5)) is None
+        status = urllib.request.urlopen(
+            f"{base}/api/v1/segments/status?segment={segments[HOSTS[0]]}", timeout=5
+        ).read()
+        assert b'"status_name":"OK"' in status, status
+        assert probe(master, stores[0]).returncode == 0
+        assert missing(client, range(8)) == []
+    finally:
+        client.close()
+
+
+# --- The timer's steps where a real master cannot be made to answer so ----------------------
+# A stand-in for the master's admin API (a real master refuses a cancel only while a move is
+# in flight, and fails a job only when objects cannot move: neither can be timed here).
+
+
+class FakeAdmin:
+    """Answers ``/api/v1/drain_jobs/query`` with ``job`` and ``/cancel`` with ``cancel_ok``."""
+
+    def __init__(self, job: dict[str, Any], cancel_ok: bool = True):
+        self.job, self.cancel_ok = job, cancel_ok
+        self.canceled: list[str] = []
+
+    async def query(self, request: web.Request) -> web.Response:
+        return web.json_response({"success": True, "job_id": request.query["job_id"], **self.job})
+
+    async def cancel(self, request: web.Request) -> web.Response:
+        self.canceled.append(request.query["job_id"])
+        if not self.cancel_ok:
+            return web.json_response(
+                {"success": False, "error_code": -708, "error_message": "busy"}, status=400
+            )
+        return web.json_response({"success": True, "job_id": request.query["job_id"], "status": "CANCELED"})
+
+
+async def step(admin: FakeAdmin, record: StoreDrainStatus, now: str) -> StoreDrainStatus | None:
+    app = web.Application()
+    app.router.add_get("/api/v1/drain_jobs/query", admin.query)
+    app.router.add_post("/api/v1/drain_jobs/cancel", admin.cancel)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        return await advance(record, None, f"http://127.0.0.1:{port}", now, 5)
+    finally:
+        await runner.cleanup()
+
+
+RUNNING = {"status_name": "RUNNING", "succeeded_units": 2, "active_units": 1, "migrated_bytes": 2 << 20}
+DRAINING_RECORD = new_record(
+    state=DRAINING, from_replicas=2, to_replicas=1, started_at=T0, deadline=T1, job_id="j-1", pods=["b"]
+)
+JUST_LATE = "2026-12-03T10:01:30Z"  # past the deadline, within the cancel's grace
+
+
+@pytest.mark.asyncio
+async def test_a_drain_past_its_deadline_is_canceled_and_given_up() -> None:
+    admin = FakeAdmin(RUNNING)
+    assert (await step(admin, DRAINING_RECORD, T0)).state == DRAINING  # type: ignore[union-attr]
+    assert admin.canceled == []
+    late = await step(admin, DRAINING_RECORD, JUST_LATE)
+    assert late is not None and late.state == GIVEN_UP and late.moved_objects == 2
+    assert admin.canceled == ["j-1"] and "the job is canceled" in late.message
+
+
+@pytest.mark.asyncio
+async def test_a_refused_cancel_is_asked_again_then_given_up() -> None:
+    admin = FakeAdmin(RUNNING, cancel_ok=False)
+    again = await step(admin, DRAINING_RECORD, JUST_LATE)
+    assert again is not None and again.state == DRAINING and "canceling" in again.message
+    over = await step(admin, DRAINING_RECORD, LATE)
+    assert over is not None and over.state == GIVEN_UP and "did not cancel" in over.message
+    assert admin.canceled == ["j-1", "j-1"]
+
+
+@pytest.mark.asyncio
+async def test_a_failed_job_gives_up_without_a_cancel() -> None:
+    admin = FakeAdmin({"status_name": "FAILED", "failed_units": 3, "message": "unrecoverable units remain"})
+    failed = await step(admin, DRAINING_RECORD, T0)
+    assert failed is not None and failed.state == GIVEN_UP and "ended FAILED" in failed.message
+    assert admin.canceled == []
+
+
+@pytest.mark.asyncio
+async def test_a_drain_called_off_after_its_job_finished_goes_on_as_drained() -> None:
+    withdrawn = DRAINING_RECORD.model_copy(update={"state": WITHDRAWN})
+    admin = FakeAdmin({"status_name": "SUCCEEDED", "succeeded_units": 4, "migrated_bytes": 4 << 20})
+    done = await step(admin, withdrawn, T0)
+    assert done is not None and done.state == DRAINED and done.moved_objects == 4
+    assert done.deadline == "2026-12-03T10:01:00Z"  # at least a minute for the pods to turn unready
+    assert admin.canceled == []
+    running = FakeAdmin(RUNNING)
+    assert await step(running, withdrawn, T0) is None and running.canceled == ["j-1"]
