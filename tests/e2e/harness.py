@@ -37,6 +37,7 @@ PATHS = {
     ("v1", "Service"): ("/api/v1", "services"),
     ("v1", "ConfigMap"): ("/api/v1", "configmaps"),
     ("v1", "Pod"): ("/api/v1", "pods"),
+    ("v1", "Event"): ("/api/v1", "events"),
     (POOLS.api_version, POOLS.kind): (f"/apis/{POOLS.group}/{POOLS.version}", POOLS.plural),
 }
 
@@ -185,6 +186,13 @@ class Kube:
 
     def deployment(self, name: str) -> dict[str, Any] | None:
         return self.get(path("apps/v1", "Deployment", name))
+
+    def events(self, involving: str) -> list[dict[str, Any]]:
+        """The namespace's Events about the object named ``involving``, oldest first."""
+        listed = self.get(path("v1", "Event")) or {}
+        return [
+            e for e in listed.get("items") or [] if (e.get("involvedObject") or {}).get("name") == involving
+        ]
 
     def condition(self, pool: str, kind: str) -> dict[str, Any]:
         for item in ((self.pool(pool) or {}).get("status") or {}).get("conditions") or []:
