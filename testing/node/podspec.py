@@ -148,11 +148,16 @@ def container_mounts(container: Mapping[str, Any], volumes: Mapping[str, Path]) 
 
 
 def rewrite(text: str, mounts: list[Mount]) -> str:
-    """``text`` with each mount path (as a whole path, or a path's start) replaced by its directory."""
-    for mount in sorted(mounts, key=lambda m: len(m.path), reverse=True):
-        pattern = re.compile(r"(?<![\w.-])" + re.escape(mount.path) + r"(?=/|$|[^\w.-])")
-        text = pattern.sub(str(mount.host).replace("\\", "\\\\"), text)
-    return text
+    """``text`` with each mount path (as a whole path, or a path's start) replaced by its directory,
+    in one pass: a directory put in is never rewritten again (a mount at ``/tmp`` leaves alone a
+    directory under the node's own ``/tmp``), and the longest mount path wins."""
+    if not mounts:
+        return text
+    ordered = sorted(mounts, key=lambda m: len(m.path), reverse=True)
+    hosts = {m.path: str(m.host) for m in reversed(ordered)}
+    alternatives = "|".join(re.escape(m.path) for m in ordered)
+    pattern = re.compile(r"(?<![\w.-])(" + alternatives + r")(?=/|$|[^\w.-])")
+    return pattern.sub(lambda match: hosts[match.group(1)], text)
 
 
 def configmap_files(

@@ -61,6 +61,15 @@ def test_mount_paths_are_rewritten_as_whole_paths() -> None:
     )
     assert podspec.rewrite("/etc/kvpool", mounts) == "/pods/a/volumes/cfg"
     assert podspec.rewrite("/etc/kvpoolx /var/tmp /tmpfs", mounts) == "/etc/kvpoolx /var/tmp /tmpfs"
+    # A directory put in is not rewritten again: pods live under the node's /tmp too.
+    nested = [
+        Mount("/var/lib/tier", Path("/tmp/node/a/volumes/tier")),
+        Mount("/tmp", Path("/tmp/node/a/tmp")),
+    ]
+    assert (
+        podspec.rewrite("DIR=/var/lib/tier /tmp/x", nested)
+        == "DIR=/tmp/node/a/volumes/tier /tmp/node/a/tmp/x"
+    )
 
 
 # --- rollouts, pure --------------------------------------------------------------------------
