@@ -103,6 +103,19 @@ def build() -> Board:
         width=8,
     )
     board.stat(
+        "Store drain",
+        "A scale-down of the store pods waiting for the master to drain the leaving ones "
+        "(status.storeDrain): Pending, Draining, Drained (they leave once not ready), GivenUp "
+        "(the scale-down goes on and loses what they hold). Empty when none waits.",
+        [
+            Target(
+                f"max by ({NAMESPACE}, {POOL}, state) ({o.POOL_STORE_DRAIN.exported}{SEL}) > 0",
+                "{{pool}}: {{state}}",
+            )
+        ],
+        width=8,
+    )
+    board.stat(
         "Store pods mounting memory",
         "Store pods whose segment the master counts, and those the spec declares.",
         [

@@ -71,6 +71,13 @@ POOL_PHASE = MetricSpec(
     "1 for each pool's current phase (Ready, Degraded, Error, Progressing, ...).",
     ("namespace", "pool", "phase"),
 )
+POOL_STORE_DRAIN = MetricSpec(
+    f"{PREFIX}pool_store_drain",
+    Kind.GAUGE,
+    "1 while a scale-down of a pool's store pods waits for their drain, for its state (Pending, "
+    "Draining, Drained, GivenUp, Withdrawn; status.storeDrain); no series when none waits.",
+    ("namespace", "pool", "state"),
+)
 POOL_CAPACITY_BYTES = MetricSpec(
     f"{PREFIX}pool_capacity_bytes",
     Kind.GAUGE,
@@ -159,6 +166,7 @@ ALL: tuple[MetricSpec, ...] = (
     CONSUMERS,
     CONSUMERS_ROLLED_OUT,
     POOL_PHASE,
+    POOL_STORE_DRAIN,
     *OBSERVED_POOL_GAUGES,
     *OBSERVED_GRANT_GAUGES,
     *CONSUMER_HIT_GAUGES,

@@ -23,6 +23,7 @@ from kvpool.operator.metric_names import (
     OBSERVED_POOL_GAUGES,
     POOL_CONDITION,
     POOL_PHASE,
+    POOL_STORE_DRAIN,
     POOLS,
     RECONCILE_DURATION,
     RECONCILE_ERRORS,
@@ -72,6 +73,10 @@ class _PoolCollector(Collector):
         for (namespace, pool), phase in sorted(self._metrics.phases.items()):
             phases.add_metric([namespace, pool, phase], 1)
         yield phases
+        drains = _gauge(POOL_STORE_DRAIN)
+        for (namespace, pool), state in sorted(self._metrics.drains.items()):
+            drains.add_metric([namespace, pool, state], 1)
+        yield drains
         for index, spec in enumerate(OBSERVED_POOL_GAUGES):
             family = _gauge(spec)
             for (namespace, pool), numbers in sorted(self._metrics.capacity.items()):
@@ -101,6 +106,7 @@ class OperatorMetrics:
         self.conditions: dict[tuple[str, str], dict[str, str]] = {}
         self.consumers: dict[tuple[str, str], tuple[int, int]] = {}
         self.phases: dict[tuple[str, str], str] = {}
+        self.drains: dict[tuple[str, str], str] = {}  # the state of a drain that waits
         # capacity, used, objects, stores mounted, stores expected (``OBSERVED_POOL_GAUGES``)
         self.capacity: dict[tuple[str, str], tuple[int | None, ...]] = {}
         # grant -> used, quota, rejected writes (``OBSERVED_GRANT_GAUGES``), while the master answers
@@ -129,6 +135,11 @@ class OperatorMetrics:
         rolled_out = sum(1 for c in consumers if c.get("rolledOut"))
         self.consumers[(namespace, pool)] = (len(consumers), rolled_out)
         self.phases[(namespace, pool)] = str(status.get("phase", "Pending"))
+        drain = status.get("storeDrain")
+        if isinstance(drain, Mapping) and drain.get("state"):
+            self.drains[(namespace, pool)] = str(drain["state"])
+        else:
+            self.drains.pop((namespace, pool), None)
         capacity = status.get("capacity")
         if isinstance(capacity, Mapping):
             self.capacity[(namespace, pool)] = tuple(
@@ -144,6 +155,7 @@ class OperatorMetrics:
         self.conditions.pop((namespace, pool), None)
         self.consumers.pop((namespace, pool), None)
         self.phases.pop((namespace, pool), None)
+        self.drains.pop((namespace, pool), None)
         self.capacity.pop((namespace, pool), None)
         self.grants.pop((namespace, pool), None)
         self.hits.pop((namespace, pool), None)

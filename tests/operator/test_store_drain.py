@@ -450,3 +450,17 @@ async def test_a_drain_called_off_after_its_job_finished_goes_on_as_drained() ->
     assert admin.canceled == []
     running = FakeAdmin(RUNNING)
     assert await step(running, withdrawn, T0) is None and running.canceled == ["j-1"]
+
+
+def test_the_operators_gauge_shows_a_drain_while_it_waits() -> None:
+    from prometheus_client import generate_latest
+
+    from kvpool.operator.metrics import OperatorMetrics
+
+    metrics = OperatorMetrics()
+    draining = {"phase": "Ready", "storeDrain": {"state": "Draining", "fromReplicas": 2, "toReplicas": 1}}
+    metrics.observe_pool("ns", "pool", draining)
+    line = 'kvpool_operator_pool_store_drain{namespace="ns",pool="pool",state="Draining"} 1.0'
+    assert line in generate_latest(metrics.registry).decode()
+    metrics.observe_pool("ns", "pool", {"phase": "Ready"})
+    assert "kvpool_operator_pool_store_drain{" not in generate_latest(metrics.registry).decode()
