@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 import kmock
 
 from kvpool.operator import names
-from kvpool.operator.names import POOLS
+from kvpool.operator.names import GRANTS, POOLS
 from kvpool.operator.rbac import implied_permissions
 from testing.kube_api import WRITE_METHODS, ApiServer, by_operator, emulated_cluster
 from tests.chart.grants import Grant, refused
@@ -39,6 +39,7 @@ PATHS = {
     ("v1", "Pod"): ("/api/v1", "pods"),
     ("v1", "Event"): ("/api/v1", "events"),
     (POOLS.api_version, POOLS.kind): (f"/apis/{POOLS.group}/{POOLS.version}", POOLS.plural),
+    (GRANTS.api_version, GRANTS.kind): (f"/apis/{GRANTS.group}/{GRANTS.version}", GRANTS.plural),
 }
 
 
