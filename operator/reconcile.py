@@ -821,7 +821,7 @@ class Reconciler:
             now = utcnow()
             status = old if observation is None else observed_status(old, old, observation, plan, now)
             status = with_hits(status, hits, now)
-            drain_moved = False
+            drain_moved, orphan = False, None
             if drain is not None:
                 if record_of(old) == drain:
                     status = {k: v for k, v in status.items() if k != "storeDrain"}
@@ -831,8 +831,7 @@ class Reconciler:
                     if drain_moved and stepped is not None:
                         announce_drain(stepped, notify)
                 elif stepped is not None and stepped.job_id and drain.job_id is None:
-                    # A pass moved on while this step asked for a job: give it back.
-                    await self.forget_drain_job(plan, stepped)
+                    orphan = stepped  # a pass moved on while this step asked for a job
             if status != old:
                 await self.kube.patch(
                     POOLS, namespace, name, {"status": diff(old, status)}, subresource="status"
@@ -842,6 +841,8 @@ class Reconciler:
             if plan.tenancy is not None and observation is not None:
                 # Each grant's usage from the same poll (a grant's status is written when it changed).
                 await write_grant_statuses(self.kube, name, grants, plan, utcnow(), observation)
+        if orphan is not None:
+            await self.forget_drain_job(plan, orphan)  # outside the lock: give the job back
         if drain_moved:
             # A drain moved on: the pass applies what it leads to (fewer pods, or as before).
             await self.reconcile(pool, "observe", notify, coalesce=True)
