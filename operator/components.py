@@ -310,8 +310,7 @@ def store_args(spec: PoolSpec, master_address: str, metadata_server: str) -> lis
 
 def drains_on_scale_down(spec: PoolSpec) -> bool:
     """Whether a scale-down of the spec's store pods drains them first (``store_drain``)."""
-    store = spec.store
-    return store.mode == "standalone" and not spec.master.ha.enabled and store.drain_timeout_seconds > 0
+    return spec.store.mode == "standalone" and spec.store.drain_timeout_seconds > 0
 
 
 def store_deployment(
@@ -319,7 +318,7 @@ def store_deployment(
 ) -> dict[str, Any]:
     """The store Deployment (standalone mode): ``mooncake_client`` pods that own the pool's memory.
 
-    When scale-downs drain (a single master, ``drainTimeoutSeconds`` > 0), a store is ready
+    When scale-downs drain (``drainTimeoutSeconds`` > 0), a store is ready
     while its port answers and the master does not say its segment is drained
     (``store_probe``); otherwise while its port answers."""
     store = spec.store

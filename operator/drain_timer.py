@@ -39,6 +39,14 @@ CANCEL_GRACE_S = 60
 UNREADY_GRACE_S = 60
 
 
+def drain_base(ha: bool, observation: Observation | None, service_base: str) -> str:
+    """The master a drain job goes to: ``service_base`` (the pool's master Service); with HA
+    masters, the leader the last poll answered from (a standby takes no job), when it did."""
+    if ha and observation is not None and observation.answered and observation.master:
+        return f"http://{observation.master}"
+    return service_base
+
+
 def _counts(job: DrainJob) -> dict[str, int]:
     return {"moved_objects": job.moved_objects, "moved_bytes": job.moved_bytes}
 

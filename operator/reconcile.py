@@ -39,7 +39,7 @@ from kvpool.operator.consumers import (
     restore_problem,
 )
 from kvpool.operator.drain_jobs import DrainRefused, cancel_drain_job
-from kvpool.operator.drain_timer import advance
+from kvpool.operator.drain_timer import advance, drain_base
 from kvpool.operator.grant_usage import grant_usage, with_changed_at
 from kvpool.operator.grants import Grant, grant_status, read_grant
 from kvpool.operator.kube import ApiError, Applied, KubeClient, ensure, ensure_absent
@@ -714,17 +714,25 @@ class Reconciler:
         """``http://host:port`` of the pool's own master Service's HTTP port."""
         return base_of(health_url(self.master_health_url, plan.pool, plan.namespace, plan.metrics_port))
 
+    def drain_base(self, plan: Plan, observation: Observation | None) -> str:
+        """Where drain jobs go: the pool's master Service; with HA, the leader the last poll
+        found at one of the pool's own master pods (a standby takes no job)."""
+        return drain_base(plan.ha, observation, self.master_base(plan))
+
     async def step_drain(
         self, plan: Plan, drain: StoreDrainStatus, observation: Observation | None
     ) -> StoreDrainStatus | None:
         """The drain one step further (``drain_timer``), outside the pool's lock."""
-        return await advance(drain, observation, self.master_base(plan), utcnow(), self.observe_timeout)
+        base = self.drain_base(plan, observation)
+        return await advance(drain, observation, base, utcnow(), self.observe_timeout)
 
-    async def forget_drain_job(self, plan: Plan, drain: StoreDrainStatus) -> None:
+    async def forget_drain_job(
+        self, plan: Plan, drain: StoreDrainStatus, observation: Observation | None
+    ) -> None:
         """Cancel a drain job no status names (best effort: a job that finished refuses)."""
         if drain.job_id is not None:
             with contextlib.suppress(DrainRefused):
-                await cancel_drain_job(self.master_base(plan), drain.job_id, self.observe_timeout)
+                await cancel_drain_job(self.drain_base(plan, observation), drain.job_id, self.observe_timeout)
 
     async def poll(self, plan: Plan) -> Observation:
         """One poll of the pool's master, within ``observe_timeout`` (no lock held)."""
@@ -842,7 +850,7 @@ class Reconciler:
                 # Each grant's usage from the same poll (a grant's status is written when it changed).
                 await write_grant_statuses(self.kube, name, grants, plan, utcnow(), observation)
         if orphan is not None:
-            await self.forget_drain_job(plan, orphan)  # outside the lock: give the job back
+            await self.forget_drain_job(plan, orphan, observation)  # outside the lock: give the job back
         if drain_moved:
             # A drain moved on: the pass applies what it leads to (fewer pods, or as before).
             await self.reconcile(pool, "observe", notify, coalesce=True)

@@ -267,7 +267,7 @@ class StoreSpec(_Model):
         le=86400,
         description="Before fewer store pods are applied, the master moves the leaving pods' objects "
         "to the others and sends them no new writes (a Mooncake drain job), for at most this long; "
-        "0: no drain (the leaving pods' objects are lost). A single master only.",
+        "0: no drain (the leaving pods' objects are lost).",
     )
     extra_args: list[str] = Field(default_factory=list, description="More mooncake_client flags.")
 

@@ -2,7 +2,7 @@
 
 Mooncake keeps one copy of each object, in the memory of the store that holds it. Lowering
 ``spec.store.replicas`` straight away loses what the pods the ReplicaSet controller removes
-hold. With a single master and ``spec.store.drainTimeoutSeconds`` > 0 the operator instead:
+hold. With ``spec.store.drainTimeoutSeconds`` > 0 the operator instead:
 
 1. keeps the store Deployment at its current count and writes ``status.storeDrain``
    (``Pending``), in the pass that sees the lower count;
@@ -20,9 +20,10 @@ when the master refuses or fails the job, the timer cancels the job (the segment
 writes again) and the drain is ``GivenUp``: the pass applies the lower count as it would
 without a drain, and the Event says what is lost. Raising ``replicas`` back while the drain
 runs calls it off (``Withdrawn``: the timer cancels the job). A pool whose master the
-operator does not observe, a scale-down to zero (nowhere to move to), HA masters and
-embedded pools scale down at once. Nothing here waits: each step is one pass or one timer
-run, and the state lives in the status, so a restarted operator goes on where it was.
+operator does not observe, a scale-down to zero (nowhere to move to) and embedded pools
+(no store pods) scale down at once; with HA masters the job goes to the leader. Nothing
+here waits: each step is one pass or one timer run, and the state lives in the status, so a
+restarted operator goes on where it was.
 """
 
 from __future__ import annotations

@@ -8,7 +8,9 @@ access to Pods beyond reading them (``store_drain``). The probe runs in the stor
 (``python3``, which Mooncake's ``mooncake_client`` script runs on; only the standard library)
 and asks the pool's master over its HTTP port, which the pool's own pods may reach: its
 ``/metrics`` names each mounted segment ``<pod IP>:<port>``, and
-``/api/v1/segments/status`` says whether this pod's is drained. Anything else it cannot
+``/api/v1/segments/status`` says whether this pod's is drained. With HA masters the Service
+may answer from a standby, which knows no segment: the probe then asks the leader its
+``/health`` names, at the same HTTP port (every master pod has it). Anything else it cannot
 tell (no answer within a second, no segment of this pod yet, an unexpected answer) keeps the
 pod ready: only the master's positive word takes a store out, so a master that restarts or
 does not answer never makes every store unready.
@@ -26,7 +28,7 @@ DRAINED = "DRAINED"
 
 # Run as ``python3 -c SCRIPT`` in the store container (its env: POD_IP and the two above).
 SCRIPT = r"""
-import json, os, re, socket, sys, urllib.parse, urllib.request
+import ipaddress, json, os, re, socket, sys, urllib.parse, urllib.request
 ip = os.environ["POD_IP"]
 try:
     socket.create_connection((ip, int(os.environ["KVPOOL_STORE_PORT"])), 1).close()
@@ -35,6 +37,14 @@ except OSError as exc:
 base = os.environ["KVPOOL_MASTER_HTTP"]
 opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 try:
+    health = json.loads(opener.open(base + "/health", timeout=1).read(1 << 16))
+    leader = health.get("leader_address")
+    if health.get("role") != "leader" and isinstance(leader, str) and ":" in leader:
+        # An HA standby answered through the Service: ask the leader it names (an IP literal
+        # only), at the same HTTP port.
+        address = ipaddress.ip_address(leader.rsplit(":", 1)[0].strip("[]"))
+        host = "[%s]" % address if address.version == 6 else str(address)
+        base = "http://%s:%s" % (host, base.rsplit(":", 1)[1])
     text = opener.open(base + "/metrics", timeout=1).read(4 << 20).decode("utf-8", "replace")
     found = re.findall(r'^segment_total_capacity_bytes\{segment="([^"]+)"\}', text, re.M)
     for segment in sorted(set(found)):

@@ -12,11 +12,15 @@ operator is in ``test_real_mooncake.py``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import http.server
+import json
 import os
 import re
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -29,7 +33,7 @@ from kvpool.connector.contract.settings import ConnectorSettings
 from kvpool.connector.local.pool import MooncakeMaster, MooncakeStore, wait_for_capacity
 from kvpool.connector.pool_client import PoolClient, open_client
 from kvpool.operator.drain_jobs import DrainRefused, cancel_drain_job, create_drain_job, query_drain_job
-from kvpool.operator.drain_timer import advance
+from kvpool.operator.drain_timer import advance, drain_base
 from kvpool.operator.master_view import MasterNumbers, Segment
 from kvpool.operator.observation import Observation, poll_master
 from kvpool.operator.plan import Plan, build_plan
@@ -138,17 +142,27 @@ def test_where_no_drain_can_run_the_scale_down_is_at_once(
     assert (scale.replicas, scale.drain) == (plan.store_replicas, None), why
 
 
-def test_ha_and_embedded_pools_do_not_drain_and_keep_the_port_probe() -> None:
+def test_ha_pools_drain_too_and_embedded_pools_have_no_store_to_drain() -> None:
     ha = build_plan(
         "pool",
         NAMESPACE,
         pool_spec(master={"replicas": 2, "ha": {"enabled": True, "etcdEndpoints": ["etcd:2379"]}}),
+        POLICY,
     )
-    embedded = build_plan("pool", NAMESPACE, pool_spec(store={"mode": "embedded"}))
-    assert ha.valid and embedded.valid and ha.drain_seconds == 0 and embedded.drain_seconds == 0
+    embedded = build_plan("pool", NAMESPACE, pool_spec(store={"mode": "embedded"}), POLICY)
+    assert ha.valid and embedded.valid and ha.drain_seconds == 300 and embedded.drain_seconds == 0
     (store,) = [c for c in ha.children if c["kind"] == "Deployment" and c["metadata"]["name"] == "pool-store"]
     (container,) = store["spec"]["template"]["spec"]["containers"]
-    assert container["readinessProbe"]["tcpSocket"] == {"port": "store"}
+    assert container["readinessProbe"]["exec"]["command"] == ["python3", "-c", SCRIPT]
+
+
+def test_with_ha_masters_drain_jobs_go_to_the_leader_the_poll_found() -> None:
+    service = "http://pool-master.team-a.svc:9003"
+    seen = dataclasses.replace(observation(1, 2), master="10.0.0.9:9003")
+    assert drain_base(True, seen, service) == "http://10.0.0.9:9003"
+    assert drain_base(False, seen, service) == service  # one master: its Service
+    unanswered = Observation(at=T0, reason="Unreachable", problem="x")
+    assert drain_base(True, unanswered, service) == service
 
 
 def test_the_store_probe_and_its_env_are_rendered_when_drains_are_on() -> None:
@@ -243,15 +257,52 @@ def missing(client: PoolClient, keys: range) -> list[int]:
     return [i for i in keys if raw_store(client).get(f"drain-{i}") != value(i)]
 
 
-def probe(master: MooncakeMaster, store: MooncakeStore) -> subprocess.CompletedProcess[str]:
-    """The rendered readiness probe, run as the kubelet would in ``store``'s container."""
+def probe(
+    master: MooncakeMaster, store: MooncakeStore, through: str = "127.0.0.1"
+) -> subprocess.CompletedProcess[str]:
+    """The rendered readiness probe, run as the kubelet would in ``store``'s container, asking
+    the master's HTTP port at ``through`` (the Service's address)."""
     env = {
         **os.environ,
         "POD_IP": store.host,
-        MASTER_HTTP_ENV: f"http://127.0.0.1:{master.metrics_port}",
+        MASTER_HTTP_ENV: f"http://{through}:{master.metrics_port}",
         STORE_PORT_ENV: str(store.port),
     }
     return subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=30)
+
+
+STANDBY = "127.0.0.6"
+
+
+@contextlib.contextmanager
+def standby_naming(leader: str, port: int) -> Iterator[None]:
+    """A stand-in HA standby master at ``STANDBY``:``port``: its ``/health`` names ``leader``,
+    everything else is 404 (as a standby knows no segment)."""
+
+    class Standby(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if self.path != "/health":
+                self.send_error(404)
+                return
+            body = json.dumps({"role": "standby", "service_ready": False, "leader_address": leader}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer((STANDBY, port), Standby)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
 
 
 def start_second(master: MooncakeMaster, stores: list[MooncakeStore]) -> dict[str, str]:
@@ -290,6 +341,12 @@ def test_a_real_drain_moves_every_object_and_only_the_drained_store_turns_unread
         drained, kept = probe(master, stores[1]), probe(master, stores[0])
         assert drained.returncode == 1 and "is drained" in drained.stderr, drained
         assert kept.returncode == 0, kept
+        # HA: the Service may answer from a standby, which knows no segment; the probe asks
+        # the leader the standby names, on the same port (a stand-in standby at 127.0.0.6).
+        with standby_naming(f"127.0.0.1:{master.rpc_port}", master.metrics_port):
+            via_standby = probe(master, stores[1], through=STANDBY)
+            assert via_standby.returncode == 1 and "is drained" in via_standby.stderr, via_standby
+            assert probe(master, stores[0], through=STANDBY).returncode == 0
         put(client, range(10, 16))  # written after the drain: none may go to B
 
         stores[1].stop()  # the ReplicaSet controller removes the pod that is not ready
