@@ -144,6 +144,7 @@ def build_crd() -> dict[str, Any]:
         {"name": "Stores", "type": "string", "jsonPath": ".status.capacity.stores"},
         # What the consumers themselves count (status.hits).
         {"name": "Hit rate", "type": "string", "jsonPath": ".status.hits.hitRate"},
+        {"name": "Store drain", "type": "string", "jsonPath": ".status.storeDrain.state"},
         {"name": "Evictions", "type": "integer", "jsonPath": ".status.capacity.evictions", "priority": 1},
         {"name": "Master", "type": "string", "jsonPath": ".status.masterAddress", "priority": 1},
         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},

@@ -521,3 +521,14 @@ def test_the_operators_gauge_shows_a_drain_while_it_waits() -> None:
     assert line in generate_latest(metrics.registry).decode()
     metrics.observe_pool("ns", "pool", {"phase": "Ready"})
     assert "kvpool_operator_pool_store_drain{" not in generate_latest(metrics.registry).decode()
+
+
+def test_kubectl_get_shows_a_drain_that_waits() -> None:
+    from kvpool.operator.crd import build_crd
+
+    (version,) = build_crd()["spec"]["versions"]
+    columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
+    assert columns["Store drain"] == ".status.storeDrain.state"
+    schema = version["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]
+    states = schema["storeDrain"]["properties"]["state"]["enum"]
+    assert set(states) == {PENDING, DRAINING, DRAINED, GIVEN_UP, WITHDRAWN}
