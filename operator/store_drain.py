@@ -118,7 +118,9 @@ def store_scale(
         withdrawn = record.model_copy(update={"state": WITHDRAWN, "message": called_off})
         return StoreScale(wanted, before, withdrawn if record.job_id else None)
     if record.state == WITHDRAWN:
-        return StoreScale(wanted, before, record)
+        # No scale-down while a called-off job is given back: a new one drains after it.
+        held = wanted if before is None else max(wanted, before)
+        return StoreScale(held, before, record)
     if record.state in (PENDING, DRAINING):
         return StoreScale(record.from_replicas, before, record)
     if record.state == DRAINED:

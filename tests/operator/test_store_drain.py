@@ -192,6 +192,9 @@ def test_raising_replicas_back_calls_the_drain_off() -> None:
     assert called_off.replicas == 4 and called_off.drain is not None
     assert called_off.drain.state == WITHDRAWN  # the timer cancels its job, then clears it
     assert store_scale(plan_of(4), 3, called_off.drain, None, [], T0).replicas == 4
+    # Lowered again before the timer gave the job back: held, the next drain comes after it.
+    lowered = store_scale(plan_of(1), 3, called_off.drain, observation(1, 2, 3), [], T0)
+    assert (lowered.replicas, lowered.drain) == (3, called_off.drain)
 
 
 def test_the_leaving_segments_are_the_emptiest_named_ones() -> None:
