@@ -100,7 +100,7 @@ def build() -> Board:
                 "{{pool}}: {{phase}}",
             )
         ],
-        width=8,
+        width=6,
     )
     board.stat(
         "Store drain",
@@ -113,7 +113,7 @@ def build() -> Board:
                 "{{pool}}: {{state}}",
             )
         ],
-        width=8,
+        width=6,
     )
     board.stat(
         "Store pods mounting memory",
@@ -122,14 +122,14 @@ def build() -> Board:
             Target(f"sum({o.POOL_STORES_MOUNTED.exported}{SEL})", "mounted"),
             Target(f"sum({o.POOL_STORES_EXPECTED.exported}{SEL})", "declared"),
         ],
-        width=8,
+        width=6,
     )
     board.stat(
         "Objects in the status",
         "Objects the master counted at the operator's last poll (status.capacity.objects; "
         "external pools too).",
         [Target(f"sum({o.POOL_OBJECTS.exported}{SEL})")],
-        width=8,
+        width=6,
     )
     board.timeseries(
         "Capacity and use in the status",

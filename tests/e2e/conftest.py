@@ -24,8 +24,10 @@ from typing import Any
 
 import pytest
 
+from kvpool.operator import names
 from kvpool.operator.app import OperatorOptions
 from kvpool.operator.cli import _parser, options_from_args
+from kvpool.operator.names import POOLS
 from testing.kube_api import OperatorThread, quick_options, write_kubeconfig
 from testing.node import Node, PodInfo
 from testing.node.sandbox import unavailable
@@ -77,6 +79,19 @@ class E2E:
     def remove(self, *paths: str) -> None:
         for item in paths:
             self.kube.delete(item)
+
+    def pool_status(self, pool: str) -> dict[str, Any]:
+        return (self.kube.pool(pool) or {}).get("status") or {}
+
+    def delete_pool(self, pool: str) -> None:
+        """Delete a scenario's pool and wait until its master and store processes stopped."""
+        self.kube.delete(harness.path(POOLS.api_version, POOLS.kind, pool))
+        components = (names.master_name(pool), names.store_name(pool))
+        wait_for(
+            lambda: all(p.stopped for p in self.node.all_pods() if p.owner[1] in components),
+            60,
+            f"{pool}'s processes stopped",
+        )
 
 
 @dataclass

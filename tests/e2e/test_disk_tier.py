@@ -20,25 +20,19 @@ import pytest
 from kvpool.connector.contract.settings import ConnectorSettings
 from kvpool.connector.pool_client import open_client
 from kvpool.operator import disk_tier, names
-from kvpool.operator.names import POOLS
 from testing.disk_workload import write_and_read
 from tests.e2e import harness
 from tests.e2e.conftest import E2E
-from tests.e2e.harness import path, wait_for
+from tests.e2e.harness import wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 POOL = "tiered"
 MASTER = names.master_name(POOL)
 STORE = names.store_name(POOL)
-POOL_PATH = path(POOLS.api_version, POOLS.kind, POOL)
 SEGMENT = 16 << 20
 OBJECT = 512 << 10
 WORKING_SET = 3 * SEGMENT // OBJECT
-
-
-def status(e2e: E2E) -> dict:
-    return (e2e.kube.pool(POOL) or {}).get("status") or {}
 
 
 def bytes_under(directory: Path) -> int:
@@ -66,7 +60,7 @@ def test_a_working_set_three_times_memory_keeps_its_hits_through_the_tier(e2e: E
     )
     e2e.kube.create(harness.pool_manifest(POOL, spec))
     try:
-        wait_for(lambda: status(e2e).get("phase") == "Ready", 120, "the pool Ready")
+        wait_for(lambda: e2e.pool_status(POOL).get("phase") == "Ready", 120, "the pool Ready")
         (master,) = [p for p in e2e.pods(MASTER) if p.ready]
         (store,) = [p for p in e2e.pods(STORE) if p.ready]
         tier = store.container().path(disk_tier.MOUNT_PATH)
@@ -84,7 +78,7 @@ def test_a_working_set_three_times_memory_keeps_its_hits_through_the_tier(e2e: E
 
         # The status's numbers are the master's own (objects, mounted and used memory).
         def matches() -> bool:
-            capacity = status(e2e).get("capacity") or {}
+            capacity = e2e.pool_status(POOL).get("capacity") or {}
             own = masters_numbers(master.ip)
             return (
                 capacity.get("objects") == own["master_key_count"]
@@ -94,9 +88,4 @@ def test_a_working_set_three_times_memory_keeps_its_hits_through_the_tier(e2e: E
 
         wait_for(matches, 60, "the status's capacity equal to the master's own numbers")
     finally:
-        e2e.kube.delete(POOL_PATH)
-        wait_for(
-            lambda: all(p.stopped for p in e2e.node.all_pods() if p.owner[1] in (MASTER, STORE)),
-            60,
-            "the pool's processes stopped",
-        )
+        e2e.delete_pool(POOL)

@@ -18,7 +18,7 @@ import pytest
 from kvpool.connector.contract.settings import ConnectorSettings
 from kvpool.connector.pool_client import CODE_TENANT_QUOTA_EXCEEDED, open_client
 from kvpool.operator import names
-from kvpool.operator.names import GRANTS, POOLS
+from kvpool.operator.names import GRANTS
 from testing.pool_store import put_bytes
 from tests.e2e import harness
 from tests.e2e.conftest import E2E
@@ -28,8 +28,6 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 POOL = "shared"
 MASTER = names.master_name(POOL)
-STORE = names.store_name(POOL)
-POOL_PATH = path(POOLS.api_version, POOLS.kind, POOL)
 GRANT_NAMES = ("team-red", "team-blue")
 MIB = 1 << 20
 
@@ -103,11 +101,6 @@ def test_oversubscribing_grants_get_cut_shares_the_master_enforces(e2e: E2E) -> 
         for name in GRANT_NAMES:
             wait_for(lambda name=name: usage_seen(name), 60, f"{name}'s usage as the master counts it")
     finally:
-        e2e.kube.delete(POOL_PATH)
+        e2e.delete_pool(POOL)
         for name in GRANT_NAMES:
             e2e.kube.delete(path(GRANTS.api_version, GRANTS.kind, name))
-        wait_for(
-            lambda: all(p.stopped for p in e2e.node.all_pods() if p.owner[1] in (MASTER, STORE)),
-            60,
-            "the pool's processes stopped",
-        )

@@ -33,10 +33,6 @@ POOL_PATH = path(POOLS.api_version, POOLS.kind, POOL)
 OBJECT = 1 << 20
 
 
-def status(e2e: E2E) -> dict:
-    return (e2e.kube.pool(POOL) or {}).get("status") or {}
-
-
 def value(i: int) -> bytes:
     return bytes([i % 251]) * (OBJECT - i)
 
@@ -62,7 +58,7 @@ def test_scaling_stores_down_drains_the_leaving_store_first(e2e: E2E) -> None:
     spec = harness.pool_spec("nobody", {}, consumers=[])
     e2e.kube.create(harness.pool_manifest(POOL, spec))
     try:
-        wait_for(lambda: status(e2e).get("phase") == "Ready", 120, "the pool Ready")
+        wait_for(lambda: e2e.pool_status(POOL).get("phase") == "Ready", 120, "the pool Ready")
         (master,) = [p for p in e2e.pods(MASTER) if p.ready]
         stores = wait_for(
             lambda: (pods := [p for p in e2e.pods(STORE) if p.ready]) and len(pods) == 2 and pods,
@@ -86,7 +82,7 @@ def test_scaling_stores_down_drains_the_leaving_store_first(e2e: E2E) -> None:
                 return int(e2e.kube.deployment(STORE)["spec"]["replicas"])
 
             def drained_then_scaled() -> bool:
-                drain = status(e2e).get("storeDrain")
+                drain = e2e.pool_status(POOL).get("storeDrain")
                 if drain is not None and drain["state"] in ("Pending", "Draining"):
                     assert deployment_replicas() == 2, "scaled down before the drain"
                 return deployment_replicas() == 1
@@ -108,13 +104,8 @@ def test_scaling_stores_down_drains_the_leaving_store_first(e2e: E2E) -> None:
         scale_down = events["StoreScaleDown"]
         assert scale_down["type"] == "Normal"
         assert f"drained {leaving.name} first (3 objects" in scale_down["message"], scale_down
-        last = wait_for(lambda: status(e2e).get("lastScaleDown"), 30, "status.lastScaleDown")
+        last = wait_for(lambda: e2e.pool_status(POOL).get("lastScaleDown"), 30, "status.lastScaleDown")
         assert f"drained {leaving.name} first (3 objects" in last["message"], last
-        assert "storeDrain" not in status(e2e)
+        assert "storeDrain" not in e2e.pool_status(POOL)
     finally:
-        e2e.kube.delete(POOL_PATH)
-        wait_for(
-            lambda: all(p.stopped for p in e2e.node.all_pods() if p.owner[1] in (MASTER, STORE)),
-            60,
-            "the pool's processes stopped",
-        )
+        e2e.delete_pool(POOL)

@@ -508,14 +508,22 @@ def matches_the_master(capacity: dict[str, Any], metrics_port: int) -> bool:
     )
 
 
-def put_objects(master_address: str, count: int, size: int = 1 << 20) -> None:
-    """``count`` objects of ``size`` bytes, written by a client that contributes no memory."""
+def put_objects(
+    master_address: str, count: int | range, size: int = 1 << 20, segment: str | None = None
+) -> None:
+    """Objects ``kvpool-capacity-<i>`` (``count`` of them, or the indices in a range) of ``size``
+    bytes each, written by a client that contributes no memory; placed on ``segment`` if given."""
+    from mooncake.store import ReplicateConfig
+
+    config = ReplicateConfig()
+    if segment is not None:
+        config.preferred_segment = segment
     client = open_client(
         ConnectorSettings.parse({"master_server_address": master_address}), global_segment_size=0
     )
     try:
-        for i in range(count):
-            assert put_bytes(client, f"kvpool-capacity-{i}", bytes([i % 256]) * size) == 0
+        for i in range(count) if isinstance(count, int) else count:
+            assert raw_store(client).put(f"kvpool-capacity-{i}", bytes([i % 256]) * size, config) == 0
     finally:
         client.close()
 
@@ -635,22 +643,6 @@ def read_objects(master_address: str, count: int, size: int = 1 << 20) -> list[i
         client.close()
 
 
-def put_on(master_address: str, segment: str, keys: range, size: int = 1 << 20) -> None:
-    """``put_objects``' objects ``keys``, placed on ``segment``."""
-    from mooncake.store import ReplicateConfig
-
-    config = ReplicateConfig()
-    config.preferred_segment = segment
-    client = open_client(
-        ConnectorSettings.parse({"master_server_address": master_address}), global_segment_size=0
-    )
-    try:
-        for i in keys:
-            assert raw_store(client).put(f"kvpool-capacity-{i}", bytes([i % 256]) * size, config) == 0
-    finally:
-        client.close()
-
-
 @pytest.mark.timeout(240)
 @pytest.mark.asyncio
 @pytest.mark.parametrize("operator_config", [OBSERVING])
@@ -686,7 +678,7 @@ async def test_a_scale_down_drains_the_leaving_store_first_and_loses_nothing(
         for key in masters_own_numbers(metrics_port)
         if key.startswith("segment_total_capacity_bytes{") and STORE_HOSTS["pool-store-b"] in key
     ]
-    await asyncio.to_thread(put_on, master, segment_b, range(6, 9))  # store b: the emptiest
+    await asyncio.to_thread(put_objects, master, range(6, 9), 1 << 20, segment_b)  # store b: the emptiest
     removed: set[str] = set()
 
     async def kubelet() -> None:

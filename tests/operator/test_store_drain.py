@@ -308,6 +308,14 @@ def standby_naming(leader: str, port: int) -> Iterator[None]:
         thread.join(5)
 
 
+def stop_unmounted(master: MooncakeMaster, store: MooncakeStore, timeout: float = 30) -> None:
+    """Stop ``store`` and wait until the master no longer counts its segment."""
+    store.stop()
+    deadline = time.monotonic() + timeout
+    while store.host in segments_of(master) and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+
 def start_second(master: MooncakeMaster, stores: list[MooncakeStore]) -> dict[str, str]:
     stores[1].start()
     wait_for_capacity(master, 30, minimum=2 * (64 << 20))
@@ -352,10 +360,7 @@ def test_a_real_drain_moves_every_object_and_only_the_drained_store_turns_unread
             assert probe(master, stores[0], through=STANDBY).returncode == 0
         put(client, range(10, 16))  # written after the drain: none may go to B
 
-        stores[1].stop()  # the ReplicaSet controller removes the pod that is not ready
-        deadline = time.monotonic() + 30
-        while HOSTS[1] in segments_of(master) and time.monotonic() < deadline:
-            time.sleep(0.2)
+        stop_unmounted(master, stores[1])  # the ReplicaSet controller removes the unready pod
         assert missing(client, range(16)) == []
     finally:
         client.close()
@@ -373,10 +378,7 @@ def test_without_a_drain_stopping_a_store_loses_what_it_held(
         put(client, range(6))
         segments = start_second(master, stores)
         put(client, range(6, 10), segments[HOSTS[1]])
-        stores[1].stop()
-        deadline = time.monotonic() + 30
-        while HOSTS[1] in segments_of(master) and time.monotonic() < deadline:
-            time.sleep(0.2)
+        stop_unmounted(master, stores[1])
         assert missing(client, range(10)) == [6, 7, 8, 9]
     finally:
         client.close()
