@@ -68,6 +68,7 @@ from kvpool.operator.pod_injection import (
 from kvpool.operator.policy import OperatorPolicy
 from kvpool.operator.spec import StoreDrainStatus
 from kvpool.operator.status import (
+    TIME_FORMAT,
     ConsumerState,
     condition_of,
     conflict_reason,
@@ -173,7 +174,7 @@ async def _grant_status_of(kube: KubeClient, grant: Grant) -> Mapping[str, Any]:
 
 
 def utcnow() -> str:
-    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.datetime.now(datetime.UTC).strftime(TIME_FORMAT)
 
 
 def error_reason(exc: BaseException) -> str:

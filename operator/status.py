@@ -22,6 +22,8 @@ from kvpool.operator.spec import (
 from kvpool.operator.validation import describe
 
 CONFLICT_SEPARATOR = "; "
+# Every time the status holds (``utcnow``, a drain's deadline): UTC, to the second.
+TIME_FORMAT = "%Y-%m-%dT%H:%M:%SZ"
 
 
 @dataclass(frozen=True)

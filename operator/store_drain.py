@@ -37,13 +37,13 @@ from kvpool.operator.capacity import quantity, store_segments
 from kvpool.operator.observation import Observation
 from kvpool.operator.plan import Plan
 from kvpool.operator.spec import StoreDrainStatus
+from kvpool.operator.status import TIME_FORMAT
 
 PENDING: Final = "Pending"
 DRAINING: Final = "Draining"
 DRAINED: Final = "Drained"
 GIVEN_UP: Final = "GivenUp"
 WITHDRAWN: Final = "Withdrawn"
-TIME_FORMAT = "%Y-%m-%dT%H:%M:%SZ"
 
 
 def parse_time(value: str) -> datetime.datetime:

@@ -24,7 +24,6 @@ from kvpool.operator import names
 
 MASTER_HTTP_ENV = "KVPOOL_MASTER_HTTP"
 STORE_PORT_ENV = "KVPOOL_STORE_PORT"
-DRAINED = "DRAINED"
 
 # Run as ``python3 -c SCRIPT`` in the store container (its env: POD_IP and the two above).
 SCRIPT = r"""

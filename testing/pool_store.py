@@ -6,10 +6,23 @@ calls; this is the one place that reaches under :class:`PoolClient` to do so.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
-from kvpool.connector.pool_client import PoolClient
+from kvpool.connector.contract.settings import ConnectorSettings
+from kvpool.connector.pool_client import PoolClient, open_client
+
+
+@contextlib.contextmanager
+def bare_client(master_address: str) -> Iterator[PoolClient]:
+    """A client of the pool at ``master_address`` that contributes no memory; closed after."""
+    settings = ConnectorSettings.parse({"master_server_address": master_address})
+    client = open_client(settings, global_segment_size=0)
+    try:
+        yield client
+    finally:
+        client.close()
 
 
 def raw_store(client: PoolClient) -> Any:
@@ -25,6 +38,16 @@ def replace_raw_store(client: PoolClient, store: Any) -> None:
 def put_bytes(client: PoolClient, key: str, value: bytes) -> int:
     """Store ``value`` under ``key`` with Mooncake's plain ``put`` (an existing key keeps its value)."""
     return int(raw_store(client).put(key, value))
+
+
+def put_on(client: PoolClient, key: str, value: bytes, segment: str | None = None) -> int:
+    """``put_bytes``, with the object placed on ``segment`` (a store's) when given."""
+    from mooncake.store import ReplicateConfig
+
+    config = ReplicateConfig()
+    if segment is not None:
+        config.preferred_segment = segment
+    return int(raw_store(client).put(key, value, config))
 
 
 def put_from(

@@ -17,10 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from kvpool.connector.contract.settings import ConnectorSettings
-from kvpool.connector.pool_client import open_client
 from kvpool.operator import disk_tier, names
 from testing.disk_workload import write_and_read
+from testing.pool_store import bare_client
 from tests.e2e import harness
 from tests.e2e.conftest import E2E
 from tests.e2e.harness import wait_for
@@ -65,13 +64,8 @@ def test_a_working_set_three_times_memory_keeps_its_hits_through_the_tier(e2e: E
         (store,) = [p for p in e2e.pods(STORE) if p.ready]
         tier = store.container().path(disk_tier.MOUNT_PATH)
         assert tier.is_dir() and bytes_under(tier) == 0
-        client = open_client(
-            ConnectorSettings.parse({"master_server_address": f"{master.ip}:50051"}), global_segment_size=0
-        )
-        try:
+        with bare_client(f"{master.ip}:50051") as client:
             result = write_and_read(client, [f"tier-{i}" for i in range(WORKING_SET)], OBJECT)
-        finally:
-            client.close()
         assert result.stored == WORKING_SET and result.wrong == 0
         assert result.hits == WORKING_SET, result.misses
         assert bytes_under(tier) >= WORKING_SET * OBJECT - SEGMENT

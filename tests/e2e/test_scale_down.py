@@ -15,11 +15,10 @@ import urllib.request
 
 import pytest
 
-from kvpool.connector.contract.settings import ConnectorSettings
-from kvpool.connector.pool_client import PoolClient, open_client
+from kvpool.connector.pool_client import PoolClient
 from kvpool.operator import names
 from kvpool.operator.names import POOLS
-from testing.pool_store import raw_store
+from testing.pool_store import bare_client, put_on, raw_store
 from tests.e2e import harness
 from tests.e2e.conftest import E2E
 from tests.e2e.harness import path, wait_for
@@ -45,13 +44,9 @@ def segments(master_ip: str) -> dict[str, str]:
     return {name.rsplit(":", 1)[0]: name for name in found}
 
 
-def put_on(client: PoolClient, segment: str, keys: range) -> None:
-    from mooncake.store import ReplicateConfig
-
-    config = ReplicateConfig()
-    config.preferred_segment = segment
+def put_keys(client: PoolClient, keys: range, segment: str) -> None:
     for i in keys:
-        assert raw_store(client).put(f"drain-{i}", value(i), config) == 0
+        assert put_on(client, f"drain-{i}", value(i), segment) == 0
 
 
 def test_scaling_stores_down_drains_the_leaving_store_first(e2e: E2E) -> None:
@@ -69,12 +64,9 @@ def test_scaling_stores_down_drains_the_leaving_store_first(e2e: E2E) -> None:
             lambda: (found := segments(master.ip)) and len(found) == 2 and found, 60, "two segments"
         )
         staying, leaving = stores
-        client = open_client(
-            ConnectorSettings.parse({"master_server_address": f"{master.ip}:50051"}), global_segment_size=0
-        )
-        try:
-            put_on(client, mounted[staying.ip], range(6))
-            put_on(client, mounted[leaving.ip], range(6, 9))  # the emptiest store: it leaves
+        with bare_client(f"{master.ip}:50051") as client:
+            put_keys(client, range(6), mounted[staying.ip])
+            put_keys(client, range(6, 9), mounted[leaving.ip])  # the emptiest store: it leaves
 
             e2e.kube.patch(POOL_PATH, {"spec": {"store": {"replicas": 1}}})
 
@@ -97,8 +89,6 @@ def test_scaling_stores_down_drains_the_leaving_store_first(e2e: E2E) -> None:
             )
             missing = [i for i in range(9) if raw_store(client).get(f"drain-{i}") != value(i)]
             assert missing == []
-        finally:
-            client.close()
         events = {e["reason"]: e for e in e2e.kube.events(POOL)}
         assert {"StoreDrainPending", "StoreDraining", "StoreDrained"} <= set(events), sorted(events)
         scale_down = events["StoreScaleDown"]

@@ -50,7 +50,7 @@ from kvpool.operator.plan import Plan, build_plan
 from kvpool.operator.policy import OperatorPolicy
 from testing.kube_api import DEPLOYMENTS_PATH, NAMESPACE, PODS_PATH, Cluster, eventually
 from testing.operator_objects import Operator, kv_flags, pool_manifest, pool_spec, vllm_deployment
-from testing.pool_store import put_bytes, raw_store
+from testing.pool_store import bare_client, put_bytes, put_on, raw_store
 
 pytestmark = pytest.mark.mooncake
 
@@ -513,19 +513,9 @@ def put_objects(
 ) -> None:
     """Objects ``kvpool-capacity-<i>`` (``count`` of them, or the indices in a range) of ``size``
     bytes each, written by a client that contributes no memory; placed on ``segment`` if given."""
-    from mooncake.store import ReplicateConfig
-
-    config = ReplicateConfig()
-    if segment is not None:
-        config.preferred_segment = segment
-    client = open_client(
-        ConnectorSettings.parse({"master_server_address": master_address}), global_segment_size=0
-    )
-    try:
+    with bare_client(master_address) as client:
         for i in range(count) if isinstance(count, int) else count:
-            assert raw_store(client).put(f"kvpool-capacity-{i}", bytes([i % 256]) * size, config) == 0
-    finally:
-        client.close()
+            assert put_on(client, f"kvpool-capacity-{i}", bytes([i % 256]) * size, segment) == 0
 
 
 @pytest.mark.timeout(180)
@@ -630,17 +620,9 @@ def probe_ready(container: dict[str, Any], host: str, port: int, metrics_port: i
 
 def read_objects(master_address: str, count: int, size: int = 1 << 20) -> list[int]:
     """The objects of ``put_objects`` that do not read back byte for byte."""
-    client = open_client(
-        ConnectorSettings.parse({"master_server_address": master_address}), global_segment_size=0
-    )
-    try:
-        return [
-            i
-            for i in range(count)
-            if raw_store(client).get(f"kvpool-capacity-{i}") != bytes([i % 256]) * size
-        ]
-    finally:
-        client.close()
+    with bare_client(master_address) as client:
+        expected = {i: bytes([i % 256]) * size for i in range(count)}
+        return [i for i, value in expected.items() if raw_store(client).get(f"kvpool-capacity-{i}") != value]
 
 
 @pytest.mark.timeout(240)

@@ -29,9 +29,8 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from kvpool.connector.contract.settings import ConnectorSettings
 from kvpool.connector.local.pool import MooncakeMaster, MooncakeStore, wait_for_capacity
-from kvpool.connector.pool_client import PoolClient, open_client
+from kvpool.connector.pool_client import PoolClient
 from kvpool.operator.drain_jobs import DrainRefused, cancel_drain_job, create_drain_job, query_drain_job
 from kvpool.operator.drain_timer import advance, drain_base
 from kvpool.operator.master_view import MasterNumbers, Segment
@@ -53,7 +52,7 @@ from kvpool.operator.store_drain import (
 from kvpool.operator.store_probe import MASTER_HTTP_ENV, SCRIPT, STORE_PORT_ENV
 from testing.kube_api import NAMESPACE
 from testing.operator_objects import pool_spec
-from testing.pool_store import raw_store
+from testing.pool_store import bare_client, put_on, raw_store
 
 T0 = "2026-12-03T10:00:00Z"
 T1 = "2026-12-03T10:01:00Z"
@@ -235,20 +234,9 @@ def segments_of(master: MooncakeMaster) -> dict[str, str]:
     }
 
 
-def client_of(master: MooncakeMaster) -> PoolClient:
-    return open_client(
-        ConnectorSettings.parse({"master_server_address": master.address}), global_segment_size=0
-    )
-
-
 def put(client: PoolClient, keys: range, segment: str | None = None) -> None:
-    from mooncake.store import ReplicateConfig
-
-    config = ReplicateConfig()
-    if segment is not None:
-        config.preferred_segment = segment
     for i in keys:
-        assert raw_store(client).put(f"drain-{i}", value(i), config) == 0
+        assert put_on(client, f"drain-{i}", value(i), segment) == 0
 
 
 def value(i: int) -> bytes:
@@ -316,6 +304,17 @@ def stop_unmounted(master: MooncakeMaster, store: MooncakeStore, timeout: float 
         time.sleep(0.2)
 
 
+def fill(
+    client: PoolClient, master: MooncakeMaster, stores: list[MooncakeStore], on_second: int
+) -> dict[str, str]:
+    """Objects 0-5 on store A (the only one then), then B started and ``on_second`` more on
+    B; each store's segment by its host."""
+    put(client, range(6))
+    segments = start_second(master, stores)
+    put(client, range(6, 6 + on_second), segments[HOSTS[1]])
+    return segments
+
+
 def start_second(master: MooncakeMaster, stores: list[MooncakeStore]) -> dict[str, str]:
     stores[1].start()
     wait_for_capacity(master, 30, minimum=2 * (64 << 20))
@@ -331,11 +330,8 @@ def test_a_real_drain_moves_every_object_and_only_the_drained_store_turns_unread
 ) -> None:
     master, stores = two_stores
     base = f"http://127.0.0.1:{master.metrics_port}"
-    client = client_of(master)
-    try:
-        put(client, range(6))  # on A, the only store
-        segments = start_second(master, stores)
-        put(client, range(6, 10), segments[HOSTS[1]])  # on B
+    with bare_client(master.address) as client:
+        segments = fill(client, master, stores, on_second=4)
         assert [probe(master, s).returncode for s in stores] == [0, 0]
 
         job_id = asyncio.run(create_drain_job(base, [segments[HOSTS[1]]], timeout=5))
@@ -362,8 +358,6 @@ def test_a_real_drain_moves_every_object_and_only_the_drained_store_turns_unread
 
         stop_unmounted(master, stores[1])  # the ReplicaSet controller removes the unready pod
         assert missing(client, range(16)) == []
-    finally:
-        client.close()
 
 
 @pytest.mark.mooncake
@@ -373,15 +367,10 @@ def test_without_a_drain_stopping_a_store_loses_what_it_held(
 ) -> None:
     """The negative control: the check above can see a loss."""
     master, stores = two_stores
-    client = client_of(master)
-    try:
-        put(client, range(6))
-        segments = start_second(master, stores)
-        put(client, range(6, 10), segments[HOSTS[1]])
+    with bare_client(master.address) as client:
+        fill(client, master, stores, on_second=4)
         stop_unmounted(master, stores[1])
         assert missing(client, range(10)) == [6, 7, 8, 9]
-    finally:
-        client.close()
 
 
 @pytest.mark.mooncake
@@ -394,11 +383,8 @@ def test_the_timer_steps_drain_the_emptiest_store_and_give_a_canceled_one_back(
     says ready again)."""
     master, stores = two_stores
     base = f"http://127.0.0.1:{master.metrics_port}"
-    client = client_of(master)
-    try:
-        put(client, range(6))
-        segments = start_second(master, stores)
-        put(client, range(6, 8), segments[HOSTS[1]])
+    with bare_client(master.address) as client:
+        segments = fill(client, master, stores, on_second=2)
         pods = {HOSTS[0]: "pool-store-a", HOSTS[1]: "pool-store-b"}
         seen = asyncio.run(poll_master([base], now=T0, timeout=5, store_pods=pods))
         pending = new_record(state=PENDING, from_replicas=2, to_replicas=1, started_at=T0, deadline=LATE)
@@ -424,8 +410,6 @@ def test_the_timer_steps_drain_the_emptiest_store_and_give_a_canceled_one_back(
         assert b'"status_name":"OK"' in status, status
         assert probe(master, stores[0]).returncode == 0
         assert missing(client, range(8)) == []
-    finally:
-        client.close()
 
 
 # --- The timer's steps where a real master cannot be made to answer so ----------------------
