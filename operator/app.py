@@ -30,13 +30,22 @@ from kubernetes_asyncio.client import ApiClient, Configuration
 from kvpool.operator import names
 from kvpool.operator.consumers import Refusal
 from kvpool.operator.election import LeaseElector, LeaseLost, LeaseOptions
+from kvpool.operator.grants import NAMESPACE_NOT_ALLOWED, namespace_refusal
 from kvpool.operator.kube import USER_AGENT, ApiError, KubeClient, connection_info, load_configuration
 from kvpool.operator.leader import SERVICE_HEALTH_URL
 from kvpool.operator.metrics import OperatorMetrics, serve_metrics
 from kvpool.operator.names import DEPLOYMENTS, GRANTS, PODS, POOLS
 from kvpool.operator.pod_injection import DEPLOYMENT_PATCH, POD_ADMISSION, admit_pod
 from kvpool.operator.policy import OperatorPolicy
-from kvpool.operator.reconcile import Notify, Reconciler, pool_of, read_grants
+from kvpool.operator.reconcile import (
+    Notify,
+    Reconciler,
+    grant_namespaces,
+    pool_of,
+    read_grants,
+    refuse_grant,
+    utcnow,
+)
 from kvpool.operator.validation import admission_problems, admission_warnings
 
 POOL = (POOLS.group, POOLS.version, POOLS.plural)
@@ -242,15 +251,22 @@ def make_registry(
     async def grant(body: kopf.Body, **_: Any) -> None:
         # A grant came, went or changed: a pass over the pool it names (its policy, its
         # consumers' tenants, every grant's cut).
-        namespace, name = body.get("metadata", {}).get("namespace"), grant_pool(body)
+        own, name = body.get("metadata", {}).get("namespace"), grant_pool(body)
+        namespace = (body.get("spec") or {}).get("poolNamespace") or own
         if name is None or reconciler.queued(namespace, name):
             return
         pool = await reconciler.kube.get(POOLS, namespace, name)
-        if pool is not None and not pool.get("metadata", {}).get("deletionTimestamp"):
-            try:
-                await reconciler.reconcile(pool, "grant", notifier(pool), coalesce=True)
-            except RETRYABLE as exc:
-                logging.getLogger(__name__).warning("pass after a grant of %s/%s: %s", namespace, name, exc)
+        if pool is None or pool.get("metadata", {}).get("deletionTimestamp"):
+            return
+        try:
+            refusal = namespace_refusal(own, namespace, name, grant_namespaces(pool))
+            if refusal is not None:
+                if not body.get("metadata", {}).get("deletionTimestamp"):
+                    await refuse_grant(reconciler.kube, body, refusal, NAMESPACE_NOT_ALLOWED, utcnow())
+                return
+            await reconciler.reconcile(pool, "grant", notifier(pool), coalesce=True)
+        except RETRYABLE as exc:
+            logging.getLogger(__name__).warning("pass after a grant of %s/%s: %s", namespace, name, exc)
 
     @kopf.on.delete(*POOL, registry=registry, id="teardown", **retry)
     async def delete(body: kopf.Body, **_: Any) -> None:

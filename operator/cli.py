@@ -188,6 +188,7 @@ def _policy(args: argparse.Namespace) -> OperatorPolicy:
             allow_external_pools=args.allow_external_pools,
             operator_namespace=args.operator_namespace,
             operator_pod_labels=_labels(args.operator_pod_label),
+            watched_namespaces=tuple(args.namespace),
         )
     except ValueError as exc:
         raise SystemExit(f"--allowed-registry {exc}") from None

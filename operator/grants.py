@@ -6,6 +6,11 @@ is the largest of their ceilings. The master reads every tenant's quota from the
 the pool renders (``connector.contract.tenant_policy``) and, when the quotas add up to more
 than its memory, cuts each in proportion: the grants' status says so. A consumer names a
 grant in its own namespace; the tenant is rendered into its connector settings.
+
+A grant may also live in another namespace than its pool's (``spec.poolNamespace``): the
+pool honours it only when its admin listed that namespace (``spec.tenancy.grantNamespaces``).
+Such a grant's consumers are the tenant's own to configure (the grant's status carries the
+master's address and the tenant); a reuse domain stays within one namespace.
 """
 
 from __future__ import annotations
@@ -26,6 +31,9 @@ from kvpool.operator.spec import GrantSpec, PoolSpec, format_bytes
 # Conditions of a grant.
 ACCEPTED = "Accepted"  # the pool serves it: it names a pool with tenancy on, and is valid
 CUT = "Cut"  # its ceiling is cut: the pool's grants ask more than its memory
+# Reasons a grant is not accepted (besides Invalid).
+POOL_REFUSES = "PoolRefuses"  # its pool does not serve grants (invalid, tenancy off)
+NAMESPACE_NOT_ALLOWED = "NamespaceNotAllowed"  # its pool does not list the grant's namespace
 _TENANT_MAX = 63
 
 
@@ -52,17 +60,43 @@ def read_grant(obj: Mapping[str, Any]) -> Grant:
     return Grant(str(meta.get("name")), str(meta.get("namespace")), meta.get("generation"), spec, problem)
 
 
-def tenant_of(grant: Grant) -> str:
-    """The Mooncake tenant of a grant: ``domain.<reuseDomain>``, or ``<namespace>.<name>``
-    (a digest of it when longer than a tenant may be)."""
+def pool_namespace_of(grant: Grant) -> str:
+    """The namespace of the pool a grant names: ``spec.poolNamespace``, else its own."""
     assert grant.spec is not None
-    if grant.spec.reuse_domain:
-        return f"domain.{grant.spec.reuse_domain}"
-    own = f"{grant.namespace}.{grant.name}"
+    return grant.spec.pool_namespace or grant.namespace
+
+
+def grant_ref(grant: Grant, pool_namespace: str) -> str:
+    """How a pool names one of its grants: ``<name>`` in its own namespace, else ``<namespace>/<name>``."""
+    return grant.name if grant.namespace == pool_namespace else f"{grant.namespace}/{grant.name}"
+
+
+def tenant_of(grant: Grant, pool_namespace: str | None = None) -> str:
+    """The Mooncake tenant of a grant: ``domain.<reuseDomain>`` in the pool's namespace,
+    ``<namespace>.domain-<reuseDomain>`` in another one (a reuse domain never spans two
+    namespaces: a tenant cannot join another namespace's blocks by naming its domain), else
+    ``<namespace>.<name>``; a digest of it when longer than a tenant may be."""
+    assert grant.spec is not None
+    domain = grant.spec.reuse_domain
+    if domain and grant.namespace == (pool_namespace or grant.namespace):
+        return f"domain.{domain}"
+    own = f"{grant.namespace}.domain-{domain}" if domain else f"{grant.namespace}.{grant.name}"
     if len(own) <= _TENANT_MAX:
         return own
     digest = hashlib.sha256(own.encode()).hexdigest()[:16]
     return f"{grant.namespace[:40].rstrip('-.')}.{digest}"
+
+
+def namespace_refusal(
+    grant_namespace: str, pool_namespace: str, pool: str, grant_namespaces: Sequence[str]
+) -> str | None:
+    """Why pool ``pool_namespace/pool`` does not take grants from ``grant_namespace`` (None: it does)."""
+    if grant_namespace == pool_namespace or grant_namespace in grant_namespaces:
+        return None
+    return (
+        f"pool {pool_namespace}/{pool} does not list namespace {grant_namespace} in "
+        "spec.tenancy.grantNamespaces"
+    )
 
 
 @dataclass(frozen=True)
@@ -71,8 +105,9 @@ class Tenancy:
 
     requested: dict[str, int] = field(default_factory=dict)  # tenant -> quota in the policy
     effective: dict[str, int] = field(default_factory=dict)  # tenant -> after the cut
-    tenants: dict[str, str] = field(default_factory=dict)  # grant name -> tenant
+    tenants: dict[str, str] = field(default_factory=dict)  # grant ref (``grant_ref``) -> tenant
     capacity: int | None = None  # the memory the pool declares (None: not known ahead)
+    namespace: str = ""  # the pool's
 
     def policy(self) -> str:
         return policy_yaml(self.requested)
@@ -81,18 +116,35 @@ class Tenancy:
         return self.effective.get(tenant, 0) < self.requested.get(tenant, 0)
 
 
-def plan_tenancy(pool: str, grants: Sequence[Grant], capacity: int | None) -> Tenancy:
-    """The tenants of the grants that name ``pool`` (valid ones only), cut as Mooncake cuts."""
+def honoured(grant: Grant, pool: str, namespace: str, grant_namespaces: Sequence[str]) -> bool:
+    """Whether pool ``namespace/pool`` serves ``grant``: valid, naming it, from an allowed namespace."""
+    return (
+        grant.spec is not None
+        and grant.spec.pool == pool
+        and pool_namespace_of(grant) == namespace
+        and namespace_refusal(grant.namespace, namespace, pool, grant_namespaces) is None
+    )
+
+
+def plan_tenancy(
+    pool: str,
+    namespace: str,
+    grants: Sequence[Grant],
+    capacity: int | None,
+    grant_namespaces: Sequence[str] = (),
+) -> Tenancy:
+    """The tenants of the grants ``pool`` honours (``honoured``), cut as Mooncake cuts."""
     requested: dict[str, int] = {}
     tenants: dict[str, str] = {}
-    for grant in sorted(grants, key=lambda g: g.name):
-        if grant.spec is None or grant.spec.pool != pool:
+    for grant in sorted(grants, key=lambda g: (g.namespace != namespace, g.namespace, g.name)):
+        if not honoured(grant, pool, namespace, grant_namespaces):
             continue
-        tenant = tenant_of(grant)
-        tenants[grant.name] = tenant
+        assert grant.spec is not None
+        tenant = tenant_of(grant, namespace)
+        tenants[grant_ref(grant, namespace)] = tenant
         requested[tenant] = max(requested.get(tenant, 0), grant.spec.ceiling)
     effective = dict(requested) if capacity is None else effective_quotas(requested, capacity)
-    return Tenancy(requested, effective, tenants, capacity)
+    return Tenancy(requested, effective, tenants, capacity, namespace)
 
 
 def _condition(kind: str, status: str, reason: str, message: str, generation: int | None) -> dict[str, Any]:
@@ -105,21 +157,28 @@ def _condition(kind: str, status: str, reason: str, message: str, generation: in
     }
 
 
-def grant_status(grant: Grant, tenancy: Tenancy | None, refusal: str = "") -> dict[str, Any]:
+def grant_status(
+    grant: Grant,
+    tenancy: Tenancy | None,
+    refusal: str = "",
+    master_address: str = "",
+    reason: str = POOL_REFUSES,
+) -> dict[str, Any]:
     """The status a grant should have (without transition times): ``tenancy`` None with a
-    ``refusal`` when its pool does not serve grants."""
+    ``refusal`` (and its ``reason``) when its pool does not serve it."""
     gen = grant.generation
     if grant.spec is None:
         return {
             "observedGeneration": gen,
             "conditions": [_condition(ACCEPTED, "False", "Invalid", grant.problem, gen)],
         }
-    if tenancy is None or grant.name not in tenancy.tenants:
+    ref = grant_ref(grant, tenancy.namespace) if tenancy is not None else ""
+    if tenancy is None or ref not in tenancy.tenants:
         return {
             "observedGeneration": gen,
-            "conditions": [_condition(ACCEPTED, "False", "PoolRefuses", refusal, gen)],
+            "conditions": [_condition(ACCEPTED, "False", reason, refusal, gen)],
         }
-    tenant = tenancy.tenants[grant.name]
+    tenant = tenancy.tenants[ref]
     effective = tenancy.effective[tenant]
     requested = tenancy.requested[tenant]
     if tenancy.capacity is None:
@@ -144,6 +203,7 @@ def grant_status(grant: Grant, tenancy: Tenancy | None, refusal: str = "") -> di
     return {
         "observedGeneration": gen,
         "tenant": tenant,
+        **({"masterServerAddress": master_address} if master_address else {}),
         "ceiling": format_bytes(effective),
         "ceilingBytes": effective,
         "conditions": [
@@ -153,12 +213,14 @@ def grant_status(grant: Grant, tenancy: Tenancy | None, refusal: str = "") -> di
     }
 
 
-def consumer_grant_problems(pool: str, spec: PoolSpec, grants: Sequence[Grant]) -> list[Problem]:
+def consumer_grant_problems(
+    pool: str, namespace: str, spec: PoolSpec, grants: Sequence[Grant]
+) -> list[Problem]:
     """Each consumer of a pool with tenancy that names no grant, or one that is not in its
     namespace, not valid or of another pool (the grant's own name is in the message)."""
     if not spec.tenancy.enabled:
         return []
-    by_name = {g.name: g for g in grants}
+    by_name = {g.name: g for g in grants if g.namespace == namespace}
     problems = []
     for index, consumer in enumerate(spec.consumers):
         grant = by_name.get(consumer.grant or "")
@@ -169,8 +231,9 @@ def consumer_grant_problems(pool: str, spec: PoolSpec, grants: Sequence[Grant]) 
             message = f"no MooncakeKVPoolGrant {consumer.grant!r} in the consumer's namespace"
         elif grant.spec is None:
             rule, message = "grant-invalid", f"grant {grant.name!r} is invalid: {grant.problem}"
-        elif grant.spec.pool != pool:
-            rule, message = "grant-other-pool", f"grant {grant.name!r} is a share of pool {grant.spec.pool!r}"
+        elif grant.spec.pool != pool or pool_namespace_of(grant) != namespace:
+            other = f"{pool_namespace_of(grant)}/{grant.spec.pool}"
+            rule, message = "grant-other-pool", f"grant {grant.name!r} is a share of pool {other}"
         else:
             continue
         problems.append(Problem(field=f"spec.consumers[{index}].grant", rule=rule, message=message))

@@ -84,6 +84,8 @@ def api_resource_of(obj: dict) -> ApiResource:
 PREFIX = GROUP
 LABEL_POOL = f"{PREFIX}/pool"
 LABEL_COMPONENT = f"{PREFIX}/component"
+# On the pods of a consumer in another namespace than its pool's (with LABEL_POOL): the pool's namespace.
+LABEL_POOL_NAMESPACE = f"{PREFIX}/pool-namespace"
 LABEL_CONSUMER_OF = f"{PREFIX}/consumer-of"  # on consumer Deployments the pool patched
 # A consumer Deployment's consent: the pool it lets patch it (set by the Deployment's owner).
 LABEL_ALLOW_POOL = f"{PREFIX}/allow-pool"

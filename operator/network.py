@@ -100,6 +100,8 @@ def network_policy(
             "podSelector": {"matchLabels": dict(policy.operator_pod_labels)},
         }
         rules.append({"from": [operator], "ports": metrics_port})
+    if spec.tenancy.enabled and spec.tenancy.grant_namespaces:
+        rules.append(granted_consumers_rule(pool, namespace, spec))
     pods = {
         "matchLabels": {names.LABEL_POOL: pool},
         "matchExpressions": [
@@ -107,6 +109,29 @@ def network_policy(
         ],
     }
     return _policy(pool, namespace, names.network_policy_name(pool), pods, rules)
+
+
+def granted_consumers_rule(pool: str, namespace: str, spec: PoolSpec) -> dict[str, Any]:
+    """Consumers in the namespaces the pool takes grants from (pods labelled with the pool and
+    its namespace, in exactly those namespaces): the master's RPC port and the transfer ports
+    (the stores'), never the master's HTTP port with its admin API."""
+    peers = {
+        "namespaceSelector": {
+            "matchExpressions": [
+                {
+                    "key": NAMESPACE_NAME_LABEL,
+                    "operator": "In",
+                    "values": sorted(spec.tenancy.grant_namespaces),
+                }
+            ]
+        },
+        "podSelector": {"matchLabels": {names.LABEL_POOL: pool, names.LABEL_POOL_NAMESPACE: namespace}},
+    }
+    ports = [
+        {"protocol": "TCP", "port": spec.master.rpc_port},
+        {"protocol": "TCP", "port": TRANSFER_PORT_MIN, "endPort": TRANSFER_PORT_MAX},
+    ]
+    return {"from": [peers], "ports": ports}
 
 
 def consumers_pods(pool: str) -> dict[str, Any]:

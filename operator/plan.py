@@ -100,16 +100,20 @@ def build_plan(
 ) -> Plan:
     """Validate the spec and build every desired object from it (``network``: what the
     namespace's own NetworkPolicies do to the consumers; default: none selects them;
-    ``grants``: the namespace's grants)."""
+    ``grants``: those of the pool's namespace and of its ``tenancy.grantNamespaces``)."""
     policy = policy or OperatorPolicy()
     spec, settings, problems = validate(pool, namespace, raw_spec, policy)
     if spec is not None:
-        problems = problems + consumer_grant_problems(pool, spec, grants)
+        problems = problems + consumer_grant_problems(pool, namespace, spec, grants)
     if problems or spec is None or settings is None:
         return Plan(pool=pool, namespace=namespace, problems=problems)
     address = master_address(pool, namespace, spec)
     configmap = connector_configmap(pool, namespace, settings)
-    tenancy = plan_tenancy(pool, grants, declared_capacity(spec)) if spec.tenancy.enabled else None
+    tenancy = (
+        plan_tenancy(pool, namespace, grants, declared_capacity(spec), spec.tenancy.grant_namespaces)
+        if spec.tenancy.enabled
+        else None
+    )
     tenants = tenancy.tenants if tenancy else {}
     injections = [
         plan_injection(pool, c, settings, configmap, tenants.get(c.grant or "", "")) for c in spec.consumers

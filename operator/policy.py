@@ -100,6 +100,9 @@ class OperatorPolicy:
     # The operator's pods (namespace and labels): let in to the masters' HTTP (metrics) port.
     operator_namespace: str | None = None
     operator_pod_labels: tuple[tuple[str, str], ...] = ()
+    # The namespaces the operator watches (``--namespace``; empty: all): a pool may take grants
+    # only from these, the only ones the operator can read.
+    watched_namespaces: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for entry in self.allowed_registries:

@@ -41,7 +41,16 @@ from kvpool.operator.consumers import (
 from kvpool.operator.drain_jobs import DrainRefused, cancel_drain_job
 from kvpool.operator.drain_timer import advance, drain_base
 from kvpool.operator.grant_usage import grant_usage, with_changed_at
-from kvpool.operator.grants import Grant, grant_status, read_grant
+from kvpool.operator.grants import (
+    NAMESPACE_NOT_ALLOWED,
+    POOL_REFUSES,
+    Grant,
+    grant_ref,
+    grant_status,
+    namespace_refusal,
+    pool_namespace_of,
+    read_grant,
+)
 from kvpool.operator.kube import ApiError, Applied, KubeClient, ensure, ensure_absent
 from kvpool.operator.leader import (
     SERVICE_HEALTH_URL,
@@ -129,11 +138,34 @@ def uses_grants(pool: Mapping[str, Any]) -> bool:
     return bool(tenancy.get("enabled")) or any(isinstance(c, dict) and c.get("grant") for c in consumers)
 
 
+def grant_namespaces(pool: Mapping[str, Any]) -> list[str]:
+    """The other namespaces a pool's (unvalidated) spec takes grants from."""
+    listed = ((pool.get("spec") or {}).get("tenancy") or {}).get("grantNamespaces")
+    return [n for n in dict.fromkeys(listed) if isinstance(n, str)] if isinstance(listed, list) else []
+
+
 async def read_grants(kube: KubeClient, pool: Mapping[str, Any]) -> list[Grant]:
-    """The grants in the pool's namespace (none read when the pool uses none)."""
+    """The grants in the pool's namespace, and those naming it in its ``grantNamespaces``
+    (none read when the pool uses none). A listed namespace the operator cannot read is
+    skipped (validation names it when the operator does not watch it)."""
     if not uses_grants(pool):
         return []
-    return [read_grant(obj) for obj in await kube.list(GRANTS, pool["metadata"]["namespace"])]
+    meta = pool["metadata"]
+    own = meta["namespace"]
+    grants = [read_grant(obj) for obj in await kube.list(GRANTS, own)]
+    for other in grant_namespaces(pool):
+        if other == own:
+            continue
+        try:
+            found = await kube.list(GRANTS, other)
+        except ApiError as exc:
+            logger.warning("grants of pool %s/%s in namespace %s: %s", own, meta["name"], other, exc)
+            continue
+        for obj in found:
+            spec = obj.get("spec") or {}
+            if spec.get("pool") == meta["name"] and spec.get("poolNamespace") == own:
+                grants.append(read_grant(obj))
+    return grants
 
 
 async def write_grant_statuses(
@@ -148,24 +180,69 @@ async def write_grant_statuses(
         else f"pool {pool} does not have spec.tenancy.enabled"
     )
     for grant in grants:
-        if grant.spec is not None and grant.spec.pool != pool:
+        if grant.spec is not None and (grant.spec.pool != pool or pool_namespace_of(grant) != plan.namespace):
             continue
         old = dict(await _grant_status_of(kube, grant))
-        new = grant_status(grant, plan.tenancy, refusal[:1024])
-        if plan.tenancy is not None and grant.name in plan.tenancy.tenants:
+        new = grant_status(grant, plan.tenancy, refusal[:1024], plan.master_address)
+        ref = grant_ref(grant, plan.namespace)
+        if plan.tenancy is not None and ref in plan.tenancy.tenants:
             usage = grant_usage(
-                grant.name, plan.tenancy.tenants, observation, asked=plan.observed, external=plan.external
+                ref, plan.tenancy.tenants, observation, asked=plan.observed, external=plan.external
             )
             new["usage"] = with_changed_at(usage, old.get("usage"), now)
-        previous = {c.get("type"): c for c in old.get("conditions") or []}
-        for item in new["conditions"]:
-            before = previous.get(item["type"]) or {}
-            same = before.get("status") == item["status"]
-            item["lastTransitionTime"] = before.get("lastTransitionTime") if same else now
-        if new != old:
-            await kube.patch(
-                GRANTS, grant.namespace, grant.name, {"status": diff(old, new)}, subresource="status"
-            )
+        await _write_grant_status(kube, grant, old, new, now)
+
+
+GRANTS_ELSEWHERE = "grantsFromOtherNamespaces"
+
+
+async def with_grants_elsewhere(
+    kube: KubeClient, pool: Mapping[str, Any], status: dict[str, Any], plan: Plan, now: str
+) -> dict[str, Any]:
+    """``status`` naming the other namespaces' grants the pool serves now; one it served before
+    and no longer does (its namespace unlisted, tenancy off) is told so on its status."""
+    meta = pool["metadata"]
+    tenants = plan.tenancy.tenants if plan.tenancy is not None else {}
+    now_served = sorted(ref for ref in tenants if "/" in ref)
+    for ref in (pool.get("status") or {}).get(GRANTS_ELSEWHERE) or []:
+        if ref in now_served or not isinstance(ref, str) or "/" not in ref:
+            continue
+        grant_namespace, grant_name = ref.split("/", 1)
+        obj = await kube.get(GRANTS, grant_namespace, grant_name)
+        spec = (obj or {}).get("spec") or {}
+        if obj is None or spec.get("pool") != meta["name"] or spec.get("poolNamespace") != meta["namespace"]:
+            continue  # gone, or another pool's now (that pool says so)
+        unlisted = namespace_refusal(grant_namespace, meta["namespace"], meta["name"], grant_namespaces(pool))
+        if unlisted is not None:
+            await refuse_grant(kube, obj, unlisted, NAMESPACE_NOT_ALLOWED, now)
+        else:
+            served = f"pool {meta['namespace']}/{meta['name']} does not serve grants (see its status)"
+            await refuse_grant(kube, obj, served, POOL_REFUSES, now)
+    out = {k: v for k, v in status.items() if k != GRANTS_ELSEWHERE}
+    return {**out, GRANTS_ELSEWHERE: now_served} if now_served else out
+
+
+async def refuse_grant(
+    kube: KubeClient, body: Mapping[str, Any], refusal: str, reason: str, now: str
+) -> None:
+    """Say on a grant that the pool it names does not serve it (written only when it changed)."""
+    grant = read_grant(body)
+    old = dict(await _grant_status_of(kube, grant))
+    await _write_grant_status(kube, grant, old, grant_status(grant, None, refusal[:1024], reason=reason), now)
+
+
+async def _write_grant_status(
+    kube: KubeClient, grant: Grant, old: Mapping[str, Any], new: dict[str, Any], now: str
+) -> None:
+    previous = {c.get("type"): c for c in old.get("conditions") or []}
+    for item in new["conditions"]:
+        before = previous.get(item["type"]) or {}
+        same = before.get("status") == item["status"]
+        item["lastTransitionTime"] = before.get("lastTransitionTime") if same else now
+    if new != old:
+        await kube.patch(
+            GRANTS, grant.namespace, grant.name, {"status": diff(old, new)}, subresource="status"
+        )
 
 
 async def _grant_status_of(kube: KubeClient, grant: Grant) -> Mapping[str, Any]:
@@ -669,6 +746,7 @@ class Reconciler:
             # After the policy is applied: a grant says what the master was told.
             observation = self.observations.get((namespace, name))
             await write_grant_statuses(self.kube, name, grants, plan, utcnow(), observation)
+            status = await with_grants_elsewhere(self.kube, pool, status, plan, utcnow())
         if status != old:
             await self.kube.patch(POOLS, namespace, name, {"status": diff(old, status)}, subresource="status")
             announce(old, status, notify)

@@ -90,6 +90,7 @@ def _check_quantity(value: int | str) -> int | str:
 Quantity = Annotated[int | str, AfterValidator(_check_quantity)]
 Port = Annotated[int, Field(ge=1, le=65535)]
 DNSName = Annotated[str, StringConstraints(pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", max_length=253)]
+NamespaceName = Annotated[str, StringConstraints(pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", max_length=63)]
 Endpoint = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9.\-\[\]:]+:[0-9]{1,5}$")]
 # Byte sizes take the contract's own parser: an integer, or a string such as "4GB" (binary units).
 ByteSize = Annotated[int, BeforeValidator(parse_size, json_schema_input_type=int | str)]
@@ -391,6 +392,14 @@ class TenancySpec(_Model):
         "policy waits for the master's next start; until then the master refuses a new grant's "
         "writes and keeps old quotas.",
     )
+    grant_namespaces: list[NamespaceName] = Field(
+        default_factory=list,
+        max_length=256,
+        description="Other namespaces whose grants (spec.poolNamespace naming this pool's) the pool "
+        "honours; a grant anywhere else is refused (NamespaceNotAllowed). Their consumers' pods "
+        "(labelled kvpool.mooncake.io/pool and kvpool.mooncake.io/pool-namespace) reach the "
+        "master's RPC port and the stores' transfer ports, never the master's HTTP port.",
+    )
 
 
 class PoolSpec(_Model):
@@ -418,7 +427,12 @@ class PoolSpec(_Model):
 class GrantSpec(_Model):
     """A share of a pool for the grant's namespace: one Mooncake tenant, one reuse domain."""
 
-    pool: DNSName = Field(description="The MooncakeKVPool this grant is a share of (in the same namespace).")
+    pool: DNSName = Field(description="The MooncakeKVPool this grant is a share of.")
+    pool_namespace: NamespaceName | None = Field(
+        default=None,
+        description="The pool's namespace (default: the grant's own); a pool in another namespace "
+        "honours the grant only when its spec.tenancy.grantNamespaces lists the grant's namespace.",
+    )
     ceiling: ByteSize = Field(
         ge=1 << 20,
         description="Pool memory the grant's consumers may hold at most (bytes or '8GB'); cut in "
@@ -481,6 +495,11 @@ class GrantStatus(_Model):
 
     observed_generation: int | None = None
     tenant: str | None = Field(default=None, description="The Mooncake tenant of the grant's consumers.")
+    master_server_address: str | None = Field(
+        default=None,
+        description="The pool's master_server_address: with the tenant, what a consumer the pool "
+        "does not list (one in another namespace) puts in its connector settings.",
+    )
     ceiling: str | None = Field(default=None, description="The ceiling the master admits, as a quantity.")
     ceiling_bytes: int | None = None
     usage: GrantUsage | None = None
@@ -632,6 +651,10 @@ class PoolStatus(_Model):
     store_drain: StoreDrainStatus | None = None
     conditions: list[Condition] = Field(default_factory=list)
     consumers: list[ConsumerStatus] = Field(default_factory=list)
+    grants_from_other_namespaces: list[str] = Field(
+        default_factory=list,
+        description="The grants of spec.tenancy.grantNamespaces the pool serves (namespace/name).",
+    )
     warnings: list[str] = Field(
         default_factory=list, description="What may keep the pool from running, though the spec is valid."
     )

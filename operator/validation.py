@@ -270,14 +270,15 @@ def validate(
     problems += check_external(spec, raw_spec or {})
     if spec.external is None:
         problems += check_master(spec) + check_store(spec) + check_requests(spec)
-    problems += check_consumers(spec) + check_tenancy(spec)
+    problems += check_consumers(spec) + check_tenancy(spec, namespace, policy or OperatorPolicy())
     problems += check_policy(spec, policy or OperatorPolicy())
     settings, settings_problems = check_settings(pool, namespace, spec)
     return spec, settings, problems + settings_problems
 
 
-def check_tenancy(spec: PoolSpec) -> list[Problem]:
-    """Grants need a master the pool runs, and mean nothing without tenancy."""
+def check_tenancy(spec: PoolSpec, namespace: str = "", policy: OperatorPolicy | None = None) -> list[Problem]:
+    """Grants need a master the pool runs, and mean nothing without tenancy; grants from other
+    namespaces need stores of the pool's own and a namespace the operator watches."""
     if spec.tenancy.enabled and spec.external is not None:
         return [
             _problem(
@@ -285,12 +286,61 @@ def check_tenancy(spec: PoolSpec) -> list[Problem]:
             )
         ]
     if spec.tenancy.enabled:
-        return []
-    return [
+        return check_grant_namespaces(spec, namespace, policy or OperatorPolicy())
+    off = [
         _problem(f"spec.consumers[{i}].grant", "tenancy-off", "a grant needs spec.tenancy.enabled")
         for i, consumer in enumerate(spec.consumers)
         if consumer.grant is not None
     ]
+    if spec.tenancy.grant_namespaces:
+        off.append(
+            _problem(
+                "spec.tenancy.grantNamespaces",
+                "tenancy-off",
+                "grants from other namespaces need spec.tenancy.enabled",
+            )
+        )
+    return off
+
+
+def check_grant_namespaces(spec: PoolSpec, namespace: str, policy: OperatorPolicy) -> list[Problem]:
+    """``tenancy.grantNamespaces``: distinct, not the pool's own, watched by the operator, and
+    not with embedded stores (whose consumers would have to reach each other across namespaces)."""
+    listed = spec.tenancy.grant_namespaces
+    problems = []
+    for index, other in enumerate(listed):
+        where = f"spec.tenancy.grantNamespaces[{index}]"
+        if other == namespace:
+            problems.append(_problem(where, "own-namespace", "the pool's own namespace needs no listing"))
+        elif other in listed[:index]:
+            problems.append(_problem(where, "duplicate", f"namespace {other} is listed twice"))
+        elif policy.watched_namespaces and other not in policy.watched_namespaces:
+            watched = ", ".join(policy.watched_namespaces)
+            problems.append(
+                _problem(
+                    where,
+                    "namespace-not-watched",
+                    f"the operator watches only {watched}: it cannot read grants in {other}",
+                )
+            )
+    if listed and not policy.network_policy_end_port:
+        problems.append(
+            _problem(
+                "spec.tenancy.grantNamespaces",
+                "end-port-needed",
+                "the transfer ports other namespaces' consumers need are a port range (endPort), "
+                "which this cluster's network plugin does not read (the operator's policy)",
+            )
+        )
+    if listed and spec.store.mode == "embedded":
+        problems.append(
+            _problem(
+                "spec.tenancy.grantNamespaces",
+                "embedded-stores",
+                "consumers in other namespaces need standalone stores (spec.store.mode standalone)",
+            )
+        )
+    return problems
 
 
 def describe(problems: list[Problem]) -> str:

@@ -399,9 +399,10 @@ class Cluster:
             if resource.plural == "events" and not obj.deleted and obj.raw.get("reason") == reason
         ]
 
-    def get(self, plural_path: str, name: str) -> dict[str, Any] | None:
-        """A copy of an object as the API server holds it; None if it does not exist."""
-        key = (kmock.resource(plural_path), self.namespace, name)
+    def get(self, plural_path: str, name: str, namespace: str | None = None) -> dict[str, Any] | None:
+        """A copy of an object as the API server holds it (in ``namespace``, default the
+        operator's); None if it does not exist."""
+        key = (kmock.resource(plural_path), namespace or self.namespace, name)
         if key not in self.api.objects or self.api.objects[key].deleted:
             return None
         return copy.deepcopy(self.api.objects[key].raw)

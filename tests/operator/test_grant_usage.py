@@ -127,7 +127,7 @@ def test_usage_not_observed_is_unknown_never_zero(
 
 def test_grants_of_one_reuse_domain_show_their_tenants_numbers_and_name_each_other() -> None:
     grants = [grant("team-a", domain="shared"), grant("team-b", "16MB", domain="shared"), grant("team-c")]
-    tenancy = plan_tenancy("pool", grants, 32 * MiB)
+    tenancy = plan_tenancy("pool", NAMESPACE, grants, 32 * MiB)
     text = MASTER_TEXT + TENANCY_HEAD + tenant_text("domain.shared", 3 * MiB)
     a = grant_usage("team-a", tenancy.tenants, answered(text), asked=True)
     b = grant_usage("team-b", tenancy.tenants, answered(text), asked=True)
@@ -145,7 +145,7 @@ def test_usage_that_holds_still_keeps_its_time_and_the_status_is_valid() -> None
     )
     assert moved["usedBytes"] == 6 * MiB and with_changed_at(moved, first, "t2")["changedAt"] == "t2"
     # The grant's status with its usage is what the CRD's schema describes.
-    tenancy = plan_tenancy("pool", [grant("team-a"), grant("team-b")], 32 * MiB)
+    tenancy = plan_tenancy("pool", NAMESPACE, [grant("team-a"), grant("team-b")], 32 * MiB)
     status = {**grant_status(grant("team-a"), tenancy), "usage": first}
     assert GrantStatus.model_validate(status).usage is not None
 

@@ -192,3 +192,108 @@ def test_an_unknown_grant_change_mode_is_refused_by_field() -> None:
     plan = build_plan("pool", NAMESPACE, raw, grants=[grant("team-a", "8MB")])
     assert [p.field for p in plan.problems] == ["spec.tenancy.grantChanges"]
     assert plan.children == []
+
+
+OTHER = "team-b"
+
+
+def grant_in(namespace: str, name: str, ceiling: str, **spec: Any) -> Grant:
+    return read_grant(
+        {
+            "metadata": {"name": name, "namespace": namespace, "generation": 1},
+            "spec": {"pool": "pool", "ceiling": ceiling, "poolNamespace": NAMESPACE, **spec},
+        }
+    )
+
+
+def test_grants_from_listed_namespaces_are_tenants_and_others_are_not() -> None:
+    grants = [
+        grant("own", "16MB"),
+        grant_in(OTHER, "llm", "16MB"),
+        grant_in("team-c", "llm", "16MB"),  # not listed
+        grant_in(OTHER, "elsewhere", "16MB", poolNamespace="team-x"),  # another pool's
+    ]
+    raw = tenant_spec("own")
+    raw["tenancy"]["grantNamespaces"] = [OTHER]
+    plan = build_plan("pool", NAMESPACE, raw, grants=grants)
+    assert plan.valid, plan.problems
+    assert plan.tenancy is not None
+    assert plan.tenancy.tenants == {"own": f"{NAMESPACE}.own", f"{OTHER}/llm": f"{OTHER}.llm"}
+    # 16 + 16 MiB of 32: both fit; the other namespace's grant is told where the master is.
+    status = grant_status(grants[1], plan.tenancy, master_address=plan.master_address)
+    assert status["tenant"] == f"{OTHER}.llm" and status["ceilingBytes"] == 16 * MiB
+    assert status["masterServerAddress"] == f"pool-master.{NAMESPACE}.svc:50051"
+    refused = grant_status(grants[2], plan.tenancy, "not listed", reason="NamespaceNotAllowed")
+    assert [(c["type"], c["status"], c["reason"]) for c in refused["conditions"]] == [
+        ("Accepted", "False", "NamespaceNotAllowed")
+    ]
+    policy = next(
+        c for c in plan.children if c["kind"] == "ConfigMap" and c["metadata"]["name"] == "pool-tenants"
+    )
+    assert policy["data"][POLICY_FILE] == policy_yaml(
+        {f"{NAMESPACE}.own": 16 * MiB, f"{OTHER}.llm": 16 * MiB}
+    )
+
+
+def test_a_reuse_domain_never_spans_two_namespaces() -> None:
+    """A tenant naming another namespace's domain gets a tenant of its own: it cannot read
+    that namespace's blocks by choosing a name."""
+    grants = [
+        grant("own", "8MB", reuseDomain="llama"),
+        grant_in(OTHER, "a", "8MB", reuseDomain="llama"),
+        grant_in(OTHER, "b", "16MB", reuseDomain="llama"),
+    ]
+    raw = tenant_spec("own")
+    raw["tenancy"]["grantNamespaces"] = [OTHER]
+    plan = build_plan("pool", NAMESPACE, raw, grants=grants)
+    assert plan.tenancy is not None
+    assert plan.tenancy.tenants == {
+        "own": "domain.llama",
+        f"{OTHER}/a": f"{OTHER}.domain-llama",
+        f"{OTHER}/b": f"{OTHER}.domain-llama",
+    }
+    assert plan.tenancy.requested == {"domain.llama": 8 * MiB, f"{OTHER}.domain-llama": 16 * MiB}
+
+
+def test_a_consumer_cannot_attach_to_a_grant_of_another_namespace() -> None:
+    raw = tenant_spec("llm")
+    raw["tenancy"]["grantNamespaces"] = [OTHER]
+    plan = build_plan("pool", NAMESPACE, raw, grants=[grant_in(OTHER, "llm", "8MB")])
+    assert [(p.field, p.rule) for p in plan.problems] == [("spec.consumers[0].grant", "grant-not-found")]
+
+
+@pytest.mark.parametrize(
+    ("tenancy", "store", "policy", "rule"),
+    [
+        ({"enabled": True, "grantNamespaces": [NAMESPACE]}, {}, {}, "own-namespace"),
+        ({"enabled": True, "grantNamespaces": [OTHER, OTHER]}, {}, {}, "duplicate"),
+        (
+            {"enabled": True, "grantNamespaces": [OTHER]},
+            {},
+            {"watched_namespaces": (NAMESPACE,)},
+            "namespace-not-watched",
+        ),
+        (
+            {"enabled": True, "grantNamespaces": [OTHER]},
+            {},
+            {"network_policy_end_port": False},
+            "end-port-needed",
+        ),
+        ({"enabled": True, "grantNamespaces": [OTHER]}, {"mode": "embedded"}, {}, "embedded-stores"),
+        ({"enabled": False, "grantNamespaces": [OTHER]}, {}, {}, "tenancy-off"),
+        ({"enabled": True, "grantNamespaces": ["Not_A_Namespace"]}, {}, {}, "schema:string_pattern_mismatch"),
+    ],
+)
+def test_bad_grant_namespaces_are_refused_by_field_and_rule(
+    tenancy: dict[str, Any], store: dict[str, Any], policy: dict[str, Any], rule: str
+) -> None:
+    from kvpool.operator.policy import OperatorPolicy
+
+    raw = tenant_spec("own", **store)
+    raw["tenancy"] = tenancy
+    if not tenancy["enabled"]:
+        raw["consumers"][0].pop("grant")
+    plan = build_plan("pool", NAMESPACE, raw, OperatorPolicy(**policy), grants=[grant("own", "8MB")])
+    assert [p.rule for p in plan.problems] == [rule], plan.problems
+    assert all(p.field.startswith("spec.tenancy.grantNamespaces") for p in plan.problems)
+    assert plan.children == []

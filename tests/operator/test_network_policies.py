@@ -236,3 +236,33 @@ def test_a_selector_the_operator_cannot_read_counts_as_selecting() -> None:
     odd = admin_policy("odd", {"matchExpressions": [{"key": "app", "operator": "Gt", "values": ["1"]}]}, [])
     assert guarding_policies([odd], [dict(CONSUMER.labels)], POOL_UID) == ("odd",)
     assert guarding_policies([GATEWAY_ONLY], [{"app": "batch"}], POOL_UID) == ()
+
+
+def test_consumers_in_the_granted_namespaces_reach_rpc_and_transfer_ports_only() -> None:
+    third = "third-team"
+    namespaces = {**NAMESPACES, third: {"kubernetes.io/metadata.name": third}}
+    spec = pool_spec(tenancy={"enabled": True, "grantNamespaces": [OTHER]}, consumers=[])
+    plan = build_plan("pool", NAMESPACE, spec, OperatorPolicy())
+    assert plan.valid, plan.problems
+    network = Network(namespaces, ()).with_policies(c for c in plan.children if c["kind"] == "NetworkPolicy")
+    labels = {names.LABEL_POOL: "pool", names.LABEL_POOL_NAMESPACE: NAMESPACE}
+    granted = Pod("tenant-llm-0", OTHER, labels)
+    for port in (50051, *TRANSFER):
+        assert network.admits(granted, MASTER if port == 50051 else STORE, port), port
+    # Never the admin API, nor another port; never a pod without both labels or elsewhere.
+    assert not network.admits(granted, MASTER, 9003) and not network.admits(granted, STORE, 50052)
+    for stranger in (
+        Pod("tenant-batch-0", OTHER, {"app": "batch"}),
+        Pod("tenant-llm-1", OTHER, {names.LABEL_POOL: "pool"}),
+        Pod("tenant-llm-2", OTHER, {names.LABEL_POOL: "pool", names.LABEL_POOL_NAMESPACE: "elsewhere"}),
+        Pod("stranger-0", third, labels),
+    ):
+        assert not network.admits(stranger, MASTER, 50051) and not network.admits(stranger, STORE, 15000), (
+            stranger
+        )
+    # Without grantNamespaces the rule is not there: the granted pod is a stranger too.
+    plain = build_plan(
+        "pool", NAMESPACE, pool_spec(tenancy={"enabled": True}, consumers=[]), OperatorPolicy()
+    )
+    closed = Network(namespaces, ()).with_policies(c for c in plain.children if c["kind"] == "NetworkPolicy")
+    assert not closed.admits(granted, MASTER, 50051) and not closed.admits(granted, STORE, 15000)
