@@ -30,7 +30,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -84,6 +84,22 @@ def keys_needed() -> list[tuple[int, int]]:
 # --- the pool and its processes ------------------------------------------------------------
 
 
+def wait_stopped(pid: int, timeout: float = 10.0) -> None:
+    """Wait until every thread of ``pid`` has stopped: ``kill`` returns before a busy machine
+    has scheduled each thread to take the SIGSTOP, and one still running could serve a call."""
+    deadline = time.monotonic() + timeout
+    while True:
+        states = []
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with suppress(OSError):
+                # The state follows the parenthesised command name, which may hold spaces.
+                states.append((task / "stat").read_text().rsplit(")", 1)[1].split()[0])
+        if states and all(state in ("T", "t") for state in states):
+            return
+        assert time.monotonic() < deadline, f"process {pid} did not stop: thread states {states}"
+        time.sleep(0.005)
+
+
 @contextmanager
 def frozen(process: Any) -> Iterator[Callable[[], None]]:
     """SIGSTOP ``process``; yields ``thaw`` (SIGCONT), which runs at the latest on exit."""
@@ -97,6 +113,7 @@ def frozen(process: Any) -> Iterator[Callable[[], None]]:
 
     os.kill(process.pid, signal.SIGSTOP)
     try:
+        wait_stopped(process.pid)
         yield thaw
     finally:
         thaw()
@@ -569,6 +586,7 @@ def test_a_store_frozen_mid_save_publishes_nothing(setup: Setup, monkeypatch: py
             # socket's buffers) completed as far as Mooncake says; one that returns only
             # after the thaw was stuck past the save's deadline and given up.
             state.setdefault("given_up" if "thawed" in state else "returned", []).extend(keys)
+            state.setdefault("codes", []).extend(codes)
         return codes
 
     def thaw_after_deadline(tokens: int) -> None:
@@ -594,7 +612,9 @@ def test_a_store_frozen_mid_save_publishes_nothing(setup: Setup, monkeypatch: py
     setup.engine.wait_unstuck()
     assert "frozen" in state, "a save was writing when the store froze"
     saves = [t for t in setup.engine.transfers()[mark:] if t.operation == "save"]
-    assert state.get("thawed"), f"the save was not given up while the store was frozen: {saves}"
+    assert state.get("thawed"), (
+        f"the save was not given up while the store was frozen: {saves}, codes {state.get('codes')}"
+    )
     given_up = state.get("given_up", [])
     assert given_up, f"a write was stuck until the store thawed: {saves}"
     client = setup.client()
