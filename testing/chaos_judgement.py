@@ -278,12 +278,16 @@ def metrics_disagreements(history: History, *, final_generations: Mapping[int, i
             r for r in history.requests if r.server == server and r.ended is not None and r.ended >= born
         ]
         completed = sum(r.outcome == COMPLETED for r in ended_here)
+        # Surely counted between the scrapes: the completed requests sent after the first one.
+        # One the server finished just before it may reach its client just after.
+        surely = sum(r.outcome == COMPLETED and r.sent >= born for r in ended_here)
         # A client that hung up after its last token was generated finished on the server.
         hung_up = sum(r.outcome == DISCONNECTED for r in ended_here)
-        if not completed <= counted <= completed + hung_up:
+        if not surely <= counted <= completed + hung_up:
             problems.append(
                 f"server {server} generation {generation}: {counted:.0f} requests finished on /metrics, "
-                f"{completed} completed in the history ({hung_up} hung up)"
+                f"{completed} completed in the history ({surely} sent after its first scrape, "
+                f"{hung_up} hung up)"
             )
     failures = failure_counts(history.metrics)
     unknown = sorted(set(failures) - KNOWN_FAILURE_REASONS)
