@@ -448,8 +448,11 @@ class Cluster:
                 obj.patch({"status": status, "metadata": {"resourceVersion": str(next(_SEQUENCE))}})
 
     def set_pod_ready(self, name: str, ready: bool) -> None:
-        """Play the kubelet: the pod is Running, and Ready as its readiness probe said."""
+        """Play the kubelet: the pod is Running, and Ready as its readiness probe said (a pod
+        deleted meanwhile is left alone, as a kubelet's late probe result is)."""
         obj = self.api.objects[kmock.resource(PODS_PATH), self.namespace, name]
+        if obj.deleted:
+            return
         status = {
             **(obj.raw.get("status") or {}),
             "phase": "Running",
