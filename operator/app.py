@@ -40,6 +40,7 @@ from kvpool.operator.policy import OperatorPolicy
 from kvpool.operator.reconcile import (
     Notify,
     Reconciler,
+    child_pool_namespace,
     grant_namespaces,
     pool_of,
     read_grants,
@@ -237,7 +238,7 @@ def make_registry(
         # A pool's Deployment or consumer changed (a rollout progressed, a hand edit): a pass
         # now, not at the next resync (passes that would wait behind one already queued are
         # dropped: the queued one reads the newest state).
-        namespace, name = body.get("metadata", {}).get("namespace"), pool_of(body)
+        namespace, name = child_pool_namespace(body), pool_of(body)
         if name is None or reconciler.queued(namespace, name):
             return
         pool = await reconciler.kube.get(POOLS, namespace, name)

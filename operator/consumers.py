@@ -36,7 +36,7 @@ from kvpool.operator.connector_settings import (
 from kvpool.operator.merge_patch import diff, digest
 from kvpool.operator.names import POOLS
 from kvpool.operator.network import TRANSFER_PORT_ENV
-from kvpool.operator.spec import ConsumerSpec
+from kvpool.operator.spec import GrantConsumerSpec
 
 FLAG = "--kv-transfer-config"
 FLAG_SPELLINGS = (FLAG, "--kv_transfer_config")
@@ -79,14 +79,25 @@ class Injection:
     layout_fingerprint: str
     config_hash: str
     kv_cache_dtype: str = "auto"  # the declared layout's dtype (vLLM's --kv-cache-dtype)
+    # A consumer of a grant in another namespace: its namespace and the pool's (empty: the
+    # pool's own consumer, in the pool's namespace).
+    namespace: str = ""
+    pool_namespace: str = ""
+
+    @property
+    def display_name(self) -> str:
+        """How the pool's status names it: ``<namespace>/<name>`` for another namespace's."""
+        return f"{self.namespace}/{self.deployment}" if self.namespace else self.deployment
 
 
 def plan_injection(
     pool: str,
-    consumer: ConsumerSpec,
+    consumer: GrantConsumerSpec,
     settings: ConnectorSettings,
     configmap: Mapping[str, Any],
     tenant: str = "",
+    namespace: str = "",
+    pool_namespace: str = "",
 ) -> Injection:
     """The injection for ``consumer``; its hash covers what matters to the consumer's pods:
     the transfer config (explicit settings only, never defaults), the env, the mount, the
@@ -114,6 +125,8 @@ def plan_injection(
         layout_fingerprint=layout_fingerprint,
         config_hash=config_hash,
         kv_cache_dtype=consumer.layout.dtype,
+        namespace=namespace,
+        pool_namespace=pool_namespace,
     )
 
 
@@ -133,23 +146,38 @@ def managed_by_operator(deployment: Mapping[str, Any]) -> bool:
 
 
 def refusal(
-    deployment: Mapping[str, Any], pool: str, consent_labels: Mapping[str, Any] | None = None, on: str = ""
+    deployment: Mapping[str, Any],
+    pool: str,
+    consent_labels: Mapping[str, Any] | None = None,
+    on: str = "",
+    pool_namespace: str = "",
 ) -> Refusal | None:
-    """Why ``pool`` may not patch ``deployment``; None when its owner let it. The consent
-    label is read from ``consent_labels`` (default: the Deployment's own), which ``on`` names
-    in the message (e.g. " on its pod template")."""
+    """Why ``pool`` (in ``pool_namespace``; default: the Deployment's) may not patch
+    ``deployment``; None when its owner let it. The consent labels are read from
+    ``consent_labels`` (default: the Deployment's own), which ``on`` names in the message (e.g.
+    " on its pod template"). A pool in another namespace needs the consent to name its
+    namespace too (``allow-pool-namespace``); one that names another namespace is no consent
+    for a pool of the same name here."""
     meta = deployment.get("metadata") or {}
-    where = f"Deployment {meta.get('namespace', '')}/{meta.get('name', '')}"
+    own = str(meta.get("namespace") or "")
+    expected = pool_namespace or own
+    where = f"Deployment {own}/{meta.get('name', '')}"
     if managed_by_operator(deployment):
         return Refusal("operator-managed", f"{where} is managed by the operator, never a consumer")
     other = owner_pool(deployment)
-    if other is not None and other != pool:
-        return Refusal("other-pool", f"{where} carries pool {other!r}'s connector settings")
-    labels = meta.get("labels") if consent_labels is None else consent_labels
-    allowed = (labels or {}).get(names.LABEL_ALLOW_POOL)
-    if allowed != pool:
-        found = "has no such label" if allowed is None else f"allows pool {allowed!r}"
+    if other is not None and (other != pool or owner_pool_namespace(deployment) != expected):
+        other_namespace = owner_pool_namespace(deployment)
+        other_pool = repr(other) if other_namespace == own else f"{other_namespace}/{other}"
+        return Refusal("other-pool", f"{where} carries pool {other_pool}'s connector settings")
+    labels = (meta.get("labels") if consent_labels is None else consent_labels) or {}
+    allowed = labels.get(names.LABEL_ALLOW_POOL)
+    allowed_namespace = labels.get(names.LABEL_ALLOW_POOL_NAMESPACE) or own
+    if allowed != pool or allowed_namespace != expected:
+        named = repr(allowed) if allowed_namespace == own else f"{allowed_namespace}/{allowed}"
+        found = "has no such label" if allowed is None else f"allows pool {named}"
         label = f"{names.LABEL_ALLOW_POOL}={pool}"
+        if expected != own:
+            label += f" and {names.LABEL_ALLOW_POOL_NAMESPACE}={expected}"
         return Refusal("consent", f"{where} needs the label {label}{on} to take its settings ({found})")
     return None
 
@@ -419,6 +447,9 @@ def injected(deployment: Mapping[str, Any], injection: Injection) -> dict[str, A
     )
     template_meta = template.setdefault("metadata", {})
     template_meta.setdefault("labels", {})[names.LABEL_POOL] = injection.pool
+    if injection.pool_namespace:  # a consumer in another namespace: which pool, for its NetworkPolicy
+        template_meta["labels"][names.LABEL_POOL_NAMESPACE] = injection.pool_namespace
+        meta["labels"][names.LABEL_POOL_NAMESPACE] = injection.pool_namespace
     template_meta.setdefault("annotations", {})[names.ANNOTATION_CONFIG_HASH] = injection.config_hash
     return new
 
@@ -525,11 +556,21 @@ def restored(deployment: Mapping[str, Any]) -> dict[str, Any]:
     else:
         pod.pop("volumes", None)
     template_meta = template.get("metadata") or {}
-    for key, field in ((names.LABEL_POOL, "labels"), (names.ANNOTATION_CONFIG_HASH, "annotations")):
+    injected_keys = (
+        (names.LABEL_POOL, "labels"),
+        (names.LABEL_POOL_NAMESPACE, "labels"),
+        (names.ANNOTATION_CONFIG_HASH, "annotations"),
+    )
+    for key, field in injected_keys:
         values = dict(template_meta.get(field) or {})
         values.pop(key, None)
         _set_or_drop(template_meta, field, values)
-    for key, field in ((names.LABEL_CONSUMER_OF, "labels"), (names.ANNOTATION_RESTORE, "annotations")):
+    own_keys = (
+        (names.LABEL_CONSUMER_OF, "labels"),
+        (names.LABEL_POOL_NAMESPACE, "labels"),
+        (names.ANNOTATION_RESTORE, "annotations"),
+    )
+    for key, field in own_keys:
         values = dict(meta.get(field) or {})
         values.pop(key, None)
         _set_or_drop(meta, field, values)
@@ -544,6 +585,12 @@ def restore_patch(deployment: Mapping[str, Any]) -> dict[str, Any]:
 def owner_pool(deployment: Mapping[str, Any]) -> str | None:
     """The pool whose settings a Deployment carries, if any."""
     return (deployment.get("metadata", {}).get("labels") or {}).get(names.LABEL_CONSUMER_OF)
+
+
+def owner_pool_namespace(deployment: Mapping[str, Any]) -> str:
+    """The namespace of that pool: the label another namespace's pool sets, else the Deployment's own."""
+    meta = deployment.get("metadata") or {}
+    return str((meta.get("labels") or {}).get(names.LABEL_POOL_NAMESPACE) or meta.get("namespace") or "")
 
 
 def config_hash_of(deployment: Mapping[str, Any]) -> str | None:

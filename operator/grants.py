@@ -27,6 +27,7 @@ from kvpool.connector.contract.layout import Problem
 from kvpool.connector.contract.tenant_policy import POLICY_FILE, effective_quotas, policy_yaml
 from kvpool.operator import names
 from kvpool.operator.spec import GrantSpec, PoolSpec, format_bytes
+from kvpool.operator.validation import check_consumer_list
 
 # Conditions of a grant.
 ACCEPTED = "Accepted"  # the pool serves it: it names a pool with tenancy on, and is valid
@@ -46,18 +47,40 @@ class Grant:
     generation: int | None
     spec: GrantSpec | None
     problem: str = ""
+    uid: str = ""
 
 
 def read_grant(obj: Mapping[str, Any]) -> Grant:
-    """A grant object's spec; a spec the models refuse is named by field and rule."""
+    """A grant object's spec; a spec the models or the consumer rules refuse is named by
+    field and rule."""
     meta = obj.get("metadata") or {}
+    namespace = str(meta.get("namespace"))
     try:
         spec: GrantSpec | None = GrantSpec.model_validate(obj.get("spec") or {})
         problem = ""
     except ValidationError as exc:
         first = exc.errors()[0]
         spec, problem = None, f"spec.{field_path(first['loc'])}: {error_message(first)}"
-    return Grant(str(meta.get("name")), str(meta.get("namespace")), meta.get("generation"), spec, problem)
+    if spec is not None:
+        problems = grant_consumer_problems(spec, namespace)
+        if problems:
+            spec, problem = None, "; ".join(str(p) for p in problems)
+    return Grant(
+        str(meta.get("name")), namespace, meta.get("generation"), spec, problem, str(meta.get("uid") or "")
+    )
+
+
+def grant_consumer_problems(spec: GrantSpec, namespace: str) -> list[Problem]:
+    """A grant's consumers: only in another namespace than its pool's, each by the pool's rules."""
+    if spec.consumers and (spec.pool_namespace or namespace) == namespace:
+        return [
+            Problem(
+                field="spec.consumers",
+                rule="own-namespace-consumers",
+                message="a grant in its pool's namespace lists no consumers: the pool's spec.consumers does",
+            )
+        ]
+    return check_consumer_list(spec.consumers)
 
 
 def pool_namespace_of(grant: Grant) -> str:

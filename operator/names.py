@@ -5,6 +5,7 @@ Imports nothing beyond the standard library, so the dashboards can use the label
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
@@ -89,6 +90,8 @@ LABEL_POOL_NAMESPACE = f"{PREFIX}/pool-namespace"
 LABEL_CONSUMER_OF = f"{PREFIX}/consumer-of"  # on consumer Deployments the pool patched
 # A consumer Deployment's consent: the pool it lets patch it (set by the Deployment's owner).
 LABEL_ALLOW_POOL = f"{PREFIX}/allow-pool"
+# ...and, for a pool in another namespace (a grant's consumer), that pool's namespace.
+LABEL_ALLOW_POOL_NAMESPACE = f"{PREFIX}/allow-pool-namespace"
 LABEL_PART_OF = "app.kubernetes.io/part-of"
 PART_OF = "mooncake-kvpool"  # on every object of this project: pool children and the operator
 ANNOTATION_CONFIG_HASH = f"{PREFIX}/config-hash"
@@ -132,6 +135,14 @@ def store_name(pool: str) -> str:
 
 def connector_configmap_name(pool: str) -> str:
     return f"{pool}-connector"
+
+
+def grant_connector_configmap_name(pool: str, grant: str) -> str:
+    """The connector ConfigMap in a grant's namespace (its consumers mount it)."""
+    name = f"{pool}-{grant}-connector"
+    if len(name) <= 253:
+        return name
+    return f"{pool}-{hashlib.sha256(grant.encode()).hexdigest()[:16]}-connector"
 
 
 def tenants_configmap_name(pool: str) -> str:

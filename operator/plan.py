@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvpool.connector.contract.layout import Problem
+from kvpool.connector.contract.settings import ConnectorSettings
 from kvpool.operator import names
 from kvpool.operator.components import (
     drains_on_scale_down,
@@ -18,11 +20,19 @@ from kvpool.operator.components import (
 )
 from kvpool.operator.connector_settings import connector_configmap
 from kvpool.operator.consumers import Injection, plan_injection
-from kvpool.operator.grants import Grant, Tenancy, consumer_grant_problems, plan_tenancy, tenants_configmap
+from kvpool.operator.grants import (
+    Grant,
+    Tenancy,
+    consumer_grant_problems,
+    grant_ref,
+    plan_tenancy,
+    tenants_configmap,
+)
 from kvpool.operator.merge_patch import digest
 from kvpool.operator.names import (
     CONFIGMAPS,
     DEPLOYMENTS,
+    GRANTS,
     NETWORK_POLICIES,
     POD_DISRUPTION_BUDGETS,
     SERVICES,
@@ -37,6 +47,31 @@ from kvpool.operator.network import (
 from kvpool.operator.policy import OperatorPolicy
 from kvpool.operator.spec import PoolSpec
 from kvpool.operator.validation import validate, warnings
+
+
+@dataclass(frozen=True)
+class GrantChild:
+    """An object in a grant's namespace, owned by the grant."""
+
+    grant: Grant
+    obj: dict[str, Any]
+
+    def owned(self) -> dict[str, Any]:
+        """The object with the grant as its owner. ``blockOwnerDeletion`` stays off: setting it
+        needs ``update`` on the grants' finalizers, which the operator is not given, and
+        nothing needs a grant's deletion to wait for its ConfigMap."""
+        obj = copy.deepcopy(self.obj)
+        obj["metadata"]["ownerReferences"] = [
+            {
+                "apiVersion": GRANTS.api_version,
+                "kind": GRANTS.kind,
+                "name": self.grant.name,
+                "uid": self.grant.uid,
+                "controller": True,
+                "blockOwnerDeletion": False,
+            }
+        ]
+        return obj
 
 
 @dataclass(frozen=True)
@@ -68,6 +103,9 @@ class Plan:
     consumers: list[Injection] = field(default_factory=list)
     # The grants' tenants and quotas (None: tenancy is off).
     tenancy: Tenancy | None = None
+    # What the pool writes in its grants' namespaces (their consumers' connector ConfigMaps),
+    # each owned by its grant (an owner reference never crosses namespaces).
+    grant_children: list[GrantChild] = field(default_factory=list)
 
     @property
     def valid(self) -> bool:
@@ -118,6 +156,10 @@ def build_plan(
     injections = [
         plan_injection(pool, c, settings, configmap, tenants.get(c.grant or "", "")) for c in spec.consumers
     ]
+    grant_children: list[GrantChild] = []
+    if tenancy is not None:
+        grant_children, granted = grant_consumers(pool, namespace, settings, tenancy, grants)
+        injections += granted
     if spec.external is not None:
         return external_plan(
             pool,
@@ -181,7 +223,39 @@ def build_plan(
         absent=absent,
         consumers=injections,
         tenancy=tenancy,
+        grant_children=grant_children,
     )
+
+
+def grant_consumers(
+    pool: str, namespace: str, settings: ConnectorSettings, tenancy: Tenancy, grants: Sequence[Grant]
+) -> tuple[list[GrantChild], list[Injection]]:
+    """The consumers of the other namespaces' grants the pool serves, each with its grant's
+    tenant; each such grant gets a connector ConfigMap in its namespace, owned by it (its
+    consumers mount it; one configured by hand may too). A Deployment two grants of one
+    namespace list is the first grant's (by name)."""
+    children: list[GrantChild] = []
+    injections: list[Injection] = []
+    taken: set[tuple[str, str]] = set()
+    for grant in sorted(grants, key=lambda g: (g.namespace, g.name)):
+        ref = grant_ref(grant, namespace)
+        if grant.spec is None or "/" not in ref or ref not in tenancy.tenants:
+            continue
+        if not grant.uid:  # what it writes for the grant is owned by it: never by nobody
+            continue
+        configmap = connector_configmap(pool, grant.namespace, settings)
+        configmap["metadata"]["name"] = names.grant_connector_configmap_name(pool, grant.name)
+        children.append(GrantChild(grant, configmap))
+        for consumer in grant.spec.consumers:
+            if (grant.namespace, consumer.name) in taken:
+                continue
+            taken.add((grant.namespace, consumer.name))
+            injections.append(
+                plan_injection(
+                    pool, consumer, settings, configmap, tenancy.tenants[ref], grant.namespace, namespace
+                )
+            )
+    return children, injections
 
 
 def roll_on_policy_change(master: dict[str, Any], tenancy: Tenancy) -> None:

@@ -34,6 +34,7 @@ from kvpool.operator.consumers import (
     injection_refusal,
     managed_by_operator,
     owner_pool,
+    owner_pool_namespace,
     refusal,
     restore_patch,
     restore_problem,
@@ -62,7 +63,7 @@ from kvpool.operator.leader import (
 )
 from kvpool.operator.merge_patch import diff
 from kvpool.operator.metrics import OperatorMetrics
-from kvpool.operator.names import DEPLOYMENTS, GRANTS, PODS, POOLS
+from kvpool.operator.names import CONFIGMAPS, DEPLOYMENTS, GRANTS, PODS, POOLS
 from kvpool.operator.network import read_namespace_network, selects
 from kvpool.operator.observation import Observation, base_of, poll_master
 from kvpool.operator.plan import Plan, build_plan, children_names
@@ -130,12 +131,34 @@ def pool_of(deployment: Mapping[str, Any]) -> str | None:
     )
 
 
+def child_pool_namespace(deployment: Mapping[str, Any]) -> str:
+    """The namespace of the pool ``pool_of`` names: a grant's consumer in another namespace
+    carries it as a label (patched) or names it in its consent; otherwise its own."""
+    meta = deployment.get("metadata") or {}
+    labels = meta.get("labels") or {}
+    found = labels.get(names.LABEL_POOL_NAMESPACE) or labels.get(names.LABEL_ALLOW_POOL_NAMESPACE)
+    return str(found or meta.get("namespace") or "")
+
+
 def uses_grants(pool: Mapping[str, Any]) -> bool:
     """Whether a pool's spec turns tenancy on or names a grant (only then are grants read)."""
     spec = pool.get("spec") or {}
     tenancy = spec.get("tenancy") or {}
     consumers = spec.get("consumers") or []
     return bool(tenancy.get("enabled")) or any(isinstance(c, dict) and c.get("grant") for c in consumers)
+
+
+def consumer_namespaces(pool: Mapping[str, Any], plan: Plan | None = None) -> list[str]:
+    """Other namespaces where the pool may have patched consumers: those it takes grants from
+    now, and those of the grants its last status named."""
+    meta = pool.get("metadata") or {}
+    before = [
+        ref.split("/", 1)[0]
+        for ref in (pool.get("status") or {}).get(GRANTS_ELSEWHERE) or []
+        if isinstance(ref, str) and "/" in ref
+    ]
+    now = grant_namespaces(pool) if plan is None or plan.tenancy is not None else []
+    return [n for n in dict.fromkeys([*now, *before]) if n != meta.get("namespace")]
 
 
 def grant_namespaces(pool: Mapping[str, Any]) -> list[str]:
@@ -212,6 +235,10 @@ async def with_grants_elsewhere(
         spec = (obj or {}).get("spec") or {}
         if obj is None or spec.get("pool") != meta["name"] or spec.get("poolNamespace") != meta["namespace"]:
             continue  # gone, or another pool's now (that pool says so)
+        uid = str((obj.get("metadata") or {}).get("uid") or "")
+        if uid:  # its consumers' ConfigMap (its Deployments are released by the pass)
+            configmap = names.grant_connector_configmap_name(meta["name"], grant_name)
+            await ensure_absent(kube, CONFIGMAPS, grant_namespace, configmap, uid)
         unlisted = namespace_refusal(grant_namespace, meta["namespace"], meta["name"], grant_namespaces(pool))
         if unlisted is not None:
             await refuse_grant(kube, obj, unlisted, NAMESPACE_NOT_ALLOWED, now)
@@ -319,7 +346,7 @@ def consumer_state(
     injection: Injection, rolled_out: bool, message: str, refused: str | None = None, stalled: bool = False
 ) -> ConsumerState:
     return ConsumerState(
-        injection.deployment,
+        injection.display_name,
         injection.config_hash,
         injection.layout_fingerprint,
         rolled_out,
@@ -340,13 +367,19 @@ def consumer_refusal(deployment: Mapping[str, Any], injection: Injection, mode: 
     if mode == POD_ADMISSION:
         found = template_refusal(deployment, injection)
     else:
-        found = refusal(deployment, injection.pool) or injection_refusal(deployment, injection)
+        found = refusal(
+            deployment, injection.pool, pool_namespace=injection.pool_namespace
+        ) or injection_refusal(deployment, injection)
     return None if found is None else str(found)
 
 
 HELD_BACK = "held back: not every object of the pool is its own (see the Conflict condition)"
 MISSING = "the Deployment does not exist"
 NOT_SERVING = "not rolled: the pool does not serve yet (MasterReady and StoreReady must be True)"
+OTHER_NAMESPACE_ADMISSION = (
+    "not rolled: with pod admission the operator injects Pods of the pool's own namespace only; "
+    "another namespace's consumer takes its grant's settings by Deployment patching"
+)
 
 
 async def roll_consumer(
@@ -360,6 +393,9 @@ async def roll_consumer(
     ) -> ConsumerState:
         return consumer_state(injection, rolled_out, message, refused, stalled)
 
+    namespace = injection.namespace or namespace
+    if injection.namespace and mode == POD_ADMISSION:
+        return state(False, OTHER_NAMESPACE_ADMISSION)
     deployment = await kube.get(DEPLOYMENTS, namespace, injection.deployment)
     if deployment is None:
         return state(False, MISSING)
@@ -415,6 +451,7 @@ async def check_consumer(
     kube: KubeClient, namespace: str, injection: Injection, mode: str = DEPLOYMENT_PATCH
 ) -> ConsumerState:
     """A consumer not rolled while the pool does not serve; a refusal is said already."""
+    namespace = injection.namespace or namespace
     deployment = await kube.get(DEPLOYMENTS, namespace, injection.deployment)
     if deployment is None:
         return not_rolled(injection, MISSING)
@@ -454,14 +491,19 @@ async def roll_consumers(
 
 
 async def release_consumers(
-    kube: KubeClient, namespace: str, pool: str, keep: set[str], notify: Notify
+    kube: KubeClient, namespace: str, pool: str, keep: set[str], notify: Notify, pool_namespace: str = ""
 ) -> list[str]:
-    """Take the pool's settings out of Deployments it no longer lists; their names."""
+    """Take the pool's settings out of Deployments in ``namespace`` it no longer lists; their
+    names. ``pool_namespace``: the pool's, when ``namespace`` is a grant's (default: the same)."""
     released = []
     selector = f"{names.LABEL_CONSUMER_OF}={pool}"
     for deployment in await kube.list(DEPLOYMENTS, namespace, label_selector=selector):
         name = deployment.get("metadata", {}).get("name", "")
-        if owner_pool(deployment) != pool or name in keep or managed_by_operator(deployment):
+        if owner_pool(deployment) != pool or owner_pool_namespace(deployment) != (
+            pool_namespace or namespace
+        ):
+            continue
+        if name in keep or managed_by_operator(deployment):
             continue
         problem = restore_problem(deployment)
         try:
@@ -527,6 +569,16 @@ async def converge(
             announce_change(key, applied, notify)
     for resource, child_name in plan.absent:
         await ensure_absent(kube, resource, namespace, child_name, uid)
+    held: set[str] = set()  # grants' namespaces whose ConfigMap is not the grant's own
+    for grant_child in plan.grant_children:
+        owned = grant_child.owned()
+        applied = await ensure(kube, owned, grant_child.grant.uid)
+        if applied.conflict is not None:
+            conflicts.append(applied.conflict)
+            held.add(grant_child.grant.namespace)
+        elif applied.changed:
+            where = f"ConfigMap/{grant_child.grant.namespace}/{owned['metadata']['name']}"
+            announce_change(where, applied, notify)
     blocked = frozenset(
         component
         for component in (names.MASTER, names.STORE)
@@ -552,12 +604,23 @@ async def converge(
         # A connector that cannot reach its pool fails vLLM's start: roll only onto a pool that serves.
         consumers = [await check_consumer(kube, namespace, c, mode) for c in plan.consumers]
     else:
-        consumers = await roll_consumers(kube, namespace, plan.consumers, notify, mode)
+        ready_ones = [c for c in plan.consumers if c.namespace not in held]
+        rolled = iter(await roll_consumers(kube, namespace, ready_ones, notify, mode))
+        consumers = [
+            not_rolled(c, HELD_BACK) if c.namespace in held else next(rolled) for c in plan.consumers
+        ]
     conflicts += [c.refused for c in consumers if c.refused]
     # Pod admission patches no Deployment: what patching put in one before is taken out,
     # but from a refused one (its owner has yet to move the label onto its pod template).
     keep = {c.name for c in consumers if mode == DEPLOYMENT_PATCH or c.refused}
     await release_consumers(kube, namespace, name, keep, notify)
+    for other in consumer_namespaces(pool, plan):
+        prefix = f"{other}/"
+        kept = {n.removeprefix(prefix) for n in keep if n.startswith(prefix)}
+        try:
+            await release_consumers(kube, other, name, kept, notify, pool_namespace=namespace)
+        except ApiError as exc:  # a namespace the operator no longer reads: said by validation
+            logger.warning("releasing consumers of %s/%s in %s: %s", namespace, name, other, exc)
     old = pool.get("status") or {}
     status = valid_status(
         master_address=plan.master_address,
@@ -777,6 +840,7 @@ class Reconciler:
                 return
             try:
                 await release_consumers(self.kube, namespace, name, set(), notify)
+                await self.release_grant_consumers(body, notify)
                 for resource, child_name in children_names(name):
                     removal = await ensure_absent(self.kube, resource, namespace, child_name, uid)
                     if removal.conflict is not None:
@@ -788,6 +852,22 @@ class Reconciler:
             self.metrics.forget_pool(namespace, name)
             self.observations.pop((namespace, name), None)
             self._locks.pop((namespace, name), None)
+
+    async def release_grant_consumers(self, body: Mapping[str, Any], notify: Notify) -> None:
+        """Teardown in the grants' namespaces: their consumers released, the ConfigMaps the
+        pool wrote for them deleted (the grants stay: they are the tenants')."""
+        meta = body["metadata"]
+        for other in consumer_namespaces(body):
+            try:
+                await release_consumers(self.kube, other, meta["name"], set(), notify, meta["namespace"])
+            except ApiError as exc:
+                logger.warning(
+                    "releasing consumers of %s/%s in %s: %s", meta["namespace"], meta["name"], other, exc
+                )
+        for grant in await read_grants(self.kube, body):
+            if grant.namespace != meta["namespace"] and grant.uid:
+                configmap = names.grant_connector_configmap_name(meta["name"], grant.name)
+                await ensure_absent(self.kube, CONFIGMAPS, grant.namespace, configmap, grant.uid)
 
     def master_base(self, plan: Plan) -> str:
         """``http://host:port`` of the pool's own master Service's HTTP port."""

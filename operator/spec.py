@@ -311,22 +311,27 @@ ConnectorSpec: type[BaseModel] = create_model(
 )
 
 
-class ConsumerSpec(_Model):
-    """A vLLM Deployment in the pool's namespace that uses the pool."""
+class GrantConsumerSpec(_Model):
+    """A vLLM Deployment in the grant's namespace that uses the pool."""
 
     name: DNSName = Field(description="Deployment name.")
     container: DNSName | None = Field(
         default=None, description="The vLLM container; default: the Deployment's first."
     )
     kv_role: Literal["kv_both", "kv_producer", "kv_consumer"] = "kv_both"
+    layout: KVLayout = Field(
+        description="The KV-cache layout the model produces (kvpool-layout prints it); the connector "
+        "stays out of the pool when vLLM builds another."
+    )
+
+
+class ConsumerSpec(GrantConsumerSpec):
+    """A vLLM Deployment in the pool's namespace that uses the pool."""
+
     grant: DNSName | None = Field(
         default=None,
         description="The MooncakeKVPoolGrant in the consumer's own namespace it attaches with "
         "(required when spec.tenancy.enabled): its Mooncake tenant becomes the consumer's.",
-    )
-    layout: KVLayout = Field(
-        description="The KV-cache layout the model produces (kvpool-layout prints it); the connector "
-        "stays out of the pool when vLLM builds another."
     )
 
 
@@ -444,6 +449,14 @@ class GrantSpec(_Model):
         default=None,
         description="Grants that name the same domain are one tenant: their consumers share blocks "
         "and one quota, the largest of their ceilings. None: the grant is a tenant of its own.",
+    )
+    consumers: list[GrantConsumerSpec] = Field(
+        default_factory=list,
+        max_length=64,
+        description="vLLM Deployments in the grant's namespace that use the pool, for a grant in "
+        "another namespace than its pool's (the pool's own consumers are in its spec.consumers): "
+        "the operator patches each, with its consent (labels kvpool.mooncake.io/allow-pool and "
+        "kvpool.mooncake.io/allow-pool-namespace), as it patches the pool's own.",
     )
 
 

@@ -7,7 +7,7 @@ its own ``ConnectorSettings``. The operator adds only the rules about what it ru
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pydantic import ValidationError
@@ -20,7 +20,7 @@ from kvpool.operator.components import STORE_MEMORY_OVERHEAD, store_memory_limit
 from kvpool.operator.connector_settings import pool_connector_settings, spec_field_of
 from kvpool.operator.disk_tier import check_disk_tier
 from kvpool.operator.policy import OperatorPolicy, policy_problems
-from kvpool.operator.spec import ComputeResources, PoolSpec, format_bytes, parse_quantity
+from kvpool.operator.spec import ComputeResources, GrantConsumerSpec, PoolSpec, format_bytes, parse_quantity
 
 
 def location(loc: tuple[int | str, ...], root: str = "spec") -> str:
@@ -225,9 +225,15 @@ def warnings(spec: PoolSpec) -> list[Problem]:
 
 
 def check_consumers(spec: PoolSpec) -> list[Problem]:
+    return check_consumer_list(spec.consumers)
+
+
+def check_consumer_list(consumers: Sequence[GrantConsumerSpec]) -> list[Problem]:
+    """Consumers (a pool's or a grant's ``spec.consumers``): each once, each layout by the
+    connector's own rules."""
     problems = []
     seen: set[str] = set()
-    for index, consumer in enumerate(spec.consumers):
+    for index, consumer in enumerate(consumers):
         where = f"spec.consumers[{index}]"
         if consumer.name in seen:
             problems.append(

@@ -44,6 +44,8 @@ from kvpool.operator.rbac import allowed, implied_permissions, request_permissio
 from testing import server_side
 
 NAMESPACE = "team-a"
+# A tenant's namespace a pool may take grants from (the operator watches it too).
+TENANT_NAMESPACE = "team-b"
 WRITE_METHODS = {"POST", "PUT", "PATCH", "DELETE"}
 OPERATOR_AGENTS = ("kopf/", "kvpool-operator/")
 POOLS_PATH = f"{POOLS.group}/{POOLS.version}/{POOLS.plural}"

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from testing.kube_api import TENANT_NAMESPACE
 from testing.operator_objects import NAMESPACE as SCENARIO_NAMESPACE
 from tests.chart.helm import CHART, Helm, HelmUnavailable, extract_helm
 from tests.chart.recorder import ScenarioRun, SessionRecorder, is_scenario
@@ -44,7 +45,7 @@ class Recording:
     tests: tuple[str, ...]
 
 
-MODES = {"cluster": (), "namespaced": (SCENARIO_NAMESPACE,)}
+MODES = {"cluster": (), "namespaced": (SCENARIO_NAMESPACE, TENANT_NAMESPACE)}
 _SESSION = pytest.StashKey[SessionRecorder]()
 _RUNS = pytest.StashKey[dict[str, ScenarioRun]]()
 

@@ -204,9 +204,12 @@ def test_the_operator_knows_its_own_pods_and_is_never_a_consumer(helm: Helm) -> 
 
 
 def test_the_policy_values_reach_the_operator(helm: Helm) -> None:
-    default = operator_options(operator_container(helm.template())[1]).policy
+    options = operator_options(operator_container(helm.template())[1])
+    default = options.policy
     assert default == OperatorPolicy(
-        operator_namespace=default.operator_namespace, operator_pod_labels=default.operator_pod_labels
+        operator_namespace=default.operator_namespace,
+        operator_pod_labels=default.operator_pod_labels,
+        watched_namespaces=options.namespaces,  # a pool takes grants only from these
     )
     assert not default.allow_network_policy_opt_out and default.network_policy_end_port
     objects = helm.template(

@@ -11,7 +11,7 @@ import pytest
 from kvpool.connector.contract.tenant_policy import POLICY_FILE, effective_quotas, policy_yaml
 from kvpool.connector.local import tenant_quotas
 from kvpool.operator import names
-from kvpool.operator.consumers import Refusal
+from kvpool.operator.consumers import Refusal, refusal
 from kvpool.operator.grants import Grant, grant_status, read_grant
 from kvpool.operator.merge_patch import apply_merge_patch
 from kvpool.operator.names import CONFIGMAPS
@@ -297,3 +297,131 @@ def test_bad_grant_namespaces_are_refused_by_field_and_rule(
     assert [p.rule for p in plan.problems] == [rule], plan.problems
     assert all(p.field.startswith("spec.tenancy.grantNamespaces") for p in plan.problems)
     assert plan.children == []
+
+
+def tenant_deployment(labels: dict[str, str], namespace: str = OTHER) -> dict[str, Any]:
+    deployment = vllm_deployment(allow_pool=None)
+    deployment["metadata"]["namespace"] = namespace
+    deployment["metadata"]["labels"].update(labels)
+    return deployment
+
+
+ALLOW = {names.LABEL_ALLOW_POOL: "pool", names.LABEL_ALLOW_POOL_NAMESPACE: NAMESPACE}
+
+
+@pytest.mark.parametrize(
+    ("labels", "pool_namespace", "rule"),
+    [
+        (ALLOW, NAMESPACE, None),
+        ({names.LABEL_ALLOW_POOL: "pool"}, NAMESPACE, "consent"),  # which pool "pool"? its own namespace's
+        (ALLOW, OTHER, "consent"),  # a pool of the same name in the Deployment's namespace
+        ({**ALLOW, names.LABEL_ALLOW_POOL_NAMESPACE: "team-x"}, NAMESPACE, "consent"),
+        ({**ALLOW, names.LABEL_CONSUMER_OF: "pool"}, NAMESPACE, "other-pool"),  # patched by its own "pool"
+        ({**ALLOW, names.LABEL_CONSUMER_OF: "pool", names.LABEL_POOL_NAMESPACE: NAMESPACE}, NAMESPACE, None),
+    ],
+)
+def test_a_pool_in_another_namespace_patches_only_with_consent_naming_its_namespace(
+    labels: dict[str, str], pool_namespace: str, rule: str | None
+) -> None:
+    found = refusal(tenant_deployment(labels), "pool", pool_namespace=pool_namespace)
+    assert (found.rule if found else None) == rule, found
+    if found is not None and rule == "consent" and pool_namespace != OTHER:
+        assert names.LABEL_ALLOW_POOL_NAMESPACE in found.message
+
+
+def granted_spec() -> dict[str, Any]:
+    raw = tenant_spec("own")
+    raw["tenancy"]["grantNamespaces"] = [OTHER]
+    return raw
+
+
+def grant_with_consumers(*consumers: dict[str, Any], namespace: str = OTHER, **spec: Any) -> Grant:
+    return read_grant(
+        {
+            "metadata": {"name": "llm", "namespace": namespace, "generation": 1, "uid": "uid-of-llm"},
+            "spec": {
+                "pool": "pool",
+                "poolNamespace": NAMESPACE,
+                "ceiling": "8MB",
+                "consumers": list(consumers),
+                **spec,
+            },
+        }
+    )
+
+
+def test_a_grants_consumers_in_its_namespace_get_its_tenant_and_a_configmap_it_owns() -> None:
+    grants = [grant("own", "8MB"), grant_with_consumers(consumer("chat"), consumer("batch"))]
+    plan = build_plan("pool", NAMESPACE, granted_spec(), grants=grants)
+    assert plan.valid, plan.problems
+    own, chat, batch = plan.consumers
+    assert (own.namespace, own.pool_namespace) == ("", "")
+    assert [(c.namespace, c.deployment, c.pool_namespace) for c in (chat, batch)] == [
+        (OTHER, "chat", NAMESPACE),
+        (OTHER, "batch", NAMESPACE),
+    ]
+    assert chat.display_name == f"{OTHER}/chat" and chat.config_map == "pool-llm-connector"
+    assert json.loads(chat.kv_transfer_config)["kv_connector_extra_config"]["tenant"] == f"{OTHER}.llm"
+    (child,) = plan.grant_children
+    assert (
+        child.obj["metadata"]["namespace"] == OTHER and child.obj["metadata"]["name"] == "pool-llm-connector"
+    )
+    (owner,) = child.owned()["metadata"]["ownerReferences"]
+    assert (owner["kind"], owner["name"], owner["uid"], owner["blockOwnerDeletion"]) == (
+        "MooncakeKVPoolGrant",
+        "llm",
+        "uid-of-llm",
+        False,
+    )
+    # The master's address crosses namespaces: its Service's full name.
+    assert f"pool-master.{NAMESPACE}.svc:50051" in chat.kv_transfer_config
+    # The injected Deployment carries the pool's namespace, on its Pods too (the pool's
+    # NetworkPolicy admits exactly those).
+    from kvpool.operator.consumers import injected
+
+    patched = injected(tenant_deployment(ALLOW), chat)
+    for labels in (patched["metadata"]["labels"], patched["spec"]["template"]["metadata"]["labels"]):
+        assert labels[names.LABEL_POOL_NAMESPACE] == NAMESPACE
+    assert patched["spec"]["template"]["metadata"]["labels"][names.LABEL_POOL] == "pool"
+
+
+def test_an_unlisted_namespaces_grant_gets_no_consumers() -> None:
+    raw = granted_spec()
+    raw["tenancy"]["grantNamespaces"] = []
+    plan = build_plan(
+        "pool", NAMESPACE, raw, grants=[grant("own", "8MB"), grant_with_consumers(consumer("chat"))]
+    )
+    assert plan.valid and [c.deployment for c in plan.consumers] == ["llm-0"] and plan.grant_children == []
+
+
+@pytest.mark.parametrize(
+    ("grant_obj", "field", "rule"),
+    [
+        (
+            lambda: grant_with_consumers(consumer("chat"), namespace=NAMESPACE),
+            "spec.consumers",
+            "own-namespace-consumers",
+        ),
+        (
+            lambda: grant_with_consumers(consumer("chat"), consumer("chat")),
+            "spec.consumers[1].name",
+            "consumer-unique",
+        ),
+        (
+            lambda: grant_with_consumers(
+                {**consumer("chat"), "layout": {**consumer()["layout"], "block_size": 0}}
+            ),
+            "spec.consumers[0].layout",
+            "",
+        ),
+    ],
+)
+def test_a_grant_with_bad_consumers_is_invalid_by_field_and_rule(
+    grant_obj: Any, field: str, rule: str
+) -> None:
+    found = grant_obj()
+    assert found.spec is None and found.problem.startswith(field) and rule in found.problem, found.problem
+    status = grant_status(found, None)
+    assert [(c["type"], c["status"], c["reason"]) for c in status["conditions"]] == [
+        ("Accepted", "False", "Invalid")
+    ]

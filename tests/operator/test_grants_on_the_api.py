@@ -11,8 +11,17 @@ from typing import Any
 import pytest
 
 from kvpool.connector.contract.tenant_policy import POLICY_FILE, policy_yaml
+from kvpool.operator import names
 from kvpool.operator.names import GRANTS
-from testing.kube_api import DEPLOYMENTS_PATH, GRANTS_PATH, NAMESPACE, Cluster, eventually
+from testing.kube_api import (
+    DEPLOYMENTS_PATH,
+    GRANTS_PATH,
+    NAMESPACE,
+    POOLS_PATH,
+    TENANT_NAMESPACE,
+    Cluster,
+    eventually,
+)
 from testing.operator_objects import (
     Operator,
     consumer,
@@ -119,59 +128,143 @@ async def test_a_consumer_naming_a_missing_grant_is_refused_and_nothing_is_writt
     assert cluster.get(CONFIGMAPS_PATH, "pool-tenants") is None
 
 
-async def test_grants_from_a_listed_namespace_are_cut_with_the_pools_and_others_refused(
+async def test_a_grant_from_another_namespace_counts_only_while_the_pool_lists_it(
     cluster: Cluster, operator: Operator
 ) -> None:
-    tenant, stranger = "team-b", "team-c"
+    tenant = TENANT_NAMESPACE
     await cluster.create(vllm_deployment())
     await cluster.create(grant_manifest("team-a", "24MB"))
     await cluster.create(grant_manifest("llm", "24MB", namespace=tenant, pool_namespace=NAMESPACE))
-    await cluster.create(grant_manifest("llm", "24MB", namespace=stranger, pool_namespace=NAMESPACE))
-    spec = tenancy_spec("team-a")
-    spec["tenancy"]["grantNamespaces"] = [tenant]
-    await cluster.create(pool_manifest(spec=spec))
+    await cluster.create(pool_manifest(spec=tenancy_spec("team-a")))
     await converge(cluster, generation=1)
 
-    policy = cluster.get(CONFIGMAPS_PATH, "pool-tenants")
-    assert policy is not None
+    def policy_text() -> str:
+        return str(((cluster.get(CONFIGMAPS_PATH, "pool-tenants") or {}).get("data") or {}).get(POLICY_FILE))
+
+    # Not listed: refused, and not in the master's policy.
+    refused = await eventually(
+        lambda: conditions(g := cluster.get(GRANTS_PATH, "llm", tenant)).get("Accepted") == "False" and g,
+        what="the unlisted namespace's grant refused",
+    )
+    (accepted,) = refused["status"]["conditions"]
+    assert accepted["reason"] == "NamespaceNotAllowed" and tenant in accepted["message"]
+    assert "tenant" not in refused["status"] and f"{tenant}.llm" not in policy_text()
+    # Listed: a tenant, cut with the pool's own grant, told where the master is.
+    await cluster.patch_pool("pool", {"spec": {"tenancy": {"grantNamespaces": [tenant]}}})
     quotas = {f"{NAMESPACE}.team-a": 24 * MiB, f"{tenant}.llm": 24 * MiB}
-    assert policy["data"][POLICY_FILE] == policy_yaml(quotas)
+    await eventually(lambda: policy_text() == policy_yaml(quotas), what="both grants in the policy")
     granted = await eventually(
         lambda: conditions(g := cluster.get(GRANTS_PATH, "llm", tenant)).get("Cut") == "True" and g,
         what="the listed namespace's grant cut",
     )
     assert granted["status"]["ceilingBytes"] == 16 * MiB and granted["status"]["tenant"] == f"{tenant}.llm"
     assert granted["status"]["masterServerAddress"] == f"pool-master.{NAMESPACE}.svc:50051"
-    refused = await eventually(
-        lambda: conditions(g := cluster.get(GRANTS_PATH, "llm", stranger)).get("Accepted") == "False" and g,
-        what="the unlisted namespace's grant refused",
-    )
-    (accepted,) = refused["status"]["conditions"]
-    assert accepted["reason"] == "NamespaceNotAllowed" and stranger in accepted["message"]
-    assert "tenant" not in refused["status"]
-    # Listing it later makes it a tenant (the next grant event or pass).
-    await cluster.patch_pool("pool", {"spec": {"tenancy": {"grantNamespaces": [tenant, stranger]}}})
     await eventually(
-        lambda: (
-            f"{stranger}.llm"
-            in ((cluster.get(CONFIGMAPS_PATH, "pool-tenants") or {}).get("data") or {}).get(POLICY_FILE, "")
-        ),
-        what="the newly listed namespace's grant in the policy",
+        lambda: cluster.pool_status("pool").get("grantsFromOtherNamespaces") == [f"{tenant}/llm"],
+        what="the pool names the other namespace's grant",
     )
-    await eventually(
-        lambda: (
-            cluster.pool_status("pool").get("grantsFromOtherNamespaces")
-            == [f"{tenant}/llm", f"{stranger}/llm"]
-        ),
-        what="the pool names both namespaces' grants",
-    )
-    # Unlisting a namespace takes its grant out of the policy and tells the grant so.
-    await cluster.patch_pool("pool", {"spec": {"tenancy": {"grantNamespaces": [stranger]}}})
+    # Unlisted again: out of the policy, and the grant is told so.
+    await cluster.patch_pool("pool", {"spec": {"tenancy": {"grantNamespaces": []}}})
     withdrawn = await eventually(
         lambda: conditions(g := cluster.get(GRANTS_PATH, "llm", tenant)).get("Accepted") == "False" and g,
         what="the unlisted namespace's grant withdrawn",
     )
     assert [c["reason"] for c in withdrawn["status"]["conditions"]] == ["NamespaceNotAllowed"]
-    tenants = ((cluster.get(CONFIGMAPS_PATH, "pool-tenants") or {}).get("data") or {})[POLICY_FILE]
-    assert f"{tenant}.llm" not in tenants and f"{stranger}.llm" in tenants
-    assert cluster.pool_status("pool").get("grantsFromOtherNamespaces") == [f"{stranger}/llm"]
+    await eventually(lambda: f"{tenant}.llm" not in policy_text(), what="the policy without it")
+    await eventually(
+        lambda: "grantsFromOtherNamespaces" not in cluster.pool_status("pool"),
+        what="the pool names it no more",
+    )
+
+
+def tenant_deployment(namespace: str, name: str, consent: bool = True) -> dict[str, Any]:
+    deployment = vllm_deployment(name, allow_pool="pool")
+    deployment["metadata"]["namespace"] = namespace
+    if consent:
+        deployment["metadata"]["labels"][names.LABEL_ALLOW_POOL_NAMESPACE] = NAMESPACE
+    return deployment
+
+
+async def test_a_grants_consumers_in_its_namespace_are_rolled_and_released_with_it(
+    cluster: Cluster, operator: Operator
+) -> None:
+    tenant = TENANT_NAMESPACE
+    await cluster.create(vllm_deployment())
+    await cluster.create(tenant_deployment(tenant, "chat"))
+    await cluster.create(tenant_deployment(tenant, "batch", consent=False))
+    await cluster.create(grant_manifest("team-a", "8MB"))
+    shared = grant_manifest("llm", "8MB", namespace=tenant, pool_namespace=NAMESPACE)
+    shared["spec"]["consumers"] = [consumer("chat"), consumer("batch")]
+    await cluster.create(shared)
+    spec = tenancy_spec("team-a")
+    spec["tenancy"]["grantNamespaces"] = [tenant]
+    await cluster.create(pool_manifest(spec=spec))
+
+    def consumers() -> dict[str, dict[str, Any]]:
+        cluster.settle()
+        return {c["name"]: c for c in cluster.pool_status("pool").get("consumers") or []}
+
+    await eventually(
+        lambda: consumers().get(f"{tenant}/chat", {}).get("rolledOut"), what="team-b/chat rolled out"
+    )
+    chat = cluster.get(DEPLOYMENTS_PATH, "chat", tenant)
+    assert chat is not None and tenant_of(chat) == f"{tenant}.llm"
+    pod_labels = chat["spec"]["template"]["metadata"]["labels"]
+    assert pod_labels[names.LABEL_POOL] == "pool" and pod_labels[names.LABEL_POOL_NAMESPACE] == NAMESPACE
+    (mount,) = [v for v in chat["spec"]["template"]["spec"]["volumes"] if v.get("configMap")]
+    configmap = cluster.get(CONFIGMAPS_PATH, mount["configMap"]["name"], tenant)
+    assert configmap is not None and mount["configMap"]["name"] == "pool-llm-connector"
+    granted = cluster.get(GRANTS_PATH, "llm", tenant)
+    assert granted is not None
+    assert [(o["kind"], o["uid"]) for o in configmap["metadata"]["ownerReferences"]] == [
+        (GRANTS.kind, granted["metadata"]["uid"])
+    ]
+    # The one without consent naming the pool's namespace is left alone, and said so.
+    batch = consumers()[f"{tenant}/batch"]
+    assert not batch["rolledOut"] and names.LABEL_ALLOW_POOL_NAMESPACE in batch["message"]
+    assert kv_flags(cluster.get(DEPLOYMENTS_PATH, "batch", tenant)) == []
+    # The pool's own consumer in its namespace is as before.
+    llm = cluster.get(DEPLOYMENTS_PATH, "llm")
+    assert llm is not None and tenant_of(llm) == f"{NAMESPACE}.team-a"
+
+    # Unlisting the namespace releases its consumers and deletes what the pool wrote there.
+    await cluster.patch_pool("pool", {"spec": {"tenancy": {"grantNamespaces": []}}})
+    await eventually(
+        lambda: kv_flags(cluster.get(DEPLOYMENTS_PATH, "chat", tenant)) == [], what="chat released"
+    )
+    released = cluster.get(DEPLOYMENTS_PATH, "chat", tenant)
+    assert released is not None
+    assert names.LABEL_POOL_NAMESPACE not in released["metadata"]["labels"]
+    assert names.LABEL_POOL_NAMESPACE not in (released["spec"]["template"]["metadata"].get("labels") or {})
+    await eventually(
+        lambda: cluster.get(CONFIGMAPS_PATH, "pool-llm-connector", tenant) is None,
+        what="the grant's ConfigMap deleted",
+    )
+    await eventually(
+        lambda: not any(name.startswith(f"{tenant}/") for name in consumers()),
+        what="the pool lists them no more",
+    )
+
+
+async def test_deleting_the_pool_releases_the_grants_consumers_and_keeps_the_grant(
+    cluster: Cluster, operator: Operator
+) -> None:
+    tenant = TENANT_NAMESPACE
+    await cluster.create(vllm_deployment())
+    await cluster.create(tenant_deployment(tenant, "chat"))
+    await cluster.create(grant_manifest("team-a", "8MB"))
+    shared = grant_manifest("llm", "8MB", namespace=tenant, pool_namespace=NAMESPACE)
+    shared["spec"]["consumers"] = [consumer("chat")]
+    await cluster.create(shared)
+    spec = tenancy_spec("team-a")
+    spec["tenancy"]["grantNamespaces"] = [tenant]
+    await cluster.create(pool_manifest(spec=spec))
+    await converge(cluster)  # kopf done with the pool: its teardown is not raced by a pass
+    await eventually(
+        lambda: kv_flags(cluster.get(DEPLOYMENTS_PATH, "chat", tenant)) != [], what="chat patched"
+    )
+    await cluster.delete_pool("pool")
+    await eventually(lambda: cluster.get(POOLS_PATH, "pool") is None, what="the pool gone")
+    assert kv_flags(cluster.get(DEPLOYMENTS_PATH, "chat", tenant)) == []
+    assert cluster.get(CONFIGMAPS_PATH, "pool-llm-connector", tenant) is None
+    assert cluster.get(GRANTS_PATH, "llm", tenant) is not None
