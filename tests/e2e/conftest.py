@@ -104,15 +104,17 @@ class Install:
 
 
 def chart_install(kubeconfig: Path) -> Install:
-    """Render the chart's defaults (``watchNamespaces`` the scenarios' namespace) and run its
-    operator with the rendered flags; only its endpoints move to loopback and its timings
-    quicken (the kubeconfig stands in for the in-cluster account)."""
+    """Render the chart's defaults (``watchNamespaces``: the scenarios' namespace and a tenant's,
+    whose grants a pool may take) and run its operator with the rendered flags; only its
+    endpoints move to loopback and its timings quicken (the kubeconfig stands in for the
+    in-cluster account)."""
     objects = Helm(extract_helm(), kubeconfig.parent / "helm").template(
-        sets=[f"watchNamespaces[0]={harness.NAMESPACE}"], namespace=OPERATOR_NAMESPACE
+        sets=[f"watchNamespaces[0]={harness.NAMESPACE}", f"watchNamespaces[1]={harness.TENANT_NAMESPACE}"],
+        namespace=OPERATOR_NAMESPACE,
     )
     (container,) = one(objects, "Deployment")["spec"]["template"]["spec"]["containers"]
     rendered = options_from_args(_parser().parse_args(container["args"]))
-    assert rendered.namespaces == (harness.NAMESPACE,), rendered.namespaces
+    assert rendered.namespaces == (harness.NAMESPACE, harness.TENANT_NAMESPACE), rendered.namespaces
     # The scenarios run real masters that the node resolves by their Service name: the
     # operator observes them as rendered, not at the harness's unserved port.
     quick = quick_options(

@@ -29,6 +29,7 @@ from testing.kube_api import WRITE_METHODS, ApiServer, by_operator, emulated_clu
 from tests.chart.grants import Grant, refused
 
 NAMESPACE = "team-a"
+TENANT_NAMESPACE = "team-b"  # another namespace the operator watches: a tenant's grants
 T = TypeVar("T")
 # (apiVersion, kind) -> (API path prefix, plural)
 PATHS = {
