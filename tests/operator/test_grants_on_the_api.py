@@ -185,20 +185,28 @@ def tenant_deployment(namespace: str, name: str, consent: bool = True) -> dict[s
     return deployment
 
 
+async def create_shared_pool(cluster: Cluster, *tenant_deployments: dict[str, Any]) -> None:
+    """The pool's own consumer with its grant, and a grant ``llm`` in the tenant's namespace
+    listing ``tenant_deployments`` (created too); the pool takes grants from that namespace."""
+    await cluster.create(vllm_deployment())
+    for deployment in tenant_deployments:
+        await cluster.create(deployment)
+    await cluster.create(grant_manifest("team-a", "8MB"))
+    shared = grant_manifest("llm", "8MB", namespace=TENANT_NAMESPACE, pool_namespace=NAMESPACE)
+    shared["spec"]["consumers"] = [consumer(d["metadata"]["name"]) for d in tenant_deployments]
+    await cluster.create(shared)
+    spec = tenancy_spec("team-a")
+    spec["tenancy"]["grantNamespaces"] = [TENANT_NAMESPACE]
+    await cluster.create(pool_manifest(spec=spec))
+
+
 async def test_a_grants_consumers_in_its_namespace_are_rolled_and_released_with_it(
     cluster: Cluster, operator: Operator
 ) -> None:
     tenant = TENANT_NAMESPACE
-    await cluster.create(vllm_deployment())
-    await cluster.create(tenant_deployment(tenant, "chat"))
-    await cluster.create(tenant_deployment(tenant, "batch", consent=False))
-    await cluster.create(grant_manifest("team-a", "8MB"))
-    shared = grant_manifest("llm", "8MB", namespace=tenant, pool_namespace=NAMESPACE)
-    shared["spec"]["consumers"] = [consumer("chat"), consumer("batch")]
-    await cluster.create(shared)
-    spec = tenancy_spec("team-a")
-    spec["tenancy"]["grantNamespaces"] = [tenant]
-    await cluster.create(pool_manifest(spec=spec))
+    await create_shared_pool(
+        cluster, tenant_deployment(tenant, "chat"), tenant_deployment(tenant, "batch", False)
+    )
 
     def consumers() -> dict[str, dict[str, Any]]:
         cluster.settle()
@@ -250,15 +258,7 @@ async def test_deleting_the_pool_releases_the_grants_consumers_and_keeps_the_gra
     cluster: Cluster, operator: Operator
 ) -> None:
     tenant = TENANT_NAMESPACE
-    await cluster.create(vllm_deployment())
-    await cluster.create(tenant_deployment(tenant, "chat"))
-    await cluster.create(grant_manifest("team-a", "8MB"))
-    shared = grant_manifest("llm", "8MB", namespace=tenant, pool_namespace=NAMESPACE)
-    shared["spec"]["consumers"] = [consumer("chat")]
-    await cluster.create(shared)
-    spec = tenancy_spec("team-a")
-    spec["tenancy"]["grantNamespaces"] = [tenant]
-    await cluster.create(pool_manifest(spec=spec))
+    await create_shared_pool(cluster, tenant_deployment(tenant, "chat"))
     await converge(cluster)  # kopf done with the pool: its teardown is not raced by a pass
     await eventually(
         lambda: kv_flags(cluster.get(DEPLOYMENTS_PATH, "chat", tenant)) != [], what="chat patched"
