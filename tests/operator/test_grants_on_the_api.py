@@ -134,9 +134,11 @@ async def test_a_grant_from_another_namespace_counts_only_while_the_pool_lists_i
     tenant = TENANT_NAMESPACE
     await cluster.create(vllm_deployment())
     await cluster.create(grant_manifest("team-a", "24MB"))
-    await cluster.create(grant_manifest("llm", "24MB", namespace=tenant, pool_namespace=NAMESPACE))
     await cluster.create(pool_manifest(spec=tenancy_spec("team-a")))
     await converge(cluster, generation=1)
+    # Created after its pool: the grant handler finds the pool and refuses it (a grant made
+    # before its pool is answered at its next change).
+    await cluster.create(grant_manifest("llm", "24MB", namespace=tenant, pool_namespace=NAMESPACE))
 
     def policy_text() -> str:
         return str(((cluster.get(CONFIGMAPS_PATH, "pool-tenants") or {}).get("data") or {}).get(POLICY_FILE))
