@@ -394,6 +394,13 @@ def test_an_unlisted_namespaces_grant_gets_no_consumers() -> None:
     assert plan.valid and [c.deployment for c in plan.consumers] == ["llm-0"] and plan.grant_children == []
 
 
+def window_of(block_size: int) -> dict[str, Any]:
+    """The consumer's layout with its window group's block size changed."""
+    layout = json.loads(json.dumps(consumer()["layout"]))
+    layout["groups"][1]["block_size"] = block_size
+    return layout
+
+
 @pytest.mark.parametrize(
     ("grant_obj", "field", "rule"),
     [
@@ -408,11 +415,9 @@ def test_an_unlisted_namespaces_grant_gets_no_consumers() -> None:
             "consumer-unique",
         ),
         (
-            lambda: grant_with_consumers(
-                {**consumer("chat"), "layout": {**consumer()["layout"], "block_size": 0}}
-            ),
-            "spec.consumers[0].layout",
-            "",
+            lambda: grant_with_consumers({**consumer("chat"), "layout": window_of(15)}),
+            "spec.consumers[0].layout.groups[0].block_size",
+            "[hash-block-divisible]",  # the connector's own layout rule
         ),
     ],
 )
