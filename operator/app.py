@@ -253,7 +253,8 @@ def make_registry(
         # A grant came, went or changed: a pass over the pool it names (its policy, its
         # consumers' tenants, every grant's cut).
         own, name = body.get("metadata", {}).get("namespace"), grant_pool(body)
-        namespace = (body.get("spec") or {}).get("poolNamespace") or own
+        named = (body.get("spec") or {}).get("poolNamespace")
+        namespace = named if isinstance(named, str) and named else own
         if name is None or reconciler.queued(namespace, name):
             return
         pool = await reconciler.kube.get(POOLS, namespace, name)

@@ -239,7 +239,7 @@ def grant_consumers(
     taken: set[tuple[str, str]] = set()
     for grant in sorted(grants, key=lambda g: (g.namespace, g.name)):
         ref = grant_ref(grant, namespace)
-        if grant.spec is None or "/" not in ref or ref not in tenancy.tenants:
+        if grant.spec is None or grant.namespace == namespace or ref not in tenancy.tenants:
             continue
         if not grant.uid:  # what it writes for the grant is owned by it: never by nobody
             continue
