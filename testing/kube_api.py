@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import jsonpatch
+import jsonpointer
 import kmock
 
 from kvpool.operator.app import OperatorOptions, run
@@ -168,6 +170,18 @@ class ApiServer(kmock.KubernetesEmulator):
             after = self._update(stored, request.data, key, request.subresource)
             request.data.clear()
             request.data.update(server_side.changes(stored, after))
+        elif request.action == kmock.action.UPDATE and stored is not None and isinstance(request.data, list):
+            # A JSON patch (kopf's finalizers, guarded by a ``test`` of the resourceVersion): a
+            # test that fails, or an op that does not apply, is 422 as a real server answers
+            # (kopf then retries on its next cycle); one that applies is stored as any write.
+            try:
+                target = jsonpatch.apply_patch(stored, request.data)
+            except (jsonpatch.JsonPatchException, jsonpointer.JsonPointerException) as exc:
+                raise kmock.KubernetesError(
+                    status=422, reason="Invalid", message=f"the JSON patch does not apply: {exc}"
+                ) from exc
+            after = self._update(stored, server_side.changes(stored, target), key, request.subresource)
+            request.data[:] = [{"op": "replace", "path": "", "value": after}]
         elif request.action == kmock.action.DELETE and stored is not None:
             self._check_fresh(stored, request.data)
 

@@ -159,3 +159,32 @@ async def test_lists_honour_label_selectors(cluster: Cluster) -> None:
         )
         names = sorted(item["metadata"]["name"] for item in (await response.json())["items"])
         assert names == expected, selector
+
+
+async def test_json_patches_apply_as_writes_and_a_failed_test_is_422(cluster: Cluster) -> None:
+    """kopf removes its finalizers with a JSON patch guarded by a ``test`` of the
+    resourceVersion: a real server answers a stale one 422 (kopf retries at once on its next
+    cycle), and stores a fresh one as any other write."""
+    _, created = await post(cluster, DEPLOYMENT_URL, vllm_deployment())
+    url = f"{DEPLOYMENT_URL}/llm"
+    version = created["metadata"]["resourceVersion"]
+    json_patch = {"Content-Type": "application/json-patch+json"}
+
+    def guarded(seen: str, replicas: int) -> list[dict[str, Any]]:
+        return [
+            {"op": "test", "path": "/metadata/resourceVersion", "value": seen},
+            {"op": "replace", "path": "/spec/replicas", "value": replicas},
+        ]
+
+    response = await cluster.api.patch(url, json=guarded(version, 3), headers=json_patch)
+    assert response.status == 200
+    after = await response.json()
+    assert after["spec"]["replicas"] == 3 and after["metadata"]["generation"] == 2
+    assert after["metadata"]["resourceVersion"] != version
+    response = await cluster.api.patch(url, json=guarded(version, 5), headers=json_patch)
+    assert response.status == 422 and "does not apply" in (await response.json())["message"]
+    stored = cluster.get(DEPLOYMENTS_PATH, "llm")
+    assert stored is not None and stored["spec"]["replicas"] == 3
+    missing = [{"op": "remove", "path": "/metadata/finalizers/0"}]
+    response = await cluster.api.patch(url, json=missing, headers=json_patch)
+    assert response.status == 422
