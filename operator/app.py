@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
@@ -30,7 +31,7 @@ from kubernetes_asyncio.client import ApiClient, Configuration
 from kvpool.operator import names
 from kvpool.operator.consumers import Refusal
 from kvpool.operator.election import LeaseElector, LeaseLost, LeaseOptions
-from kvpool.operator.grants import NAMESPACE_NOT_ALLOWED, namespace_refusal
+from kvpool.operator.grants import NAMESPACE_NOT_ALLOWED, POOL_NOT_FOUND, namespace_refusal
 from kvpool.operator.kube import USER_AGENT, ApiError, KubeClient, connection_info, load_configuration
 from kvpool.operator.leader import SERVICE_HEALTH_URL
 from kvpool.operator.metrics import OperatorMetrics, serve_metrics
@@ -114,6 +115,10 @@ class OperatorOptions:
             raise ValueError("pod-admission injection needs the webhook server (--webhook-port)")
         if self.injection_mode not in (POD_ADMISSION, DEPLOYMENT_PATCH):
             raise ValueError(f"unknown injection mode {self.injection_mode!r}")
+        # What the operator watches is where it may read grants: one source, ``namespaces``.
+        if self.policy.watched_namespaces != self.namespaces:
+            watched = dataclasses.replace(self.policy, watched_namespaces=self.namespaces)
+            object.__setattr__(self, "policy", watched)
 
 
 def kopf_settings(options: OperatorOptions, standby: bool = False) -> kopf.OperatorSettings:
@@ -249,15 +254,23 @@ def make_registry(
                 logging.getLogger(__name__).warning("pass after a change of %s/%s: %s", namespace, name, exc)
 
     @kopf.on.event(*GRANT, registry=registry, id="grant", when=lambda body, **_: grant_pool(body) is not None)
-    async def grant(body: kopf.Body, **_: Any) -> None:
+    async def grant(body: kopf.Body, type: str | None = None, **_: Any) -> None:
         # A grant came, went or changed: a pass over the pool it names (its policy, its
-        # consumers' tenants, every grant's cut).
+        # consumers' tenants, every grant's cut); a grant whose pool is not there says so.
         own, name = body.get("metadata", {}).get("namespace"), grant_pool(body)
         named = (body.get("spec") or {}).get("poolNamespace")
         namespace = named if isinstance(named, str) and named else own
         if name is None or reconciler.queued(namespace, name):
             return
         pool = await reconciler.kube.get(POOLS, namespace, name)
+        going = type == "DELETED" or body.get("metadata", {}).get("deletionTimestamp")
+        if pool is None and not going:
+            missing = f"pool {namespace}/{name} not found"
+            try:
+                await refuse_grant(reconciler.kube, body, missing, POOL_NOT_FOUND, utcnow())
+            except RETRYABLE as exc:
+                logging.getLogger(__name__).warning("grant %s/%s: %s", own, body["metadata"]["name"], exc)
+            return
         if pool is None or pool.get("metadata", {}).get("deletionTimestamp"):
             return
         try:

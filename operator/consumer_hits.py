@@ -184,6 +184,12 @@ def percent_text(hit: float, queried: float) -> str:
     return f"{100.0 * hit / queried:.1f}%" if queried > 0 else "-"
 
 
+def _totals(entries: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    hit = sum(e["hitTokens"] for e in entries)
+    queried = sum(e["lookedUpTokens"] for e in entries)
+    return {"hitRate": percent_text(hit, queried), "hitTokens": hit, "lookedUpTokens": queried}
+
+
 def _entry(name: str, answers: Sequence[PodAnswer], expected: int) -> dict[str, Any]:
     got = [a.hits for a in answers if a.hits is not None]
     queried = sum(h.query_tokens for h in got)
@@ -202,22 +208,28 @@ def _entry(name: str, answers: Sequence[PodAnswer], expected: int) -> dict[str, 
 
 
 def hits_status(
-    consumers: Sequence[str], answers: Sequence[PodAnswer], asked: Mapping[str, int]
+    consumers: Sequence[str],
+    answers: Sequence[PodAnswer],
+    asked: Mapping[str, int],
+    grants: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """``status.hits`` from one poll (without ``changedAt``): per consumer (in ``consumers``'
-    order) and for the pool; ``asked``: the ready pods of each consumer."""
+    order), per grant (``grants``: consumer -> its grant, where tenancy is on; in the order
+    of their first consumer) and for the pool; ``asked``: the ready pods of each consumer."""
     by_consumer: dict[str, list[PodAnswer]] = {name: [] for name in consumers}
     for answer in answers:
         by_consumer.setdefault(answer.pod.consumer, []).append(answer)
     entries = [_entry(name, by_consumer[name], asked.get(name, 0)) for name in consumers]
-    hit = sum(e["hitTokens"] for e in entries)
-    queried = sum(e["lookedUpTokens"] for e in entries)
-    return {
-        "hitRate": percent_text(hit, queried),
-        "hitTokens": hit,
-        "lookedUpTokens": queried,
-        "consumers": entries,
-    }
+    grants = grants or {}
+    by_grant: dict[str, list[dict[str, Any]]] = {}
+    for entry in entries:
+        if grants.get(entry["name"]):
+            entry["grant"] = grants[entry["name"]]
+            by_grant.setdefault(entry["grant"], []).append(entry)
+    out: dict[str, Any] = {**_totals(entries), "consumers": entries}
+    if by_grant:
+        out["grants"] = [{"grant": grant, **_totals(own)} for grant, own in by_grant.items()]
+    return out
 
 
 def with_hits(status: Mapping[str, Any], hits: dict[str, Any] | None, now: str) -> dict[str, Any]:

@@ -83,6 +83,9 @@ class Injection:
     # pool's own consumer, in the pool's namespace).
     namespace: str = ""
     pool_namespace: str = ""
+    # The grant it uses (``grant_ref``: ``name``, or ``namespace/name`` in another namespace;
+    # empty without tenancy). Not in the hash: the tenant in the transfer config is.
+    grant: str = ""
 
     @property
     def display_name(self) -> str:
@@ -98,6 +101,7 @@ def plan_injection(
     tenant: str = "",
     namespace: str = "",
     pool_namespace: str = "",
+    grant: str = "",
 ) -> Injection:
     """The injection for ``consumer``; its hash covers what matters to the consumer's pods:
     the transfer config (explicit settings only, never defaults), the env, the mount, the
@@ -127,6 +131,7 @@ def plan_injection(
         kv_cache_dtype=consumer.layout.dtype,
         namespace=namespace,
         pool_namespace=pool_namespace,
+        grant=grant,
     )
 
 

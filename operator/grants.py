@@ -35,6 +35,7 @@ CUT = "Cut"  # its ceiling is cut: the pool's grants ask more than its memory
 # Reasons a grant is not accepted (besides Invalid).
 POOL_REFUSES = "PoolRefuses"  # its pool does not serve grants (invalid, tenancy off)
 NAMESPACE_NOT_ALLOWED = "NamespaceNotAllowed"  # its pool does not list the grant's namespace
+POOL_NOT_FOUND = "PoolNotFound"  # its pool does not exist (yet, or any more)
 _TENANT_MAX = 63
 
 
@@ -186,9 +187,11 @@ def grant_status(
     refusal: str = "",
     master_address: str = "",
     reason: str = POOL_REFUSES,
+    consumers: Sequence[Mapping[str, Any]] = (),
 ) -> dict[str, Any]:
     """The status a grant should have (without transition times): ``tenancy`` None with a
-    ``refusal`` (and its ``reason``) when its pool does not serve it."""
+    ``refusal`` (and its ``reason``) when its pool does not serve it; ``consumers`` where its
+    consumers stand (``grant_consumer_statuses``)."""
     gen = grant.generation
     if grant.spec is None:
         return {
@@ -229,11 +232,34 @@ def grant_status(
         **({"masterServerAddress": master_address} if master_address else {}),
         "ceiling": format_bytes(effective),
         "ceilingBytes": effective,
+        **({"consumers": [dict(c) for c in consumers]} if consumers else {}),
         "conditions": [
             _condition(ACCEPTED, "True", "Accepted", accepted, gen),
             cut,
         ],
     }
+
+
+def grant_consumer_statuses(
+    grant: Grant, pool_consumers: Sequence[Mapping[str, Any]], listed_elsewhere: Mapping[str, str]
+) -> list[dict[str, Any]]:
+    """Where each consumer another namespace's grant lists stands, from the pool's status
+    (``namespace/name`` entries), so the tenant sees it without reading the pool: one another
+    grant of its namespace lists first is that grant's."""
+    if grant.spec is None:
+        return []
+    found = {str(c.get("name")): c for c in pool_consumers}
+    out = []
+    for consumer in grant.spec.consumers:
+        if consumer.name in listed_elsewhere:
+            first = listed_elsewhere[consumer.name]
+            message = f"not rolled: grant {first} lists this Deployment too and takes it (first by name)"
+            out.append({"name": consumer.name, "rolledOut": False, "message": message})
+            continue
+        entry = found.get(f"{grant.namespace}/{consumer.name}") or {}
+        message = str(entry.get("message") or "not rolled yet")
+        out.append({"name": consumer.name, "rolledOut": bool(entry.get("rolledOut")), "message": message})
+    return out
 
 
 def consumer_grant_problems(

@@ -116,7 +116,7 @@ class KubeClient:
             raise
 
     async def list(
-        self, resource: ApiResource, namespace: str, label_selector: str | None = None
+        self, resource: ApiResource, namespace: str | None, label_selector: str | None = None
     ) -> list[dict[str, Any]]:
         query = [("labelSelector", label_selector)] if label_selector else None
         result = await self._call("GET", resource.path(namespace), query=query)

@@ -45,7 +45,7 @@ from kvpool.operator.network import (
     network_policy,
 )
 from kvpool.operator.policy import OperatorPolicy
-from kvpool.operator.spec import PoolSpec
+from kvpool.operator.spec import ConsumerSpec, PoolSpec
 from kvpool.operator.validation import validate, warnings
 
 
@@ -55,6 +55,8 @@ class GrantChild:
 
     grant: Grant
     obj: dict[str, Any]
+    # Its consumers another grant of its namespace lists first (by name): Deployment -> that grant.
+    listed_elsewhere: dict[str, str] = field(default_factory=dict)
 
     def owned(self) -> dict[str, Any]:
         """The object with the grant as its owner. ``blockOwnerDeletion`` stays off: setting it
@@ -154,7 +156,10 @@ def build_plan(
     )
     tenants = tenancy.tenants if tenancy else {}
     injections = [
-        plan_injection(pool, c, settings, configmap, tenants.get(c.grant or "", "")) for c in spec.consumers
+        plan_injection(
+            pool, c, settings, configmap, tenants.get(c.grant or "", ""), grant=own_grant(c, tenancy)
+        )
+        for c in spec.consumers
     ]
     grant_children: list[GrantChild] = []
     if tenancy is not None:
@@ -227,16 +232,21 @@ def build_plan(
     )
 
 
+def own_grant(consumer: ConsumerSpec, tenancy: Tenancy | None) -> str:
+    """The grant a consumer of the pool's own namespace uses (empty: tenancy is off)."""
+    return (consumer.grant or "") if tenancy is not None else ""
+
+
 def grant_consumers(
     pool: str, namespace: str, settings: ConnectorSettings, tenancy: Tenancy, grants: Sequence[Grant]
 ) -> tuple[list[GrantChild], list[Injection]]:
     """The consumers of the other namespaces' grants the pool serves, each with its grant's
     tenant; each such grant gets a connector ConfigMap in its namespace, owned by it (its
     consumers mount it; one configured by hand may too). A Deployment two grants of one
-    namespace list is the first grant's (by name)."""
+    namespace list is the first grant's (by name); the other grant's child says so."""
     children: list[GrantChild] = []
     injections: list[Injection] = []
-    taken: set[tuple[str, str]] = set()
+    taken: dict[tuple[str, str], str] = {}
     for grant in sorted(grants, key=lambda g: (g.namespace, g.name)):
         ref = grant_ref(grant, namespace)
         if grant.spec is None or grant.namespace == namespace or ref not in tenancy.tenants:
@@ -245,14 +255,16 @@ def grant_consumers(
             continue
         configmap = connector_configmap(pool, grant.namespace, settings)
         configmap["metadata"]["name"] = names.grant_connector_configmap_name(pool, grant.name)
-        children.append(GrantChild(grant, configmap))
+        listed_elsewhere: dict[str, str] = {}
+        children.append(GrantChild(grant, configmap, listed_elsewhere))
         for consumer in grant.spec.consumers:
-            if (grant.namespace, consumer.name) in taken:
+            first = taken.setdefault((grant.namespace, consumer.name), grant.name)
+            if first != grant.name:
+                listed_elsewhere[consumer.name] = first
                 continue
-            taken.add((grant.namespace, consumer.name))
             injections.append(
                 plan_injection(
-                    pool, consumer, settings, configmap, tenancy.tenants[ref], grant.namespace, namespace
+                    pool, consumer, settings, configmap, tenancy.tenants[ref], grant.namespace, namespace, ref
                 )
             )
     return children, injections

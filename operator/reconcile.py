@@ -18,7 +18,7 @@ import contextlib
 import copy
 import datetime
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import kopf
@@ -44,8 +44,10 @@ from kvpool.operator.drain_timer import advance, drain_base
 from kvpool.operator.grant_usage import grant_usage, with_changed_at
 from kvpool.operator.grants import (
     NAMESPACE_NOT_ALLOWED,
+    POOL_NOT_FOUND,
     POOL_REFUSES,
     Grant,
+    grant_consumer_statuses,
     grant_ref,
     grant_status,
     namespace_refusal,
@@ -191,12 +193,46 @@ async def read_grants(kube: KubeClient, pool: Mapping[str, Any]) -> list[Grant]:
     return grants
 
 
-async def write_grant_statuses(
-    kube: KubeClient, pool: str, grants: list[Grant], plan: Plan, now: str, observation: Observation | None
+async def refuse_unlisted_grants(
+    kube: KubeClient, pool: Mapping[str, Any], watched: Sequence[str], now: str
 ) -> None:
-    """Each grant of ``pool``: its tenant and ceiling as the master admits it and its usage
-    as the last poll (``observation``) counts it, or why the pool does not serve it (written
-    only when it changed)."""
+    """Grants naming the pool from a namespace it does not list (made before the pool, which
+    their own handler could not refuse then): told ``NamespaceNotAllowed``. Read cluster-wide
+    (``watched`` empty) or in each watched namespace the pool does not list."""
+    meta = pool["metadata"]
+    own, listed = meta["namespace"], grant_namespaces(pool)
+    scopes: list[str | None] = [n for n in watched if n != own and n not in listed] if watched else [None]
+    for scope in scopes:
+        try:
+            found = await kube.list(GRANTS, scope)
+        except ApiError as exc:
+            logger.warning("grants naming pool %s/%s in %s: %s", own, meta["name"], scope or "all", exc)
+            continue
+        for obj in found:
+            spec, grant_meta = obj.get("spec") or {}, obj.get("metadata") or {}
+            if spec.get("pool") != meta["name"] or spec.get("poolNamespace") != own:
+                continue
+            refusal = namespace_refusal(str(grant_meta.get("namespace")), own, meta["name"], listed)
+            if refusal is not None and not grant_meta.get("deletionTimestamp"):
+                await refuse_grant(kube, obj, refusal, NAMESPACE_NOT_ALLOWED, now)
+
+
+async def write_grant_statuses(
+    kube: KubeClient,
+    pool: str,
+    grants: list[Grant],
+    plan: Plan,
+    now: str,
+    observation: Observation | None,
+    pool_status: Mapping[str, Any] | None = None,
+) -> None:
+    """Each grant of ``pool``: its tenant and ceiling as the master admits it, its usage as
+    the last poll (``observation``) counts it, where its consumers stand and the hit rate
+    they report (the pool's status, ``pool_status``), or why the pool does not serve it
+    (written only when it changed)."""
+    listed_elsewhere = {(c.grant.namespace, c.grant.name): c.listed_elsewhere for c in plan.grant_children}
+    pool_consumers = (pool_status or {}).get("consumers") or []
+    hits = {str(h.get("grant")): h for h in ((pool_status or {}).get("hits") or {}).get("grants") or []}
     refusal = (
         f"pool {pool} is invalid: " + "; ".join(str(p) for p in plan.problems)
         if plan.problems
@@ -206,8 +242,12 @@ async def write_grant_statuses(
         if grant.spec is not None and (grant.spec.pool != pool or pool_namespace_of(grant) != plan.namespace):
             continue
         old = dict(await _grant_status_of(kube, grant))
-        new = grant_status(grant, plan.tenancy, refusal[:1024], plan.master_address)
+        doubled = listed_elsewhere.get((grant.namespace, grant.name), {})
+        consumers = grant_consumer_statuses(grant, pool_consumers, doubled)
+        new = grant_status(grant, plan.tenancy, refusal[:1024], plan.master_address, consumers=consumers)
         ref = grant_ref(grant, plan.namespace)
+        if plan.tenancy is not None and ref in plan.tenancy.tenants and ref in hits:
+            new["hits"] = {k: v for k, v in hits[ref].items() if k != "grant"}
         if plan.tenancy is not None and ref in plan.tenancy.tenants:
             usage = grant_usage(
                 ref, plan.tenancy.tenants, observation, asked=plan.observed, external=plan.external
@@ -253,7 +293,11 @@ async def refuse_grant(
     kube: KubeClient, body: Mapping[str, Any], refusal: str, reason: str, now: str
 ) -> None:
     """Say on a grant that the pool it names does not serve it (written only when it changed)."""
-    grant = read_grant(body)
+    await write_refusal(kube, read_grant(body), refusal, reason, now)
+
+
+async def write_refusal(kube: KubeClient, grant: Grant, refusal: str, reason: str, now: str) -> None:
+    """``refuse_grant`` for a grant already read."""
     old = dict(await _grant_status_of(kube, grant))
     await _write_grant_status(kube, grant, old, grant_status(grant, None, refusal[:1024], reason=reason), now)
 
@@ -733,6 +777,8 @@ class Reconciler:
         # The last poll of each pool's master (the observation timer's).
         self.observations: dict[tuple[str, str], Observation] = {}
         self._locks: dict[tuple[str, str], asyncio.Lock] = {}
+        # The pool generation whose unlisted grants were last looked for (``refuse_unlisted_grants``).
+        self._swept: dict[tuple[str, str], int | None] = {}
         self._queued: set[tuple[str, str]] = set()
 
     async def check_leader(self, plan: Plan) -> LeaderView:
@@ -790,6 +836,10 @@ class Reconciler:
             status = paused_status(old, utcnow())
         else:
             network = await read_namespace_network(self.kube, pool)
+            generation = pool["metadata"].get("generation")
+            if self._swept.get((namespace, name)) != generation:  # once per spec
+                await refuse_unlisted_grants(self.kube, pool, self.policy.watched_namespaces, utcnow())
+                self._swept[(namespace, name)] = generation
             grants = await read_grants(self.kube, pool)
             plan = build_plan(name, namespace, pool.get("spec"), self.policy, network, grants)
             valid = plan.valid
@@ -808,7 +858,7 @@ class Reconciler:
                 status = invalid_status(plan.problems, old, pool["metadata"].get("generation"), utcnow())
             # After the policy is applied: a grant says what the master was told.
             observation = self.observations.get((namespace, name))
-            await write_grant_statuses(self.kube, name, grants, plan, utcnow(), observation)
+            await write_grant_statuses(self.kube, name, grants, plan, utcnow(), observation, status)
             status = await with_grants_elsewhere(self.kube, pool, status, plan, utcnow())
         if status != old:
             await self.kube.patch(POOLS, namespace, name, {"status": diff(old, status)}, subresource="status")
@@ -851,6 +901,7 @@ class Reconciler:
             self.metrics.reconciles.labels("delete", "success").inc()
             self.metrics.forget_pool(namespace, name)
             self.observations.pop((namespace, name), None)
+            self._swept.pop((namespace, name), None)
             self._locks.pop((namespace, name), None)
 
     async def release_grant_consumers(self, body: Mapping[str, Any], notify: Notify) -> None:
@@ -864,10 +915,20 @@ class Reconciler:
                 logger.warning(
                     "releasing consumers of %s/%s in %s: %s", meta["namespace"], meta["name"], other, exc
                 )
+        gone = f"pool {meta['namespace']}/{meta['name']} is deleted"
         for grant in await read_grants(self.kube, body):
             if grant.namespace != meta["namespace"] and grant.uid:
                 configmap = names.grant_connector_configmap_name(meta["name"], grant.name)
                 await ensure_absent(self.kube, CONFIGMAPS, grant.namespace, configmap, grant.uid)
+            if grant.spec is None or grant.spec.pool != meta["name"]:
+                continue  # another pool's grant (read_grants reads its whole namespace)
+            if pool_namespace_of(grant) != meta["namespace"]:
+                continue
+            try:  # the grant stays; its status stops claiming a share
+                await write_refusal(self.kube, grant, gone, POOL_NOT_FOUND, utcnow())
+            except ApiError as exc:
+                if exc.status != 404:
+                    raise
 
     def master_base(self, plan: Plan) -> str:
         """``http://host:port`` of the pool's own master Service's HTTP port."""
@@ -923,38 +984,53 @@ class Reconciler:
 
     async def poll_hits(self, plan: Plan) -> dict[str, Any] | None:
         """``status.hits`` from the consumers' own ``/metrics`` (None: no consumer pod is ready):
-        the ready pods of each consumer the pool rolled, asked within ``observe_timeout``."""
+        the ready pods of each consumer the pool rolled, in its namespace or its grant's, asked
+        within ``observe_timeout``; per grant too where tenancy is on."""
         if not plan.consumers:
             return None
-        pods = await self.kube.list(
-            PODS, plan.namespace, label_selector=f"{names.LABEL_POOL}={plan.pool},!{names.LABEL_COMPONENT}"
-        )
-        # The consumer Deployments this pool patched (they carry its label), in one call.
-        rolled = {
-            str((d.get("metadata") or {}).get("name")): d
-            for d in await self.kube.list(
-                DEPLOYMENTS, plan.namespace, label_selector=f"{names.LABEL_CONSUMER_OF}={plan.pool}"
-            )
-        }
+        by_namespace: dict[str, list[Injection]] = {}
+        for injection in plan.consumers:
+            by_namespace.setdefault(injection.namespace or plan.namespace, []).append(injection)
         asked: dict[str, int] = {}
         targets = []
-        for injection in plan.consumers:
-            deployment = rolled.get(injection.deployment)
-            if deployment is None:
+        for namespace, injections in by_namespace.items():
+            # Another namespace's pods and Deployments also name the pool's namespace (a pool
+            # of the same name there is another pool).
+            own = namespace == plan.namespace
+            theirs = "" if own else f",{names.LABEL_POOL_NAMESPACE}={plan.namespace}"
+            try:
+                pods = await self.kube.list(
+                    PODS,
+                    namespace,
+                    label_selector=f"{names.LABEL_POOL}={plan.pool},!{names.LABEL_COMPONENT}{theirs}",
+                )
+                # The consumer Deployments this pool patched (they carry its label), in one call.
+                patched = f"{names.LABEL_CONSUMER_OF}={plan.pool}{theirs}"
+                rolled = {
+                    str((d.get("metadata") or {}).get("name")): d
+                    for d in await self.kube.list(DEPLOYMENTS, namespace, label_selector=patched)
+                }
+            except ApiError as exc:
+                if own:
+                    raise
+                logger.warning("consumers of %s/%s in %s: %s", plan.namespace, plan.pool, namespace, exc)
                 continue
-            selector = (deployment.get("spec") or {}).get("selector")
-            if not selector:
-                continue
-            own = consumer_pods(
-                injection.deployment,
-                [p for p in pods if selects(selector, (p.get("metadata") or {}).get("labels") or {})],
-            )
-            asked[injection.deployment] = len(own)
-            targets += own
+            for injection in injections:
+                deployment = rolled.get(injection.deployment)
+                selector = (deployment or {}).get("spec", {}).get("selector")
+                if not selector:
+                    continue
+                found = consumer_pods(
+                    injection.display_name,
+                    [p for p in pods if selects(selector, (p.get("metadata") or {}).get("labels") or {})],
+                )
+                asked[injection.display_name] = len(found)
+                targets += found
         if not targets:
             return None  # no consumer pod is ready: nothing to report
         answers = await poll_consumers(targets, timeout=self.observe_timeout)
-        return hits_status([c.deployment for c in plan.consumers], answers, asked)
+        grants = {c.display_name: c.grant for c in plan.consumers if c.grant}
+        return hits_status([c.display_name for c in plan.consumers], answers, asked, grants)
 
     async def observe(self, body: Mapping[str, Any], notify: Notify) -> None:
         """The observation timer: poll the pool's master and its consumers (outside the pool's
@@ -1005,9 +1081,9 @@ class Reconciler:
                 )
                 announce(old, status, notify)
                 self.metrics.observe_pool(namespace, name, status)
-            if plan.tenancy is not None and observation is not None:
-                # Each grant's usage from the same poll (a grant's status is written when it changed).
-                await write_grant_statuses(self.kube, name, grants, plan, utcnow(), observation)
+            if plan.tenancy is not None and (observation is not None or hits is not None):
+                # Each grant's usage and hits from the same poll (written when they changed).
+                await write_grant_statuses(self.kube, name, grants, plan, utcnow(), observation, status)
         if orphan is not None:
             await self.forget_drain_job(plan, orphan, observation)  # outside the lock: give the job back
         if drain_moved:

@@ -503,6 +503,22 @@ class GrantUsage(_Model):
     )
 
 
+class HitTotals(_Model):
+    """The hit rate some consumers report, together."""
+
+    hit_rate: str = Field(description="Tokens the pool served over tokens looked up past the local hit.")
+    hit_tokens: int
+    looked_up_tokens: int
+
+
+class GrantConsumerStatus(_Model):
+    """Where one consumer the grant lists stands (what the pool's status says of it)."""
+
+    name: str
+    rolled_out: bool = False
+    message: str = ""
+
+
 class GrantStatus(_Model):
     """What the pool's master is told of a grant, and what it counts of it."""
 
@@ -516,6 +532,16 @@ class GrantStatus(_Model):
     ceiling: str | None = Field(default=None, description="The ceiling the master admits, as a quantity.")
     ceiling_bytes: int | None = None
     usage: GrantUsage | None = None
+    hits: HitTotals | None = Field(
+        default=None,
+        description="The hit rate its consumers report, as the pool's last poll of their /metrics "
+        "found it (absent: none of its consumers' pods answered yet).",
+    )
+    consumers: list[GrantConsumerStatus] = Field(
+        default_factory=list,
+        description="The consumers the grant lists (another namespace's grant): rolled out, or "
+        "why not (no consent, a Deployment another grant lists, the pool not serving).",
+    )
     conditions: list[Condition] = Field(default_factory=list)
 
 
@@ -613,6 +639,15 @@ class ConsumerHits(_Model):
     looked_up_tokens: int
     pods: str = Field(description="Pods that answered, of the consumer's ready pods ('2/2').")
     problem: str | None = Field(default=None, description="Why a pod did not answer (the first).")
+    grant: str | None = Field(
+        default=None, description="The grant it uses (namespace/name in another namespace), with tenancy."
+    )
+
+
+class GrantHits(HitTotals):
+    """The hit rate a grant's consumers report, together."""
+
+    grant: str
 
 
 class HitsStatus(_Model):
@@ -623,6 +658,9 @@ class HitsStatus(_Model):
     hit_tokens: int
     looked_up_tokens: int
     consumers: list[ConsumerHits] = Field(default_factory=list, max_length=1024)
+    grants: list[GrantHits] = Field(
+        default_factory=list, max_length=1024, description="Per grant, where tenancy is on."
+    )
 
 
 class ScaleDownStatus(_Model):

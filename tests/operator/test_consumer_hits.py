@@ -36,8 +36,9 @@ from kvpool.operator.crd import build_crd
 from kvpool.operator.metric_names import CONSUMER_HIT_TOKENS, CONSUMER_LOOKED_UP_TOKENS
 from kvpool.operator.metrics import consumer_hit_numbers
 from kvpool.operator.spec import PoolStatus
-from testing.kube_api import NAMESPACE, Cluster, eventually, free_port
+from testing.kube_api import GRANTS_PATH, NAMESPACE, TENANT_NAMESPACE, Cluster, eventually, free_port
 from testing.operator_objects import Operator, pool_manifest, pool_spec, vllm_deployment
+from tests.operator.test_grants_on_the_api import create_shared_pool, tenant_deployment
 
 
 def vllm_text(per_engine: list[tuple[float, float]], other: bool = True) -> str:
@@ -61,11 +62,12 @@ def pod(
     args: tuple[str, ...] = ("--kv-transfer-config", "{}", "--port", "8123"),
     ready: bool = True,
     labels: dict[str, str] | None = None,
+    namespace: str = NAMESPACE,
 ) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Pod",
-        "metadata": {"name": name, "namespace": NAMESPACE, "labels": labels or {}},
+        "metadata": {"name": name, "namespace": namespace, "labels": labels or {}},
         "spec": {
             "containers": [
                 {"name": "sidecar", "image": "proxy", "args": ["--port", "9"]},
@@ -169,6 +171,25 @@ def test_the_status_has_each_consumers_rate_and_the_pools_and_is_valid() -> None
     # The gauges: a consumer none of whose pods answered has no numbers (unknown, not zero).
     assert consumer_hit_numbers({"hits": hits}) == {"a": (150, 200), "b": (50, 200)}
     assert percent_text(1, 3) == "33.3%"
+
+
+def test_with_tenancy_each_consumer_names_its_grant_and_each_grant_has_its_rate() -> None:
+    answers = [answer("a", "a-1", 200, 150), answer("team-b/c", "c-1", 100, 10), answer("b", "b-1", 100, 40)]
+    grants = {"a": "own", "b": "own", "team-b/c": "team-b/llm"}
+    hits = hits_status(["a", "team-b/c", "b"], answers, {"a": 1, "b": 1, "team-b/c": 1}, grants)
+    assert [(c["name"], c["grant"]) for c in hits["consumers"]] == [
+        ("a", "own"),
+        ("team-b/c", "team-b/llm"),
+        ("b", "own"),
+    ]
+    assert hits["grants"] == [
+        {"grant": "own", "hitRate": "63.3%", "hitTokens": 190, "lookedUpTokens": 300},
+        {"grant": "team-b/llm", "hitRate": "10.0%", "hitTokens": 10, "lookedUpTokens": 100},
+    ]
+    assert (hits["hitTokens"], hits["lookedUpTokens"]) == (200, 400)
+    PoolStatus.model_validate({"hits": {**hits, "changedAt": "t0"}})
+    # Without tenancy: no grant anywhere.
+    assert "grants" not in hits_status(["a"], answers[:1], {"a": 1})
 
 
 def test_numbers_that_hold_still_keep_their_time_and_none_removes_them() -> None:
@@ -308,3 +329,41 @@ async def test_the_operator_writes_what_the_consumers_pods_report(
     # The consumers serve more: the next poll shows it.
     pods.texts[serving] = vllm_text([(400, 220)])
     await eventually(lambda: hits().get("hitRate") == "55.0%", what="55% after more hits")
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("operator_config", [OBSERVING])
+async def test_another_namespaces_consumer_is_asked_and_each_grant_sees_its_rate(
+    cluster: Cluster, operator: Operator, pods: StandInPods
+) -> None:
+    tenant = TENANT_NAMESPACE
+    await create_shared_pool(cluster, tenant_deployment(tenant, "chat"))
+    own, theirs = await pods.add(vllm_text([(300, 120)])), await pods.add(vllm_text([(100, 90)]))
+    await cluster.create(pod("llm-a", args=port_args(own), labels={"app": "llm", names.LABEL_POOL: "pool"}))
+    granted = {"app": "chat", names.LABEL_POOL: "pool", names.LABEL_POOL_NAMESPACE: NAMESPACE}
+    await cluster.create(pod("chat-a", args=port_args(theirs), labels=granted, namespace=tenant))
+    # A pod in the tenant's namespace labelled for a pool of the same name there: not asked.
+    stranger = await pods.add(vllm_text([(1000, 1000)]))
+    same_name = {"app": "chat", names.LABEL_POOL: "pool"}
+    await cluster.create(pod("chat-b", args=port_args(stranger), labels=same_name, namespace=tenant))
+
+    def hits() -> dict[str, Any]:
+        cluster.settle()
+        return cluster.pool_status("pool").get("hits") or {}
+
+    seen = await eventually(lambda: hits().get("hitTokens") == 210 and hits(), what="both consumers' hits")
+    by_name = {c["name"]: c for c in seen["consumers"]}
+    chat = by_name[f"{tenant}/chat"]
+    assert chat["grant"] == f"{tenant}/llm" and chat["pods"] == "1/1"
+    assert by_name["llm"]["grant"] == "team-a"
+    assert {g["grant"]: g["hitRate"] for g in seen["grants"]} == {"team-a": "40.0%", f"{tenant}/llm": "90.0%"}
+    # The tenant reads its own grant's rate on its grant.
+    on_grant = await eventually(
+        lambda: ((cluster.get(GRANTS_PATH, "llm", tenant) or {}).get("status") or {}).get("hits"),
+        what="the grant's hits",
+    )
+    assert on_grant == {"hitRate": "90.0%", "hitTokens": 90, "lookedUpTokens": 100}
+
+
+def port_args(port: int) -> tuple[str, ...]:
+    return ("--kv-transfer-config", "{}", "--port", str(port))

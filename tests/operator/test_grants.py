@@ -12,7 +12,7 @@ from kvpool.connector.contract.tenant_policy import POLICY_FILE, effective_quota
 from kvpool.connector.local import tenant_quotas
 from kvpool.operator import names
 from kvpool.operator.consumers import Refusal, refusal
-from kvpool.operator.grants import Grant, grant_status, read_grant
+from kvpool.operator.grants import Grant, grant_consumer_statuses, grant_status, read_grant
 from kvpool.operator.merge_patch import apply_merge_patch
 from kvpool.operator.names import CONFIGMAPS
 from kvpool.operator.plan import build_plan
@@ -383,6 +383,50 @@ def test_a_grants_consumers_in_its_namespace_get_its_tenant_and_a_configmap_it_o
     for labels in (patched["metadata"]["labels"], patched["spec"]["template"]["metadata"]["labels"]):
         assert labels[names.LABEL_POOL_NAMESPACE] == NAMESPACE
     assert patched["spec"]["template"]["metadata"]["labels"][names.LABEL_POOL] == "pool"
+
+
+def test_a_deployment_two_grants_list_is_the_firsts_and_the_second_grant_says_so() -> None:
+    first = grant_with_consumers(consumer("chat"), consumer("batch"))
+    second = read_grant(
+        {
+            "metadata": {"name": "more", "namespace": OTHER, "generation": 1, "uid": "uid-of-more"},
+            "spec": {
+                "pool": "pool",
+                "poolNamespace": NAMESPACE,
+                "ceiling": "8MB",
+                "consumers": [consumer("chat")],
+            },
+        }
+    )
+    plan = build_plan("pool", NAMESPACE, granted_spec(), grants=[grant("own", "8MB"), second, first])
+    assert plan.valid, plan.problems
+    chat = [c for c in plan.consumers if c.deployment == "chat"]
+    assert (
+        len(chat) == 1
+        and json.loads(chat[0].kv_transfer_config)["kv_connector_extra_config"]["tenant"] == f"{OTHER}.llm"
+    )
+    listed = {c.grant.name: c.listed_elsewhere for c in plan.grant_children}
+    assert listed == {"llm": {}, "more": {"chat": "llm"}}
+    # Each grant's status: its consumers as the pool's status has them; the doubled one refused.
+    pool_consumers = [
+        {"name": f"{OTHER}/chat", "rolledOut": True, "message": "rolled out"},
+        {"name": f"{OTHER}/batch", "rolledOut": False, "message": "refused: no consent"},
+        {"name": "chat", "rolledOut": False, "message": "the pool's own chat, not the grant's"},
+    ]
+    assert grant_consumer_statuses(first, pool_consumers, listed["llm"]) == [
+        {"name": "chat", "rolledOut": True, "message": "rolled out"},
+        {"name": "batch", "rolledOut": False, "message": "refused: no consent"},
+    ]
+    (doubled,) = grant_consumer_statuses(second, pool_consumers, listed["more"])
+    assert doubled["name"] == "chat" and not doubled["rolledOut"]
+    assert "grant llm lists this Deployment too" in doubled["message"]
+    assert grant_consumer_statuses(first, [], {})[0] == {
+        "name": "chat",
+        "rolledOut": False,
+        "message": "not rolled yet",
+    }
+    status = grant_status(first, plan.tenancy, consumers=grant_consumer_statuses(first, pool_consumers, {}))
+    assert [c["name"] for c in status["consumers"]] == ["chat", "batch"]
 
 
 def test_an_unlisted_namespaces_grant_gets_no_consumers() -> None:

@@ -136,8 +136,7 @@ async def test_a_grant_from_another_namespace_counts_only_while_the_pool_lists_i
     await cluster.create(grant_manifest("team-a", "24MB"))
     await cluster.create(pool_manifest(spec=tenancy_spec("team-a")))
     await converge(cluster, generation=1)
-    # Created after its pool: the grant handler finds the pool and refuses it (a grant made
-    # before its pool is answered at its next change).
+    # Created after its pool: the grant handler finds the pool and refuses it.
     await cluster.create(grant_manifest("llm", "24MB", namespace=tenant, pool_namespace=NAMESPACE))
 
     def policy_text() -> str:
@@ -237,6 +236,26 @@ async def test_a_grants_consumers_in_its_namespace_are_rolled_and_released_with_
     llm = cluster.get(DEPLOYMENTS_PATH, "llm")
     assert llm is not None and tenant_of(llm) == f"{NAMESPACE}.team-a"
 
+    # The tenant reads where its consumers stand on its grant, not on the pool.
+    def grant_consumers(grant: str) -> dict[str, dict[str, Any]]:
+        status = (cluster.get(GRANTS_PATH, grant, tenant) or {}).get("status") or {}
+        return {c["name"]: c for c in status.get("consumers") or []}
+
+    await eventually(
+        lambda: grant_consumers("llm").get("chat", {}).get("rolledOut"), what="chat on its grant"
+    )
+    told = grant_consumers("llm")["batch"]
+    assert not told["rolledOut"] and names.LABEL_ALLOW_POOL_NAMESPACE in told["message"]
+    # A second grant of the namespace listing chat too: chat stays the first grant's, and the
+    # second says so.
+    second = grant_manifest("more", "8MB", namespace=tenant, pool_namespace=NAMESPACE)
+    second["spec"]["consumers"] = [consumer("chat")]
+    await cluster.create(second)
+    doubled = await eventually(lambda: grant_consumers("more").get("chat"), what="the second grant told")
+    assert not doubled["rolledOut"] and "grant llm lists this Deployment too" in doubled["message"]
+    chat = cluster.get(DEPLOYMENTS_PATH, "chat", tenant)
+    assert chat is not None and tenant_of(chat) == f"{tenant}.llm"
+
     # Unlisting the namespace releases its consumers and deletes what the pool wrote there.
     await cluster.patch_pool("pool", {"spec": {"tenancy": {"grantNamespaces": []}}})
     await eventually(
@@ -261,6 +280,7 @@ async def test_deleting_the_pool_releases_the_grants_consumers_and_keeps_the_gra
 ) -> None:
     tenant = TENANT_NAMESPACE
     await create_shared_pool(cluster, tenant_deployment(tenant, "chat"))
+    await cluster.create(grant_manifest("other", "8MB", pool="elsewhere"))  # another pool's
     await converge(cluster)  # kopf done with the pool: its teardown is not raced by a pass
     await eventually(
         lambda: kv_flags(cluster.get(DEPLOYMENTS_PATH, "chat", tenant)) != [], what="chat patched"
@@ -269,4 +289,47 @@ async def test_deleting_the_pool_releases_the_grants_consumers_and_keeps_the_gra
     await eventually(lambda: cluster.get(POOLS_PATH, "pool") is None, what="the pool gone")
     assert kv_flags(cluster.get(DEPLOYMENTS_PATH, "chat", tenant)) == []
     assert cluster.get(CONFIGMAPS_PATH, "pool-llm-connector", tenant) is None
-    assert cluster.get(GRANTS_PATH, "llm", tenant) is not None
+    # The grants stay, no longer claiming a share of a pool that is gone.
+    for namespace, name in ((tenant, "llm"), (NAMESPACE, "team-a")):
+        kept = cluster.get(GRANTS_PATH, name, namespace)
+        assert kept is not None
+        (accepted,) = kept["status"]["conditions"]
+        assert (accepted["status"], accepted["reason"]) == ("False", "PoolNotFound")
+        assert "tenant" not in kept["status"] and "ceilingBytes" not in kept["status"]
+    # Another pool's grant in the namespace is not the deleted pool's to speak for.
+    other = cluster.get(GRANTS_PATH, "other")
+    assert other is not None
+    assert [c["message"] for c in conditions_of(other)] == [f"pool {NAMESPACE}/elsewhere not found"]
+
+
+async def test_a_grant_made_before_its_pool_is_answered_when_the_pool_comes(
+    cluster: Cluster, operator: Operator
+) -> None:
+    tenant = TENANT_NAMESPACE
+    # Made first: no pool to serve it yet, and it says so.
+    await cluster.create(grant_manifest("llm", "24MB", namespace=tenant, pool_namespace=NAMESPACE))
+    waiting = await eventually(
+        lambda: conditions(g := cluster.get(GRANTS_PATH, "llm", tenant)).get("Accepted") == "False" and g,
+        what="the grant waiting for its pool",
+    )
+    (accepted,) = waiting["status"]["conditions"]
+    assert accepted["reason"] == "PoolNotFound" and f"{NAMESPACE}/pool" in accepted["message"]
+    # The pool comes without listing the grant's namespace: the grant is told (it did not
+    # change, so only the pool's pass can tell it).
+    await cluster.create(vllm_deployment())
+    await cluster.create(grant_manifest("team-a", "24MB"))
+    await cluster.create(pool_manifest(spec=tenancy_spec("team-a")))
+    await eventually(
+        lambda: (
+            [c["reason"] for c in conditions_of(cluster.get(GRANTS_PATH, "llm", tenant))]
+            == ["NamespaceNotAllowed"]
+        ),
+        what="the unlisted grant refused",
+    )
+    await converge(cluster, generation=1)
+    policy = cluster.get(CONFIGMAPS_PATH, "pool-tenants")
+    assert policy is not None and f"{tenant}.llm" not in policy["data"][POLICY_FILE]
+
+
+def conditions_of(obj: dict[str, Any] | None) -> list[dict[str, Any]]:
+    return list(((obj or {}).get("status") or {}).get("conditions") or [])
