@@ -148,6 +148,73 @@ def test_pool_serves_its_consumer_from_real_processes(
     assert status(e2e)["hits"]["hitRate"] == wanted["hitRate"] != "-"
 
 
+EXTERNAL = "shared"
+EXTERNAL_CONSUMER = "llm-elsewhere"
+
+
+def test_an_external_pool_serves_its_consumer_from_a_master_it_does_not_run(
+    e2e: E2E, model: Path, layout: dict, serving: PodInfo, reference: dict[str, Completion]
+) -> None:
+    """A second pool naming the first one's master (as a platform team's master, run by
+    someone else, would be named): the operator runs nothing for it, sees the master serve,
+    rolls its own consumer onto it; that consumer's vLLM takes the prefix the first pool's
+    consumer stored there (same cache prefix, model and layout: the same keys)."""
+    consumer_path = path("apps/v1", "Deployment", EXTERNAL_CONSUMER)
+    external_path = path(POOLS.api_version, POOLS.kind, EXTERNAL)
+    service = f"{MASTER}.{harness.NAMESPACE}.svc"
+    spec = harness.pool_spec(
+        EXTERNAL_CONSUMER,
+        layout,
+        external={"masterServerAddress": f"{service}:50051", "metricsEndpoints": [f"{service}:9003"]},
+        connector={"cache_prefix": f"e2e-{CONSUMER}"},
+    )
+    del spec["image"], spec["master"], spec["store"]
+    e2e.kube.create(harness.vllm_deployment(EXTERNAL_CONSUMER, model, allow_pool=EXTERNAL, replicas=0))
+    e2e.kube.create(harness.pool_manifest(EXTERNAL, spec))
+    try:
+        wait_for(
+            lambda: e2e.kube.condition(EXTERNAL, "MasterReady").get("reason") == "ExternalServes",
+            60,
+            "the external master seen serving",
+        )
+        wait_for(
+            lambda: (
+                names.ANNOTATION_CONFIG_HASH
+                in (
+                    e2e.kube.deployment(EXTERNAL_CONSUMER)["spec"]["template"]["metadata"].get("annotations")
+                    or {}
+                )
+            ),
+            60,
+            "the external pool's consumer patched",
+        )
+        # Nothing runs for it: no Deployment of its own, no process of its own.
+        for deployment in (names.master_name(EXTERNAL), names.store_name(EXTERNAL)):
+            assert e2e.kube.deployment(deployment) is None
+        e2e.kube.patch(consumer_path, {"spec": {"replicas": 1}})
+        pod = e2e.ready_pod(EXTERNAL_CONSUMER)
+        extra = (kv_config(pod.container().argv) or {})["kv_connector_extra_config"]
+        assert extra["master_server_address"] == f"{service}:50051"
+        # Its first request: the prefix the other pool's consumer stored, loaded, output right.
+        answer = complete(pod.ip, PROMPTS["p2"], MAX_TOKENS)
+        assert answer.token_ids == reference["p2"].token_ids
+        assert answer.cached_tokens >= PREFIX_HIT
+        assert metric_total(harness.metrics(pod.ip), HIT_TOKENS) >= PREFIX_HIT
+        # Its status shows the master's own capacity: what the first pool's status shows.
+        observed = wait_for(
+            lambda: (e2e.pool_status(EXTERNAL).get("capacity") or {}).get("capacityBytes"), 60, "capacity"
+        )
+        assert observed == status(e2e)["capacity"]["capacityBytes"] == 2 * (64 << 20)
+        wait_for(lambda: e2e.pool_status(EXTERNAL).get("phase") == "Ready", 60, "the external pool Ready")
+    finally:
+        # The consumer first: the pool's teardown would otherwise restore it and roll it again.
+        e2e.remove(consumer_path, external_path)
+        wait_for(lambda: e2e.kube.pool(EXTERNAL) is None, 60, "the external pool gone")
+        wait_for(lambda: not e2e.pods(EXTERNAL_CONSUMER), 120, "its consumer's pods gone")
+    # Deleting it stopped nothing of the master it named.
+    assert all(p.ready for p in e2e.pods(MASTER)) and e2e.pods(MASTER)
+
+
 def test_connector_setting_rolls_the_consumer(
     e2e: E2E, serving: PodInfo, reference: dict[str, Completion]
 ) -> None:
