@@ -210,6 +210,26 @@ def build() -> Board:
         ],
         width=8,
     )
+    board.timeseries(
+        "Grants' hit rate in the status",
+        "Tokens the pool served over tokens looked up past the local hit, summed over each grant's "
+        "consumers whose pods answered, as the operator last read them from the pods' own /metrics "
+        "(status.hits.grants; each grant's status.hits shows its own). No line while none of a "
+        "grant's consumers answers: unknown, not zero.",
+        [
+            Target(
+                ratio(
+                    f"max by ({per_grant}) ({o.GRANT_HIT_TOKENS.exported}{SEL})",
+                    f"max by ({per_grant}) ({o.GRANT_LOOKED_UP_TOKENS.exported}{SEL})",
+                ),
+                "{{namespace}}/{{grant}}",
+            )
+        ],
+        unit="percentunit",
+        max_value=1,
+        width=24,
+        height=6,
+    )
 
     board.row("Evictions")
     board.timeseries(

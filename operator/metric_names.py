@@ -155,6 +155,22 @@ CONSUMER_LOOKED_UP_TOKENS = MetricSpec(
     ("namespace", "pool", "consumer"),
 )
 CONSUMER_HIT_GAUGES = (CONSUMER_HIT_TOKENS, CONSUMER_LOOKED_UP_TOKENS)
+# The same per grant (tenancy on): its consumers whose pods answered, together.
+GRANT_HIT_TOKENS = MetricSpec(
+    f"{PREFIX}grant_hit_tokens",
+    Kind.GAUGE,
+    "Tokens the pool served to a grant's consumers' pods since each started, as the pool's status "
+    "last observed them.",
+    ("namespace", "pool", "grant"),
+)
+GRANT_LOOKED_UP_TOKENS = MetricSpec(
+    f"{PREFIX}grant_looked_up_tokens",
+    Kind.GAUGE,
+    "Tokens a grant's consumers' pods looked up past their local hit since each started, as the "
+    "pool's status last observed them.",
+    ("namespace", "pool", "grant"),
+)
+GRANT_HIT_GAUGES = (GRANT_HIT_TOKENS, GRANT_LOOKED_UP_TOKENS)
 
 ALL: tuple[MetricSpec, ...] = (
     RECONCILES,
@@ -170,6 +186,7 @@ ALL: tuple[MetricSpec, ...] = (
     *OBSERVED_POOL_GAUGES,
     *OBSERVED_GRANT_GAUGES,
     *CONSUMER_HIT_GAUGES,
+    *GRANT_HIT_GAUGES,
 )
 BY_NAME = {spec.name: spec for spec in ALL}
 

@@ -19,6 +19,7 @@ from kvpool.operator.metric_names import (
     CONSUMER_HIT_GAUGES,
     CONSUMERS,
     CONSUMERS_ROLLED_OUT,
+    GRANT_HIT_GAUGES,
     OBSERVED_GRANT_GAUGES,
     OBSERVED_POOL_GAUGES,
     POOL_CONDITION,
@@ -96,6 +97,12 @@ class _PoolCollector(Collector):
                 for consumer, numbers in sorted(consumers.items()):
                     family.add_metric([namespace, pool, consumer], numbers[index])
             yield family
+        for index, spec in enumerate(GRANT_HIT_GAUGES):
+            family = _gauge(spec)
+            for (namespace, pool), by_grant in sorted(self._metrics.grant_hits.items()):
+                for grant, numbers in sorted(by_grant.items()):
+                    family.add_metric([namespace, pool, grant], numbers[index])
+            yield family
 
 
 class OperatorMetrics:
@@ -113,6 +120,8 @@ class OperatorMetrics:
         self.grants: dict[tuple[str, str], dict[str, tuple[int, int, int]]] = {}
         # consumer -> hit tokens, looked-up tokens (``CONSUMER_HIT_GAUGES``), from status.hits
         self.hits: dict[tuple[str, str], dict[str, tuple[int, int]]] = {}
+        # grant -> hit tokens, looked-up tokens (``GRANT_HIT_GAUGES``) of its consumers that answered
+        self.grant_hits: dict[tuple[str, str], dict[str, tuple[int, int]]] = {}
         self.reconciles = _counter(RECONCILES, self.registry)
         self.errors = _counter(RECONCILE_ERRORS, self.registry)
         self.writes = _counter(API_WRITES, self.registry)
@@ -150,6 +159,7 @@ class OperatorMetrics:
             self.capacity.pop((namespace, pool), None)
         self.grants[(namespace, pool)] = grant_numbers(status)
         self.hits[(namespace, pool)] = consumer_hit_numbers(status)
+        self.grant_hits[(namespace, pool)] = grant_hit_numbers(status)
 
     def forget_pool(self, namespace: str, pool: str) -> None:
         self.conditions.pop((namespace, pool), None)
@@ -159,6 +169,7 @@ class OperatorMetrics:
         self.capacity.pop((namespace, pool), None)
         self.grants.pop((namespace, pool), None)
         self.hits.pop((namespace, pool), None)
+        self.grant_hits.pop((namespace, pool), None)
 
 
 def grant_numbers(status: Mapping[str, Any]) -> dict[str, tuple[int, int, int]]:
@@ -196,13 +207,27 @@ async def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> As
 def consumer_hit_numbers(status: Mapping[str, Any]) -> dict[str, tuple[int, int]]:
     """Each consumer's hit and looked-up tokens from a pool's ``status.hits``; a consumer none
     of whose pods answered has no numbers (unknown, not zero)."""
+    return {str(item.get("name")): numbers for item, numbers in _answered_consumers(status)}
+
+
+def grant_hit_numbers(status: Mapping[str, Any]) -> dict[str, tuple[int, int]]:
+    """Each grant's hit and looked-up tokens from a pool's ``status.hits``: its consumers that
+    answered, summed; a grant none of whose consumers answered has no numbers (unknown, not zero)."""
+    out: dict[str, tuple[int, int]] = {}
+    for item, (hit, looked_up) in _answered_consumers(status):
+        if grant := item.get("grant"):
+            before = out.get(str(grant), (0, 0))
+            out[str(grant)] = (before[0] + hit, before[1] + looked_up)
+    return out
+
+
+def _answered_consumers(status: Mapping[str, Any]) -> Iterator[tuple[Mapping[str, Any], tuple[int, int]]]:
+    """The entries of ``status.hits.consumers`` some pod of which answered, with their numbers."""
     hits = status.get("hits")
     if not isinstance(hits, Mapping):
-        return {}
-    out = {}
+        return
     for item in hits.get("consumers") or []:
         numbers = (item.get("hitTokens"), item.get("lookedUpTokens"))
         answered = str(item.get("pods", "0/")).split("/", 1)[0]
         if all(isinstance(n, int) for n in numbers) and answered not in ("", "0"):
-            out[str(item.get("name"))] = (int(numbers[0]), int(numbers[1]))
-    return out
+            yield item, (int(numbers[0]), int(numbers[1]))

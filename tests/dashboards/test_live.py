@@ -47,8 +47,9 @@ EXPECTED_ZERO = {("Pool hit rate beside vLLM's prefix caches", "C")}  # the loca
 # and against a real multi-tenant master in tests/operator/test_real_tenancy.py.
 WITHOUT_TENANCY = {"Memory per grant", "Use of quota per grant", "Writes refused for quota per grant"}
 # kmock runs no pods, so the operator has no consumer pod to ask for its hits: the consumer hit
-# gauges are checked against real vLLM pods in tests/e2e/test_pool.py.
-WITHOUT_CONSUMER_PODS = {"Consumers' hit rate in the status"}
+# gauges are checked against real vLLM pods in tests/e2e/test_pool.py (per grant: against stand-in
+# pods in tests/operator/test_consumer_hits.py).
+WITHOUT_CONSUMER_PODS = {"Consumers' hit rate in the status", "Grants' hit rate in the status"}
 # The drain gauge has series only while a scale-down waits for a drain, which this run does not
 # do: its exposition is checked in tests/operator/test_store_drain.py.
 WITHOUT_DRAIN = {"Store drain"}

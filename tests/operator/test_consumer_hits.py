@@ -33,8 +33,13 @@ from kvpool.operator.consumer_hits import (
     with_hits,
 )
 from kvpool.operator.crd import build_crd
-from kvpool.operator.metric_names import CONSUMER_HIT_TOKENS, CONSUMER_LOOKED_UP_TOKENS
-from kvpool.operator.metrics import consumer_hit_numbers
+from kvpool.operator.metric_names import (
+    CONSUMER_HIT_TOKENS,
+    CONSUMER_LOOKED_UP_TOKENS,
+    GRANT_HIT_TOKENS,
+    GRANT_LOOKED_UP_TOKENS,
+)
+from kvpool.operator.metrics import consumer_hit_numbers, grant_hit_numbers
 from kvpool.operator.spec import PoolStatus
 from testing.kube_api import GRANTS_PATH, NAMESPACE, TENANT_NAMESPACE, Cluster, eventually, free_port
 from testing.operator_objects import Operator, pool_manifest, pool_spec, vllm_deployment
@@ -188,8 +193,14 @@ def test_with_tenancy_each_consumer_names_its_grant_and_each_grant_has_its_rate(
     ]
     assert (hits["hitTokens"], hits["lookedUpTokens"]) == (200, 400)
     PoolStatus.model_validate({"hits": {**hits, "changedAt": "t0"}})
+    # The gauges per grant: its consumers that answered, summed; a grant whose consumers
+    # all went unanswered has no numbers (unknown, not zero).
+    assert grant_hit_numbers({"hits": hits}) == {"own": (190, 300), "team-b/llm": (10, 100)}
+    silent = hits_status(["a", "team-b/c"], answers[:1], {"a": 1, "team-b/c": 1}, grants)
+    assert grant_hit_numbers({"hits": silent}) == {"own": (150, 200)}
     # Without tenancy: no grant anywhere.
     assert "grants" not in hits_status(["a"], answers[:1], {"a": 1})
+    assert grant_hit_numbers({"hits": hits_status(["a"], answers[:1], {"a": 1})}) == {}
 
 
 def test_numbers_that_hold_still_keep_their_time_and_none_removes_them() -> None:
@@ -288,14 +299,15 @@ async def test_each_pod_is_asked_once_within_the_deadline_and_says_why_not(
 OBSERVING = {"observe_interval": 0.3, "observe_timeout": 1.0}
 
 
-def operator_hit_series(url: str) -> dict[tuple[str, str], float]:
+def operator_hit_series(url: str, per: str = "consumer") -> dict[tuple[str, str], float]:
+    """The operator's hit gauges per ``per`` ("consumer" or "grant"): (series, label) -> value."""
     with urllib.request.urlopen(url, timeout=5) as response:
         text = response.read().decode()
     return {
-        (s.name, s.labels["consumer"]): s.value
+        (s.name, s.labels[per]): s.value
         for family in text_string_to_metric_families(text)
         for s in family.samples
-        if s.name.startswith("kvpool_operator_consumer_")
+        if s.name.startswith(f"kvpool_operator_{per}_") and s.name.endswith("_tokens")
     }
 
 
@@ -363,6 +375,20 @@ async def test_another_namespaces_consumer_is_asked_and_each_grant_sees_its_rate
         what="the grant's hits",
     )
     assert on_grant == {"hitRate": "90.0%", "hitTokens": 90, "lookedUpTokens": 100}
+    # And the operator exports each grant's numbers, for the Pool dashboard.
+    series = await eventually(
+        lambda: (
+            len(operator_hit_series(operator.metrics_url, "grant")) == 4
+            and operator_hit_series(operator.metrics_url, "grant")
+        ),
+        what="the grant hit gauges",
+    )
+    assert series == {
+        (GRANT_HIT_TOKENS.name, "team-a"): 120,
+        (GRANT_LOOKED_UP_TOKENS.name, "team-a"): 300,
+        (GRANT_HIT_TOKENS.name, f"{tenant}/llm"): 90,
+        (GRANT_LOOKED_UP_TOKENS.name, f"{tenant}/llm"): 100,
+    }
 
 
 def port_args(port: int) -> tuple[str, ...]:
