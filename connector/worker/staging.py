@@ -58,6 +58,7 @@ class GroupCopier:
                 runs.append(Run(layer.base + outer, stride, size, offset, layer.num_blocks, tensor))
                 offset += size
         self.runs = runs
+        self._run_types = [ctypes.c_char * run.size for run in runs]  # a run's bytes, as a ctypes type
         self.object_bytes = offset
         self.payload_bytes = offset - HEADER_BYTES
         self.use_memmove = use_memmove
@@ -179,11 +180,13 @@ class GroupCopier:
         if not self.use_memmove or stated_checksum(header) is not Checksum.CRC32C:
             raise ValueError("a direct copy needs host blocks and a CRC-32C header")
         self.check([block])
-        self._object_into_block(obj, block)
-        crc = 0
-        for run in self.runs:
-            in_block = (ctypes.c_char * run.size).from_address(run.base + block * run.block_stride)
-            crc = crc32c_extend(crc, in_block)
+        # Run by run: each run's CRC is read back from the block right after its copy, while
+        # the run is still in the core's cache (the runs in the object's order, as saved).
+        move, crc = ctypes.memmove, 0
+        for run, run_type in zip(self.runs, self._run_types):
+            at = run.base + block * run.block_stride
+            move(at, obj + run.offset, run.size)
+            crc = crc32c_extend(crc, run_type.from_address(at))
         return payload_matches(header, Checksum.CRC32C, crc)
 
     # --- one object on the CPU: a memmove per run --------------------------------
