@@ -85,24 +85,22 @@ class _PoolCollector(Collector):
                 if value is not None:
                     family.add_metric([namespace, pool], value)
             yield family
-        for index, spec in enumerate(OBSERVED_GRANT_GAUGES):
-            family = _gauge(spec)
-            for (namespace, pool), grants in sorted(self._metrics.grants.items()):
-                for grant, numbers in sorted(grants.items()):
-                    family.add_metric([namespace, pool, grant], numbers[index])
-            yield family
-        for index, spec in enumerate(CONSUMER_HIT_GAUGES):
-            family = _gauge(spec)
-            for (namespace, pool), consumers in sorted(self._metrics.hits.items()):
-                for consumer, numbers in sorted(consumers.items()):
-                    family.add_metric([namespace, pool, consumer], numbers[index])
-            yield family
-        for index, spec in enumerate(GRANT_HIT_GAUGES):
-            family = _gauge(spec)
-            for (namespace, pool), by_grant in sorted(self._metrics.grant_hits.items()):
-                for grant, numbers in sorted(by_grant.items()):
-                    family.add_metric([namespace, pool, grant], numbers[index])
-            yield family
+        yield from _per_item(OBSERVED_GRANT_GAUGES, self._metrics.grants)
+        yield from _per_item(CONSUMER_HIT_GAUGES, self._metrics.hits)
+        yield from _per_item(GRANT_HIT_GAUGES, self._metrics.grant_hits)
+
+
+def _per_item(
+    specs: tuple[MetricSpec, ...], by_pool: Mapping[tuple[str, str], Mapping[str, tuple[int, ...]]]
+) -> Iterator[GaugeMetricFamily]:
+    """One gauge per spec of ``specs``, with a series per pool and item (a grant, a consumer):
+    the spec's number, by position in the item's numbers."""
+    for index, spec in enumerate(specs):
+        family = _gauge(spec)
+        for (namespace, pool), items in sorted(by_pool.items()):
+            for item, numbers in sorted(items.items()):
+                family.add_metric([namespace, pool, item], numbers[index])
+        yield family
 
 
 class OperatorMetrics:
