@@ -31,6 +31,8 @@ from kvpool.connector.local.engine import (
     shutdown_llm,
 )
 from kvpool.connector.local.engine import RequestResult as GreedyResult
+from testing import engine_forks
+from testing.engine_forks import run_module_forked
 
 __all__ = [
     "ENGINE_ENV",
@@ -315,7 +317,8 @@ def run_engine_subprocess(
     log_path: str | os.PathLike[str] | None = None,
     reset_local_cache: bool = False,
 ) -> EngineReport:
-    """Like :func:`run_engine`, in a fresh Python process; ``env`` is added to its environment."""
+    """Like :func:`run_engine`, in a fresh Python process (forked from a warmed parent once
+    :func:`fork_engine_runs` is on); ``env`` is added to its environment."""
     spec = {
         "opts": asdict(opts),
         "batches": batches,
@@ -324,10 +327,28 @@ def run_engine_subprocess(
         "trace_headers": trace_headers,
         "reset_local_cache": reset_local_cache,
     }
-    path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    child_env = {"PYTHONPATH": path, **(env or {})}
-    data = run_module(MODULE, spec, env=child_env, timeout=timeout, log_path=log_path)
+    child_env = _engine_env(env)
+    data = run_module_forked(MODULE, spec, env=child_env, timeout=timeout, log_path=log_path)
+    if data is None:
+        data = run_module(MODULE, spec, env=child_env, timeout=timeout, log_path=log_path)
     return EngineReport.from_json(data)
+
+
+def _engine_env(env: dict[str, str] | None) -> dict[str, str]:
+    """What an engine process adds to the environment: this checkout on its path, then ``env``."""
+    path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return {"PYTHONPATH": path, **(env or {})}
+
+
+def fork_engine_runs() -> None:
+    """From now on, this process's :func:`run_engine_subprocess` runs are forked from one
+    parent that has imported vLLM (:mod:`testing.engine_forks`), where their environment allows."""
+    engine_forks.enable(_engine_env(None))
+
+
+def stop_forking_engine_runs() -> None:
+    """Stop the parent of :func:`fork_engine_runs`; later runs start fresh processes."""
+    engine_forks.disable()
 
 
 #: Reference outputs already computed in this process, by what determines them.

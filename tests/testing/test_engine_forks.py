@@ -1,0 +1,79 @@
+"""Forked engine runs (testing.engine_forks): the same outputs as fresh processes, a deadline
+that kills the run's whole process group, and fresh processes where the environment differs
+in what vLLM reads at import."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvpool.connector.local.engine import run_module
+from testing.engine import MODULE, EngineReport
+from testing.engine_forks import EngineForks, child_environment, differs_only_at_run_time
+from testing.models import build_gemma3
+
+PROMPT = [[7 + (i * 13) % 500 for i in range(300)]]
+
+
+def test_only_run_time_variables_may_differ() -> None:
+    parent = {"PATH": "/bin", "PYTHONHASHSEED": "0", "VLLM_LOGGING_LEVEL": "INFO"}
+    assert differs_only_at_run_time(parent, parent)
+    assert differs_only_at_run_time(parent, {**parent, "PYTHONHASHSEED": "11", "MC_TCP_BIND_ADDRESS": "x"})
+    assert differs_only_at_run_time(parent, {**parent, "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:1"})
+    assert not differs_only_at_run_time(parent, {**parent, "VLLM_LOGGING_LEVEL": "DEBUG"})
+    assert not differs_only_at_run_time(parent, {k: v for k, v in parent.items() if k != "PATH"})
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def gemma3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_gemma3(tmp_path_factory.mktemp("models") / "gemma3-tiny")
+
+
+@pytest.fixture
+def forks() -> Iterator[EngineForks]:
+    forks = EngineForks(child_environment({"PYTHONPATH": str(ROOT)}))
+    yield forks
+    forks.stop()
+
+
+def _tokens(result: Path) -> list[list[int]]:
+    return EngineReport.from_json(json.loads(result.read_text())).token_ids
+
+
+@pytest.mark.engine
+def test_a_forked_run_gives_a_fresh_runs_tokens_and_a_deadline_kills_it(
+    forks: EngineForks, gemma3_dir: Path, tmp_path: Path
+) -> None:
+    spec = {"opts": {"model": str(gemma3_dir)}, "batches": [PROMPT], "max_tokens": 8}
+    spec |= {"logprobs": False, "trace_headers": None}
+    fresh = EngineReport.from_json(run_module(MODULE, spec, env={"PYTHONPATH": str(ROOT)})).token_ids
+    spec_path, result, log = tmp_path / "spec.json", tmp_path / "result.json", tmp_path / "engine.log"
+    spec_path.write_text(json.dumps(spec))
+    env = child_environment({"PYTHONPATH": str(ROOT), "PYTHONHASHSEED": "5"})
+    assert forks.accepts(env)
+    assert forks.run(MODULE, spec_path, result, log, env, timeout=300) == 0
+    assert _tokens(result) == fresh
+    assert forks.forked_runs == 1
+    # Past its deadline the run is killed, its process group with it; the parent forks on.
+    result.unlink()
+    with pytest.raises(subprocess.TimeoutExpired):
+        forks.run(MODULE, spec_path, result, log, env, timeout=0.5)
+    assert forks.last_pid is not None
+    with pytest.raises(ProcessLookupError):
+        os.killpg(forks.last_pid, 0)
+    assert not result.exists()
+    assert forks.run(MODULE, spec_path, result, log, env, timeout=300) == 0
+    assert _tokens(result) == fresh
+    assert forks.forked_runs == 3
+
+
+def test_a_run_that_changes_an_import_time_variable_is_not_forked(forks: EngineForks) -> None:
+    assert not forks.accepts(child_environment({"PYTHONPATH": str(ROOT), "VLLM_LOGGING_LEVEL": "DEBUG"}))
