@@ -1,7 +1,7 @@
 """Engine processes forked from a parent that has already imported vLLM.
 
-Importing vLLM costs about 8 s of the 15 s a fresh engine process takes on these
-machines, and the test suite starts over a hundred of them. :class:`EngineForks`
+Importing vLLM costs about 9 s of the 15 s a fresh engine process takes on these
+machines (a forked one takes about 6 s), and the test suite starts a few dozen. :class:`EngineForks`
 starts one parent (``python -m testing.engine_forks``), which imports vLLM and
 torch, runs nothing, and forks a child per engine run: the child sets the run's
 environment, sends its output to the run's log, runs ``MODULE.main([SPEC,
@@ -10,8 +10,8 @@ stays as it was after the imports, so every child starts from the same state.
 
 A run goes to a fresh process instead (:func:`run_module` as before) when its
 environment differs from the parent's in anything vLLM or torch may read at
-import (only :data:`READ_AT_RUN_TIME` may differ), or while another thread's run
-holds the parent. The tests turn this on (``tests/conftest.py``); the benchmarks
+import (only :data:`READ_AT_RUN_TIME` and what vLLM sets itself,
+:data:`SET_BY_VLLM_AT_RUN_TIME`, may differ), or while another thread's run holds the parent. The tests turn this on (``tests/conftest.py``); the benchmarks
 keep fresh processes.
 """
 
@@ -160,7 +160,7 @@ class EngineForks:
         try:
             proc = self._start()
             argv = [str(spec_path), str(result_path)]
-            request = {"module": module, "argv": argv, "log": str(log_path), "env": env}
+            request = {"module": module, "argv": argv, "log": str(log_path), "env": env, "cwd": os.getcwd()}
             assert proc.stdin is not None
             proc.stdin.write(json.dumps(request) + "\n")
             proc.stdin.flush()
@@ -273,7 +273,7 @@ def _reply(out: IO[str], message: dict[str, Any]) -> None:
 
 
 def _child(request: dict[str, Any]) -> int:
-    """In the forked child: the run's environment, output and process group, then the run."""
+    """In the forked child: the run's process group, output, directory and environment, then the run."""
     os.setpgid(0, 0)
     log_fd = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     null_fd = os.open(os.devnull, os.O_RDONLY)
@@ -282,6 +282,7 @@ def _child(request: dict[str, Any]) -> int:
     os.dup2(log_fd, 2)
     os.close(log_fd)
     os.close(null_fd)
+    os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
     import importlib
