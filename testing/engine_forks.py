@@ -11,8 +11,9 @@ stays as it was after the imports, so every child starts from the same state.
 A run goes to a fresh process instead (:func:`run_module` as before) when its
 environment differs from the parent's in anything vLLM or torch may read at
 import (only :data:`READ_AT_RUN_TIME` and what vLLM sets itself,
-:data:`SET_BY_VLLM_AT_RUN_TIME`, may differ), or while another thread's run holds the parent. The tests turn this on (``tests/conftest.py``); the benchmarks
-keep fresh processes.
+:data:`SET_BY_VLLM_AT_RUN_TIME`, may differ), or while another thread's run holds
+the parent. The tests turn this on (``tests/conftest.py``); the benchmarks keep
+fresh processes.
 """
 
 from __future__ import annotations
