@@ -157,6 +157,7 @@ class EngineForks:
         process group) when it outlives ``timeout``.
         """
         if not self._lock.acquire(blocking=False):
+            self.fresh_because["(the parent was busy)"] += 1
             return None
         try:
             proc = self._start()
@@ -231,6 +232,28 @@ def disable() -> None:
     forks, _FORKS = _FORKS, None
     if forks is not None:
         forks.stop()
+
+
+def summary() -> dict[str, Any]:
+    """This process's runs so far: how many were forked, and why others started fresh
+    (each variable that ruled a run out, counted; a run may name several)."""
+    forks = _FORKS
+    if forks is None:
+        return {"forked": 0, "fresh_because": {}}
+    return {"forked": forks.forked_runs, "fresh_because": dict(forks.fresh_because)}
+
+
+def summary_line(summaries: list[dict[str, Any]]) -> str:
+    """One line for the test report from each process's :func:`summary`."""
+    forked = sum(s["forked"] for s in summaries)
+    because: Counter[str] = Counter()
+    for s in summaries:
+        because.update(s["fresh_because"])
+    line = f"engine processes: {forked} forked from a parent that imported vLLM"
+    if because:
+        reasons = ", ".join(f"{k} ({n})" for k, n in because.most_common())
+        line += f"; others started fresh because of {reasons}"
+    return line
 
 
 def child_environment(extra: dict[str, str]) -> dict[str, str]:

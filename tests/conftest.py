@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from testing import engine_forks
 from testing.engine import apply_engine_env, fork_engine_runs, stop_forking_engine_runs
 
 # Before any test imports vLLM: a CPU engine in this process, no hub access.
@@ -27,6 +28,33 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_unconfigure(config: pytest.Config) -> None:
     """Stop the engines' parent (by its PID)."""
     stop_forking_engine_runs()
+
+
+#: Each process's count of forked and fresh engine runs (this one's, and each xdist worker's).
+_ENGINE_RUNS: list[dict[str, Any]] = []
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """An xdist worker hands its engine runs' count to the controller; a lone run keeps it."""
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        workeroutput["engine_runs"] = engine_forks.summary()
+    else:
+        _ENGINE_RUNS.append(engine_forks.summary())
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: object) -> None:
+    """The controller collects each worker's engine runs."""
+    runs = getattr(node, "workeroutput", {}).get("engine_runs")
+    if runs is not None:
+        _ENGINE_RUNS.append(runs)
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """How many engine processes were forked, and what made the others start fresh."""
+    if any(runs["forked"] or runs["fresh_because"] for runs in _ENGINE_RUNS):
+        terminalreporter.write_line(engine_forks.summary_line(_ENGINE_RUNS))
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,7 @@ import pytest
 
 from kvpool.connector.local.engine import run_module
 from testing.engine import MODULE, EngineReport
-from testing.engine_forks import EngineForks, child_environment, differs_only_at_run_time
+from testing.engine_forks import EngineForks, child_environment, differs_only_at_run_time, summary_line
 from testing.models import build_gemma3
 
 PROMPT = [[7 + (i * 13) % 500 for i in range(300)]]
@@ -77,3 +77,18 @@ def test_a_forked_run_gives_a_fresh_runs_tokens_and_a_deadline_kills_it(
 
 def test_a_run_that_changes_an_import_time_variable_is_not_forked(forks: EngineForks) -> None:
     assert not forks.accepts(child_environment({"PYTHONPATH": str(ROOT), "VLLM_LOGGING_LEVEL": "DEBUG"}))
+
+
+def test_the_report_line_sums_each_process() -> None:
+    line = summary_line(
+        [
+            {"forked": 3, "fresh_because": {"VLLM_LOGGING_LEVEL": 1}},
+            {"forked": 2, "fresh_because": {"VLLM_LOGGING_LEVEL": 1, "(the parent was busy)": 1}},
+        ]
+    )
+    assert line == (
+        "engine processes: 5 forked from a parent that imported vLLM; others started fresh "
+        "because of VLLM_LOGGING_LEVEL (2), (the parent was busy) (1)"
+    )
+    alone = summary_line([{"forked": 0, "fresh_because": {}}])
+    assert alone == "engine processes: 0 forked from a parent that imported vLLM"
