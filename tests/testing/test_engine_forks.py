@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,7 +15,13 @@ import pytest
 
 from kvpool.connector.local.engine import run_module
 from testing.engine import MODULE, EngineReport
-from testing.engine_forks import EngineForks, child_environment, differs_only_at_run_time, summary_line
+from testing.engine_forks import (
+    EngineForks,
+    Replies,
+    child_environment,
+    import_time_differences,
+    summary_line,
+)
 from testing.models import build_gemma3
 
 PROMPT = [[7 + (i * 13) % 500 for i in range(300)]]
@@ -22,11 +29,38 @@ PROMPT = [[7 + (i * 13) % 500 for i in range(300)]]
 
 def test_only_run_time_variables_may_differ() -> None:
     parent = {"PATH": "/bin", "PYTHONHASHSEED": "0", "VLLM_LOGGING_LEVEL": "INFO"}
-    assert differs_only_at_run_time(parent, parent)
-    assert differs_only_at_run_time(parent, {**parent, "PYTHONHASHSEED": "11", "MC_TCP_BIND_ADDRESS": "x"})
-    assert differs_only_at_run_time(parent, {**parent, "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:1"})
-    assert not differs_only_at_run_time(parent, {**parent, "VLLM_LOGGING_LEVEL": "DEBUG"})
-    assert not differs_only_at_run_time(parent, {k: v for k, v in parent.items() if k != "PATH"})
+    assert import_time_differences(parent, parent) == set()
+    assert (
+        import_time_differences(parent, {**parent, "PYTHONHASHSEED": "11", "MC_TCP_BIND_ADDRESS": "x"})
+        == set()
+    )
+    otel = {**parent, "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:1", "LD_PRELOAD": "libgomp.so.1"}
+    assert import_time_differences(parent, otel) == set()
+    assert import_time_differences(parent, {**parent, "VLLM_LOGGING_LEVEL": "DEBUG"}) == {
+        "VLLM_LOGGING_LEVEL"
+    }
+    assert import_time_differences(parent, {k: v for k, v in parent.items() if k != "PATH"}) == {"PATH"}
+
+
+def test_replies_that_arrive_together_are_each_read_at_once() -> None:
+    """A run that ends at once (its pid and its exit code in one write) is not waited on
+    until its deadline."""
+    both = 'import sys; sys.stdout.write(\'{"pid": 1}\\n{"rc": 3}\\n\'); sys.stdout.flush(); sys.stdin.read()'
+    proc = subprocess.Popen(
+        [sys.executable, "-c", both], stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0
+    )
+    try:
+        replies = Replies(proc)
+        assert replies.next(30.0) == {"pid": 1}
+        assert replies.next(0.5) == {"rc": 3}
+        with pytest.raises(TimeoutError):
+            replies.next(0.2)
+    finally:
+        assert proc.stdin is not None
+        proc.stdin.close()
+        proc.wait(timeout=30)
+    with pytest.raises(RuntimeError, match="exited"):
+        replies.next(5.0)
 
 
 ROOT = Path(__file__).resolve().parents[2]
