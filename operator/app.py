@@ -168,6 +168,39 @@ def notifier(body: Mapping[str, Any]) -> Notify:
     return notify
 
 
+async def grant_changed(reconciler: Reconciler, body: Mapping[str, Any], event_type: str | None) -> None:
+    """A grant came, went or changed: a pass over the pool it names (its policy, its
+    consumers' tenants, every grant's cut); a grant whose pool is not there, or does not
+    list the grant's namespace, is told so at once, even while a pass over that pool waits
+    to begin (such a pass reads only the grants the pool takes)."""
+    own, name = body.get("metadata", {}).get("namespace"), grant_pool(body)
+    named = (body.get("spec") or {}).get("poolNamespace")
+    namespace = named if isinstance(named, str) and named else own
+    if name is None:
+        return
+    pool = await reconciler.kube.get(POOLS, namespace, name)
+    going = event_type == "DELETED" or body.get("metadata", {}).get("deletionTimestamp")
+    if pool is None and not going:
+        missing = f"pool {namespace}/{name} not found"
+        try:
+            await refuse_grant(reconciler.kube, body, missing, POOL_NOT_FOUND, utcnow())
+        except RETRYABLE as exc:
+            logging.getLogger(__name__).warning("grant %s/%s: %s", own, body["metadata"]["name"], exc)
+        return
+    if pool is None or pool.get("metadata", {}).get("deletionTimestamp"):
+        return
+    try:
+        refusal = namespace_refusal(own, namespace, name, grant_namespaces(pool))
+        if refusal is not None:
+            if not going:
+                await refuse_grant(reconciler.kube, body, refusal, NAMESPACE_NOT_ALLOWED, utcnow())
+            return
+        # Dropped when a pass over the pool waits to begin: that pass reads this grant.
+        await reconciler.reconcile(pool, "grant", notifier(pool), coalesce=True)
+    except RETRYABLE as exc:
+        logging.getLogger(__name__).warning("pass after a grant of %s/%s: %s", namespace, name, exc)
+
+
 def spec_changed(old: Mapping[str, Any] | None, new: Mapping[str, Any]) -> bool:
     """Whether an UPDATE changes the spec of a pool that is not being deleted."""
     if (new.get("metadata") or {}).get("deletionTimestamp"):
@@ -255,33 +288,7 @@ def make_registry(
 
     @kopf.on.event(*GRANT, registry=registry, id="grant", when=lambda body, **_: grant_pool(body) is not None)
     async def grant(body: kopf.Body, type: str | None = None, **_: Any) -> None:
-        # A grant came, went or changed: a pass over the pool it names (its policy, its
-        # consumers' tenants, every grant's cut); a grant whose pool is not there says so.
-        own, name = body.get("metadata", {}).get("namespace"), grant_pool(body)
-        named = (body.get("spec") or {}).get("poolNamespace")
-        namespace = named if isinstance(named, str) and named else own
-        if name is None or reconciler.queued(namespace, name):
-            return
-        pool = await reconciler.kube.get(POOLS, namespace, name)
-        going = type == "DELETED" or body.get("metadata", {}).get("deletionTimestamp")
-        if pool is None and not going:
-            missing = f"pool {namespace}/{name} not found"
-            try:
-                await refuse_grant(reconciler.kube, body, missing, POOL_NOT_FOUND, utcnow())
-            except RETRYABLE as exc:
-                logging.getLogger(__name__).warning("grant %s/%s: %s", own, body["metadata"]["name"], exc)
-            return
-        if pool is None or pool.get("metadata", {}).get("deletionTimestamp"):
-            return
-        try:
-            refusal = namespace_refusal(own, namespace, name, grant_namespaces(pool))
-            if refusal is not None:
-                if not body.get("metadata", {}).get("deletionTimestamp"):
-                    await refuse_grant(reconciler.kube, body, refusal, NAMESPACE_NOT_ALLOWED, utcnow())
-                return
-            await reconciler.reconcile(pool, "grant", notifier(pool), coalesce=True)
-        except RETRYABLE as exc:
-            logging.getLogger(__name__).warning("pass after a grant of %s/%s: %s", namespace, name, exc)
+        await grant_changed(reconciler, body, type)
 
     @kopf.on.delete(*POOL, registry=registry, id="teardown", **retry)
     async def delete(body: kopf.Body, **_: Any) -> None:
