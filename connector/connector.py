@@ -289,7 +289,7 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        self._sched().update_state_after_alloc(request, blocks.get_block_ids(), num_external_tokens)
+        self._sched().update_state_after_alloc(request, blocks.get_block_ids, num_external_tokens)
         self._events.track(request)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from kvpool.connector.scheduler.lookups import Lookup
     from kvpool.connector.scheduler.presence import Question
 
-#: Per group: blocks present, and the group's own hit in tokens.
+#: Per group: blocks present, and the group's own hit in tokens past vLLM's own hit.
 Statistics = tuple[tuple[int, ...], tuple[int, ...]]
 
 
@@ -58,7 +58,10 @@ def lookup_statistics(
                     held[g].update(zip(rest[g], answers))
             groups = range(len(coord.groups))
             present = tuple(sum(held.get(g, {}).values()) for g in groups)
-            memo.append((present, coord.group_hits(lookup.query.block_hashes, wanted, held, lookup.max_hit)))
+            # Past vLLM's own hit: the record's final numbers, so reading them costs nothing.
+            local = lookup.query.num_computed_tokens
+            hits = coord.group_hits(lookup.query.block_hashes, wanted, held, lookup.max_hit)
+            memo.append((present, tuple(max(0, t - local) for t in hits)))
         return memo[0]
 
     # Computed ahead, where the answer is (vLLM exports them at its next step anyway).

@@ -295,9 +295,7 @@ class SchedulerSide:
             looked_up_blocks=tuple(len(lookup.wanted.get(g, ())) for g in groups),
             present_blocks=Deferred(lambda: statistics()[0]),
             needed_blocks=tuple(len(b) for b in hit.needed_blocks),
-            group_hit_tokens=Deferred(
-                lambda: tuple(max(0, t - num_computed_tokens) for t in statistics()[1])
-            ),
+            group_hit_tokens=Deferred(lambda: statistics()[1]),
             # Batched: from the request's first call until its answer.
             seconds=time.perf_counter() - query.started,
             keys=asked_keys,
@@ -346,8 +344,10 @@ class SchedulerSide:
 
     # --- allocation ------------------------------------------------------------
     def update_state_after_alloc(
-        self, request: Any, block_ids: Sequence[list[int]], num_external: int
+        self, request: Any, block_ids_of: Callable[[], Sequence[list[int]]], num_external: int
     ) -> None:
+        """Note ``request``'s allocation: where its saves start, and its load of ``num_external``
+        tokens (``block_ids_of``: its block ids per group, asked only for a load)."""
         req_id = request.request_id
         state = self.requests.get(req_id)
         plan: LoadPlan | None = None
@@ -385,7 +385,7 @@ class SchedulerSide:
                 self._saving[req_id] = state.saves
         if num_external == 0:
             return  # nothing external (or vLLM declined the hit): vLLM expects no load
-        load = self._load_plan(request, block_ids, num_external, plan)
+        load = self._load_plan(request, block_ids_of(), num_external, plan)
         self._pending_loads.append(load)
         if state is None:
             state = self.requests[req_id] = RequestState()
