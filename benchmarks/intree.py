@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
-import socket
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import asdict
@@ -26,6 +25,7 @@ from typing import Any
 
 from benchmarks.vllm_env import bench_engine_config
 from kvpool.connector.contract.mooncake_env import CONFIG_PATH_ENV
+from kvpool.connector.local.ports import free_port
 from testing.kv_cache import GroupDesc, make_kv_cache_config
 
 _dist_ready = False
@@ -58,12 +58,6 @@ def intree_transfer(cache_prefix: str, rpc_port: int) -> dict[str, Any]:
     }
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def init_single_rank(vllm_config: Any) -> None:
     """vLLM's distributed groups for world size 1 (gloo on loopback), once per process."""
     global _dist_ready
@@ -79,7 +73,7 @@ def init_single_rank(vllm_config: Any) -> None:
         init_distributed_environment(
             world_size=1,
             rank=0,
-            distributed_init_method=f"tcp://127.0.0.1:{_free_port()}",
+            distributed_init_method=f"tcp://127.0.0.1:{free_port()}",
             local_rank=0,
             backend="gloo",
         )

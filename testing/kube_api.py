@@ -17,7 +17,6 @@ import contextlib
 import copy
 import itertools
 import json
-import socket
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ import jsonpatch
 import jsonpointer
 import kmock
 
+from kvpool.connector.local.ports import free_port
 from kvpool.operator.app import OperatorOptions, run
 from kvpool.operator.crd import build_crd, build_grant_crd
 from kvpool.operator.names import (
@@ -303,12 +303,6 @@ def _declare_crd(
         shortnames=set(short),
         subresources=set(version["subresources"]),
     )
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def write_kubeconfig(path: Path, server: str) -> Path:

@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvpool.connector.contract.layout import KVLayout
+from kvpool.connector.local.ports import free_port
 
 LOOPBACK = "127.0.0.1"
 RANK_TIMEOUT_S = 600.0
@@ -101,19 +102,11 @@ def _rank_specs(engine_args: dict[str, Any], rank: int, port: int, out: Any) -> 
         out.put((rank, None, None, f"{type(exc).__name__}: {exc}"))
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((LOOPBACK, 0))
-        return int(sock.getsockname()[1])
-
-
 def rank_specs(engine_args: Mapping[str, Any], world: int) -> tuple[list[dict[str, Any]], list[str]]:
     """Every rank's KV-cache specs (in rank order) and the layouts the backends support."""
     context = multiprocessing.get_context("spawn")
     results: Any = context.Queue()
-    port = _free_port()
+    port = free_port()
     env_before = {k: os.environ.get(k) for k in ("VLLM_HOST_IP", "GLOO_SOCKET_IFNAME")}
     os.environ["VLLM_HOST_IP"] = LOOPBACK  # gloo's peers meet on loopback
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")

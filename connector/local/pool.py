@@ -27,15 +27,9 @@ from kvpool.connector.contract.mooncake_env import client_env
 from kvpool.connector.contract.settings import parse_size
 from kvpool.connector.local import tenant_quotas
 from kvpool.connector.local.disk_tier import DiskTier
+from kvpool.connector.local.ports import free_port
 
 LOOPBACK = "127.0.0.1"
-
-
-def free_port() -> int:
-    """A currently free TCP port on loopback."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((LOOPBACK, 0))
-        return int(sock.getsockname()[1])
 
 
 def find_binary(name: str) -> str:

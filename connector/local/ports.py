@@ -1,0 +1,55 @@
+"""Free TCP ports on loopback for the servers a local pool (or a test) starts.
+
+A port the kernel hands out for ``bind(0)`` lies in its ephemeral range, the range it
+also takes the local ports of outgoing connections from: between the check and the
+server's own bind, any connection on the machine may take it (``EADDRINUSE``). So ports
+are drawn at random below that range, where the kernel never picks on its own, and only
+a server that binds the same port in that instant can race.
+"""
+
+from __future__ import annotations
+
+import secrets
+import socket
+from pathlib import Path
+
+LOOPBACK = "127.0.0.1"
+PORT_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+#: Ports drawn from: this many below the ephemeral range (not below 1024).
+SPAN = 12000
+TRIES = 64
+
+
+def ephemeral_range(path: Path = PORT_RANGE_FILE) -> tuple[int, int]:
+    """The kernel's ephemeral port range (Linux's default where it cannot be read)."""
+    try:
+        low, high = (int(part) for part in path.read_text().split())
+    except (OSError, ValueError):
+        return 32768, 60999
+    return low, high
+
+
+def bindable(port: int, host: str = LOOPBACK) -> bool:
+    """Whether a TCP socket can bind ``port`` on ``host`` now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(host: str = LOOPBACK) -> int:
+    """A TCP port free on ``host`` now, below the ephemeral range where one is (else one the
+    kernel picks). Drawn from the system's randomness: processes forked from one parent
+    draw different ports."""
+    low, _ = ephemeral_range()
+    start = max(1024, low - SPAN)
+    if low - start >= 1024:
+        for _ in range(TRIES):
+            port = start + secrets.randbelow(low - start)
+            if bindable(port, host):
+                return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
