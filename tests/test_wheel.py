@@ -38,6 +38,7 @@ LOCAL_MODULES = {
     "layout_probe",
     "pool",
     "pool_command",
+    "ports",
     "recording",
     "tenant_quotas",
     "tiny_model",
