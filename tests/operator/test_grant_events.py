@@ -50,10 +50,13 @@ async def test_an_unlisted_grant_is_refused_while_a_pass_over_its_pool_waits(
     await cluster.create(vllm_deployment())
     await cluster.create(grant_manifest("team-a", "24MB"))
     pool = await cluster.create(pool_manifest(spec=tenancy_spec("team-a")))
-    unlisted = await cluster.create(
-        grant_manifest("llm", "24MB", namespace=TENANT_NAMESPACE, pool_namespace=NAMESPACE)
-    )
     async with reconciler_of(cluster, tmp_path) as reconciler:
+        # A whole pass first: it sweeps this spec's unlisted grants (none yet), and no later
+        # pass of the same spec sweeps again, so only the grant's own handler can refuse it.
+        await asyncio.wait_for(reconciler.reconcile(pool, "test", lambda *_: None), 120)
+        unlisted = await cluster.create(
+            grant_manifest("llm", "24MB", namespace=TENANT_NAMESPACE, pool_namespace=NAMESPACE)
+        )
         # One pass runs (its first request in flight), a second waits for it to end.
         running = asyncio.create_task(reconciler.reconcile(pool, "test", lambda *_: None, coalesce=True))
         await asyncio.sleep(0)
@@ -62,7 +65,8 @@ async def test_an_unlisted_grant_is_refused_while_a_pass_over_its_pool_waits(
         try:
             assert reconciler.queued(NAMESPACE, "pool")
             await grant_changed(reconciler, unlisted, "ADDED")
-            # Told at once, not left to the waiting pass (which reads only listed namespaces).
+            await asyncio.wait_for(asyncio.gather(running, waiting), 120)
+            # Told by its handler, not left to the waiting pass (which reads only listed namespaces).
             grant = cluster.get(GRANTS_PATH, "llm", TENANT_NAMESPACE)
             conditions = (grant or {}).get("status", {}).get("conditions") or []
             assert [(c["type"], c["status"], c["reason"]) for c in conditions] == [

@@ -35,9 +35,10 @@ def test_a_taken_port_is_never_handed_out(monkeypatch: pytest.MonkeyPatch) -> No
         taken.bind((ports.LOOPBACK, 0))
         taken.listen()
         port = taken.getsockname()[1]
-        # A range too narrow to draw from: the kernel picks.
+        # A range too narrow to draw from: nothing is drawn, the kernel picks.
         monkeypatch.setattr(ports, "ephemeral_range", lambda: (port + 1, port + 2))
         monkeypatch.setattr(ports, "SPAN", 1)
+        monkeypatch.setattr(ports.secrets, "randbelow", lambda n: pytest.fail("drew from a narrow range"))
         assert ports.free_port() != port
         monkeypatch.setattr(ports.secrets, "randbelow", lambda n: 0)
         monkeypatch.setattr(ports, "SPAN", 2000)
