@@ -232,7 +232,14 @@ def run_fleet(shape: Shape, wl: Workload, seed: int, out_dir: Path) -> Outcome:
     switch = out_dir / "payload-check-off"
     switch.unlink(missing_ok=True)
     fleet = Fleet(model, server_env=server_env(switch, out_dir / "site"))
-    reference = ApiServer(model, _cores()[-1], prefix_caching=False, kv_cache_bytes=fleet.kv_cache_bytes)
+    # The references' server: no cache, no connector; its worker in the engine core's process.
+    reference = ApiServer(
+        model,
+        _cores()[-1],
+        prefix_caching=False,
+        kv_cache_bytes=fleet.kv_cache_bytes,
+        own_worker_process=False,
+    )
     history = ch.History()
     lock = threading.Lock()
     sink = (out_dir / "history.jsonl").open("w")

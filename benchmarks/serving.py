@@ -40,8 +40,9 @@ same request, and any difference makes the benchmark exit non-zero.
 
 ``--smoke``: the tiny model, six requests, nothing written; server start-up
 is most of its time, so it starts two pairs of servers, both at once (small KV
-caches), and runs the no-cache fleet on the local-caching pair with a
-``cache_salt`` per request (no request shares a cached block).
+caches, each model's worker in its engine core's process), and runs the no-cache
+fleet on the local-caching pair with a ``cache_salt`` per request (no request
+shares a cached block).
 """
 
 from __future__ import annotations
@@ -242,6 +243,9 @@ class ApiServer:
     kv_transfer_config: dict[str, Any] | None = None
     kv_cache_bytes: int | None = None  # None: VLLM_CPU_KVCACHE_SPACE=1 (1 GiB)
     port: int = 0
+    #: The model's worker in a process of its own beside the engine core, as users run the
+    #: server; False runs it in the engine core's process (one vLLM import fewer to start).
+    own_worker_process: bool = True
     log_path: Path = field(
         default_factory=lambda: Path(tempfile.mkstemp(prefix="kvpool-serving-", suffix=".log")[1])
     )
@@ -284,7 +288,7 @@ class ApiServer:
             **client_env(LOOPBACK),
             "VLLM_CPU_KVCACHE_SPACE": "1",
             "VLLM_CPU_OMP_THREADS_BIND": str(self.core),
-            "VLLM_ENABLE_V1_MULTIPROCESSING": "1",  # the server as users run it (the package sets 0)
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if self.own_worker_process else "0",
             "VLLM_LOGGING_LEVEL": "INFO",  # to its log file: the KV cache size line
             "VLLM_HOST_IP": LOOPBACK,
         }
@@ -597,6 +601,7 @@ def _start_pair(
             key[0],
             transfer if key[1] else None,
             kv_cache_bytes=SMOKE_KV_CACHE_BYTES if smoke else None,
+            own_worker_process=not smoke,
         )
         for i in range(2)
     ]

@@ -317,6 +317,10 @@ def vllm_deployment(name: str, model: Path, allow_pool: str | None, replicas: in
                             "args": vllm_args(model),
                             "env": [
                                 {"name": "VLLM_CPU_KVCACHE_SPACE", "value": "1"},
+                                # The model's worker in the engine core's process: one
+                                # vLLM import fewer per start on the test node's two cores
+                                # (the serving benchmark runs servers with both processes).
+                                {"name": "VLLM_ENABLE_V1_MULTIPROCESSING", "value": "0"},
                                 {
                                     "name": "VLLM_HOST_IP",
                                     "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}},
