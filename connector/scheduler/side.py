@@ -363,14 +363,14 @@ class SchedulerSide:
                 local_tokens, state.local_tokens = state.local_tokens, None
         if self.can_save and self.coordinator is not None:
             # Blocks the request starts with (local or pool hit) need no saving;
-            # after a failed load, the blocks it recomputes instead do. So do the blocks of
-            # its local hit that its lookup found the pool lacks (a store restarted, a master
-            # failed over, eviction): saved again from the local cache, so that the pool
-            # heals even while every server keeps a shared prefix cached locally, and so never
-            # computes (and saves) it again.
-            start_tokens = local_tokens + num_external
-            if pool_tokens is not None and pool_tokens < start_tokens:
-                start_tokens = pool_tokens
+            # after a failed load, the blocks it recomputes instead do. Where its lookup
+            # told what the pool holds, saves start there: the blocks of its local hit the
+            # pool lacks (a store restarted, a master failed over, eviction) are saved again
+            # from the local cache, so that the pool heals even while every server keeps a
+            # shared prefix cached locally; a pool hit recomputed because recomputing was
+            # cheaper is not (saving it again would only read its blocks out to find their
+            # keys taken: on a GPU, a copy to the host of every block for nothing).
+            start_tokens = local_tokens + num_external if pool_tokens is None else pool_tokens
             start = [start_tokens // g.block_size for g in self.coordinator.groups]
             if state is None:
                 state = self.requests[req_id] = RequestState()

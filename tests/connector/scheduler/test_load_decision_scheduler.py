@@ -1,7 +1,8 @@
 """The load decision on vLLM's real scheduler, against a real Mooncake master.
 
 A pool hit the decision recomputes is scheduled exactly as a miss: all its tokens computed
-in its admitting step, no load planned, nothing waiting for remote KV. The same hit loads
+in its admitting step, no load planned, nothing waiting for remote KV, and only the blocks
+past the pool's hit planned to save. The same hit loads
 when loading is the faster. ``load_policy: never`` asks the pool nothing: no request waits
 a step for a lookup.
 
@@ -103,6 +104,11 @@ def test_a_hit_cheaper_to_recompute_is_scheduled_as_a_miss(model_dir, pool_setti
         assert got[series_key(m.LOAD_DECISIONS, decision="recompute", basis="estimate")] == 1
         assert got[series_key(m.LOAD_SKIPPED_TOKENS)] == BLOCKS * 32
         assert got[series_key(m.LOOKUP_HIT_TOKENS)] == BLOCKS * 32, "the pool held it"
+        # Its save plans only the blocks past the pool's hit: the pool holds the others,
+        # and saving them again would read them out of vLLM's blocks for nothing.
+        (save,) = output.kv_connector_metadata.saves
+        hashes = request.block_hashes
+        assert save.groups[0].digests == [hash_digest(bytes(hashes[i])) for i in range(BLOCKS, 6)]
     finally:
         scheduler.shutdown()
 
