@@ -675,10 +675,12 @@ def _run_fleets(
             if last_use[keys[i]] == i:
                 for server in pairs.pop(keys[i])[0]:
                     server.stop()
+                    server.log_path.unlink(missing_ok=True)  # a fleet that ran needs no log
     finally:
         for servers, _ in pairs.values():
             for server in servers:
                 server.stop()
+                print(f"server log kept: {server.log_path}", file=sys.stderr, flush=True)
     return runs
 
 
