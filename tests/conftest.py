@@ -95,15 +95,16 @@ def pool_client(pool_settings) -> Iterator[object]:
 #: reference outputs, the operator's recorded requests read by the chart's RBAC tests):
 #: under ``pytest -n`` each runs whole on one worker. Any other file is a group of its own.
 SHARED_GROUPS = {"e2e": "e2e", "faults": "faults", "operator": "operator", "chart": "operator"}
-#: These groups go first, longest first (as measured in a full run on 2 cores: faults ~640 s,
-#: e2e ~420, the benchmarks' smoke ~370, the short chaos run ~340, operator ~320, ...), so
-#: that the workers finish together; every other group follows in collection order.
+#: These groups go first, longest first (as measured in a full run on 2 cores, 3 workers:
+#: faults ~1220 s, e2e ~960, the short chaos run ~600, operator ~600, the benchmarks' smoke
+#: ~540, ...), so that the workers finish together; every other group follows in collection
+#: order.
 GROUP_ORDER = (
     "faults",
     "e2e",
-    "test_benchmarks_smoke.py",
     "chaos/test_chaos_short.py",
     "operator",
+    "test_benchmarks_smoke.py",
     "connector/test_engine_pool.py",
     "connector/test_replicated_kv.py",
     "connector/test_tensor_parallel.py",
