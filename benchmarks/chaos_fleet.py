@@ -221,6 +221,7 @@ class Fleet:
         """A new server on the same port and core; waits until it serves."""
         old = self.slots[index].server
         replacement = self.new_server(old.core, old.port)
+        replacement.log_path.unlink(missing_ok=True)  # it appends to the old server's log instead
         replacement.log_path = old.log_path
         self._start(replacement)
         slot = ServerSlot(replacement, self.slots[index].generation + 1)
