@@ -1075,15 +1075,17 @@ class Reconciler:
                         announce_drain(stepped, notify)
                 elif stepped is not None and stepped.job_id and drain.job_id is None:
                     orphan = stepped  # a pass moved on while this step asked for a job
+            if plan.tenancy is not None and (observation is not None or hits is not None):
+                # Each grant's usage and hits from the same poll (written when they changed),
+                # before the pool's, as a pass writes them: whoever reads the pool's new
+                # numbers finds its grants' already there.
+                await write_grant_statuses(self.kube, name, grants, plan, utcnow(), observation, status)
             if status != old:
                 await self.kube.patch(
                     POOLS, namespace, name, {"status": diff(old, status)}, subresource="status"
                 )
                 announce(old, status, notify)
                 self.metrics.observe_pool(namespace, name, status)
-            if plan.tenancy is not None and (observation is not None or hits is not None):
-                # Each grant's usage and hits from the same poll (written when they changed).
-                await write_grant_statuses(self.kube, name, grants, plan, utcnow(), observation, status)
         if orphan is not None:
             await self.forget_drain_job(plan, orphan, observation)  # outside the lock: give the job back
         if drain_moved:

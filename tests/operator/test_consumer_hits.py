@@ -375,6 +375,19 @@ async def test_another_namespaces_consumer_is_asked_and_each_grant_sees_its_rate
         what="the grant's hits",
     )
     assert on_grant == {"hitRate": "90.0%", "hitTokens": 90, "lookedUpTokens": 100}
+    # Each grant's numbers are written before the pool's: whoever reads the pool's finds the
+    # grant's already there (read above at once, as a tenant would).
+    order = [
+        r.resource.plural
+        for r in cluster.writes()
+        if r.subresource == "status"
+        and r.resource is not None
+        and (
+            (r.resource.plural == names.GRANTS.plural and r.name == "llm" and hit_tokens_written(r) == 90)
+            or (r.resource.plural == names.POOLS.plural and r.name == "pool" and hit_tokens_written(r) == 210)
+        )
+    ]
+    assert order[:2] == [names.GRANTS.plural, names.POOLS.plural], order
     # And the operator exports each grant's numbers, for the Pool dashboard.
     series = await eventually(
         lambda: (
@@ -389,6 +402,12 @@ async def test_another_namespaces_consumer_is_asked_and_each_grant_sees_its_rate
         (GRANT_HIT_TOKENS.name, f"{tenant}/llm"): 90,
         (GRANT_LOOKED_UP_TOKENS.name, f"{tenant}/llm"): 100,
     }
+
+
+def hit_tokens_written(request: Any) -> Any:
+    """``status.hits.hitTokens`` as a status write sets it (None: it sets none)."""
+    data = request.data if isinstance(request.data, dict) else {}
+    return ((data.get("status") or {}).get("hits") or {}).get("hitTokens")
 
 
 def port_args(port: int) -> tuple[str, ...]:
