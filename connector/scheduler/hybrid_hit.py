@@ -15,7 +15,7 @@ the pool moves whole blocks).
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -98,6 +98,16 @@ _MARKERS = _Markers()
 #: Rounds of questions before a lookup asks about every block left.
 MAX_ASK_ROUNDS = 3
 
+#: Lookup shapes whose first questions a coordinator remembers before it starts over.
+FIRST_QUESTIONS_KEPT = 4096
+
+#: A hit, and per group what was asked about (block index -> held).
+Found = tuple["HybridHit", dict[int, dict[int, bool]]]
+
+#: A lookup's rounds: it yields questions (group -> block indices), is sent their answers
+#: (group -> held, per index; None: the pool could not tell) and returns what it found.
+Rounds = Generator[dict[int, list[int]], Mapping[int, Sequence[bool]] | None, Found]
+
 #: Per group, the indices of blocks to ask about -> per group, whether the pool holds
 #: each (None: the pool could not tell).
 Ask = Callable[[Mapping[int, Sequence[int]]], Mapping[int, Sequence[bool]] | None]
@@ -148,6 +158,42 @@ class AskingBlockPool:
         return blocks
 
 
+def block_indices(wanted: Mapping[int, Sequence[bytes]]) -> dict[int, dict[bytes, int]]:
+    """Per group, each of ``wanted``'s hashes -> its index (groups sharing one list share it)."""
+    index_of: dict[int, dict[bytes, int]] = {}
+    by_list: dict[int, dict[bytes, int]] = {}
+    for group_id, hashes in wanted.items():
+        shared = by_list.get(id(hashes))
+        if shared is None:
+            shared = by_list[id(hashes)] = {h: i for i, h in enumerate(hashes)}
+        index_of[group_id] = shared
+    return index_of
+
+
+def _asks(questions: Mapping[int, Sequence[int]]) -> bool:
+    """Whether ``questions`` name any block (a round that names none needs no answer)."""
+    return any(questions.values())
+
+
+#: The answer to a round that names no block.
+_NOTHING_ASKED: Mapping[int, Sequence[bool]] = {}
+
+
+def _note(
+    questions: Mapping[int, Sequence[int]],
+    answers: Mapping[int, Sequence[bool]] | None,
+    known: dict[int, dict[int, bool]],
+) -> bool:
+    """Note the ``answers`` to ``questions`` in ``known``; False when the pool could not tell."""
+    if answers is None:
+        return False
+    for group_id, indices in questions.items():
+        held = known[group_id]
+        for index, ok in zip(indices, answers.get(group_id, ()), strict=True):
+            held[index] = ok
+    return True
+
+
 class HybridHitCoordinator:
     """vLLM's hybrid fixed point over pool presence instead of the GPU block pool."""
 
@@ -165,6 +211,8 @@ class HybridHitCoordinator:
         # vLLM's hybrid coordinator looks past the candidate before dropping an EAGLE
         # block; with one group its unitary coordinator does not.
         self._eagle_margin = len(self.groups) > 1
+        # Each lookup shape's first questions (see _first_questions); any thread may add one.
+        self._first_by_shape: dict[tuple[int, int, tuple[int, ...]], dict[int, tuple[int, ...]]] = {}
 
     @classmethod
     def from_vllm_coordinator(cls, coordinator: Any) -> HybridHitCoordinator:
@@ -249,39 +297,63 @@ class HybridHitCoordinator:
         ask: Ask,
         max_rounds: int = MAX_ASK_ROUNDS,
         ask_ahead_blocks: int = 0,
-    ) -> tuple[HybridHit, dict[int, dict[int, bool]]]:
+    ) -> Found:
+        """:meth:`hit_rounds`, each round's questions answered by ``ask`` at once."""
+        rounds = self.hit_rounds(block_hashes, wanted, max_hit_tokens, max_rounds, ask_ahead_blocks)
+        try:
+            questions = next(rounds)
+            while True:
+                questions = rounds.send(ask(questions))
+        except StopIteration as done:
+            return done.value
+
+    def hit_rounds(
+        self,
+        block_hashes: Sequence[Any],
+        wanted: Mapping[int, Sequence[bytes]],
+        max_hit_tokens: int,
+        max_rounds: int = MAX_ASK_ROUNDS,
+        ask_ahead_blocks: int = 0,
+        index_of: Mapping[int, Mapping[bytes, int]] | None = None,
+    ) -> Rounds:
         """The hit over the pool's presence, asking only about the blocks the fixed point reads.
 
-        ``wanted`` is :meth:`lookup_blocks`' answer; ``ask`` takes, per group, the
-        indices of blocks to ask about and returns, per group, whether the pool holds
-        each, or None when it cannot tell (then the lookup is a miss). The first round
-        asks what any hit reads first (:meth:`_first_questions`); each later one runs
-        the fixed point taking every block not yet asked about as present, asks about
-        the ones it read, and is done when it read none or they all were present;
-        after ``max_rounds`` rounds it asks about every block left. The hit is the one
-        :meth:`hit_over` finds over the pool's whole presence (``testing.hit_oracle``): the
-        fixed point's result depends only on what it read, and everything it read was
-        answered by the pool. When every block of ``wanted`` is at most ``ask_ahead_blocks``
-        more than the first round asks, the first round asks about every one: any hit is
-        then found in that one round (a shorter hit's later questions are among them).
-        Returns the hit and, per group, what was asked
-        (index -> held); the per-group hits take a block never asked about as absent.
+        A generator of rounds: it yields, per group, the indices of blocks to ask about,
+        and is sent, per group, whether the pool holds each (None when it cannot tell:
+        then the lookup is a miss); it returns the hit. A caller answering many lookups
+        at once (:mod:`~kvpool.connector.scheduler.lookups`) keeps each one's generator
+        between rounds, so no round's work is done twice. ``wanted`` is
+        :meth:`lookup_blocks`' answer (``index_of``: :func:`block_indices` of it, if
+        already built). The first round asks what any hit reads first
+        (:meth:`_first_questions`); each later one runs the fixed point taking every
+        block not yet asked about as present, asks about the ones it read, and is done
+        when it read none or they all were present; after ``max_rounds`` rounds it asks
+        about every block left. The hit is the one :meth:`hit_over` finds over the pool's
+        whole presence (``testing.hit_oracle``): the fixed point's result depends only on
+        what it read, and everything it read was answered by the pool. When every block
+        of ``wanted`` is at most ``ask_ahead_blocks`` more than the first round asks, the
+        first round asks about every one: any hit is then found in that one round (a
+        shorter hit's later questions are among them). Returns the hit and, per group,
+        what was asked (index -> held); the per-group hits take a block never asked about
+        as absent.
         """
         known: dict[int, dict[int, bool]] = {g: {} for g in wanted}
-        index_of: dict[int, dict[bytes, int]] = {}
-        by_list: dict[int, dict[bytes, int]] = {}  # groups of one block size share their hashes
-        for group_id, hashes in wanted.items():
-            shared = by_list.get(id(hashes))
-            if shared is None:
-                shared = by_list[id(hashes)] = {h: i for i, h in enumerate(hashes)}
-            index_of[group_id] = shared
-        first = self._first_questions(block_hashes, index_of, known, wanted, max_hit_tokens)
+        if index_of is None:
+            index_of = block_indices(wanted)
+        first = self._first_questions(block_hashes, index_of, wanted, max_hit_tokens)
         if ask_ahead_blocks > 0:
             every = sum(len(hashes) for hashes in wanted.values())
             if every - sum(len(indices) for indices in first.values()) <= ask_ahead_blocks:
                 first = {g: list(range(len(hashes))) for g, hashes in wanted.items()}
-        if not self._ask(ask, first, known):
+        if not _note(first, (yield first) if _asks(first) else _NOTHING_ASKED, known):
             return self._miss(), known
+        if self._nothing_held(known, wanted):  # full attention lacks its first block: a hit of 0
+            alone_pool = AskingBlockPool(self.hash_block_size, index_of, known, assume_present=False)
+            return HybridHit(
+                0,
+                tuple(() for _ in self.groups),
+                lambda: self._alone(block_hashes, alone_pool, max_hit_tokens),
+            ), known
         rounds = 1
         while True:
             pool = AskingBlockPool(self.hash_block_size, index_of, known, assume_present=True)
@@ -299,44 +371,56 @@ class HybridHitCoordinator:
                 questions = {
                     g: [i for i in range(len(hashes)) if i not in known[g]] for g, hashes in wanted.items()
                 }
-            if not self._ask(ask, questions, known):
+            if not _note(questions, (yield questions) if _asks(questions) else _NOTHING_ASKED, known):
                 return self._miss(), known
             if all(known[g][i] for g, indices in pool.read_unknown.items() for i in indices):
                 return hit, known  # what it took as present, the pool holds: the hit stands
+
+    def _nothing_held(
+        self, known: Mapping[int, Mapping[int, bool]], wanted: Mapping[int, Sequence[bytes]]
+    ) -> bool:
+        """Whether a full-attention group is known to lack its first block: every hit is then 0."""
+        for sg in self.spec_groups:
+            if isinstance(sg.spec, FullAttentionSpec):
+                for g in sg.group_ids:
+                    if wanted[g] and known[g].get(0) is False:
+                        return True
+        return False
 
     def _first_questions(
         self,
         block_hashes: Sequence[Any],
         index_of: Mapping[int, Mapping[bytes, int]],
-        known: Mapping[int, Mapping[int, bool]],
         wanted: Mapping[int, Sequence[bytes]],
         max_hit_tokens: int,
     ) -> dict[int, list[int]]:
         """What any hit reads first: full attention's whole prefix, and each other group's
-        blocks at the longest hit's end (as its manager reads them from there)."""
-        pool = AskingBlockPool(self.hash_block_size, index_of, known, assume_present=True)
-        questions: dict[int, list[int]] = {}
-        for sg in self.spec_groups:
-            if isinstance(sg.spec, FullAttentionSpec):
-                questions.update((g, list(range(len(wanted[g])))) for g in sg.group_ids)
-                continue
-            self._manager_hit(sg, block_hashes, max_hit_tokens, pool, sg.use_eagle)
-        questions.update((g, list(indices)) for g, indices in pool.read_unknown.items())
-        return questions
+        blocks at the longest hit's end (as its manager reads them from there).
 
-    @staticmethod
-    def _ask(ask: Ask, questions: dict[int, list[int]], known: dict[int, dict[int, bool]]) -> bool:
-        """Ask ``questions`` and note the answers in ``known``; False when the pool could not tell."""
-        if not questions:
-            return True
-        answers = ask(questions)
-        if answers is None:
-            return False
-        for group_id, indices in questions.items():
-            held = known[group_id]
-            for index, ok in zip(indices, answers[group_id], strict=True):
-                held[index] = ok
-        return True
+        With nothing known and every block taken as present, which blocks the managers read
+        depends only on how many each group may use and the longest hit (block hashes
+        within a request differ: each one chains its parent's): remembered by that shape,
+        so a request of a length seen before skips the managers. Only what is asked first
+        depends on it; the later rounds ask whatever the fixed point reads unanswered.
+        """
+        shape = (max_hit_tokens, len(block_hashes), tuple(len(wanted[g]) for g in sorted(wanted)))
+        remembered = self._first_by_shape.get(shape)
+        if remembered is None:
+            pool = AskingBlockPool(
+                self.hash_block_size, index_of, {g: {} for g in wanted}, assume_present=True
+            )
+            questions: dict[int, tuple[int, ...]] = {}
+            for sg in self.spec_groups:
+                if isinstance(sg.spec, FullAttentionSpec):
+                    questions.update((g, tuple(range(len(wanted[g])))) for g in sg.group_ids)
+                    continue
+                self._manager_hit(sg, block_hashes, max_hit_tokens, pool, sg.use_eagle)
+            questions.update((g, tuple(indices)) for g, indices in pool.read_unknown.items())
+            remembered = questions
+            if len(self._first_by_shape) >= FIRST_QUESTIONS_KEPT:
+                self._first_by_shape.clear()  # prompt lengths vary without bound: start over
+            self._first_by_shape[shape] = remembered
+        return {g: list(indices) for g, indices in remembered.items()}
 
     def _miss(self) -> HybridHit:
         return HybridHit(0, tuple(() for _ in self.groups), lambda: tuple(0 for _ in self.groups))
@@ -347,9 +431,14 @@ class HybridHitCoordinator:
         wanted: Mapping[int, Sequence[bytes]],
         known: Mapping[int, Mapping[int, bool]],
         max_hit_tokens: int,
+        index_of: Mapping[int, Mapping[bytes, int]] | None = None,
     ) -> tuple[int, ...]:
-        """Each group's own hit over ``known`` (group -> index -> held; others absent)."""
-        index_of = {g: {h: i for i, h in enumerate(hashes)} for g, hashes in wanted.items()}
+        """Each group's own hit over ``known`` (group -> index -> held; others absent);
+        ``index_of``: :func:`block_indices` of ``wanted``, if already built."""
+        if not any(True in held.values() for held in known.values()):
+            return tuple(0 for _ in self.groups)  # the pool holds none of the blocks
+        if index_of is None:
+            index_of = block_indices(wanted)
         pool = AskingBlockPool(self.hash_block_size, index_of, known, assume_present=False)
         return self._alone(block_hashes, pool, max_hit_tokens)
 

@@ -1,13 +1,13 @@
 """Scheduler lookups asked together: many requests' fixed points, one existence check per round.
 
-A :class:`Lookup` is one request's hybrid fixed point (``find_hit_asking``) over
+A :class:`Lookup` is one request's hybrid fixed point (``hit_rounds``) over
 what the master holds, built from a copy of what it needs of vLLM's request
 (block hashes, length), so it can run off the scheduler thread while vLLM
-mutates the request. :func:`answer_together` answers many: each round re-runs
-every unfinished fixed point over the answers so far, gathers the blocks each
-one reads next, and asks the master about all of them in one call; a fixed
-point's result depends only on what it read, so each hit is exactly the one it
-finds answered alone (usually two rounds at most: the first questions, and a
+mutates the request. :func:`answer_together` answers many: each round resumes
+every unfinished fixed point with its answers, gathers the blocks each one
+reads next, and asks the master about all of them in one call; a fixed point's
+result depends only on what it read, so each hit is exactly the one it finds
+answered alone (usually two rounds at most: the first questions, and a
 few keys for a shorter candidate; one when every block the lookup could read is
 at most :data:`ASK_AHEAD_KEYS` more keys than its first questions: then it asks
 about them all at once).
@@ -32,7 +32,7 @@ from functools import cached_property
 from typing import Any
 
 from kvpool.connector.contract.keys import hash_digests
-from kvpool.connector.scheduler.hybrid_hit import HybridHit, HybridHitCoordinator
+from kvpool.connector.scheduler.hybrid_hit import Found, HybridHitCoordinator, Rounds, block_indices
 from kvpool.connector.scheduler.lookup_statistics import read_by_position
 
 #: ``exists(keys, deadline)`` -> (presence of each key, failure reason or None); the deadline is
@@ -61,11 +61,6 @@ class LookupQuery:
     deadline: float  # perf_counter past which it is a miss
 
 
-class _Unanswered(Exception):
-    def __init__(self, questions: Questions):
-        self.questions = questions
-
-
 class Lookup:
     """One request's fixed point over the master's presence answers.
 
@@ -86,15 +81,21 @@ class Lookup:
         self.digests: dict[int, dict[int, str]] = defaultdict(dict)  # group -> index -> digest
         self.asked_keys = 0
         self.failures: dict[str, int] = {}
-        self.result: tuple[HybridHit, dict[int, dict[int, bool]]] | None = None
+        self.result: Found | None = None
         self._rank_prefixes = rank_prefixes
         self._ranks = ranks
-        self._answered: dict[int, dict[int, bool]] = defaultdict(dict)
+        self._rounds: Rounds | None = None
+        self._reply: Mapping[int, Sequence[bool]] | None = None  # the answer to the last round
 
     @cached_property
     def wanted(self) -> dict[int, list[bytes]]:
         """Per group, the hashes of the blocks a hit may use (``lookup_blocks``)."""
         return self.coord.lookup_blocks(self.query.block_hashes, self.max_hit)
+
+    @cached_property
+    def index_of(self) -> dict[int, dict[bytes, int]]:
+        """Per group, each of :attr:`wanted`'s hashes -> its index."""
+        return block_indices(self.wanted)
 
     def keys_of(self, questions: Questions) -> list[str]:
         """The keys of ``questions``: per group, per rank, per block (read back by position)."""
@@ -108,36 +109,32 @@ class Lookup:
 
     # --- rounds answered from outside ---------------------------------------------------
     def attempt(self) -> Questions | None:
-        """Run the fixed point over the answers so far: the questions it needs answered next,
-        or None when it is done (:attr:`result`)."""
+        """Resume the fixed point with the last round's answer: the questions it needs
+        answered next, or None when it is done (:attr:`result`)."""
         try:
-            self.result = self.coord.find_hit_asking(
-                self.query.block_hashes,
-                self.wanted,
-                self.max_hit,
-                self._from_answers,
-                ask_ahead_blocks=ASK_AHEAD_KEYS // max((self._ranks(g) for g in self.wanted), default=1),
-            )
-        except _Unanswered as unanswered:
-            return unanswered.questions
-        return None
+            if self._rounds is None:
+                self._rounds = self.coord.hit_rounds(
+                    self.query.block_hashes,
+                    self.wanted,
+                    self.max_hit,
+                    ask_ahead_blocks=ASK_AHEAD_KEYS // max((self._ranks(g) for g in self.wanted), default=1),
+                    index_of=self.index_of,
+                )
+                return next(self._rounds)
+            reply, self._reply = self._reply, None
+            return self._rounds.send(reply)
+        except StopIteration as done:
+            self.result = done.value
+            self._rounds = None
+            return None
 
     def answer(self, questions: Questions, flags: list[bool] | None, failure: str | None) -> None:
         """The master's answer to ``questions`` (None, with ``failure``: it could not tell)."""
         if flags is None:
             self.failures[failure or "error"] = 1
+            self._reply = None
             return
-        for group_id, held in read_by_position(dict(questions), flags, self._ranks).items():
-            self._answered[group_id].update(zip(questions[group_id], held))
-
-    def _from_answers(self, questions: Questions) -> dict[int, list[bool]] | None:
-        if self.failures:
-            return None
-        answered = self._answered
-        try:
-            return {g: [answered[g][i] for i in indices] for g, indices in questions.items()}
-        except KeyError:
-            raise _Unanswered(questions) from None
+        self._reply = read_by_position(dict(questions), flags, self._ranks)
 
 
 def answer_together(lookups: Sequence[Lookup], exists: Exists) -> int:

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from vllm.v1.request import RequestStatus
 
 from kvpool.connector.contract.keys import hash_digest
-from kvpool.connector.scheduler.lookups import Lookup, LookupQuery, answer_together
+from kvpool.connector.scheduler.lookups import ASK_AHEAD_KEYS, Lookup, LookupQuery, answer_together
 from testing.engine import scheduler_of
 from testing.kv_cache import GroupDesc
 from testing.pool_store import put_bytes
@@ -85,6 +85,54 @@ def test_batched_lookups_find_the_hits_each_finds_alone(
         if ranks == 1:
             _, real_hit, _ = coordinator.find_longest_cache_hit(block_hashes, max_hit)
             assert batched_hit.hit_tokens == real_hit
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(groups=layouts(), data=st.data())
+def test_a_batched_lookup_does_each_rounds_work_once(groups: list[GroupDesc], data: st.DataObject) -> None:
+    """Answered from outside, round by round, a lookup resumes its fixed point where it paused
+    (issue #32: each round ran the fixed point again from its start, managers and all): vLLM's
+    managers run as often as for the same lookup answered within one call, and it finds the
+    same hit."""
+    from kvpool.connector.scheduler.hybrid_hit import HybridHitCoordinator
+    from testing.kv_cache import make_coordinator
+
+    _, _, block_hashes, present, max_hit = _drawn_case(groups, data)
+    present_digests = {g: {hash_digest(h) for h in hashes} for g, hashes in present.items()}
+    runs: dict[str, int] = {}
+
+    def counted(name: str) -> HybridHitCoordinator:
+        coord = HybridHitCoordinator.from_vllm_coordinator(make_coordinator(groups))
+        manager_hit = coord._manager_hit
+        runs[name] = 0
+
+        def counting(*args: Any, **kwargs: Any) -> Any:
+            runs[name] += 1
+            return manager_hit(*args, **kwargs)
+
+        coord._manager_hit = counting  # type: ignore[method-assign]
+        return coord
+
+    within = counted("within one call")
+    wanted = within.lookup_blocks(block_hashes, max_hit)
+
+    def ask(questions: dict[int, list[int]]) -> dict[int, list[bool]]:
+        return {
+            g: [hash_digest(wanted[g][i]) in present_digests.get(g, set()) for i in indices]
+            for g, indices in questions.items()
+        }
+
+    hit, _ = within.find_hit_asking(block_hashes, wanted, max_hit, ask, ask_ahead_blocks=ASK_AHEAD_KEYS)
+
+    def exists(keys: list[str], deadline: float) -> tuple[list[bool], str | None]:
+        return [k.split("/")[2] in present_digests.get(int(k.split("/")[1]), set()) for k in keys], None
+
+    lookup = Lookup(
+        counted("round by round"), _query("r", block_hashes, max_hit), lambda g: (f"p/{g}/",), lambda g: 1
+    )
+    answer_together([lookup], exists)
+    assert lookup.result is not None and lookup.result[0] == hit
+    assert runs["round by round"] == runs["within one call"]
 
 
 def test_a_round_the_pool_cannot_answer_is_a_miss_for_every_lookup_in_it() -> None:

@@ -188,6 +188,47 @@ def test_asking_only_what_the_fixed_point_reads_finds_vllms_hit(
     assert all(a <= b for a, b in zip(hit.group_hit_tokens, full.group_hit_tokens))
 
 
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(groups=layouts(), data=st.data())
+def test_a_remembered_first_round_asks_what_a_fresh_one_would(
+    groups: list[GroupDesc], data: st.DataObject
+) -> None:
+    """A coordinator remembers each lookup shape's first questions (issue #32: vLLM's managers
+    ran again for every request): a second request of the same length, with other hashes and
+    other pool contents, is asked the first questions a fresh coordinator asks, and its hit
+    is still vLLM's."""
+    _, ours, block_hashes, present, max_hit = _drawn_case(groups, data)
+    first_wanted = ours.lookup_blocks(block_hashes, max_hit)
+    ours.find_hit_asking(block_hashes, first_wanted, max_hit, _oracle(first_wanted, present, []))
+    assert len(ours._first_by_shape) == 1
+
+    other_hashes = [os.urandom(32) for _ in block_hashes]
+    coordinator = make_coordinator(groups)
+    fresh = HybridHitCoordinator.from_vllm_coordinator(coordinator)
+    wanted = ours.lookup_blocks(other_hashes, max_hit)
+    fresh_wanted = fresh.lookup_blocks(other_hashes, max_hit)
+    assert _first_round(ours, other_hashes, wanted, max_hit) == _first_round(
+        fresh, other_hashes, fresh_wanted, max_hit
+    )
+    assert len(ours._first_by_shape) == 1  # the shape's first questions were taken, not computed
+
+    other_present = _presence(data.draw, coordinator, fresh, other_hashes)
+    fill_block_pool(coordinator, other_present)
+    _, real_hit, _ = coordinator.find_longest_cache_hit(other_hashes, max_hit)
+    hit, _ = ours.find_hit_asking(other_hashes, wanted, max_hit, _oracle(wanted, other_present, []))
+    assert hit.hit_tokens == real_hit
+
+
+def _first_round(
+    coord: HybridHitCoordinator, block_hashes: list, wanted: dict[int, list[bytes]], max_hit: int
+) -> dict[int, list[int]] | None:
+    """What a lookup asks first (None: nothing, it is done at once)."""
+    try:
+        return next(coord.hit_rounds(block_hashes, wanted, max_hit))
+    except StopIteration:
+        return None
+
+
 def test_asking_skips_blocks_the_hit_cannot_use() -> None:
     groups = [GroupDesc("full", 32), GroupDesc("sliding_window", 32, window=64), GroupDesc("mamba", 32)]
     ours = HybridHitCoordinator.from_vllm_coordinator(make_coordinator(groups))
