@@ -32,9 +32,10 @@ def lookup_statistics(
     block index -> held).
 
     ``ask`` (the presence service's; None after a failed lookup: nothing more is asked)
-    asks about the blocks the lookup did not; the statistics are computed on the thread
-    that has that answer, or at once without a question. The result reads them (computing
-    them first if nobody has, never waiting past the question's deadline).
+    asks about the blocks the lookup did not (nothing, when it asked about them all); the
+    statistics are computed on the thread that has that answer, or at once without a
+    question. The result reads them (computing them first if nobody has, never waiting
+    past the question's deadline).
     """
     coord, wanted = lookup.coord, lookup.wanted
     rest: dict[int, list[int]] = {}  # the blocks not asked about: found on the service's thread
@@ -46,7 +47,8 @@ def lookup_statistics(
                 rest[g] = indices
         return lookup.keys_of(rest)
 
-    question = None if ask is None else ask(rest_keys)
+    asked_all = all(len(known.get(g, ())) >= len(hashes) for g, hashes in wanted.items())
+    question = None if ask is None or asked_all else ask(rest_keys)
     memo: list[Statistics] = []
 
     def compute() -> Statistics:
@@ -60,7 +62,7 @@ def lookup_statistics(
             present = tuple(sum(held.get(g, {}).values()) for g in groups)
             # Past vLLM's own hit: the record's final numbers, so reading them costs nothing.
             local = lookup.query.num_computed_tokens
-            hits = coord.group_hits(lookup.query.block_hashes, wanted, held, lookup.max_hit)
+            hits = coord.group_hits(lookup.query.block_hashes, wanted, held, lookup.max_hit, lookup.index_of)
             memo.append((present, tuple(max(0, t - local) for t in hits)))
         return memo[0]
 

@@ -158,6 +158,46 @@ def test_statistics_count_blocks_the_lookup_did_not_ask_about(
         scheduler.shutdown()
 
 
+def test_statistics_ask_nothing_more_of_a_lookup_that_asked_about_every_block(monkeypatch) -> None:
+    """A lookup that asked about every block its hit could use has all its statistics: no
+    second existence check (issue #32: each lookup asked one, of no keys, and computed its
+    statistics on the presence thread a second time); one that did not asks about the rest."""
+    import time
+
+    from kvpool.connector.scheduler import lookups
+    from kvpool.connector.scheduler.lookup_statistics import lookup_statistics
+    from kvpool.connector.scheduler.lookups import Lookup, LookupQuery, answer_together
+    from kvpool.connector.scheduler.presence import Question
+
+    ours = HybridHitCoordinator.from_vllm_coordinator(
+        make_coordinator([GroupDesc("full", 32), GroupDesc("sliding_window", 32, window=64)])
+    )
+    block_hashes = [os.urandom(32) for _ in range(12)]
+    held = {f"p/{g}/{hash_digest(h)}" for g in (0, 1) for h in block_hashes[:4]}
+    # Asking ahead, the first round asks about all 24 blocks; without, the window group's rest
+    # is left to the statistics.
+    for ask_ahead, questions_asked in ((256, 0), (0, 1)):
+        monkeypatch.setattr(lookups, "ASK_AHEAD_KEYS", ask_ahead)
+        now = time.perf_counter()
+        query = LookupQuery("r", block_hashes, 12 * 32, 0, {}, now, 0, now + 60)
+        lookup = Lookup(ours, query, lambda g: (f"p/{g}/",), lambda g: 1)
+        answer_together([lookup], lambda keys, deadline: ([k in held for k in keys], None))
+        assert lookup.result is not None
+        hit, known = lookup.result
+        asked: list[list[str]] = []
+
+        def ask(make_keys, asked=asked):
+            keys = make_keys()
+            asked.append(keys)
+            question = Question(lambda: keys, time.perf_counter() + 60, time.perf_counter)
+            question._answer([k in held for k in keys])
+            return question
+
+        present, group_hits = lookup_statistics(lookup, known, ask, lambda g: 1)()
+        assert len(asked) == questions_asked
+        assert hit.hit_tokens == 4 * 32 and present == (4, 4) and group_hits == (4 * 32, 4 * 32)
+
+
 # --- a request vLLM could not allocate yet keeps its lookup ----------------------------------
 
 
