@@ -117,12 +117,15 @@ def _add_lookups(out: _Payload, lookups: Iterable[LookupRecord]) -> None:
         query_tokens += r.query_tokens
         hit_tokens += r.hit_tokens
         deferred_steps += r.deferred_steps
-        for g, kind in enumerate(r.group_kinds):
+        # Each per-group sequence read once (a statistic may be computed on its first read).
+        counted_needed = r.needed_blocks if r.hit_tokens else (0,) * len(r.group_kinds)
+        for g, (kind, group_hit, present, needed) in enumerate(
+            zip(r.group_kinds, r.group_hit_tokens, r.present_blocks, counted_needed)
+        ):
             sums = per_group.setdefault((g, kind), [0, 0, 0])
-            sums[0] += r.group_hit_tokens[g]
-            sums[1] += r.present_blocks[g]
-            if r.hit_tokens:
-                sums[2] += r.needed_blocks[g]
+            sums[0] += group_hit
+            sums[1] += present
+            sums[2] += needed
         seconds.append(r.seconds)
         for reason, n in r.failures.items():
             failures[reason] = failures.get(reason, 0) + n

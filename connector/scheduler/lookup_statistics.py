@@ -27,15 +27,15 @@ def lookup_statistics(
     known: dict[int, dict[int, bool]],
     ask: Callable[[Callable[[], list[str]]], Question] | None,
     ranks: Callable[[int], int],
-) -> Callable[[], Statistics]:
+) -> Statistics | Callable[[], Statistics]:
     """``lookup``'s statistics over every looked-up block, given what it ``known`` (per group,
     block index -> held).
 
     ``ask`` (the presence service's; None after a failed lookup: nothing more is asked)
     asks about the blocks the lookup did not (nothing, when it asked about them all); the
     statistics are computed on the thread that has that answer, or at once without a
-    question. The result reads them (computing them first if nobody has, never waiting
-    past the question's deadline).
+    question. Without a question, the statistics themselves; else a function that reads
+    them (computing them first if nobody has, never waiting past the question's deadline).
     """
     coord, wanted = lookup.coord, lookup.wanted
     rest: dict[int, list[int]] = {}  # the blocks not asked about: found on the service's thread
@@ -66,11 +66,10 @@ def lookup_statistics(
             memo.append((present, tuple(max(0, t - local) for t in hits)))
         return memo[0]
 
+    if question is None:  # nothing to wait for: the numbers themselves
+        return compute()
     # Computed ahead, where the answer is (vLLM exports them at its next step anyway).
-    if question is None:
-        compute()
-    else:
-        question.then(compute)
+    question.then(compute)
     return compute
 
 

@@ -86,6 +86,7 @@ class Lookup:
         self._ranks = ranks
         self._rounds: Rounds | None = None
         self._reply: Mapping[int, Sequence[bool]] | None = None  # the answer to the last round
+        self._digests_of: dict[int, dict[int, str]] = {}  # id of a wanted list -> index -> digest
 
     @cached_property
     def wanted(self) -> dict[int, list[bytes]]:
@@ -101,7 +102,14 @@ class Lookup:
         """The keys of ``questions``: per group, per rank, per block (read back by position)."""
         keys: list[str] = []
         for group_id, indices in questions.items():
-            ordered = hash_digests(self.wanted[group_id], indices)
+            hashes = self.wanted[group_id]
+            # Groups of one block size share their hashes: each block's digest is made once.
+            shared = self._digests_of.setdefault(id(hashes), {})
+            if all(i in shared for i in indices):
+                ordered = [shared[i] for i in indices]
+            else:
+                ordered = hash_digests(hashes, indices)
+                shared.update(zip(indices, ordered))
             self.digests[group_id].update(zip(indices, ordered))
             for prefix in self._rank_prefixes(group_id):
                 keys += [prefix + digest for digest in ordered]

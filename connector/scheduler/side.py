@@ -287,15 +287,22 @@ class SchedulerSide:
         num_computed_tokens = query.num_computed_tokens
         num_external = max(0, hit.hit_tokens - num_computed_tokens)
         statistics = lookup_statistics(lookup, known, None if failures else self.presence.ask, self._ranks)
+        present: Sequence[int]
+        group_hits: Sequence[int]
+        if callable(statistics):  # waiting for their own existence check: read when exported
+            read = statistics
+            present, group_hits = Deferred(lambda: read()[0]), Deferred(lambda: read()[1])
+        else:
+            present, group_hits = statistics
         groups = range(len(lookup.coord.groups))
         record = LookupRecord(
             query_tokens=max(0, query.num_tokens - num_computed_tokens),
             hit_tokens=num_external,
             group_kinds=self.stats.group_kinds,
             looked_up_blocks=tuple(len(lookup.wanted.get(g, ())) for g in groups),
-            present_blocks=Deferred(lambda: statistics()[0]),
+            present_blocks=present,
             needed_blocks=tuple(len(b) for b in hit.needed_blocks),
-            group_hit_tokens=Deferred(lambda: statistics()[1]),
+            group_hit_tokens=group_hits,
             # Batched: from the request's first call until its answer.
             seconds=time.perf_counter() - query.started,
             keys=asked_keys,
