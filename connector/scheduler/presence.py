@@ -202,6 +202,15 @@ class PresenceService:
             self._cond.notify_all()
         return question
 
+    @property
+    def cpu_seconds(self) -> float:
+        """CPU time its thread has used so far (0 before it starts): what its lookups and
+        statistics cost the process beyond the scheduler's hooks."""
+        thread = self._thread
+        if thread is None or thread.ident is None or not thread.is_alive():
+            return 0.0
+        return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+
     # --- waiting and closing --------------------------------------------------------------
     @property
     def stuck(self) -> bool:

@@ -147,6 +147,21 @@ def test_follow_ups_run_once_whether_queued_before_or_after_the_answer(clock: Cl
         presence.close()
 
 
+def test_the_service_reports_its_threads_cpu_time(clock: Clock, gate: Gate) -> None:
+    """What the benchmarks read as the lookups' cost off the scheduler's hooks."""
+    presence = service(gate, clock, name="test-presence-cpu")
+    try:
+        assert presence.cpu_seconds == 0.0, "no thread yet"
+        gate.open.set()
+        send(presence, *(lookup(deadline=10.0, blocks=64) for _ in range(50)))
+        assert presence.wait_idle(30)
+        used = presence.cpu_seconds
+        assert used > 0.0
+        assert presence.cpu_seconds >= used, "a clock of its own, never back"
+    finally:
+        presence.close()
+
+
 # --- lookups ------------------------------------------------------------------------------
 
 
