@@ -211,7 +211,11 @@ class HybridHitCoordinator:
         # vLLM's hybrid coordinator looks past the candidate before dropping an EAGLE
         # block; with one group its unitary coordinator does not.
         self._eagle_margin = len(self.groups) > 1
-        # Each lookup shape's first questions (see _first_questions); any thread may add one.
+        self._full_attention_groups = tuple(
+            g for sg in self.spec_groups if isinstance(sg.spec, FullAttentionSpec) for g in sg.group_ids
+        )
+        # Each lookup shape's first questions but full attention's (see _first_questions);
+        # any thread may add one.
         self._first_by_shape: dict[tuple[int, int, tuple[int, ...]], dict[int, tuple[int, ...]]] = {}
 
     @classmethod
@@ -405,22 +409,20 @@ class HybridHitCoordinator:
         """
         shape = (max_hit_tokens, len(block_hashes), tuple(len(wanted[g]) for g in sorted(wanted)))
         remembered = self._first_by_shape.get(shape)
-        if remembered is None:
+        if remembered is None:  # the other groups' few blocks (full attention's are all of them)
             pool = AskingBlockPool(
                 self.hash_block_size, index_of, {g: {} for g in wanted}, assume_present=True
             )
-            questions: dict[int, tuple[int, ...]] = {}
             for sg in self.spec_groups:
-                if isinstance(sg.spec, FullAttentionSpec):
-                    questions.update((g, tuple(range(len(wanted[g])))) for g in sg.group_ids)
-                    continue
-                self._manager_hit(sg, block_hashes, max_hit_tokens, pool, sg.use_eagle)
-            questions.update((g, tuple(indices)) for g, indices in pool.read_unknown.items())
-            remembered = questions
+                if not isinstance(sg.spec, FullAttentionSpec):
+                    self._manager_hit(sg, block_hashes, max_hit_tokens, pool, sg.use_eagle)
+            remembered = {g: tuple(indices) for g, indices in pool.read_unknown.items()}
             if len(self._first_by_shape) >= FIRST_QUESTIONS_KEPT:
                 self._first_by_shape.clear()  # prompt lengths vary without bound: start over
             self._first_by_shape[shape] = remembered
-        return {g: list(indices) for g, indices in remembered.items()}
+        questions = {g: list(range(len(wanted[g]))) for g in self._full_attention_groups if g in wanted}
+        questions.update((g, list(indices)) for g, indices in remembered.items())
+        return questions
 
     def _miss(self) -> HybridHit:
         return HybridHit(0, tuple(() for _ in self.groups), lambda: tuple(0 for _ in self.groups))
