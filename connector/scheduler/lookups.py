@@ -119,6 +119,8 @@ class Lookup:
     def attempt(self) -> Questions | None:
         """Resume the fixed point with the last round's answer: the questions it needs
         answered next, or None when it is done (:attr:`result`)."""
+        if self.result is not None:
+            return None  # done: asked again, it neither starts over nor asks anything
         try:
             if self._rounds is None:
                 self._rounds = self.coord.hit_rounds(

@@ -133,6 +133,9 @@ def test_a_batched_lookup_does_each_rounds_work_once(groups: list[GroupDesc], da
     answer_together([lookup], exists)
     assert lookup.result is not None and lookup.result[0] == hit
     assert runs["round by round"] == runs["within one call"]
+    found = lookup.result
+    assert lookup.attempt() is None and lookup.result is found, "done: nothing more to ask"
+    assert runs["round by round"] == runs["within one call"]
 
 
 def test_a_round_the_pool_cannot_answer_is_a_miss_for_every_lookup_in_it() -> None:
