@@ -27,7 +27,6 @@ import re
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import urllib.request
@@ -150,8 +149,8 @@ class ApiServer:
     model: Path
     kv_transfer_config: dict[str, Any]
     events_port: int
+    log: Path  # under pytest's temporary directory: nothing left in /tmp
     port: int = field(default_factory=free_port)
-    log: Path = field(default_factory=lambda: Path(tempfile.mkstemp(prefix="kvpool-api-", suffix=".log")[1]))
     process: subprocess.Popen[bytes] | None = None
     exposition: str = ""  # the last /metrics text
 
@@ -291,7 +290,9 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def served(model_dir: Path) -> Iterator[tuple[PoolCommand, ApiServer, Subscriber]]:
+def served(
+    model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[PoolCommand, ApiServer, Subscriber]]:
     pool = PoolCommand(cache_prefix=f"serve{os.getpid()}")
     server: ApiServer | None = None
     subscriber: Subscriber | None = None
@@ -299,7 +300,8 @@ def served(model_dir: Path) -> Iterator[tuple[PoolCommand, ApiServer, Subscriber
         pool.start()
         events_port = free_port()
         subscriber = Subscriber(events_port)
-        server = ApiServer(model_dir, pool.config, events_port).start()
+        log = tmp_path_factory.mktemp("serving-api") / "server.log"
+        server = ApiServer(model_dir, pool.config, events_port, log).start()
         yield pool, server, subscriber
     finally:
         if server is not None:
