@@ -191,6 +191,7 @@ class NamespacePool:
         for process in reversed(self._processes):
             stop_process(process)
         self._processes.clear()
+        shutil.rmtree(self.log_dir, ignore_errors=True)
 
 
 def _wait_for(host: str, port: int, process: subprocess.Popen[bytes], timeout: float = 60.0) -> None:

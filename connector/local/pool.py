@@ -28,8 +28,11 @@ from kvpool.connector.contract.settings import parse_size
 from kvpool.connector.local import tenant_quotas
 from kvpool.connector.local.disk_tier import DiskTier
 from kvpool.connector.local.ports import free_port
+from kvpool.connector.observability.logs import get_logger
 
 LOOPBACK = "127.0.0.1"
+
+logger = get_logger(__name__)
 
 
 def find_binary(name: str) -> str:
@@ -232,8 +235,12 @@ class LocalPool:
     # Mooncake tenant -> quota in bytes: the master admits writes of these tenants only.
     tenant_quotas: Mapping[str, int] | None = None
     disk_tier: DiskTier | None = None  # the store's local disk tier
+    # Keep the master's and the store's log folders after a clean stop (the command line pool,
+    # which tells where they are); those of a part that died on its own are always kept.
+    keep_logs: bool = False
     master: MooncakeMaster | None = None
     store: MooncakeStore | None = None
+    _stopped: bool = field(default=False, init=False, repr=False)
 
     def __enter__(self) -> LocalPool:
         return self.start()
@@ -247,6 +254,7 @@ class LocalPool:
                 "disk tier: a bucket (bucket_bytes) must be at most half the store's memory, or "
                 "objects waiting for their bucket lose their memory copy before they are on disk"
             )
+        self._stopped = False
         master = MooncakeMaster(
             rpc_port=self.rpc_port or free_port(), metrics_port=self.metrics_port or free_port()
         )
@@ -267,16 +275,42 @@ class LocalPool:
         return self
 
     def stop(self) -> None:
+        """Stop the store, then the master; their log folders go unless kept (``keep_logs``,
+        or a part that had died on its own: its log says why)."""
+        if self._stopped:
+            return
+        self._stopped = True
+        crashed = [
+            f"{name} (exit status {process.returncode}, log in {log_dir})"
+            for name, process, log_dir in self._exited_parts()
+            if process.returncode != 0
+        ]
         if self.store is not None:
             self.store.stop()
         if self.master is not None:
             self.master.stop()
+        if crashed:
+            logger.warning("local pool: %s", "; ".join(crashed))
+        elif not self.keep_logs:
+            for part in (self.store, self.master):
+                if part is not None:
+                    shutil.rmtree(part.log_dir, ignore_errors=True)
 
     def exited(self) -> list[str]:
         """The parts of the pool whose process has exited (empty while both run)."""
-        parts = (("master", self.master), ("store", self.store))
         return [
-            f"{name} (exit status {part.process.returncode}, log in {part.log_dir})"
+            f"{name} (exit status {process.returncode}, log in {log_dir})"
+            for name, process, log_dir in self._exited_parts()
+        ]
+
+    def _exited_parts(self) -> list[tuple[str, subprocess.Popen[bytes], Path]]:
+        """(name, process, log folder) of each part whose process has exited."""
+        parts: tuple[tuple[str, MooncakeMaster | MooncakeStore | None], ...] = (
+            ("master", self.master),
+            ("store", self.store),
+        )
+        return [
+            (name, part.process, part.log_dir)
             for name, part in parts
             if part is not None and part.process is not None and part.process.poll() is not None
         ]

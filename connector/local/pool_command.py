@@ -171,6 +171,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         metrics_port=args.metrics_port,
         tenant_quotas=args.tenant_quotas,
         disk_tier=args.disk_tier,
+        keep_logs=True,  # it says where they are
     )
     try:
         try:

@@ -7,9 +7,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -20,6 +24,15 @@ pytestmark = pytest.mark.mooncake
 
 COMMAND = [sys.executable, "-m", "kvpool.connector.local.pool_command"]
 STARTUP_S = 120.0
+#: The log folders of the pools a test started (the command keeps them and says where).
+_LOG_FOLDERS: list[Path] = []
+
+
+@pytest.fixture(autouse=True)
+def _remove_the_pools_log_folders() -> Iterator[None]:
+    yield
+    while _LOG_FOLDERS:
+        shutil.rmtree(_LOG_FOLDERS.pop(), ignore_errors=True)
 
 
 def start(*args: str) -> tuple[subprocess.Popen[str], dict, str]:
@@ -31,6 +44,9 @@ def start(*args: str) -> tuple[subprocess.Popen[str], dict, str]:
     line = process.stdout.readline()
     assert line, process.stderr.read()
     note = process.stderr.readline()
+    folders = re.search(r"logs in (\S+) and (\S+)\.$", note.strip())
+    assert folders, note
+    _LOG_FOLDERS.extend(Path(folder) for folder in folders.groups())
     return process, json.loads(line), note
 
 
