@@ -14,7 +14,7 @@ trap 'kill "$typecheck_pid" 2>/dev/null || true; rm -f "$typecheck_log"' EXIT
 status=0
 # Three pytest-xdist workers: much of the suite waits (on processes starting, deadlines, the
 # emulated API), so on two cores two workers left a third of the CPU idle (145% of 200%;
-# three: 167-174%, the suite 27-33 min instead of 40). Tests that share session fixtures
+# three: 166-174%, the suite 22-33 min instead of 40). Tests that share session fixtures
 # across files run whole on one worker (see tests/conftest.py).
 # KVPOOL_TEST_WORKERS=0 runs every test in this one process.
 workers=${KVPOOL_TEST_WORKERS:-3}
