@@ -255,7 +255,12 @@ def test_store_process_lost(
 
 
 def _fill(client: PoolClient, prefix: str) -> list[str]:
-    """Put junk until the pool refuses it (-200), big objects first; the keys stored."""
+    """Put junk until the pool refuses it (-200), big objects first; the keys stored, each
+    leased as it is stored.
+
+    The put the pool refuses wakes the master's eviction, which takes objects without a
+    lease: asking whether each object exists right after its put leases it (60 s here), so
+    the first puts cannot be evicted by the refusal that follows them."""
     keys: list[str] = []
     for size in (1 << 20, 32 << 10, 4 << 10):
         for index in range(600):
@@ -264,6 +269,7 @@ def _fill(client: PoolClient, prefix: str) -> list[str]:
             if code != 0:
                 assert code == -200, f"junk put failed with {code}"
                 break
+            assert client.exists([key]) == [True], f"{key} not found right after its put"
             keys.append(key)
     return keys
 
@@ -280,7 +286,7 @@ def test_store_full(
     )
     try:
         junk = _fill(client, "junk")
-        # A lookup leases what it finds (60s here): the junk cannot be evicted.
+        # Each junk object was leased as it was stored (60s here): none can be evicted.
         assert all(client.exists(junk))
         assert put_bytes(client, "one-more", b"\0" * (32 << 10)) == -200
         full = [engine.serve(k) for k in [(2, 0), (2, 1), (2, 2)]]
