@@ -1,5 +1,5 @@
 """The store pod's readiness probe when scale-downs drain: ready while its port answers and
-its master does not say that its segment is drained.
+its master's last word is not that its segment is drained.
 
 The ReplicaSet controller removes pods that are not ready before ready ones, so a store
 whose segment the master has drained (``DRAINED``: its objects moved to the other stores,
@@ -10,10 +10,15 @@ and asks the pool's master over its HTTP port, which the pool's own pods may rea
 ``/metrics`` names each mounted segment ``<pod IP>:<port>``, and
 ``/api/v1/segments/status`` says whether this pod's is drained. With HA masters the Service
 may answer from a standby, which knows no segment: the probe then asks the leader its
-``/health`` names, at the same HTTP port (every master pod has it). Anything else it cannot
-tell (no answer within a second, no segment of this pod yet, an unexpected answer) keeps the
-pod ready: only the master's positive word takes a store out, so a master that restarts or
-does not answer never makes every store unready.
+``/health`` names, at the same HTTP port (every master pod has it).
+
+What it cannot tell (no answer within a second, no segment of this pod yet, an unexpected
+answer) repeats the master's last word, which the probe keeps in a file in the pod's own
+``/tmp`` (``PROBE_MEMORY``): a drained store stays unready while the master is slow to
+answer, so the pod the operator scales away is still the one the controller removes, and a
+store the master never said was drained stays ready, so a master that restarts or does not
+answer never makes the stores unready. The master's word that the segment is not drained
+(a drain called off) makes it ready again.
 """
 
 from __future__ import annotations
@@ -24,8 +29,11 @@ from kvpool.operator import names
 
 MASTER_HTTP_ENV = "KVPOOL_MASTER_HTTP"
 STORE_PORT_ENV = "KVPOOL_STORE_PORT"
+MEMORY_ENV = "KVPOOL_PROBE_MEMORY"
+# The drained segment at the master's last word, if any; /tmp is the pod's own emptyDir.
+PROBE_MEMORY = "/tmp/kvpool-store-drained"
 
-# Run as ``python3 -c SCRIPT`` in the store container (its env: POD_IP and the two above).
+# Run as ``python3 -c SCRIPT`` in the store container (its env: POD_IP and the three above).
 SCRIPT = r"""
 import ipaddress, json, os, re, socket, sys, urllib.parse, urllib.request
 ip = os.environ["POD_IP"]
@@ -33,8 +41,10 @@ try:
     socket.create_connection((ip, int(os.environ["KVPOOL_STORE_PORT"])), 1).close()
 except OSError as exc:
     sys.exit("store port closed: %s" % exc)
+memory = os.environ.get("KVPOOL_PROBE_MEMORY")
 base = os.environ["KVPOOL_MASTER_HTTP"]
 opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+told, drained = False, None
 try:
     health = json.loads(opener.open(base + "/health", timeout=1).read(1 << 16))
     leader = health.get("leader_address")
@@ -50,11 +60,33 @@ try:
         if segment.rsplit(":", 1)[0].strip("[]") != ip:
             continue
         url = base + "/api/v1/segments/status?segment=" + urllib.parse.quote(segment, safe="")
-        answer = json.loads(opener.open(url, timeout=1).read(1 << 16))
-        if answer.get("status_name") == "DRAINED":
-            sys.exit("segment %s is drained: this pod leaves at the scale-down" % segment)
+        status = json.loads(opener.open(url, timeout=1).read(1 << 16)).get("status_name")
+        if not isinstance(status, str):
+            told = False
+            break
+        told = True
+        if status == "DRAINED":
+            drained = segment
+            break
 except Exception:
+    told = False
+if not told:
+    # No word from the master now: its last word stands.
+    try:
+        with open(memory) as file:
+            sys.exit("segment %s is drained at the master's last answer" % file.read(256))
+    except (OSError, TypeError):
+        sys.exit(0)
+try:
+    if drained is not None:
+        with open(memory, "w") as file:
+            file.write(drained)
+    else:
+        os.remove(memory)
+except (OSError, TypeError):
     pass
+if drained is not None:
+    sys.exit("segment %s is drained: this pod leaves at the scale-down" % drained)
 """
 
 
@@ -77,4 +109,5 @@ def probe_env(pool: str, namespace: str, metrics_port: int, store_port: int) -> 
     return [
         {"name": MASTER_HTTP_ENV, "value": master_http(pool, namespace, metrics_port)},
         {"name": STORE_PORT_ENV, "value": str(store_port)},
+        {"name": MEMORY_ENV, "value": PROBE_MEMORY},
     ]

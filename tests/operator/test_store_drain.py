@@ -18,12 +18,14 @@ import http.server
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
 import time
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -49,7 +51,7 @@ from kvpool.operator.store_drain import (
     new_record,
     store_scale,
 )
-from kvpool.operator.store_probe import MASTER_HTTP_ENV, SCRIPT, STORE_PORT_ENV
+from kvpool.operator.store_probe import MASTER_HTTP_ENV, MEMORY_ENV, SCRIPT, STORE_PORT_ENV
 from testing.kube_api import NAMESPACE
 from testing.operator_objects import pool_spec
 from testing.pool_store import bare_client, put_on, raw_store
@@ -177,6 +179,10 @@ def test_the_store_probe_and_its_env_are_rendered_when_drains_are_on() -> None:
     env = {e["name"]: e.get("value") for e in on["env"]}
     assert env[MASTER_HTTP_ENV] == f"http://pool-master.{NAMESPACE}.svc:9003"
     assert env[STORE_PORT_ENV] == "50052"
+    # The probe keeps the master's last word in the pod's own writable /tmp (an emptyDir).
+    assert env[MEMORY_ENV].startswith("/tmp/")
+    assert {"name": "tmp", "mountPath": "/tmp"} in on["volumeMounts"]
+    assert on["securityContext"]["readOnlyRootFilesystem"] is True
     assert off["readinessProbe"]["tcpSocket"] == {"port": "store"}
     assert MASTER_HTTP_ENV not in {e["name"] for e in off["env"]}
     # The template does not change with the count: scaling restarts no store.
@@ -249,17 +255,30 @@ def missing(client: PoolClient, keys: range) -> list[int]:
 
 
 def probe(
-    master: MooncakeMaster, store: MooncakeStore, through: str = "127.0.0.1"
+    master: MooncakeMaster, store: MooncakeStore, through: str = "127.0.0.1", memory: Path | None = None
 ) -> subprocess.CompletedProcess[str]:
     """The rendered readiness probe, run as the kubelet would in ``store``'s container, asking
-    the master's HTTP port at ``through`` (the Service's address)."""
+    the master's HTTP port at ``through`` (the Service's address); ``memory``: the file in
+    the pod's ``/tmp`` where it keeps the master's last word (None: it keeps none)."""
     env = {
         **os.environ,
         "POD_IP": store.host,
         MASTER_HTTP_ENV: f"http://{through}:{master.metrics_port}",
         STORE_PORT_ENV: str(store.port),
+        **({} if memory is None else {MEMORY_ENV: str(memory)}),
     }
     return subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=30)
+
+
+@contextlib.contextmanager
+def frozen(master: MooncakeMaster) -> Iterator[None]:
+    """The master stopped (SIGSTOP): it accepts connections and answers nothing until thawed."""
+    assert master.process is not None
+    os.kill(master.process.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(master.process.pid, signal.SIGCONT)
 
 
 STANDBY = "127.0.0.6"
@@ -326,13 +345,16 @@ def start_second(master: MooncakeMaster, stores: list[MooncakeStore]) -> dict[st
 @pytest.mark.mooncake
 @pytest.mark.timeout(120)
 def test_a_real_drain_moves_every_object_and_only_the_drained_store_turns_unready(
-    two_stores: tuple[MooncakeMaster, list[MooncakeStore]],
+    two_stores: tuple[MooncakeMaster, list[MooncakeStore]], tmp_path: Path
 ) -> None:
     master, stores = two_stores
     base = f"http://127.0.0.1:{master.metrics_port}"
+    kept_memory, drained_memory = (tmp_path / f"probe-{host}" for host in HOSTS)
     with bare_client(master.address) as client:
         segments = fill(client, master, stores, on_second=4)
         assert [probe(master, s).returncode for s in stores] == [0, 0]
+        with frozen(master):  # no answer, and no word before it: ready
+            assert probe(master, stores[1], memory=drained_memory).returncode == 0
 
         job_id = asyncio.run(create_drain_job(base, [segments[HOSTS[1]]], timeout=5))
         deadline = time.monotonic() + 60
@@ -345,9 +367,17 @@ def test_a_real_drain_moves_every_object_and_only_the_drained_store_turns_unread
         with pytest.raises(DrainRefused):  # a finished job is not canceled
             asyncio.run(cancel_drain_job(base, job_id, timeout=5))
 
-        drained, kept = probe(master, stores[1]), probe(master, stores[0])
+        drained = probe(master, stores[1], memory=drained_memory)
+        kept = probe(master, stores[0], memory=kept_memory)
         assert drained.returncode == 1 and "is drained" in drained.stderr, drained
         assert kept.returncode == 0, kept
+        assert drained_memory.read_text() == segments[HOSTS[1]] and not kept_memory.exists()
+        # A master too slow to answer leaves its last word standing: the drained store stays
+        # unready (the controller must still remove it, not the other), the other ready.
+        with frozen(master):
+            slow = probe(master, stores[1], memory=drained_memory)
+            assert slow.returncode == 1 and "drained at the master's last answer" in slow.stderr, slow
+            assert probe(master, stores[0], memory=kept_memory).returncode == 0
         # HA: the Service may answer from a standby, which knows no segment; the probe asks
         # the leader the standby names, on the same port (a stand-in standby at 127.0.0.6).
         with standby_naming(f"127.0.0.1:{master.rpc_port}", master.metrics_port):
@@ -358,6 +388,14 @@ def test_a_real_drain_moves_every_object_and_only_the_drained_store_turns_unread
 
         stop_unmounted(master, stores[1])  # the ReplicaSet controller removes the unready pod
         assert missing(client, range(16)) == []
+
+        # A store restarted in the same pod (its /tmp kept) mounts a segment the master has
+        # not drained: that word replaces the remembered one, and the store is ready again.
+        stores[1].start(master)
+        wait_for_capacity(master, 30, minimum=2 * (64 << 20))
+        again = probe(master, stores[1], memory=drained_memory)
+        assert again.returncode == 0, again
+        assert not drained_memory.exists()
 
 
 @pytest.mark.mooncake
