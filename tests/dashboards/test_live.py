@@ -39,6 +39,9 @@ pytestmark = [pytest.mark.engine, pytest.mark.mooncake]
 
 VLLM_JOB = "vllm"
 PAUSE = 2.5  # seconds between rounds: at least two scrapes apart, so every counter moves in a rate
+# The deciding engine's reads: its ~0.4 MiB hit loads in ~0.2 s, so loading is estimated
+# 101 times faster than recomputing only where a prefill of it would take over 20 s.
+DECIDING_LINK = 2 << 20
 LATE, EARLY = range(4, 9), range(0, 4)  # prefix blocks two failing loads lose (each within the hit)
 REMOVE, REPLACE = "remove", "replace"  # what happens to a round's prefix blocks before its load
 EXPECTED_ZERO = {("Pool hit rate beside vLLM's prefix caches", "C")}  # the local cache, reset every round
@@ -151,6 +154,7 @@ def run(local_pool, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
     from kvpool.connector.pool_client import open_client
     from testing.models import build_gemma3
     from testing.prompts import P1, P2
+    from testing.slow_link import RateCap
 
     single = build_gemma3(
         tmp_path_factory.mktemp("gemma3-full"), num_hidden_layers=3, layer_types=["full_attention"] * 3
@@ -192,15 +196,19 @@ def run(local_pool, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
         result.engine_ends.append(time.time())
         # Hybrid: saves, hits, masked loads, a failed load that recomputes, hits again; then,
         # its rates learned from three clean loads, a hit the load decision recomputes (a
-        # margin of 100: loading must be estimated 101 times faster than recomputing).
+        # margin of 100: loading must be estimated 101 times faster than recomputing). Its
+        # reads are slowed to DECIDING_LINK (``RateCap``): a prefill slowed by a busy machine
+        # must not make loading look that much faster (a CI run's hit loaded).
         deciding = settings.model_copy(
             update={"load_policy": "auto", "load_margin": 100, "load_decision_min_samples": 3}
         )
-        engines, _ = _rounds(
-            hybrid, deciding, client,
-            [(P1, None, REMOVE), (P2, None, REMOVE), (P1, LATE, REMOVE), (P2, None, REMOVE),
-             (P1, EARLY, REMOVE), (P2, None, REMOVE), (P1, None, REMOVE)],
-        )  # fmt: skip
+        with pytest.MonkeyPatch.context() as slowed:
+            RateCap(DECIDING_LINK).install(slowed)
+            engines, _ = _rounds(
+                hybrid, deciding, client,
+                [(P1, None, REMOVE), (P2, None, REMOVE), (P1, LATE, REMOVE), (P2, None, REMOVE),
+                 (P1, EARLY, REMOVE), (P2, None, REMOVE), (P1, None, REMOVE)],
+            )  # fmt: skip
         result.engines |= engines
         result.engine_ends.append(time.time())
         # An engine declared with another dtype than vLLM builds: out of the pool, counted.
