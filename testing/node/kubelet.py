@@ -262,6 +262,8 @@ class Pod:
         while not self._stop.is_set():
             container.started = container.ready = False
             container.process = self._spawn(container)
+            if all(c.process is not None and _exit_status(c.process) is None for c in self.containers):
+                self.reason = "Running"  # running again after a restart, as the kubelet reports it
             probes = asyncio.create_task(self._probe(container))
             stopper = asyncio.create_task(self._stop.wait())
             try:

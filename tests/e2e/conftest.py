@@ -136,7 +136,7 @@ class PodMirror:
         self.node, self.kube = node, kube
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="pod-mirror", daemon=True)
-        self._mirrored: dict[str, tuple[str, bool]] = {}  # name -> IP, ready
+        self._mirrored: dict[str, tuple[str, bool, str]] = {}  # name -> IP, ready, phase
 
     def start(self) -> PodMirror:
         self._thread.start()
@@ -159,7 +159,8 @@ class PodMirror:
             self.kube.delete(harness.path("v1", "Pod", name))
             del self._mirrored[name]
         for name, pod in pods.items():
-            if self._mirrored.get(name) == (pod.ip, pod.ready):
+            phase = "Running" if pod.reason == "Running" else "Pending"
+            if self._mirrored.get(name) == (pod.ip, pod.ready, phase):
                 continue
             if name in self._mirrored:
                 self.kube.delete(harness.path("v1", "Pod", name))
@@ -174,14 +175,14 @@ class PodMirror:
                         ]
                     },
                     "status": {
-                        "phase": "Running" if pod.reason == "Running" else "Pending",
+                        "phase": phase,
                         "conditions": [{"type": "Ready", "status": "True" if pod.ready else "False"}],
                         "podIP": pod.ip,
                         "podIPs": [{"ip": pod.ip}],
                     },
                 }
             )
-            self._mirrored[name] = (pod.ip, pod.ready)
+            self._mirrored[name] = (pod.ip, pod.ready, phase)
 
 
 @pytest.fixture(scope="session")

@@ -311,3 +311,49 @@ def test_a_pod_resolves_services_and_knows_its_name(e2e: E2E) -> None:
             path("v1", "ConfigMap", "web-content"),
         )
     wait_for(lambda: not e2e.pods("client") and not e2e.pods("web"), 60, "the pods gone")
+
+
+@pytest.mark.e2e
+def test_a_restarted_container_runs_again_and_its_pod_says_so(e2e: E2E) -> None:
+    """A container that exits once (as a store does while its master starts) is restarted:
+    the pod is Running and Ready again, on the node and in the API, where the operator reads
+    it (a pod left Pending there looked unready to the operator: a drained store's scale-down
+    was applied at once, and the node's controller removed the wrong store)."""
+    from kvpool.operator.consumer_hits import pod_ready
+
+    once = "test -e exited || { touch exited; exit 3; }; exec sleep 600"
+    flaky = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "flaky", "namespace": NAMESPACE},
+        "spec": {
+            "selector": {"matchLabels": {"app": "flaky"}},
+            "template": {
+                "metadata": {"labels": {"app": "flaky"}},
+                "spec": {
+                    "terminationGracePeriodSeconds": 1,
+                    "containers": [{"name": "main", "image": "busybox", "command": ["sh", "-c", once]}],
+                },
+            },
+        },
+    }
+    e2e.kube.create(flaky)
+    try:
+        pod = wait_for(
+            lambda: (p := e2e.pods("flaky")) and p[0].container().restarts == 1 and p[0].ready and p[0],
+            60,
+            "the pod ready after one restart",
+        )
+        assert pod.reason == "Running" and pod.container().exit_codes == (3,)
+        mirrored = wait_for(
+            lambda: (
+                (e2e.kube.get(path("v1", "Pod", pod.name)) or {}).get("status", {}).get("phase") == "Running"
+                and e2e.kube.get(path("v1", "Pod", pod.name))
+            ),
+            30,
+            "the API's pod Running",
+        )
+        assert pod_ready(mirrored)
+    finally:
+        e2e.remove(path("apps/v1", "Deployment", "flaky"))
+    wait_for(lambda: not e2e.pods("flaky"), 60, "the pod gone")
