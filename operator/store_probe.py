@@ -71,12 +71,15 @@ try:
 except Exception:
     told = False
 if not told:
-    # No word from the master now: its last word stands.
+    # No word from the master now: its last word about this pod's segment stands.
     try:
         with open(memory) as file:
-            sys.exit("segment %s is drained at the master's last answer" % file.read(256))
+            remembered = file.read(256)
     except (OSError, TypeError):
         sys.exit(0)
+    if remembered.rsplit(":", 1)[0].strip("[]") == ip:
+        sys.exit("segment %s is drained at the master's last answer" % remembered)
+    sys.exit(0)
 try:
     if drained is not None:
         with open(memory, "w") as file:

@@ -33,7 +33,7 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import pytest
@@ -601,17 +601,20 @@ async def test_the_status_shows_the_masters_own_capacity_and_use(
     assert cluster.pool_status("pool")["capacity"]["objects"] == 6  # the last numbers, kept
 
 
-def probe_ready(container: dict[str, Any], host: str, port: int, metrics_port: int) -> bool:
+def probe_ready(container: dict[str, Any], host: str, port: int, metrics_port: int, pod_tmp: Path) -> bool:
     """Play the kubelet: run the store container's rendered readiness probe as in a pod at
     ``host`` (the master Service's name, which no DNS resolves here, is the master's loopback
-    address; the store's own port is ``port``)."""
+    address; the store's own port is ``port``; the pod's own ``/tmp`` is ``pod_tmp``)."""
     probe = container["readinessProbe"]["exec"]["command"]
     env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+    memory = PurePosixPath(env[store_probe.MEMORY_ENV]).relative_to("/tmp")
+    pod_tmp.mkdir(exist_ok=True)
     env.update(
         {
             "POD_IP": host,
             store_probe.MASTER_HTTP_ENV: f"http://127.0.0.1:{metrics_port}",
             store_probe.STORE_PORT_ENV: str(port),
+            store_probe.MEMORY_ENV: str(pod_tmp / memory),
             "PATH": os.environ["PATH"],
         }
     )
@@ -668,7 +671,12 @@ async def test_a_scale_down_drains_the_leaving_store_first_and_loses_nothing(
             for name, port in ports.items():
                 if name not in removed:
                     ready = await asyncio.to_thread(
-                        probe_ready, container, STORE_HOSTS[name], port, metrics_port
+                        probe_ready,
+                        container,
+                        STORE_HOSTS[name],
+                        port,
+                        metrics_port,
+                        processes.workdir / name,
                     )
                     cluster.set_pod_ready(name, ready)
             await asyncio.sleep(0.3)

@@ -18,6 +18,7 @@ import http.server
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -226,9 +227,9 @@ def two_stores() -> Iterator[tuple[MooncakeMaster, list[MooncakeStore]]]:
         stores[0].start(master)
         yield master, stores
     finally:
-        for store in stores:
-            store.stop()
-        master.stop()
+        for part in (*stores, master):
+            part.stop()
+            shutil.rmtree(part.log_dir, ignore_errors=True)
 
 
 def segments_of(master: MooncakeMaster) -> dict[str, str]:
@@ -378,6 +379,8 @@ def test_a_real_drain_moves_every_object_and_only_the_drained_store_turns_unread
             slow = probe(master, stores[1], memory=drained_memory)
             assert slow.returncode == 1 and "drained at the master's last answer" in slow.stderr, slow
             assert probe(master, stores[0], memory=kept_memory).returncode == 0
+            # A remembered word is about the pod's own segment only.
+            assert probe(master, stores[0], memory=drained_memory).returncode == 0
         # HA: the Service may answer from a standby, which knows no segment; the probe asks
         # the leader the standby names, on the same port (a stand-in standby at 127.0.0.6).
         with standby_naming(f"127.0.0.1:{master.rpc_port}", master.metrics_port):
