@@ -7,6 +7,7 @@ import ipaddress
 import os
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -196,6 +197,24 @@ def _get(url: str) -> str:
         return response.read().decode()
 
 
+def shell_deployment(name: str, script: str) -> dict[str, Any]:
+    """A one-replica Deployment ``name`` whose one container runs ``sh -c script`` in its pod's
+    directory (one second to stop)."""
+    container = {"name": "main", "image": "busybox", "command": ["sh", "-c", script]}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": name, "namespace": NAMESPACE},
+        "spec": {
+            "selector": {"matchLabels": {"app": name}},
+            "template": {
+                "metadata": {"labels": {"app": name}},
+                "spec": {"terminationGracePeriodSeconds": 1, "containers": [container]},
+            },
+        },
+    }
+
+
 @pytest.mark.e2e
 def test_node_runs_rolls_scales_and_deletes_a_deployment(e2e: E2E) -> None:
     for obj in _web(2, "hello"):
@@ -271,32 +290,8 @@ def test_node_runs_rolls_scales_and_deletes_a_deployment(e2e: E2E) -> None:
 def test_a_pod_resolves_services_and_knows_its_name(e2e: E2E) -> None:
     for obj in _web(1, "dns"):
         e2e.kube.create(obj)
-    client = {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": {"name": "client", "namespace": NAMESPACE},
-        "spec": {
-            "selector": {"matchLabels": {"app": "client"}},
-            "template": {
-                "metadata": {"labels": {"app": "client"}},
-                "spec": {
-                    "terminationGracePeriodSeconds": 1,
-                    "containers": [
-                        {
-                            "name": "client",
-                            "image": "busybox",
-                            "command": [
-                                "sh",
-                                "-c",
-                                "hostname > name; until getent hosts web > resolved; do sleep 0.2; done; "
-                                "exec sleep 600",
-                            ],
-                        }
-                    ],
-                },
-            },
-        },
-    }
+    script = "hostname > name; until getent hosts web > resolved; do sleep 0.2; done; exec sleep 600"
+    client = shell_deployment("client", script)
     e2e.kube.create(client)
     try:
         pod = wait_for(lambda: e2e.pods("client") and e2e.pods("client")[0], 30, "the client pod")
@@ -322,21 +317,7 @@ def test_a_restarted_container_runs_again_and_its_pod_says_so(e2e: E2E) -> None:
     from kvpool.operator.consumer_hits import pod_ready
 
     once = "test -e exited || { touch exited; exit 3; }; exec sleep 600"
-    flaky = {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": {"name": "flaky", "namespace": NAMESPACE},
-        "spec": {
-            "selector": {"matchLabels": {"app": "flaky"}},
-            "template": {
-                "metadata": {"labels": {"app": "flaky"}},
-                "spec": {
-                    "terminationGracePeriodSeconds": 1,
-                    "containers": [{"name": "main", "image": "busybox", "command": ["sh", "-c", once]}],
-                },
-            },
-        },
-    }
+    flaky = shell_deployment("flaky", once)
     e2e.kube.create(flaky)
     try:
         pod = wait_for(
