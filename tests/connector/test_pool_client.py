@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
 
@@ -33,7 +35,8 @@ class CountingStore:
 
 
 def test_a_dead_master_makes_transfers_fail_fast() -> None:
-    with LocalPool(segment_size="32MB") as pool:
+    pool = LocalPool(segment_size="32MB").start()
+    try:
         assert pool.master is not None
         client = open_client(
             ConnectorSettings.parse({"master_server_address": pool.address}), global_segment_size=0
@@ -58,6 +61,11 @@ def test_a_dead_master_makes_transfers_fail_fast() -> None:
             assert len(spy.calls) == reached
         finally:
             client.close()
+    finally:
+        pool.stop()
+        for part in (pool.master, pool.store):  # the pool keeps them: this test killed its master
+            if part is not None:
+                shutil.rmtree(part.log_dir, ignore_errors=True)
 
 
 def test_batches_stay_within_the_bound(pool_client) -> None:

@@ -24,6 +24,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -94,6 +95,7 @@ class PoolCommand:
     process: subprocess.Popen[str] | None = None
     config: dict[str, Any] = field(default_factory=dict)
     metrics_url: str = ""
+    log_folders: list[Path] = field(default_factory=list)  # the command keeps them and says where
 
     def start(self) -> PoolCommand:
         self.process = subprocess.Popen(
@@ -110,6 +112,9 @@ class PoolCommand:
         match = re.search(r"metrics (http://\S+/metrics)", note)
         assert match, note
         self.metrics_url = match.group(1)
+        folders = re.search(r"logs in (\S+) and (\S+)\.$", note.strip())
+        assert folders, note
+        self.log_folders = [Path(folder) for folder in folders.groups()]
         return self
 
     @property
@@ -131,15 +136,17 @@ class PoolCommand:
 
     def kill(self) -> None:
         """Stop it if it still runs: Ctrl-C first (it stops its master and store), SIGKILL
-        only if that does not end it (a SIGKILL alone leaves those two running)."""
-        if self.process is None or self.process.poll() is not None:
-            return
-        self.process.send_signal(signal.SIGINT)
-        try:
-            self.process.wait(30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        only if that does not end it (a SIGKILL alone leaves those two running); then remove
+        the log folders it kept."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        while self.log_folders:
+            shutil.rmtree(self.log_folders.pop(), ignore_errors=True)
 
 
 @dataclass
