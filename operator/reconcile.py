@@ -723,11 +723,14 @@ async def store_scale_of(
     before = replicas if isinstance(replicas, int) else None
     record = record_of(status)
     ready: list[str] = []
+    unready: list[str] = []
     if record is not None and record.state == DRAINED:
         selector = names.label_selector(plan.pool, names.STORE)
-        pods = await kube.list(PODS, plan.namespace, label_selector=selector)
-        ready = [str((p.get("metadata") or {}).get("name")) for p in pods if pod_ready(p)]
-    return store_scale(plan, before, record, observation, ready, now)
+        for pod in await kube.list(PODS, plan.namespace, label_selector=selector):
+            meta = pod.get("metadata") or {}
+            if not meta.get("deletionTimestamp"):  # the controller no longer counts those
+                (ready if pod_ready(pod) else unready).append(str(meta.get("name")))
+    return store_scale(plan, before, record, observation, ready, now, unready)
 
 
 def announce_scale_down(
@@ -743,8 +746,8 @@ def announce_scale_down(
     if before is None or scale.replicas is None or scale.replicas >= before:
         return None
     if ended is not None and ended.state == DRAINED:
-        message = drained_message(ended, scale.stayed_ready)
-        notify("Warning" if scale.stayed_ready else "Normal", "StoreScaleDown", message)
+        message = drained_message(ended, scale.stayed_ready, scale.unready_kept)
+        notify("Warning" if scale.warns else "Normal", "StoreScaleDown", message)
     else:
         message = scale_down_message(before, scale.replicas, observation)
         if ended is not None:

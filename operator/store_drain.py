@@ -11,9 +11,9 @@ hold. With ``spec.store.drainTimeoutSeconds`` > 0 the operator instead:
    (``drain_jobs``): the master places no new object on their segments and moves what they
    hold to the other stores (``Draining``), then marks them ``DRAINED`` (``Drained``);
 3. the drained pods' readiness probe fails (``store_probe``: the master says their segment is
-   drained), and once none of them is ready the pass applies the lower count: the ReplicaSet
-   controller removes pods that are not ready first, i.e. exactly the drained ones, and the
-   Event ``StoreScaleDown`` says that nothing was lost.
+   drained), and once none of them is ready and every other store pod is, the pass applies
+   the lower count: the ReplicaSet controller removes pods that are not ready first, i.e.
+   exactly the drained ones, and the Event ``StoreScaleDown`` says that nothing was lost.
 
 The drain has a deadline (``drainTimeoutSeconds`` from the pass that started it). Past it, or
 when the master refuses or fails the job, the timer cancels the job (the segments take
@@ -85,7 +85,14 @@ class StoreScale:
     drain: StoreDrainStatus | None = None
     ended: StoreDrainStatus | None = None
     stayed_ready: tuple[str, ...] = ()
+    # Pods that stay, not ready when the lower count was applied (past the deadline).
+    unready_kept: tuple[str, ...] = ()
     begins: bool = False  # this pass starts the drain (``drain`` is its Pending record)
+
+    @property
+    def warns(self) -> bool:
+        """Whether the controller may remove other pods than the drained ones."""
+        return bool(self.stayed_ready or self.unready_kept)
 
 
 def store_scale(
@@ -95,9 +102,16 @@ def store_scale(
     observation: Observation | None,
     ready_pods: Collection[str],
     now: str,
+    unready_pods: Collection[str] = (),
 ) -> StoreScale:
     """The store replicas a pass applies. ``before``: the live store Deployment's count (None:
-    none the pool owns); ``ready_pods``: the names of its store pods that are ready now."""
+    none the pool owns); ``ready_pods`` and ``unready_pods``: the names of its store pods
+    (not terminating) that are ready now, and that are not.
+
+    A drained scale-down applies the lower count once the drained pods are not ready and
+    every other store pod is: the ReplicaSet controller removes pods that are not ready
+    first, so exactly the drained ones go (a kept store slow to answer its probe would
+    otherwise go in place of a drained one, with what it holds)."""
     wanted = plan.store_replicas
     if wanted is None:
         return StoreScale(None, before)
@@ -125,9 +139,10 @@ def store_scale(
         return StoreScale(record.from_replicas, before, record)
     if record.state == DRAINED:
         still_ready = tuple(sorted(set(record.pods) & set(ready_pods)))
-        if still_ready and not past(record.deadline, now):
+        unready_kept = tuple(sorted(set(unready_pods) - set(record.pods)))
+        if (still_ready or unready_kept) and not past(record.deadline, now):
             return StoreScale(record.from_replicas, before, record)
-        return StoreScale(record.to_replicas, before, None, record, still_ready)
+        return StoreScale(record.to_replicas, before, None, record, still_ready, unready_kept)
     return StoreScale(record.to_replicas, before, None, record)  # GivenUp
 
 
@@ -150,16 +165,23 @@ def leaving_segments(observation: Observation | None, count: int) -> list[tuple[
     return [(s.name, pods[s.host]) for s in segments[:count]]
 
 
-def drained_message(record: StoreDrainStatus, stayed_ready: tuple[str, ...] = ()) -> str:
+def drained_message(
+    record: StoreDrainStatus, stayed_ready: tuple[str, ...] = (), unready_kept: tuple[str, ...] = ()
+) -> str:
     """The Event of a scale-down whose leaving pods were drained."""
     message = (
         f"store pods {record.from_replicas} -> {record.to_replicas}: the master drained "
         f"{', '.join(record.pods)} first ({record.moved_objects} objects, {quantity(record.moved_bytes)} "
         "moved to the other stores; no new writes placed on them)"
     )
-    if not stayed_ready:
+    if not stayed_ready and not unready_kept:
         return message + ": they are not ready, and the ReplicaSet controller removes them first"
+    states = []
+    if stayed_ready:
+        states.append(f"{', '.join(stayed_ready)} still ready")
+    if unready_kept:
+        states.append(f"{', '.join(unready_kept)} (staying) not ready")
     return message + (
-        f", but {', '.join(stayed_ready)} stayed ready until the deadline: the ReplicaSet controller "
-        "may remove other pods instead, and what those hold is lost"
+        f", but at the deadline {' and '.join(states)}: the ReplicaSet controller may remove other "
+        "pods instead, and what those hold is lost"
     )

@@ -121,6 +121,25 @@ def test_drained_pods_still_ready_at_the_deadline_go_with_a_warning() -> None:
     assert "may remove other pods instead" in drained_message(drained, late.stayed_ready)
 
 
+def test_a_scale_down_holds_while_a_staying_store_is_not_ready() -> None:
+    """Only the drained pods may be unready when the lower count is applied: the controller
+    removes unready pods first, and a staying store that missed its probes (with what it
+    holds) would go in place of a drained one."""
+    drained = new_record(
+        state=DRAINED, from_replicas=3, to_replicas=2, started_at=T0, deadline=T1, pods=["pool-store-2"]
+    )
+    plan = plan_of(2)
+    slow = store_scale(plan, 3, drained, None, ["pool-store-0"], T0, ["pool-store-1", "pool-store-2"])
+    assert (slow.replicas, slow.drain) == (3, drained)
+    done = store_scale(plan, 3, drained, None, ["pool-store-0", "pool-store-1"], T0, ["pool-store-2"])
+    assert (done.replicas, done.drain, done.warns) == (2, None, False)
+    late = store_scale(plan, 3, drained, None, ["pool-store-0"], LATE, ["pool-store-1", "pool-store-2"])
+    assert (late.replicas, late.unready_kept, late.warns) == (2, ("pool-store-1",), True)
+    message = drained_message(drained, late.stayed_ready, late.unready_kept)
+    assert "at the deadline pool-store-1 (staying) not ready" in message
+    assert "may remove other pods instead" in message
+
+
 def test_a_drain_given_up_scales_down_as_without_one() -> None:
     given_up = new_record(state=GIVEN_UP, from_replicas=2, to_replicas=1, started_at=T0, deadline=T1)
     scale = store_scale(plan_of(1), 2, given_up, None, ["pool-store-0"], T1)
