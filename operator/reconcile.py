@@ -727,9 +727,9 @@ async def store_scale_of(
     if record is not None and record.state == DRAINED:
         selector = names.label_selector(plan.pool, names.STORE)
         for pod in await kube.list(PODS, plan.namespace, label_selector=selector):
-            meta = pod.get("metadata") or {}
-            if not meta.get("deletionTimestamp"):  # the controller no longer counts those
-                (ready if pod_ready(pod) else unready).append(str(meta.get("name")))
+            pod_meta = pod.get("metadata") or {}
+            if not pod_meta.get("deletionTimestamp"):  # the controller no longer counts those
+                (ready if pod_ready(pod) else unready).append(str(pod_meta.get("name")))
     return store_scale(plan, before, record, observation, ready, now, unready)
 
 

@@ -126,6 +126,6 @@ def test_only_the_leader_serves_and_no_leader_is_seen(etcd: str) -> None:
             assert [r["metric"]["instance"] for r in holders] == [f"{LOOPBACK}:{leader.metrics_port}"]
             _until(lambda: prom.query(no_leader) == [], "the no-leader condition clears")
     finally:
-        for part in (*([] if store is None else [store]), *masters):
+        for part in masters if store is None else [store, *masters]:
             part.stop()
             shutil.rmtree(part.log_dir, ignore_errors=True)
