@@ -1,8 +1,10 @@
 """One pod on the test node: its containers as local processes, supervised as the kubelet does.
 
 A pod waits for what its volumes and environment name (a ConfigMap not there yet keeps it
-Pending), then starts each container (``sandbox.pod_command``, logs in the pod's directory)
-and runs its probes: ``startupProbe`` first, then ``readinessProbe`` (the pod is ready
+Pending), runs its ``initContainers`` one at a time, each to a zero exit (one that fails runs
+again after the back-off below, and the pod stays Pending, ``Init:<done>/<all>``), then
+starts each container (``sandbox.pod_command``, logs in the pod's directory) and runs its
+probes: ``startupProbe`` first, then ``readinessProbe`` (the pod is ready
 while every container is) and ``livenessProbe`` (failing, the container is stopped and
 restarted). A container that exits is restarted (``restartPolicy: Always``) after the
 kubelet's back-off (none, then 10 s doubling up to 5 min). Termination sends SIGTERM,
@@ -127,6 +129,10 @@ class Pod:
         self.reason = "ContainerCreating"
         self.terminating = False
         self.stopped = False
+        self.init_containers = [
+            Container(dict(c), directory / f"{c.get('name', 'init')}.log")
+            for c in self.spec.get("initContainers") or []
+        ]
         self.containers = [
             Container(dict(c), directory / f"{c.get('name', 'container')}.log")
             for c in self.spec.get("containers") or []
@@ -192,6 +198,8 @@ class Pod:
                     await asyncio.wait_for(self._stop.wait(), 0.5)
                 if self._stop.is_set():
                     return
+            if not await self._initialize():
+                return
             self.reason = "Running"
             supervisors = [asyncio.create_task(self._supervise(c)) for c in self.containers]
             await self._stop.wait()
@@ -206,7 +214,7 @@ class Pod:
         try:
             self._volumes = podspec.volume_dirs(self.spec, self.directory)
             self.refresh_volumes(configmaps)
-            for container in self.containers:
+            for container in [*self.init_containers, *self.containers]:
                 mounts = podspec.container_mounts(container.spec, self._volumes)
                 declared = podspec.container_env(container.spec, self.identity, configmaps)
                 env = {**self._base_env, **{k: podspec.rewrite(v, mounts) for k, v in declared.items()}}
@@ -256,6 +264,31 @@ class Pod:
             )
         container.pids.append(process.pid)
         return process
+
+    async def _initialize(self) -> bool:
+        """Run each init container to a zero exit, in order; False if the pod stops first."""
+        for done, container in enumerate(self.init_containers):
+            while True:
+                self.reason = f"Init:{done}/{len(self.init_containers)}"
+                container.process = self._spawn(container)
+                while _exit_status(container.process) is None and not self._stop.is_set():
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._stop.wait(), 0.1)
+                code = await stop_process(container.process, self._grace() if self._stop.is_set() else 0.0)
+                if self._stop.is_set():
+                    return False
+                container.exit_codes.append(code)
+                if code == 0:
+                    break
+                container.restarts += 1
+                delay = 0.0 if container.restarts == 1 else BACKOFF_START_S * 2 ** (container.restarts - 2)
+                delay = min(delay, BACKOFF_MAX_S)
+                self.reason = f"Init:Error: {container.name} exited with {code}; restarting in {delay:g}s"
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stop.wait(), delay)
+                if self._stop.is_set():
+                    return False
+        return True
 
     async def _supervise(self, container: Container) -> None:
         """Run ``container`` until the pod stops, restarting it whenever it exits."""

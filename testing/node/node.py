@@ -105,6 +105,7 @@ class PodInfo:
     reason: str
     directory: Path
     containers: tuple[ContainerInfo, ...]
+    init_containers: tuple[ContainerInfo, ...] = ()
 
     def container(self, name: str | None = None) -> ContainerInfo:
         """The container ``name`` (default: the first)."""
@@ -177,7 +178,7 @@ class Node:
         left = [
             f"{pod.identity.namespace}/{pod.name}/{c.name} pid {c.process.pid}"
             for pod in [*self._gone, *self._pods.values()]
-            for c in pod.containers
+            for c in [*pod.init_containers, *pod.containers]
             if c.process is not None and c.process.returncode is None
         ]
         if left:
@@ -491,27 +492,26 @@ def _key(obj: Mapping[str, Any]) -> tuple[str, str]:
     return (meta.get("namespace", ""), meta.get("name", ""))
 
 
+def _container_info(pod: kubelet.Pod, c: kubelet.Container) -> ContainerInfo:
+    try:
+        mounts = tuple(container_mounts(c.spec, volume_dirs(pod.spec, pod.directory)))
+    except ValueError:
+        mounts = ()
+    return ContainerInfo(
+        name=c.name,
+        argv=tuple(c.argv),
+        env=dict(c.env),
+        mounts=mounts,
+        pids=tuple(c.pids),
+        restarts=c.restarts,
+        exit_codes=tuple(c.exit_codes),
+        running=c.running,
+        ready=c.ready,
+        log_path=c.log_path,
+    )
+
+
 def _info(pod: kubelet.Pod) -> PodInfo:
-    containers = []
-    for c in pod.containers:
-        try:
-            mounts = tuple(container_mounts(c.spec, volume_dirs(pod.spec, pod.directory)))
-        except ValueError:
-            mounts = ()
-        containers.append(
-            ContainerInfo(
-                name=c.name,
-                argv=tuple(c.argv),
-                env=dict(c.env),
-                mounts=mounts,
-                pids=tuple(c.pids),
-                restarts=c.restarts,
-                exit_codes=tuple(c.exit_codes),
-                running=c.running,
-                ready=c.ready,
-                log_path=c.log_path,
-            )
-        )
     return PodInfo(
         namespace=pod.identity.namespace,
         name=pod.name,
@@ -525,5 +525,6 @@ def _info(pod: kubelet.Pod) -> PodInfo:
         stopped=pod.stopped,
         reason=pod.reason,
         directory=pod.directory,
-        containers=tuple(containers),
+        containers=tuple(_container_info(pod, c) for c in pod.containers),
+        init_containers=tuple(_container_info(pod, c) for c in pod.init_containers),
     )

@@ -338,3 +338,45 @@ def test_a_restarted_container_runs_again_and_its_pod_says_so(e2e: E2E) -> None:
     finally:
         e2e.remove(path("apps/v1", "Deployment", "flaky"))
     wait_for(lambda: not e2e.pods("flaky"), 60, "the pod gone")
+
+
+@pytest.mark.e2e
+def test_init_containers_run_in_order_to_success_before_the_containers(e2e: E2E) -> None:
+    """Each init container runs to a zero exit, in order, before any container starts; one
+    that fails runs again (and the ones before it do not); a pod whose init container never
+    succeeds stays Pending in its init phase and never starts its containers."""
+    ordered = shell_deployment("ordered", "echo main >> order; exec sleep 600")
+    ordered["spec"]["template"]["spec"]["initContainers"] = [
+        {"name": "first", "image": "busybox", "command": ["sh", "-c", "echo first >> order"]},
+        {
+            "name": "second",
+            "image": "busybox",
+            "command": ["sh", "-c", "test -e tried || { touch tried; exit 4; }; echo second >> order"],
+        },
+    ]
+    stuck = shell_deployment("stuck", "echo main >> order; exec sleep 600")
+    stuck["spec"]["template"]["spec"]["initContainers"] = [
+        {"name": "never", "image": "busybox", "command": ["sh", "-c", "exit 5"]}
+    ]
+    e2e.kube.create(ordered)
+    e2e.kube.create(stuck)
+    try:
+        pod = wait_for(lambda: (p := e2e.pods("ordered")) and p[0].ready and p[0], 60, "the pod ready")
+        assert (pod.directory / "order").read_text().split() == ["first", "second", "main"]
+        first, second = pod.init_containers
+        assert (first.restarts, first.exit_codes, second.restarts, second.exit_codes) == (0, (0,), 1, (4, 0))
+        assert pod.reason == "Running"
+
+        blocked = wait_for(
+            lambda: (p := e2e.pods("stuck")) and p[0].init_containers[0].restarts >= 2 and p[0],
+            60,
+            "the init container failing twice",
+        )
+        assert blocked.reason.startswith("Init:Error: never exited with 5"), blocked.reason
+        assert not blocked.ready and blocked.container().pids == ()
+        assert not (blocked.directory / "order").exists()
+        api_pod = e2e.kube.get(path("v1", "Pod", blocked.name)) or {}
+        assert api_pod.get("status", {}).get("phase", "Pending") == "Pending", api_pod.get("status")
+    finally:
+        e2e.remove(path("apps/v1", "Deployment", "ordered"), path("apps/v1", "Deployment", "stuck"))
+    wait_for(lambda: not e2e.pods("ordered") and not e2e.pods("stuck"), 60, "the pods gone")
