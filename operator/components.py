@@ -16,6 +16,7 @@ from kvpool.operator import names
 from kvpool.operator.disk_tier import OFFLOAD_FLAG, master_tier_args, tier_env, tier_mount, tier_volume
 from kvpool.operator.spec import ComputeResources, PoolSpec, Toleration, format_bytes, parse_quantity
 from kvpool.operator.store_probe import probe_env, readiness_probe
+from kvpool.operator.store_wait import wait_container
 
 RUN_AS_USER = 1000
 POD_IP_ENV = "POD_IP"
@@ -119,13 +120,20 @@ def component_deployment(
     env: list[dict[str, Any]] | None = None,
     volumes: list[dict[str, Any]] | None = None,
     mounts: list[dict[str, Any]] | None = None,
+    init_containers: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """A Deployment of one hardened container named ``component``, running the pool's image.
 
     ``container`` holds what differs between components (command, args, ports, probes,
     resources); image, ``POD_IP``, security contexts and a writable ``/tmp`` are shared;
-    ``env``, ``volumes`` and ``mounts`` come after the shared ones.
+    ``env``, ``volumes`` and ``mounts`` come after the shared ones. ``init_containers`` run
+    the same image, hardened the same way (without capabilities).
     """
+    hardened = {"image": str(spec.image), "imagePullPolicy": spec.image_pull_policy}
+    inits = [
+        {**init, **hardened, "securityContext": container_security_context(None)}
+        for init in init_containers or []
+    ]
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -140,6 +148,7 @@ def component_deployment(
                     "automountServiceAccountToken": False,
                     "enableServiceLinks": False,
                     "securityContext": dict(POD_SECURITY_CONTEXT),
+                    **({"initContainers": inits} if inits else {}),
                     "containers": [
                         {
                             "name": component,
@@ -316,7 +325,8 @@ def drains_on_scale_down(spec: PoolSpec) -> bool:
 def store_deployment(
     pool: str, namespace: str, spec: PoolSpec, master_address: str, metadata_server: str
 ) -> dict[str, Any]:
-    """The store Deployment (standalone mode): ``mooncake_client`` pods that own the pool's memory.
+    """The store Deployment (standalone mode): ``mooncake_client`` pods that own the pool's memory,
+    started once their master serves (``store_wait``'s init container).
 
     When scale-downs drain (``drainTimeoutSeconds`` > 0), a store is ready
     while its port answers and the master does not say its segment is drained
@@ -357,6 +367,7 @@ def store_deployment(
         ],
         volumes=[tier_volume(tier)] if tier else None,
         mounts=[tier_mount()] if tier else None,
+        init_containers=[wait_container(pool, namespace, spec.master.metrics_port)],
     )
 
 

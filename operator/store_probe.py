@@ -33,9 +33,26 @@ MEMORY_ENV = "KVPOOL_PROBE_MEMORY"
 # The drained segment at the master's last word, if any; /tmp is the pod's own emptyDir.
 PROBE_MEMORY = "/tmp/kvpool-store-drained"
 
+# Python source both store scripts share (this probe and ``store_wait``'s init container):
+# ``leader_base(health, base)``, where to ask next given a master's ``/health`` answer at
+# ``base``: an HA standby's named leader (an IP literal only, at the same HTTP port), else
+# ``base`` itself. A leader that is not an IP literal raises ``ValueError``.
+LEADER_BASE = r"""
+import ipaddress
+def leader_base(health, base):
+    leader = health.get("leader_address")
+    if health.get("role") == "leader" or not isinstance(leader, str) or ":" not in leader:
+        return base
+    address = ipaddress.ip_address(leader.rsplit(":", 1)[0].strip("[]"))
+    host = "[%s]" % address if address.version == 6 else str(address)
+    return "http://%s:%s" % (host, base.rsplit(":", 1)[1])
+"""
+
 # Run as ``python3 -c SCRIPT`` in the store container (its env: POD_IP and the three above).
-SCRIPT = r"""
-import ipaddress, json, os, re, socket, sys, urllib.parse, urllib.request
+SCRIPT = (
+    LEADER_BASE
+    + r"""
+import json, os, re, socket, sys, urllib.parse, urllib.request
 ip = os.environ["POD_IP"]
 try:
     socket.create_connection((ip, int(os.environ["KVPOOL_STORE_PORT"])), 1).close()
@@ -47,13 +64,7 @@ opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 told, drained = False, None
 try:
     health = json.loads(opener.open(base + "/health", timeout=1).read(1 << 16))
-    leader = health.get("leader_address")
-    if health.get("role") != "leader" and isinstance(leader, str) and ":" in leader:
-        # An HA standby answered through the Service: ask the leader it names (an IP literal
-        # only), at the same HTTP port.
-        address = ipaddress.ip_address(leader.rsplit(":", 1)[0].strip("[]"))
-        host = "[%s]" % address if address.version == 6 else str(address)
-        base = "http://%s:%s" % (host, base.rsplit(":", 1)[1])
+    base = leader_base(health, base)  # an HA standby answered through the Service: its leader
     text = opener.open(base + "/metrics", timeout=1).read(4 << 20).decode("utf-8", "replace")
     found = re.findall(r'^segment_total_capacity_bytes\{segment="([^"]+)"\}', text, re.M)
     for segment in sorted(set(found)):
@@ -91,6 +102,7 @@ except (OSError, TypeError):
 if drained is not None:
     sys.exit("segment %s is drained: this pod leaves at the scale-down" % drained)
 """
+)
 
 
 def master_http(pool: str, namespace: str, metrics_port: int) -> str:

@@ -19,6 +19,15 @@ from kvpool.connector.contract.metric_names import VLLM_NAME_RELABEL
 from kvpool.connector.local.pool import LOOPBACK, free_port, start_logged, stop_process, wait_for_port
 
 
+def send_body(handler: BaseHTTPRequestHandler, body: bytes, content_type: str) -> None:
+    """Answer ``handler``'s request 200 with ``body``."""
+    handler.send_response(200)
+    handler.send_header("Content-Type", content_type)
+    handler.send_header("Content-Length", str(len(body)))
+    handler.end_headers()
+    handler.wfile.write(body)
+
+
 @dataclass
 class PrometheusServer:
     """Debian's ``prometheus`` scraping the given loopback targets every second."""
@@ -139,12 +148,7 @@ class OTLPReceiver:
                     for resource_spans in request.resource_spans:
                         for scope_spans in resource_spans.scope_spans:
                             receiver.spans.extend(scope_spans.spans)
-                payload = ExportTraceServiceResponse().SerializeToString()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/x-protobuf")
-                self.send_header("Content-Length", str(len(payload)))
-                self.end_headers()
-                self.wfile.write(payload)
+                send_body(self, ExportTraceServiceResponse().SerializeToString(), "application/x-protobuf")
 
             def log_message(self, *args: object) -> None:
                 return

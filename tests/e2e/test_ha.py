@@ -124,6 +124,14 @@ def ha_pool(e2e: E2E, model: Path, layout: dict, reference_server: None) -> Iter
         wait_for(
             lambda: e2e.kube.condition(POOL, "StoreReady").get("status") == "True", 120, "the store ready"
         )
+        # The store waited for a serving leader (``store_wait``, through the Service and the
+        # leader a standby names) and started once.
+        (store,) = [p for p in e2e.pods(names.store_name(POOL)) if p.ready]
+        (wait,) = store.init_containers
+        assert (wait.exit_codes, store.container().restarts) == ((0,), 0), (
+            wait.log(),
+            store.container().log(),
+        )
         wait_for(
             lambda: (
                 names.ANNOTATION_CONFIG_HASH

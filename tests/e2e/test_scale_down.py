@@ -64,6 +64,11 @@ def test_scaling_stores_down_drains_the_leaving_store_first(e2e: E2E) -> None:
             lambda: (found := segments(master.ip)) and len(found) == 2 and found, 60, "two segments"
         )
         staying, leaving = stores
+        # A new pool's stores wait for their master (``store_wait``) instead of exiting while
+        # it starts, as ``mooncake_client`` does after two seconds of reset calls.
+        for store in stores:
+            (wait,) = store.init_containers
+            assert (wait.exit_codes, store.container().restarts) == ((0,), 0), store.container().log()
         with bare_client(f"{master.ip}:50051") as client:
             put_keys(client, range(6), mounted[staying.ip])
             put_keys(client, range(6, 9), mounted[leaving.ip])  # the emptiest store: it leaves

@@ -14,15 +14,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import http.server
-import json
 import os
 import re
 import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -54,6 +51,7 @@ from kvpool.operator.store_drain import (
 )
 from kvpool.operator.store_probe import MASTER_HTTP_ENV, MEMORY_ENV, SCRIPT, STORE_PORT_ENV
 from testing.kube_api import NAMESPACE
+from testing.master_health import health_server
 from testing.operator_objects import pool_spec
 from testing.pool_store import bare_client, put_on, raw_store
 
@@ -308,31 +306,10 @@ STANDBY = "127.0.0.6"
 def standby_naming(leader: str, port: int) -> Iterator[None]:
     """A stand-in HA standby master at ``STANDBY``:``port``: its ``/health`` names ``leader``,
     everything else is 404 (as a standby knows no segment)."""
-
-    class Standby(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            if self.path != "/health":
-                self.send_error(404)
-                return
-            body = json.dumps({"role": "standby", "service_ready": False, "leader_address": leader}).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer((STANDBY, port), Standby)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
+    with health_server(
+        STANDBY, port, lambda: {"role": "standby", "service_ready": False, "leader_address": leader}
+    ):
         yield
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(5)
 
 
 def stop_unmounted(master: MooncakeMaster, store: MooncakeStore, timeout: float = 30) -> None:
