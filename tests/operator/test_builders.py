@@ -137,7 +137,7 @@ def test_every_pod_runs_as_non_root() -> None:
         pod = obj["spec"]["template"]["spec"]
         assert pod["securityContext"]["runAsNonRoot"] is True
         assert pod["securityContext"]["runAsUser"] != 0
-        for c in pod["containers"]:
+        for c in [*pod.get("initContainers", []), *pod["containers"]]:
             sc = c["securityContext"]
             assert sc["allowPrivilegeEscalation"] is False
             assert sc["readOnlyRootFilesystem"] is True
