@@ -1,15 +1,16 @@
 """The store pod's init container: wait, with a deadline, until the pool's master serves.
 
-``mooncake_client`` gives up about two seconds after its master's RPC port starts
-refusing or resetting its calls (20 quick retries, then SIGABRT), and a master resets
-calls while it starts. So on a new pool every store pod used to exit once or twice and come
-back after the kubelet's back-off. This container (``python3 -c SCRIPT``: the standard
-library only, in the pool's own image, which runs ``mooncake_client`` on ``python3``) asks
-the master Service's ``/health`` twice a second and exits 0 once a leader answers
-``service_ready`` (an HA standby's answer is followed to the leader it names,
-``store_probe.LEADER_BASE``). The wait has a deadline (``WAIT_SECONDS``): past it, the
-container exits 1 with what the master last said, and the kubelet runs it again after its
-back-off. It prints one line each time the master's answer changes: no keys, no prompts.
+``mooncake_client`` gives up after 20 tries to reach its master, then aborts (SIGABRT):
+about two seconds when the master's RPC port resets its calls, as a starting master's
+does (about 90 s when nothing listens there yet). So on a new pool every store pod used to
+exit once or twice and come back after the kubelet's back-off. This container
+(``python3 -c SCRIPT``: the standard library only, in the pool's own image, which runs
+``mooncake_client`` on ``python3``) asks the master Service's ``/health`` twice a second
+and exits 0 once a leader answers ``service_ready`` (an HA standby's answer is followed to
+the leader it names, ``store_probe.LEADER_BASE``). The wait has a deadline
+(``WAIT_SECONDS``): past it, the container exits 1 with what the master last said, and the
+kubelet runs it again after its back-off. It prints one line each time the master's answer
+changes: no keys, no prompts.
 """
 
 from __future__ import annotations
