@@ -128,7 +128,8 @@ def ha_pool(e2e: E2E, model: Path, layout: dict, reference_server: None) -> Iter
         # leader a standby names) and started once.
         (store,) = [p for p in e2e.pods(names.store_name(POOL)) if p.ready]
         (wait,) = store.init_containers
-        assert (wait.exit_codes, store.container().restarts) == ((0,), 0), (
+        # (A slow election may outlast the wait's deadline once: the kubelet runs it again.)
+        assert (wait.exit_codes[-1], store.container().restarts) == (0, 0), (
             wait.log(),
             store.container().log(),
         )
