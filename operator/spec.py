@@ -413,7 +413,8 @@ class PoolSpec(_Model):
     image: str | None = Field(
         default=None,
         min_length=1,
-        description="Image with mooncake_master and mooncake_client; required unless external.",
+        description="Image with mooncake_master, mooncake_client and python3 (the store pods run their "
+        "wait for the master and their drain probe on it); required unless external.",
     )
     external: ExternalSpec | None = Field(
         default=None,
