@@ -24,7 +24,10 @@ WAIT_SECONDS_ENV = "KVPOOL_MASTER_WAIT_SECONDS"
 # Past this, the container fails with the master's last answer and the kubelet retries it.
 WAIT_SECONDS = 120
 # Python and the standard library's HTTP client; a memory limit, since some quotas want one.
-RESOURCES = {"requests": {"cpu": "10m", "memory": "32Mi"}, "limits": {"memory": "64Mi"}}
+RESOURCES: dict[str, dict[str, str]] = {
+    "requests": {"cpu": "10m", "memory": "32Mi"},
+    "limits": {"memory": "64Mi"},
+}
 
 SCRIPT = (
     LEADER_BASE
@@ -68,5 +71,5 @@ def wait_container(pool: str, namespace: str, metrics_port: int) -> dict[str, An
             {"name": MASTER_HTTP_ENV, "value": master_http(pool, namespace, metrics_port)},
             {"name": WAIT_SECONDS_ENV, "value": str(WAIT_SECONDS)},
         ],
-        "resources": RESOURCES,
+        "resources": {key: dict(values) for key, values in RESOURCES.items()},  # a copy per pod
     }

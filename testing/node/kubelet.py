@@ -67,6 +67,13 @@ class Container:
         raise podspec.PodSpecError(f"containers[{self.name}]: no port named {value!r}")
 
 
+def backoff_s(restarts: int) -> float:
+    """The kubelet's wait before a container's ``restarts``-th restart (none for the first)."""
+    if restarts <= 1:
+        return 0.0
+    return min(BACKOFF_START_S * 2 ** (restarts - 2), BACKOFF_MAX_S)
+
+
 def _exit_status(process: subprocess.Popen[bytes]) -> int | None:
     """The process's exit status, without reaping it (its PID stays reserved until reaped)."""
     if process.returncode is not None:
@@ -281,8 +288,7 @@ class Pod:
                 if code == 0:
                     break
                 container.restarts += 1
-                delay = 0.0 if container.restarts == 1 else BACKOFF_START_S * 2 ** (container.restarts - 2)
-                delay = min(delay, BACKOFF_MAX_S)
+                delay = backoff_s(container.restarts)
                 self.reason = f"Init:Error: {container.name} exited with {code}; restarting in {delay:g}s"
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._stop.wait(), delay)
@@ -313,10 +319,10 @@ class Pod:
                 return
             container.exit_codes.append(code)
             container.restarts += 1
-            delay = 0.0 if container.restarts == 1 else BACKOFF_START_S * 2 ** (container.restarts - 2)
+            delay = backoff_s(container.restarts)
             self.reason = f"container {container.name} exited with {code}; restarting in {delay:g}s"
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stop.wait(), min(delay, BACKOFF_MAX_S))
+                await asyncio.wait_for(self._stop.wait(), delay)
 
     def _note_ready(self) -> None:
         if self.ready:
