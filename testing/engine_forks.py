@@ -6,7 +6,9 @@ starts one parent (``python -m testing.engine_forks``), which imports vLLM and
 torch, runs nothing, and forks a child per engine run: the child sets the run's
 environment, sends its output to the run's log, runs ``MODULE.main([SPEC,
 RESULT])`` and exits as a fresh process would (its exit handlers run). The parent
-stays as it was after the imports, so every child starts from the same state.
+stays as it was after the imports, so every child starts from the same state. A run
+ends with its process group: the parent is its descendants' subreaper, and it kills
+and reaps whatever the run left behind before it sends the run's exit code.
 
 A run goes to a fresh process instead (:func:`run_module` as before) when its
 environment differs from the parent's in anything vLLM or torch may read at
@@ -19,6 +21,7 @@ fresh processes.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import select
@@ -81,6 +84,9 @@ WARM_IMPORTS = (
 )
 #: The longest the parent may take to import them.
 START_TIMEOUT_S = 300.0
+#: The longest the parent waits for what a run left in its process group to end.
+GROUP_END_TIMEOUT_S = 30.0
+PR_SET_CHILD_SUBREAPER = 36
 
 
 def import_time_differences(parent_env: dict[str, str], run_env: dict[str, str]) -> set[str]:
@@ -98,8 +104,9 @@ def import_time_differences(parent_env: dict[str, str], run_env: dict[str, str])
 class EngineForks:
     """One warmed parent process, and the runs forked from it (one at a time)."""
 
-    def __init__(self, env: dict[str, str]) -> None:
+    def __init__(self, env: dict[str, str], warm_imports: tuple[str, ...] = WARM_IMPORTS) -> None:
         self._env = dict(env)
+        self._warm_imports = warm_imports
         self._proc: subprocess.Popen[bytes] | None = None
         self._replies: Replies | None = None
         self._lock = threading.Lock()
@@ -112,7 +119,7 @@ class EngineForks:
             self.stop()
             with tempfile.TemporaryFile() as errors:
                 proc = subprocess.Popen(
-                    [sys.executable, "-m", __name__],
+                    [sys.executable, "-m", __name__, *self._warm_imports],
                     env=self._env,
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
@@ -326,12 +333,43 @@ def _child(request: dict[str, Any]) -> int:
     return int(module.main(request["argv"]))
 
 
-def main() -> int:
-    """The parent: import, say ready, then fork a child per request line until stdin ends."""
+def _become_subreaper() -> None:
+    """Make the orphans of this process's descendants its own children (Linux), so that
+    :func:`_end_group` can reap them."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
+
+
+def _end_group(pgid: int, timeout: float = GROUP_END_TIMEOUT_S) -> None:
+    """Kill what a run left in its process group and reap it (its orphans are this
+    subreaper's children), until the group is gone or ``timeout`` passes; then reap any
+    other child that has exited."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            break
+        with contextlib.suppress(ChildProcessError):
+            while os.waitpid(-pgid, os.WNOHANG)[0] > 0:
+                pass
+        time.sleep(0.01)
+    else:
+        print(f"process group {pgid} outlived its run by {timeout} s", file=sys.stderr)
+    with contextlib.suppress(ChildProcessError):
+        while os.waitpid(-1, os.WNOHANG)[0] > 0:
+            pass
+
+
+def main(imports: list[str]) -> int:
+    """The parent: import ``imports`` (:class:`EngineForks` names :data:`WARM_IMPORTS`), say
+    ready, then fork a child per request line until stdin ends."""
     import importlib
 
-    for name in WARM_IMPORTS:
+    for name in imports:
         importlib.import_module(name)
+    _become_subreaper()
     requests, replies = sys.stdin, sys.stdout
     _reply(replies, {"ready": True})
     for line in requests:
@@ -344,9 +382,10 @@ def main() -> int:
             os.setpgid(pid, pid)
         _reply(replies, {"pid": pid})
         _, status = os.waitpid(pid, 0)
+        _end_group(pid)
         _reply(replies, {"rc": os.waitstatus_to_exitcode(status)})
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

@@ -1,11 +1,13 @@
 """Forked engine runs (testing.engine_forks): the same outputs as fresh processes, a deadline
-that kills the run's whole process group, and fresh processes where the environment differs
-in what vLLM reads at import."""
+that kills the run's whole process group, a run that ends with everything it started, and
+fresh processes where the environment differs in what vLLM reads at import."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -24,7 +26,39 @@ from testing.engine_forks import (
 )
 from testing.models import build_gemma3
 
+ROOT = Path(__file__).resolve().parents[2]
 PROMPT = [[7 + (i * 13) % 500 for i in range(300)]]
+
+
+LEAVER = "tests.testing.leaves_processes"
+
+
+@pytest.mark.parametrize("hang", [False, True], ids=["returns", "outlives_its_deadline"])
+def test_a_run_ends_with_every_process_it_started(tmp_path: Path, hang: bool) -> None:
+    """What a run leaves behind (an orphan, a child it never waited for) is killed and
+    reaped before its exit code comes back: nothing of its process group is left, not
+    even a zombie for init to collect later."""
+    env = child_environment({"PYTHONPATH": str(ROOT)})
+    forks = EngineForks(env, warm_imports=())
+    spec_path, result, log = tmp_path / "spec.json", tmp_path / "result.json", tmp_path / "run.log"
+    spec_path.write_text(json.dumps({"hang": hang}))
+    pids: list[int] = []
+    try:
+        if hang:
+            with pytest.raises(subprocess.TimeoutExpired):
+                forks.run(LEAVER, spec_path, result, log, env, timeout=10)
+        else:
+            assert forks.run(LEAVER, spec_path, result, log, env, timeout=60) == 0
+        pids = json.loads(result.read_text())["pids"]
+        assert forks.last_pid is not None
+        with pytest.raises(ProcessLookupError):
+            os.killpg(forks.last_pid, 0)
+        assert [pid for pid in pids if Path(f"/proc/{pid}").exists()] == []
+    finally:
+        forks.stop()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_only_run_time_variables_may_differ() -> None:
@@ -61,9 +95,6 @@ def test_replies_that_arrive_together_are_each_read_at_once() -> None:
         proc.wait(timeout=30)
     with pytest.raises(RuntimeError, match="exited"):
         replies.next(5.0)
-
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
