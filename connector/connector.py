@@ -199,7 +199,10 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         self._reset: LayoutReset | None = None
         if role == KVConnectorRole.SCHEDULER:
             # The scheduler only looks keys up: it contributes no memory.
-            self._client = acquire_client(self.settings, global_segment_size=0) if in_pool else OutOfPool()
+            if in_pool:
+                self._client = acquire_client(self.settings, global_segment_size=0, attach_later=True)
+            else:
+                self._client = OutOfPool()
             self._scheduler = SchedulerSide(
                 client=self._client,
                 keyspace=self.keyspace,
@@ -222,7 +225,7 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
             self._events = PoolEvents.for_scheduler(vllm_config, kv_cache_config, keys_per_block)
             self._reset = LayoutReset(self._client, self.keyspace) if in_pool else None
         else:
-            self._client = acquire_client(self.settings) if in_pool else OutOfPool()
+            self._client = acquire_client(self.settings, attach_later=True) if in_pool else OutOfPool()
             if in_pool and not payload_crc_in_hardware():
                 logger.warning(
                     "KVPoolConnector: google-crc32c runs in pure Python here; every transfer checks "

@@ -26,6 +26,7 @@ from kvpool.connector.contract.mooncake_env import configure_client_process
 from kvpool.connector.contract.settings import ConnectorSettings
 from kvpool.connector.cpu_affinity import unpinned
 from kvpool.connector.observability.logs import get_logger
+from kvpool.connector.pool_attach import Attacher, accepts_connections
 
 logger = get_logger(__name__)
 
@@ -151,6 +152,16 @@ def _note_unclassified(code: int) -> None:
 
 class StoreUnavailable(RuntimeError):
     """The Mooncake client could not be set up or has been closed."""
+
+
+class _NotAttached:
+    """The Mooncake client of a :class:`PoolClient` out of the pool: every call fails."""
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        def fail(*args: Any, **kwargs: Any) -> Any:
+            raise StoreUnavailable(f"not in the pool yet: no {name}")
+
+        return fail
 
 
 def _listening_ports() -> set[int]:
@@ -284,52 +295,31 @@ class PoolClient:
     """
 
     def __init__(
-        self, settings: ConnectorSettings, *, global_segment_size: int | None = None, spare: bool = False
+        self,
+        settings: ConnectorSettings,
+        *,
+        global_segment_size: int | None = None,
+        spare: bool = False,
+        attach_later: bool = False,
     ):
+        """Set up now; or, with ``attach_later``, when that fails, start out of the pool (every
+        call a fast ``rpc_failed``, regions to register remembered) and join it in the
+        background once the master serves (:mod:`kvpool.connector.pool_attach`)."""
         self.settings = settings
         self.batch_size = settings.batch_size
         self.tenant = settings.tenant
         self._key_prefix = tenant_key_prefix(settings.tenant)
-        segment = settings.global_segment_size if global_segment_size is None else global_segment_size
-        listening = _listening_ports() if segment > 0 else set()
-        # The client's threads start here: off the cores vLLM pins its compute to.
-        # (Loading Mooncake starts threads too.)
-        with unpinned():
-            from mooncake.store import MooncakeDistributedStore
-
-            self._store = MooncakeDistributedStore()
-            tenant = {"tenant_id": settings.tenant} if settings.tenant else {}
-            code = self._store.setup(
-                settings.local_hostname,
-                settings.metadata_server,
-                segment,
-                settings.local_buffer_size,
-                settings.protocol,
-                settings.device_name,
-                settings.master_server_address,
-                **tenant,
-            )
-        if code != 0:
-            raise StoreUnavailable(
-                f"Mooncake setup failed with code {code} "
-                f"(master_server_address={settings.master_server_address})"
-            )
+        self._segment = settings.global_segment_size if global_segment_size is None else global_segment_size
         self._open = True
-        # A client that contributes memory keeps what it saves there when it can (Mooncake
-        # falls back to other segments when it is full): its own hits then move by memcpy,
-        # not over the network. Others read those objects as they read any store's.
+        self._store: Any = _NotAttached()
         self._put_config: Any = None
-        if segment > 0:
-            from mooncake.store import ReplicateConfig
-
-            self._put_config = ReplicateConfig()
-            self._put_config.preferred_segment = self._store.get_hostname()
+        self._own_endpoints: frozenset[str] = frozenset()
+        self.holds_segment = False
+        self.attached = False
         self._registered: set[tuple[int, int]] = set()
-        # The transfer endpoint ("host:port") of this client's own segment is one of the ports
-        # its setup started listening on, at its local_hostname: no other process can serve it.
-        ports = _listening_ports() - listening if segment > 0 else set()
-        self._own_endpoints = frozenset(f"{settings.local_hostname}:{port}" for port in ports)
-        self.holds_segment = bool(self._own_endpoints)
+        self._pending_regions: set[tuple[int, int]] = set()  # registered while out of the pool
+        self._attach_lock = threading.Lock()
+        self._attacher: Attacher | None = None
         self._unreachable_until = 0.0
         self._failed_batches = 0
         self._refusal_logged = -REFUSAL_LOG_S
@@ -356,6 +346,83 @@ class PoolClient:
         self._spare: PoolClient | None = None
         self._spare_state = threading.Lock()
         self._spare_retry_at = 0.0  # after a failed setup, none before this (monotonic)
+        if not attach_later:
+            self._attach()
+        elif not accepts_connections(settings.master_server_address) or not self.attach():
+            logger.warning(
+                "KVPoolConnector: the Mooncake master %s does not serve; serving without the pool "
+                "and joining it once it serves",
+                settings.master_server_address,
+            )
+            self._attacher = Attacher(settings, self.attach)
+
+    # --- joining the pool -----------------------------------------------------
+    def _attach(self) -> None:
+        """Set up this client's Mooncake client and register the regions remembered so far;
+        ``StoreUnavailable`` when either fails (nothing of it is kept then)."""
+        settings, segment = self.settings, self._segment
+        listening = _listening_ports() if segment > 0 else set()
+        # The client's threads start here: off the cores vLLM pins its compute to.
+        # (Loading Mooncake starts threads too.)
+        with unpinned():
+            from mooncake.store import MooncakeDistributedStore
+
+            store = MooncakeDistributedStore()
+            tenant = {"tenant_id": settings.tenant} if settings.tenant else {}
+            code = store.setup(
+                settings.local_hostname,
+                settings.metadata_server,
+                segment,
+                settings.local_buffer_size,
+                settings.protocol,
+                settings.device_name,
+                settings.master_server_address,
+                **tenant,
+            )
+        if code != 0:
+            raise StoreUnavailable(
+                f"Mooncake setup failed with code {code} "
+                f"(master_server_address={settings.master_server_address})"
+            )
+        for ptr, size in sorted(self._pending_regions):
+            code = store.register_buffer(ptr, size)
+            if code != 0:
+                for done_ptr, _ in self._registered:
+                    store.unregister_buffer(done_ptr)
+                self._registered.clear()
+                store.close()
+                raise StoreUnavailable(f"register_buffer failed with code {code}")
+            self._registered.add((ptr, size))
+        self._pending_regions.clear()
+        # A client that contributes memory keeps what it saves there when it can (Mooncake
+        # falls back to other segments when it is full): its own hits then move by memcpy,
+        # not over the network. Others read those objects as they read any store's.
+        if segment > 0:
+            from mooncake.store import ReplicateConfig
+
+            self._put_config = ReplicateConfig()
+            self._put_config.preferred_segment = store.get_hostname()
+        # The transfer endpoint ("host:port") of this client's own segment is one of the ports
+        # its setup started listening on, at its local_hostname: no other process can serve it.
+        ports = _listening_ports() - listening if segment > 0 else set()
+        self._own_endpoints = frozenset(f"{settings.local_hostname}:{port}" for port in ports)
+        self.holds_segment = bool(self._own_endpoints)
+        self._store = store
+        self.attached = True  # last: a call that sees it sees all of the above
+
+    def attach(self) -> bool:
+        """Join the pool now if not yet (set up in-process: only once the master serves, as
+        this holds the GIL); whether this client is in the pool."""
+        with self._attach_lock:
+            if self.attached or not self._open:
+                return self.attached
+            try:
+                self._attach()
+            except StoreUnavailable:
+                logger.warning("KVPoolConnector: joining the pool failed", exc_info=True)
+                return False
+        logger.info("KVPoolConnector: joined the pool at %s", self.settings.master_server_address)
+        return True
 
     # --- guards -----------------------------------------------------------
     def _scoped(self, keys: Sequence[str]) -> list[str]:
@@ -374,8 +441,9 @@ class PoolClient:
 
     @property
     def unreachable(self) -> bool:
-        """Whether a recent transfer found the master unreachable (then calls fail fast)."""
-        return time.monotonic() < self._unreachable_until
+        """Whether this client is out of the pool, or a recent transfer found the master
+        unreachable (then calls fail fast)."""
+        return not self.attached or time.monotonic() < self._unreachable_until
 
     def _note_codes(self, codes: Sequence[int]) -> None:
         # Batches in a row whose every key failed its RPC mean the master is gone:
@@ -484,7 +552,12 @@ class PoolClient:
             spare.close()
 
     def register(self, ptr: int, size: int) -> None:
-        """Register a memory region once for zero-copy transfers."""
+        """Register a memory region once for zero-copy transfers (out of the pool: when the
+        client joins it)."""
+        with self._attach_lock:
+            if not self.attached:
+                self._pending_regions.add((ptr, size))
+                return
         if (ptr, size) in self._registered:
             return
         code = self._call(lambda p, n: [self._store.register_buffer(p, n)], ptr, size)[0]
@@ -494,6 +567,10 @@ class PoolClient:
 
     def unregister(self, ptr: int, size: int) -> None:
         """Forget a region registered with :meth:`register` (its memory is about to be freed)."""
+        with self._attach_lock:
+            if not self.attached:
+                self._pending_regions.discard((ptr, size))
+                return
         if (ptr, size) not in self._registered or not self._open:
             return
         self._registered.discard((ptr, size))
@@ -747,7 +824,10 @@ class PoolClient:
         A call the connector gave up on (a frozen store) may still be in flight at
         shutdown: closing under it would free what it uses.
         """
-        with self._state:
+        if self._attacher is not None:
+            self._attacher.stop()
+        # After a setup in progress: it joins, then closes here.
+        with self._attach_lock, self._state:
             if not self._open:
                 return
             self._open = False
@@ -762,6 +842,8 @@ class PoolClient:
         self._close_now()
 
     def _close_now(self) -> None:
+        if not self.attached:
+            return
         for ptr, _size in self._registered:
             try:
                 self._store.unregister_buffer(ptr)
@@ -771,13 +853,16 @@ class PoolClient:
         self._store.close()
 
 
-def open_client(settings: ConnectorSettings, *, global_segment_size: int | None = None) -> PoolClient:
+def open_client(
+    settings: ConnectorSettings, *, global_segment_size: int | None = None, attach_later: bool = False
+) -> PoolClient:
     """A new client of ``settings``' pool, set up after this process's Mooncake environment.
 
-    ``global_segment_size`` overrides the memory the client contributes (0: none).
+    ``global_segment_size`` overrides the memory the client contributes (0: none);
+    ``attach_later``: see :class:`PoolClient`.
     """
     configure_client_process(settings.tcp_bind_address, store_timeout_s=settings.store_timeout_s)
-    return PoolClient(settings, global_segment_size=global_segment_size)
+    return PoolClient(settings, global_segment_size=global_segment_size, attach_later=attach_later)
 
 
 _shared_lock = threading.Lock()
@@ -795,17 +880,21 @@ def _identity(settings: ConnectorSettings) -> tuple[str, ...]:
     )
 
 
-def acquire_client(settings: ConnectorSettings, *, global_segment_size: int | None = None) -> PoolClient:
+def acquire_client(
+    settings: ConnectorSettings, *, global_segment_size: int | None = None, attach_later: bool = False
+) -> PoolClient:
     """The process's client for ``settings``' pool, created on first use.
 
     The scheduler and worker roles of one process share it; the first role to
-    ask decides the segment it contributes (vLLM creates the worker first).
+    ask decides the segment it contributes (vLLM creates the worker first) and
+    whether it may join the pool later (``attach_later``).
     """
     identity = _identity(settings)
     with _shared_lock:
         entry = _shared.get(identity)
         if entry is None:
-            entry = _Shared(open_client(settings, global_segment_size=global_segment_size), 0)
+            client = open_client(settings, global_segment_size=global_segment_size, attach_later=attach_later)
+            entry = _Shared(client, 0)
             _shared[identity] = entry
         entry.users += 1
         return entry.client
