@@ -41,6 +41,7 @@ from kvpool.connector.observability.vllm_metrics import (
     PoolConnectorStats,
     PoolPromMetrics,
     fingerprint_info_key,
+    in_pool_gauge,
     merge_data,
     records_to_data,
 )
@@ -188,6 +189,7 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         self._fingerprint_inputs = key_fingerprint_inputs_from_vllm(vllm_config, kv_cache_config, self.layout)
         # The scheduler side exports them once, as vllm:kvpool_key_fingerprint_info.
         self._fingerprint_exported = role != KVConnectorRole.SCHEDULER
+        self._in_pool_exported: bool | None = None  # the scheduler's vllm:kvpool_in_pool, last sent
         self.keyspace = KeySpace(self.settings.cache_prefix, self._fingerprint_inputs["fingerprint"])
         self.stats = StatsCollector(group_kinds=tuple(g.kind.value for g in self.layout.groups))
         # Per group: the objects of one block per pipeline stage (fewer than the ranks when
@@ -350,6 +352,10 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
             gauges = {fingerprint_info_key(self._fingerprint_inputs): 1.0}
         decisions = None
         if self._scheduler is not None:
+            in_pool = self.layout_verdict.in_pool and bool(self._client.attached)
+            if in_pool != self._in_pool_exported:
+                self._in_pool_exported = in_pool
+                gauges.update(in_pool_gauge(in_pool))
             # vLLM asks once per step output (scheduler side): the step is done.
             self._scheduler.on_step_done()
             decisions = self._scheduler.take_decision_data()

@@ -99,6 +99,20 @@ def connector_alerts() -> list[Alert]:
             "in {{ $value }} field(s), so it serves without the pool. Its log names each field; "
             "kvpool-layout prints the right layout block for the consumer.",
         ),
+        Alert(
+            "KVPoolEngineOutOfPool",
+            f"min{by([*PER_MODEL, 'engine'])} ({m.IN_POOL.exported}) == 0\n"
+            f"unless on ({', '.join([*PER_MODEL, 'engine'])})\n"
+            f"sum{by([*PER_MODEL, 'engine'])} ({m.LAYOUT_MISMATCHES.exported}) > 0",
+            "10m",
+            "warning",
+            "An engine of {{ $labels.model_name }} serves without the KV pool",
+            "Engine {{ $labels.engine }} of {{ $labels.model_name }} in {{ $labels.namespace }}/"
+            "{{ $labels.pool }} has served without the pool for 10 minutes: its Mooncake master did "
+            "not serve when the engine started, and the engine has not joined it since (it tries "
+            "every 5 s; its log says why). Output stays correct; the engine computes every prefix "
+            "itself. Check that the master serves and that the engine reaches it.",
+        ),
     ]
 
 

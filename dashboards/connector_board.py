@@ -312,6 +312,14 @@ def build() -> Board:
             )
         ],
     )
+    board.timeseries(
+        "Engines out of the pool",
+        "Engines serving without the pool (one series per model): their Mooncake master did not "
+        "serve when they started and they have not joined it yet (each tries every 5 s), or their "
+        "declared layout differs (the panel beside). Their output is right; they only compute "
+        "every prefix themselves.",
+        [Target(f"sum{by([MODEL])} (1 - {m.IN_POOL.exported}{SEL})", "{{model_name}}")],
+    )
     board.stat(
         "Engines per key fingerprint",
         "Engines share pool entries only when the fingerprint in their keys is equal. One value per "

@@ -105,6 +105,13 @@ LAYOUT_MISMATCHES = _counter(
     "counted once at start-up; an engine with any stays out of the pool.",
     ("field",),
 )
+IN_POOL = MetricSpec(
+    f"{PREFIX}in_pool",
+    Kind.GAUGE,
+    "1 while this engine's scheduler uses the pool; 0 while the engine serves without it: its "
+    "Mooncake master did not serve when it started (it joins once the master does) or its "
+    "declared KV layout differs from the one vLLM built.",
+)
 LOAD_DECISIONS = _counter(
     "load_decisions",
     "Requests with a pool hit, by what the connector did (decision: load, recompute) and why "
@@ -188,6 +195,7 @@ ALL: tuple[MetricSpec, ...] = (
     LOAD_ERROR_BLOCKS,
     RECOMPUTED_REQUESTS,
     LAYOUT_MISMATCHES,
+    IN_POOL,
     LOAD_DECISIONS,
     LOAD_SKIPPED_TOKENS,
     KEY_FINGERPRINT_INFO,

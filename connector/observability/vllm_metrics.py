@@ -41,6 +41,11 @@ def fingerprint_info_key(inputs: Mapping[str, str]) -> str:
     return series_key(m.KEY_FINGERPRINT_INFO, **values)
 
 
+def in_pool_gauge(in_pool: bool) -> dict[str, float]:
+    """The ``gauges`` entry of ``vllm:kvpool_in_pool``."""
+    return {series_key(m.IN_POOL): 1.0 if in_pool else 0.0}
+
+
 def parse_key(key: str) -> tuple[str, tuple[str, ...]]:
     """(metric name, label values) of a series key."""
     name, *pairs = key.split(SEP)

@@ -106,6 +106,17 @@ def cases() -> list[Case]:
             {"0m": [], "5m": [Firing({**MODEL, "model_name": "m"}, "2")]},
         ),
         Case(
+            "KVPoolEngineOutOfPool",
+            {
+                series(cm.IN_POOL.exported, **hybrid): "0x30",  # never joined: fires
+                series(cm.IN_POOL.exported, **{**hybrid, "engine": "1"}): "0x5 1x25",  # joined
+                # out of the pool by its layout: KVPoolLayoutMismatch says so, not this alert
+                series(cm.IN_POOL.exported, **{**hybrid, "engine": "2"}): "0x30",
+                series(cm.LAYOUT_MISMATCHES.exported, **{**hybrid, "engine": "2"}, field="dtype"): "1x30",
+            },
+            {"5m": [], "20m": [Firing({**MODEL, "model_name": "m"}, "0")]},
+        ),
+        Case(
             "KVPoolMasterDown",
             {
                 series(external.UP, **master, pool="a", instance="a-master"): "1x4 0x10",

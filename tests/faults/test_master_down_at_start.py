@@ -1,6 +1,7 @@
 """A real engine started while its master is down: it starts at once and serves without the
-pool (each lookup a counted ``rpc_failed``), then joins the pool once the master serves, with
-the KV memory it registered before, and its hits load KV equal to a run without the pool.
+pool (each lookup a counted ``rpc_failed``, ``vllm:kvpool_in_pool`` 0), then joins the pool
+once the master serves, with the KV memory it registered before, and its hits load KV equal to
+a run without the pool.
 
 Before, the connector's setup failed after its RPC retries and the engine did not start:
 every replica created during an outage of the pool crash-looped instead of serving.
@@ -34,6 +35,7 @@ def test_an_engine_started_without_its_master_serves_then_joins_the_pool(
         alone = [engine.serve(key) for key in [(0, 0), (0, 1)]]
         assert [s.cached for s in alone] == [0, 0], "no pool: every request computes"
         assert engine.failure_series()["rpc_failed"] >= 2, "each lookup out of the pool is counted"
+        assert _in_pool(engine) == 0.0
 
         pool.start()
         served_at = time.monotonic()
@@ -46,8 +48,15 @@ def test_an_engine_started_without_its_master_serves_then_joins_the_pool(
         check_outputs([*alone, *joined], references)
         assert joined[0].cached == 0 and joined[-1].cached >= PREFIX_TOKENS, "hits from the pool"
         assert engine.stored_prefix_keys((0, 0)) > 0
+        assert _in_pool(engine) == 1.0
         print(f"joined {joined_at - served_at:.1f} s after the pool served; alone: {len(alone)} requests")
     finally:
         if engine is not None:
             engine.close()
         pool.stop()
+
+
+def _in_pool(engine: Engine) -> float | None:
+    """``vllm:kvpool_in_pool`` as vLLM's metrics registry holds it."""
+    values = [metric.value for metric in engine.llm.get_metrics() if metric.name == "vllm:kvpool_in_pool"]
+    return float(values[-1]) if values else None

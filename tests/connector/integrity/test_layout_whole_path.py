@@ -8,8 +8,8 @@ settings (the declared layout and its fingerprint); engines started with them:
   prefix of P2 from the pool;
 * declared ≠ built (the window and the dtype wrong): engine C logs one error naming
   both fields, counts them in ``vllm:kvpool_layout_mismatches``, and stays out of the
-  pool: no lookup, no transfer, nothing cached. Its output is therefore P2 computed
-  without the pool, and B's output, computed with it, equals it.
+  pool (``vllm:kvpool_in_pool`` 0): no lookup, no transfer, nothing cached. Its output
+  is therefore P2 computed without the pool, and B's output, computed with it, equals it.
 """
 
 from __future__ import annotations
@@ -110,6 +110,7 @@ def test_declared_layout_is_used_or_refused(model_dir, printed_layout, pool_sett
         "vllm:kvpool_layout_mismatches{field=dtype}": 1.0,
         "vllm:kvpool_layout_mismatches{field=groups[0].sliding_window}": 1.0,
     }, c.metrics
+    assert c.metrics["vllm:kvpool_in_pool"] == 0.0
 
     # C computed P2 without the pool; B, with it, gave the same tokens.
     assert b.token_ids == c.token_ids
