@@ -362,7 +362,10 @@ def test_init_containers_run_in_order_to_success_before_the_containers(e2e: E2E)
     e2e.kube.create(stuck)
     try:
         pod = wait_for(lambda: (p := e2e.pods("ordered")) and p[0].ready and p[0], 60, "the pod ready")
-        assert (pod.directory / "order").read_text().split() == ["first", "second", "main"]
+        order = pod.directory / "order"
+        # Ready once its container started (no probe): its shell may not have written yet.
+        wait_for(lambda: len(order.read_text().split()) >= 3, 30, "the container's line")
+        assert order.read_text().split() == ["first", "second", "main"]
         first, second = pod.init_containers
         assert (first.restarts, first.exit_codes, second.restarts, second.exit_codes) == (0, (0,), 1, (4, 0))
         assert pod.reason == "Running"
