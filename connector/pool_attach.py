@@ -14,7 +14,7 @@ and only then sets up in-process, which takes milliseconds with a master that se
 
 from __future__ import annotations
 
-import json
+import os
 import socket
 import subprocess
 import sys
@@ -69,20 +69,29 @@ def trial_setup_deadline_s(settings: ConnectorSettings) -> float:
     return 3.0 * settings.store_timeout_s + 10.0
 
 
+def set_up(store: Any, settings: ConnectorSettings, segment: int, local_buffer_size: int) -> int:
+    """``store.setup`` (a ``MooncakeDistributedStore``) for ``settings``' pool; Mooncake's code."""
+    tenant = {"tenant_id": settings.tenant} if settings.tenant else {}
+    return int(
+        store.setup(
+            settings.local_hostname,
+            settings.metadata_server,
+            segment,
+            local_buffer_size,
+            settings.protocol,
+            settings.device_name,
+            settings.master_server_address,
+            **tenant,
+        )
+    )
+
+
 def sets_up_in_a_child(settings: ConnectorSettings, deadline_s: float) -> bool:
     """Whether a client of ``settings`` (contributing nothing) sets up in a child process
     within ``deadline_s``; the child is killed past it. This process's Mooncake variables
     (its bind address, its timeouts) are the child's."""
-    trial = {
-        "local_hostname": settings.local_hostname,
-        "metadata_server": settings.metadata_server,
-        "protocol": settings.protocol,
-        "device_name": settings.device_name,
-        "master_server_address": settings.master_server_address,
-        "tenant": settings.tenant,
-    }
     child = subprocess.Popen(
-        [sys.executable, "-m", __name__, json.dumps(trial)],
+        [sys.executable, "-m", __name__, settings.model_dump_json()],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -152,27 +161,13 @@ class Attacher:
         return self.SETUP_FAILED
 
 
-def _trial(arguments: dict[str, Any]) -> int:
+def _trial(settings: ConnectorSettings) -> int:
     """In the child: one setup of a client that contributes nothing; 0 if it succeeded."""
     from mooncake.store import MooncakeDistributedStore
 
-    tenant = {"tenant_id": arguments["tenant"]} if arguments["tenant"] else {}
-    code = MooncakeDistributedStore().setup(
-        arguments["local_hostname"],
-        arguments["metadata_server"],
-        0,
-        TRIAL_LOCAL_BUFFER,
-        arguments["protocol"],
-        arguments["device_name"],
-        arguments["master_server_address"],
-        **tenant,
-    )
-    return 0 if code == 0 else 1
+    return 0 if set_up(MooncakeDistributedStore(), settings, 0, TRIAL_LOCAL_BUFFER) == 0 else 1
 
 
 if __name__ == "__main__":
-    import os
-
-    sys.stdout.flush()
     # Exit at once: a trial client's close may wait on the master (up to 30 s under HA).
-    os._exit(_trial(json.loads(sys.argv[1])))
+    os._exit(_trial(ConnectorSettings.model_validate_json(sys.argv[1])))

@@ -26,7 +26,7 @@ from kvpool.connector.contract.mooncake_env import configure_client_process
 from kvpool.connector.contract.settings import ConnectorSettings
 from kvpool.connector.cpu_affinity import unpinned
 from kvpool.connector.observability.logs import get_logger
-from kvpool.connector.pool_attach import Attacher, accepts_connections
+from kvpool.connector.pool_attach import Attacher, accepts_connections, set_up
 
 logger = get_logger(__name__)
 
@@ -354,7 +354,8 @@ class PoolClient:
                 "and joining it once it serves",
                 settings.master_server_address,
             )
-            self._attacher = Attacher(settings, self.attach)
+            with unpinned():  # its connects and trial processes off vLLM's compute cores
+                self._attacher = Attacher(settings, self.attach)
 
     # --- joining the pool -----------------------------------------------------
     def _attach(self) -> None:
@@ -368,31 +369,22 @@ class PoolClient:
             from mooncake.store import MooncakeDistributedStore
 
             store = MooncakeDistributedStore()
-            tenant = {"tenant_id": settings.tenant} if settings.tenant else {}
-            code = store.setup(
-                settings.local_hostname,
-                settings.metadata_server,
-                segment,
-                settings.local_buffer_size,
-                settings.protocol,
-                settings.device_name,
-                settings.master_server_address,
-                **tenant,
-            )
+            code = set_up(store, settings, segment, settings.local_buffer_size)
         if code != 0:
             raise StoreUnavailable(
                 f"Mooncake setup failed with code {code} "
                 f"(master_server_address={settings.master_server_address})"
             )
+        registered: list[tuple[int, int]] = []
         for ptr, size in sorted(self._pending_regions):
             code = store.register_buffer(ptr, size)
             if code != 0:
-                for done_ptr, _ in self._registered:
+                for done_ptr, _ in registered:
                     store.unregister_buffer(done_ptr)
-                self._registered.clear()
                 store.close()
                 raise StoreUnavailable(f"register_buffer failed with code {code}")
-            self._registered.add((ptr, size))
+            registered.append((ptr, size))
+        self._registered.update(registered)
         self._pending_regions.clear()
         # A client that contributes memory keeps what it saves there when it can (Mooncake
         # falls back to other segments when it is full): its own hits then move by memcpy,
