@@ -39,12 +39,12 @@ from typing import Any
 import pytest
 
 from kvpool.connector.contract import metric_names as m
-from kvpool.connector.contract.keys import KeySpace
+from kvpool.connector.contract.keys import KeySpace, hash_digest
 from kvpool.connector.contract.mooncake_env import client_env
 from kvpool.connector.local.pool import LOOPBACK, free_port, port_open
 from testing.models import build_gemma3
 from testing.pool_store import put_bytes
-from testing.prompts import BLOCK, P1, P2, PREFIX_HIT
+from testing.prompts import BLOCK, P1, P2, PREFIX_HIT, block_hashes
 
 pytestmark = [pytest.mark.engine, pytest.mark.mooncake]
 
@@ -353,6 +353,7 @@ def test_a_local_pool_serves_vllms_openai_server(served) -> None:
     # 1. P1 fills the pool; the local prefix cache is then emptied (the pool keeps P1).
     out_a, cached_a = server.complete(P1)
     assert cached_a == 0
+    _wait_until_stored(pool, before, P1)
     assert server.post("/reset_prefix_cache") == {"success": True}
 
     # 2. P2 takes the shared prefix from the pool.
@@ -433,16 +434,15 @@ def _block_hashes(tokens: list[int]) -> dict[tuple[int, ...], Any]:
     """Each full block's tokens -> its hash, as vLLM publishes it in KV events."""
     from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
-    from testing.prompts import block_hashes
-
     hashes = block_hashes(tokens)
     return {
         tuple(tokens[i * BLOCK : (i + 1) * BLOCK]): maybe_convert_block_hash(h) for i, h in enumerate(hashes)
     }
 
 
-def _put_other_key(pool: PoolCommand, key: str) -> None:
-    """A key of another layout under the same prefix, stored through a client of our own."""
+@contextlib.contextmanager
+def _pool_client(pool: PoolCommand) -> Iterator[Any]:
+    """A client of the pool of our own (contributing no memory)."""
     from kvpool.connector.contract.settings import ConnectorSettings
     from kvpool.connector.pool_client import open_client
 
@@ -450,6 +450,29 @@ def _put_other_key(pool: PoolCommand, key: str) -> None:
         ConnectorSettings.parse({"master_server_address": pool.master_address}), global_segment_size=0
     )
     try:
-        assert put_bytes(client, key, b"another layout") == 0
+        yield client
     finally:
         client.close()
+
+
+def _put_other_key(pool: PoolCommand, key: str) -> None:
+    """A key of another layout under the same prefix, stored through a client of our own."""
+    with _pool_client(pool) as client:
+        assert put_bytes(client, key, b"another layout") == 0
+
+
+def _wait_until_stored(pool: PoolCommand, series: dict, prompt: list[int], timeout_s: float = 120) -> None:
+    """Until the pool holds ``prompt``'s shared prefix in the full-attention group (saved last):
+    a save publishes after the response went out, so the next request could look up first."""
+    fingerprint = next(
+        dict(labels)["fingerprint"] for name, labels in series if name == m.KEY_FINGERPRINT_INFO.exported
+    )
+    keyspace = KeySpace(pool.config["kv_connector_extra_config"]["cache_prefix"], fingerprint)
+    group = GROUP_KINDS.index("full")
+    hashes = block_hashes(prompt)[: PREFIX_HIT // BLOCK]
+    keys = [keyspace.key(group, 0, 0, hash_digest(h)) for h in hashes]
+    deadline = time.monotonic() + timeout_s
+    with _pool_client(pool) as client:
+        while not all(client.exists(keys)):
+            assert time.monotonic() < deadline, f"the prefix was not stored within {timeout_s} s"
+            time.sleep(0.2)
