@@ -173,8 +173,10 @@ def test_no_block_computed_on_a_failed_load_is_stored(
     cached = [r.num_cached_tokens or 0 for r in out.d.results]
     assert min(cached) >= GOOD_PREFIX, cached
     if role == "kv_both":
-        # B's recompute of P2 reached the pool, in place of what failed.
-        assert cached[0] == P2_BLOCKS, cached
+        # B's recompute of P2 reached the pool, in place of what failed. (The message carries
+        # B's transfers as recorded when its last batch returned: a rare run fails here.)
+        b_transfers = [(t.operation, t.blocks, dict(t.failures), t.recomputed) for t in out.b.transfers]
+        assert cached[0] == P2_BLOCKS, (cached, b_transfers)
     else:
         assert not [t for t in out.b.transfers if t.operation == "save"], "a consumer saves nothing"
 
