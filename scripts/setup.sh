@@ -57,7 +57,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 
 stamp=.venv/.kvpool-setup-stamp
-want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
+want=$(cat pyproject.toml scripts/setup.sh docker/operator.lock | sha256sum | cut -d' ' -f1)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   debian_done
   echo "setup: up to date"
@@ -86,6 +86,10 @@ while IFS= read -r line; do
     esac
   done
 done < <(.venv/bin/python -m pip config list 2>/dev/null | sort -u)
+# The operator image's lock constrains every install: the tests run the versions the image
+# ships (tests/images/test_images.py checks the lock against this environment), whatever
+# an index has released since.
+uv_args+=(--constraint docker/operator.lock)
 uv=(.venv/bin/uv pip install -q --compile-bytecode "${uv_args[@]}")
 "${uv[@]}" -U pip wheel setuptools
 # The CPU builds provide the `vllm` and `mooncake` import packages used in production
