@@ -174,9 +174,12 @@ def test_no_block_computed_on_a_failed_load_is_stored(
     assert min(cached) >= GOOD_PREFIX, cached
     if role == "kv_both":
         # B's recompute of P2 reached the pool, in place of what failed. (The message carries
-        # B's transfers as recorded when its last batch returned: a rare run fails here.)
-        b_transfers = [(t.operation, t.blocks, dict(t.failures), t.recomputed) for t in out.b.transfers]
-        assert cached[0] == P2_BLOCKS, (cached, b_transfers)
+        # B's and D's transfers as recorded when their last batch returned: a rare run fails here.)
+        transfers = {
+            name: [(t.operation, t.blocks, dict(t.failures), t.load_error_blocks) for t in run.transfers]
+            for name, run in (("B", out.b), ("D", out.d))
+        }
+        assert cached[0] == P2_BLOCKS, (cached, transfers)
     else:
         assert not [t for t in out.b.transfers if t.operation == "save"], "a consumer saves nothing"
 
