@@ -188,7 +188,14 @@ class MasterSpec(_Model):
         default=0.95, gt=0, le=1, description="Pool usage that triggers eviction."
     )
     eviction_ratio: float = Field(default=0.05, gt=0, le=1, description="Share evicted at once.")
-    lease_ttl_ms: int = Field(default=5000, ge=1, description="Default KV lease TTL (ms).")
+    lease_ttl_ms: int = Field(
+        default=5000,
+        ge=1,
+        description="Default KV lease TTL (ms): how long a lookup or read keeps an object from "
+        "removal and eviction. A read that outlasts it fails and the request recomputes: keep it "
+        "at least the consumers' load_timeout_s (5 s by default). A full pool of leased objects "
+        "refuses writes until their leases end.",
+    )
     resources: ComputeResources = Field(
         default_factory=ComputeResources,
         description="Requests and limits; each one not given takes the operator's default "

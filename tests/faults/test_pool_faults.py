@@ -329,6 +329,26 @@ def test_store_full_evicts(pool: SinglePool, engine: Engine, window: Window, ref
     print(f"eviction: junk stored {codes[0]}, junk left {present}, failures {dict(failures)}")
 
 
+def test_a_lease_shorter_than_any_read(
+    pool: SinglePool, engine: Engine, window: Window, references: dict
+) -> None:
+    """A master whose lease (1 ms) ends before any read completes: Mooncake fails every read
+    it granted (LEASE_EXPIRED, -707: the object may have been replaced meanwhile). Lookups
+    still find the prefix; each load fails as ``transfer_failed`` and the request recomputes,
+    with the reference's tokens. With the default lease, the same stream hits."""
+    pool.restart_master("--default_kv_lease_ttl=1")
+    leased = [engine.serve(k) for k in [(1, 0), (1, 1), (1, 2)]]
+    loads = window.failures("load")
+    assert not any(s.hit for s in leased), [s.cached for s in leased]
+    assert loads["transfer_failed"] > 0 and set(loads) == {"transfer_failed"}, loads
+    failures = window.check_counted()
+    pool.restart_master()
+    healed = serve_until_hits(engine, [(1, 0), (1, 1)])
+    check_outputs([*leased, *healed], references)
+    assert healed[-1].cached == PREFIX_TOKENS
+    print(f"1 ms lease: failures {dict(failures)}")
+
+
 def test_partial_batch_failures(
     pool: SinglePool, engine: Engine, window: Window, references: dict, monkeypatch: pytest.MonkeyPatch
 ) -> None:
