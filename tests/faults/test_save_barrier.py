@@ -11,8 +11,9 @@ A real in-process engine (vLLM's V1 CPU model runner) with the connector. Each s
 saves wait on a marker of "the forward is still running" (the connector's device-order
 hook; ``testing.device_queues.BlockingQueues`` plays the stream's wait by blocking the transfer
 thread) that only ``_update_states`` or a timeout releases: a save that has not read its
-blocks when ``_update_states`` runs is caught there. With the barrier in place it waits
-out the marker, so no step ever starts with such a save; with the barrier moved back to
+blocks when ``_update_states`` runs (the worker still lists it as holding them, whether its
+thread has started or not) is caught there. With the barrier in place it waits out the
+marker, so no step ever starts with such a save; with the barrier moved back to
 ``bind_connector_metadata`` (the negative control) the very next step does.
 """
 
@@ -73,6 +74,14 @@ class Watch:
         self.steps = 0
         self.caught: list[int] = []
         self.markers: list[StillComputing] = []
+        self.worker: Any = None  # the engine's worker side, once it runs
+
+    def saves_holding_blocks(self) -> int:
+        """The worker's saves of earlier steps that have not read all their blocks yet: a save
+        whose thread waits for its forward, and one whose thread has not even started."""
+        if self.worker is None:
+            return 0
+        return sum(1 for job in unreleased_saves(self.worker) if not job.blocks_released)
 
     def marker(self) -> StillComputing:
         marker = StillComputing(self)
@@ -82,7 +91,7 @@ class Watch:
     def step_starts(self) -> None:
         with self.lock:
             self.steps += 1
-            if self.waiting:
+            if self.waiting or self.saves_holding_blocks():
                 self.caught.append(self.steps)
         for marker in self.markers:
             marker.released.set()
@@ -116,6 +125,7 @@ def _serve(model: Path, settings: Any, watch: Watch) -> None:
         worker = worker_of()
         assert not worker.order.drain_saves, "the V1 runner: saves overlap the next step"
         worker.order.queues = BlockingQueues(watch.marker)
+        watch.worker = worker
         generate(llm, [P1], 4)  # a 10-block prefill, then decode steps
         generate(llm, [P2], 4)
     finally:
