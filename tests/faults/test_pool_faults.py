@@ -11,6 +11,8 @@ failure is counted both in the worker's records and in vLLM's ``vllm:kvpool_fail
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 from collections import Counter
@@ -43,6 +45,7 @@ pytestmark = [pytest.mark.faults, pytest.mark.engine, pytest.mark.mooncake, pyte
 BATCH = 4
 RESTART_AFTER_S = 1.0
 NO_EVICTION = ("--eviction_high_watermark_ratio=1.0", "--default_kv_lease_ttl=60000")
+STORE_PAUSE_S = 0.05  # a read of the short-lease test waits this long for the store
 SMALL_STORE = "16MB"  # the smallest segment mooncake_client accepts
 
 
@@ -330,14 +333,39 @@ def test_store_full_evicts(pool: SinglePool, engine: Engine, window: Window, ref
 
 
 def test_a_lease_shorter_than_any_read(
-    pool: SinglePool, engine: Engine, window: Window, references: dict
+    pool: SinglePool, engine: Engine, window: Window, references: dict, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A master whose lease (1 ms) ends before any read completes: Mooncake fails every read
     it granted (LEASE_EXPIRED, -707: the object may have been replaced meanwhile). Lookups
     still find the prefix; each load fails as ``transfer_failed`` and the request recomputes,
-    with the reference's tokens. With the default lease, the same stream hits."""
+    with the reference's tokens. With the default lease, the same stream hits.
+
+    A read of a few small objects over loopback can beat even 1 ms, so each read runs with
+    the store process stopped (SIGSTOP) for its first 50 ms: the master grants the lease,
+    the transfer waits for the store (one read at a time)."""
     pool.restart_master("--default_kv_lease_ttl=1")
-    leased = [engine.serve(k) for k in [(1, 0), (1, 1), (1, 2)]]
+    assert pool.store is not None and pool.store.process is not None
+    store_pid = pool.store.process.pid
+    store_class = mooncake_store_class()
+    original = getattr(store_class, READ_METHOD)
+    one_at_a_time = threading.Lock()
+
+    def read_while_the_store_pauses(store: Any, *args: Any) -> Any:
+        with one_at_a_time:
+            os.kill(store_pid, signal.SIGSTOP)
+            resume = threading.Timer(STORE_PAUSE_S, os.kill, (store_pid, signal.SIGCONT))
+            resume.start()
+            try:
+                return original(store, *args)
+            finally:
+                resume.join()
+
+    monkeypatch.setattr(store_class, READ_METHOD, read_while_the_store_pauses)
+    try:
+        leased = [engine.serve(k) for k in [(1, 0), (1, 1), (1, 2)]]
+    finally:
+        monkeypatch.undo()
+        os.kill(store_pid, signal.SIGCONT)
     loads = window.failures("load")
     assert not any(s.hit for s in leased), [s.cached for s in leased]
     assert loads["transfer_failed"] > 0 and set(loads) == {"transfer_failed"}, loads
