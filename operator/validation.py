@@ -209,9 +209,26 @@ def check_policy(spec: PoolSpec, policy: OperatorPolicy) -> list[Problem]:
     return policy_problems(spec, policy)
 
 
+#: How long a consumer's load may go without progress before it gives up (the contract's
+#: default; a pool's spec does not set it).
+CONSUMER_LOAD_TIMEOUT_S: float = ConnectorSettings.model_fields["load_timeout_s"].default
+
+
 def warnings(spec: PoolSpec) -> list[Problem]:
-    """What may keep a valid pool from running: said, never refused."""
+    """What may keep a valid pool from running (or serving hits): said, never refused."""
     out = []
+    load_ms = CONSUMER_LOAD_TIMEOUT_S * 1000
+    if spec.external is None and spec.master.lease_ttl_ms < load_ms:
+        out.append(
+            _problem(
+                "spec.master.leaseTtlMs",
+                "lease-shorter-than-load",
+                f"a read still running {spec.master.lease_ttl_ms} ms after the master granted its "
+                f"lease fails (the request recomputes), before the consumers' own load deadline "
+                f"({CONSUMER_LOAD_TIMEOUT_S:g} s): a lease of at least {load_ms:g} ms keeps slow "
+                "reads; a shorter one frees a full store's memory sooner (a disk tier)",
+            )
+        )
     if spec.store.mode == "standalone" and spec.store.protocol == "rdma":
         out.append(
             _problem(

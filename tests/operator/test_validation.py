@@ -203,6 +203,21 @@ def test_rdma_stores_warn_about_the_restricted_pod_security_standard() -> None:
     assert build_plan("pool", "ns", pool_spec()).warnings == []
 
 
+def test_a_lease_shorter_than_a_consumers_load_deadline_is_warned_about() -> None:
+    """A read that outlasts its lease fails (``test_pool_faults.py`` shows it on a real
+    master): below the consumers' load deadline, the pool is valid but said to lose hits."""
+    from kvpool.operator.validation import CONSUMER_LOAD_TIMEOUT_S
+
+    short = pool_spec(master={"leaseTtlMs": 1000})
+    plan = build_plan("pool", "ns", short)
+    assert plan.valid
+    (warning,) = plan.warnings
+    assert (warning.field, warning.rule) == ("spec.master.leaseTtlMs", "lease-shorter-than-load")
+    assert "1000 ms" in warning.message and f"{CONSUMER_LOAD_TIMEOUT_S * 1000:g} ms" in warning.message
+    at_deadline = pool_spec(master={"leaseTtlMs": int(CONSUMER_LOAD_TIMEOUT_S * 1000)})
+    assert build_plan("pool", "ns", at_deadline).warnings == []
+
+
 def external_spec(**external: Any) -> dict[str, Any]:
     raw = pool_spec(external={"masterServerAddress": "mooncake-master.shared.svc:50051", **external})
     del raw["image"], raw["store"]
