@@ -44,6 +44,7 @@ __all__ = [
     "apply_engine_env",
     "create_llm",
     "engine_core",
+    "engine_env",
     "generate",
     "reference_tokens",
     "run_engine",
@@ -327,14 +328,14 @@ def run_engine_subprocess(
         "trace_headers": trace_headers,
         "reset_local_cache": reset_local_cache,
     }
-    child_env = _engine_env(env)
+    child_env = engine_env(env)
     data = run_module_forked(MODULE, spec, env=child_env, timeout=timeout, log_path=log_path)
     if data is None:
         data = run_module(MODULE, spec, env=child_env, timeout=timeout, log_path=log_path)
     return EngineReport.from_json(data)
 
 
-def _engine_env(env: dict[str, str] | None) -> dict[str, str]:
+def engine_env(env: dict[str, str] | None) -> dict[str, str]:
     """What an engine process adds to the environment: this checkout on its path, then ``env``."""
     path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
     return {"PYTHONPATH": path, **(env or {})}
@@ -343,7 +344,7 @@ def _engine_env(env: dict[str, str] | None) -> dict[str, str]:
 def fork_engine_runs() -> None:
     """From now on, this process's :func:`run_engine_subprocess` runs are forked from one
     parent that has imported vLLM (:mod:`testing.engine_forks`), where their environment allows."""
-    engine_forks.enable(_engine_env(None))
+    engine_forks.enable(engine_env(None))
 
 
 def stop_forking_engine_runs() -> None:

@@ -13,7 +13,6 @@ once all three have.
 
 from __future__ import annotations
 
-import os
 import random
 import threading
 import time
@@ -26,7 +25,7 @@ import pytest
 from kvpool.connector.contract.settings import ConnectorSettings
 from kvpool.connector.local.engine import run_module
 from kvpool.connector.pool_attach import ATTACH_INTERVAL_S
-from testing.engine import REPO_ROOT, EngineOptions, scheduler_connector, scheduler_of, transfer_config
+from testing.engine import EngineOptions, engine_env, scheduler_connector, scheduler_of, transfer_config
 from testing.models import build_gemma3
 from tests.faults.helpers import PREFIX_TOKENS, Engine, SinglePool, check_outputs, serve_until_hits
 
@@ -104,8 +103,7 @@ def test_a_tp2_engine_started_without_its_master_joins_on_every_rank(tmp_path: P
         "served_alone": str(served_alone),
         "deadline_s": 6 * ATTACH_INTERVAL_S + 60,
     }
-    path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
-    env = {**TP_ENV, "PYTHONPATH": path}
+    env = engine_env(TP_ENV)
     outcome: dict[str, Any] = {}
 
     def run_engine() -> None:
@@ -130,6 +128,6 @@ def test_a_tp2_engine_started_without_its_master_joins_on_every_rank(tmp_path: P
     assert text.count(OUT_OF_POOL) == 3, "the scheduler and both workers started out of the pool"
     assert text.count(JOINED) == 3, "the scheduler and both workers joined the pool"
     assert result["alone"]["cached"] == 0
-    assert result["cached"][-1] == TP_PREFIX_TOKENS, result["cached"]
+    assert result["cached"] and result["cached"][-1] == TP_PREFIX_TOKENS, result["cached"]
     assert result["tokens"] == result["alone"]["tokens"], "the pool's KV gives the tokens served without it"
     print(f"TP=2: hit after {len(result['cached'])} tries ({result['cached']})")
