@@ -34,6 +34,7 @@ the link runs fast while a miss saves its blocks and at the measured rate for th
 
 from __future__ import annotations
 
+import itertools
 import random
 import sys
 from pathlib import Path
@@ -141,7 +142,7 @@ def run(opts: Options) -> Report:
         "also carries the machine's drift. Each engine's warm-up request has a "
         f"{WARM_UP_PREFIX}-token prefix."
     )
-    link = _run_link(opts, model, max(1, reps // 2))
+    link = _run_link(opts, model, reps)
     _report_link(report, link, model)
     report.data.update(
         {
@@ -261,7 +262,12 @@ def _run_link(opts: Options, model: Path, reps: int) -> dict[str, Any]:
     vocab = SMOKE_VOCAB if opts.smoke else VOCAB
     rng = random.Random(7 + prefix_len)
     problem = namespace_link_problem()
-    out: dict[str, Any] = {"prefix": prefix_len, "emulated": problem, "rates": {}}
+    out: dict[str, Any] = {
+        "prefix": prefix_len,
+        "emulated": problem,
+        "rates": {},
+        "reps": {"auto": reps, "always": max(1, reps // 2)},
+    }
 
     def prompt(prefix: list[int]) -> list[int]:
         return prefix + [rng.randrange(3, vocab) for _ in range(SUFFIX)]
@@ -278,9 +284,10 @@ def _run_link(opts: Options, model: Path, reps: int) -> dict[str, Any]:
         )
         llm = _engine(model, recording_transfer_config(settings), prefix_len)
         got: dict[str, Any] = {"recompute": [], "hit": [], "cached": []}
+        count = reps if policy == "auto" else max(1, reps // 2)
         try:
             # The warm-up pair takes the engine's first costs and measures the link once.
-            for rep in range(-1, reps):
+            for rep in range(-1, count):
                 prefix = [rng.randrange(3, vocab) for _ in range(WARM_UP_PREFIX if rep < 0 else prefix_len)]
                 set_rate(SAVE_RATE)
                 miss, _ = _ttft(llm, prompt(prefix))
@@ -298,6 +305,13 @@ def _run_link(opts: Options, model: Path, reps: int) -> dict[str, Any]:
                     file=sys.stderr,
                     flush=True,
                 )
+            # A closing recompute brackets the last hit: each hit is held to the mean of the
+            # recomputes just before and just after it, so the machine's drift cancels.
+            set_rate(SAVE_RATE)
+            closing, _ = _ttft(llm, prompt([rng.randrange(3, vocab) for _ in range(prefix_len)]))
+            _wait_for_saves()
+            llm.reset_prefix_cache()
+            got["recompute"].append(closing)
         finally:
             shutdown_llm(llm)
         return got
@@ -344,7 +358,7 @@ def _report_link(report: Report, link: dict[str, Any], model: Path) -> None:
         label = f"{float(rate):g} Mbit/s" + (" (emulated)" if link["emulated"] else "")
         for policy in ("auto", "always"):
             got = link["rates"][rate][policy]
-            ratio = ratios(got["hit"], got["recompute"])
+            ratio = bracketed_ratios(got["hit"], got["recompute"])
             engine = "load decision (auto)" if policy == "auto" else "always loads"
             table.add(
                 label,
@@ -367,7 +381,9 @@ def _report_link(report: Report, link: dict[str, Any], model: Path) -> None:
                     "with the decision",
                     DECISION_RATIO_GOAL,
                 )
-            always = ratios(link["rates"][rate]["always"]["hit"], link["rates"][rate]["always"]["recompute"])
+            always = bracketed_ratios(
+                link["rates"][rate]["always"]["hit"], link["rates"][rate]["always"]["recompute"]
+            )
             report.targets.append(
                 Target(
                     name, f"{ratio.median:.3f}x (always loading: {always.median:.3f}x)", ratio.median <= goal
@@ -378,9 +394,23 @@ def _report_link(report: Report, link: dict[str, Any], model: Path) -> None:
         "Slowed link: per rate, one engine with the load decision (load_policy auto, "
         "load_decision_min_samples 1) and one that always loads; each first serves a warm-up "
         f"pair ({WARM_UP_PREFIX}-token prefix: the engine's first prefill, and one load that "
-        f"measures the link), then (recompute, hit) pairs. The link runs at {SAVE_RATE:g} Mbit/s "
-        "while a miss saves its blocks, at the row's rate for the hit."
+        f"measures the link), then (recompute, hit) pairs ({link['reps']['auto']} with the "
+        f"decision, {link['reps']['always']} always loading) and a closing recompute: each hit's "
+        "ratio is to the mean of the recomputes just before and after it, so drift cancels. The "
+        f"link runs at {SAVE_RATE:g} Mbit/s while a miss saves its blocks, at the row's rate for "
+        "the hit."
     )
+
+
+def bracketed_ratios(hits: list[float], recomputes: list[float]) -> Stat:
+    """Each hit over the mean of the recomputes on either side of it (one more recompute than hits).
+
+    Results recorded before the closing recompute (as many recomputes as hits) pair by index.
+    """
+    if len(recomputes) == len(hits):
+        return ratios(hits, recomputes)
+    means = [(a + b) / 2 for a, b in itertools.pairwise(recomputes)]
+    return ratios(hits, means)
 
 
 def _report(
