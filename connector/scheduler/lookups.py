@@ -47,9 +47,10 @@ Questions = Mapping[int, Sequence[int]]
 ASK_AHEAD_KEYS = 256
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class LookupQuery:
-    """What a lookup needs of vLLM's request, copied on the scheduler thread."""
+    """What a lookup needs of vLLM's request, copied on the scheduler thread; never changed
+    after (not frozen only because a frozen dataclass costs ~0.75 µs more to make, per lookup)."""
 
     req_id: str
     block_hashes: list[Any]

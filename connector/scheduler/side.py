@@ -499,10 +499,8 @@ class SchedulerSide:
         savable = request.num_tokens if self.save_decode_cache else request.num_prompt_tokens
         computed_after = min(request.num_computed_tokens + num_new, savable)
         block_sizes = self._block_sizes
-        if not tracked.next_save_at:
-            tracked.note_saved(block_sizes)  # unknown: new, or after a rewind
         if computed_after < tracked.next_save_at:
-            return None  # completes no block: nothing to plan
+            return None  # completes no block: nothing to plan (0: unknown, new or rewound)
         block_ids = block_ids_of(req_id)
         block_hashes = request.block_hashes
         groups: list[GroupTransfer] = []
