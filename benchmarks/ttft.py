@@ -284,7 +284,7 @@ def _run_link(opts: Options, model: Path, reps: int) -> dict[str, Any]:
         )
         llm = _engine(model, recording_transfer_config(settings), prefix_len)
         got: dict[str, Any] = {"recompute": [], "hit": [], "cached": []}
-        count = reps if policy == "auto" else max(1, reps // 2)
+        count = out["reps"][policy]
         try:
             # The warm-up pair takes the engine's first costs and measures the link once.
             for rep in range(-1, count):
@@ -403,14 +403,8 @@ def _report_link(report: Report, link: dict[str, Any], model: Path) -> None:
 
 
 def bracketed_ratios(hits: list[float], recomputes: list[float]) -> Stat:
-    """Each hit over the mean of the recomputes on either side of it (one more recompute than hits).
-
-    Results recorded before the closing recompute (as many recomputes as hits) pair by index.
-    """
-    if len(recomputes) == len(hits):
-        return ratios(hits, recomputes)
-    means = [(a + b) / 2 for a, b in itertools.pairwise(recomputes)]
-    return ratios(hits, means)
+    """Each hit over the mean of the recomputes on either side of it (one more recompute than hits)."""
+    return ratios(hits, [(a + b) / 2 for a, b in itertools.pairwise(recomputes)])
 
 
 def _report(
