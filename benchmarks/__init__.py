@@ -8,7 +8,9 @@ Markdown under ``benchmarks/results/`` and the plots under ``benchmarks/plots/``
 Importing the package prepares the environment every benchmark needs before
 vLLM or Mooncake load: the engine environment of ``kvpool.connector.local.engine``
 (CPU vLLM in this process, no hub access, loopback addresses), Mooncake clients
-on loopback (vLLM's in-tree connector sets its clients up itself), quiet logs.
+on loopback (vLLM's in-tree connector sets its clients up itself), quiet logs,
+and what vLLM leaves in the temporary folder in a folder of the process's own,
+removed at its exit.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import os
 from kvpool.connector.contract import mooncake_env
 from kvpool.connector.local.pool import LOOPBACK
 from testing.engine import apply_engine_env
+from testing.private_temp import use_private_temp_folder
 
 #: Set (without overriding) on top of the engine environment: tables, not logs.
 BENCH_ENV: dict[str, str] = {
@@ -27,6 +30,7 @@ BENCH_ENV: dict[str, str] = {
 }
 
 apply_engine_env()
+use_private_temp_folder()
 mooncake_env.configure_client_process(LOOPBACK)
 for _key, _value in BENCH_ENV.items():
     os.environ.setdefault(_key, _value)

@@ -11,9 +11,12 @@ import pytest
 
 from testing import engine_forks
 from testing.engine import apply_engine_env, fork_engine_runs, stop_forking_engine_runs
+from testing.private_temp import use_private_temp_folder
 
 # Before any test imports vLLM: a CPU engine in this process, no hub access.
 apply_engine_env()
+# What vLLM leaves in the temporary folder, in a folder of this run's own removed at exit.
+use_private_temp_folder()
 # vLLM may hash blocks with Python's hash(): every engine process of a run must agree.
 os.environ.setdefault("PYTHONHASHSEED", "0")
 
