@@ -346,6 +346,11 @@ class Node:
             service_account=pod_spec.get("serviceAccountName", "default"),
         )
         assert self._session is not None
+        # The pod's own temporary folder, as a container's /tmp: what its processes leave
+        # there (vLLM's IPC socket files) goes with the node. Short: a socket's path must fit
+        # in 107 bytes.
+        temporary = self.root / "tmp" / identity.uid.rsplit("-", 1)[-1]
+        temporary.mkdir(parents=True, exist_ok=True)
         pod = kubelet.Pod(
             identity,
             template,
@@ -354,7 +359,12 @@ class Node:
             revision=rev,
             configmaps=self._configmaps,
             session=self._session,
-            base_env={"PATH": self.base_path, "HOME": str(self.root / namespace / name), "LANG": "C.UTF-8"},
+            base_env={
+                "PATH": self.base_path,
+                "HOME": str(self.root / namespace / name),
+                "LANG": "C.UTF-8",
+                "TMPDIR": str(temporary),
+            },
             entrypoints=self.entrypoints,
             hostname=hostname,
             subdomain=subdomain,
