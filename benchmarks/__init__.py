@@ -9,8 +9,8 @@ Importing the package prepares the environment every benchmark needs before
 vLLM or Mooncake load: the engine environment of ``kvpool.connector.local.engine``
 (CPU vLLM in this process, no hub access, loopback addresses), Mooncake clients
 on loopback (vLLM's in-tree connector sets its clients up itself), quiet logs,
-and what vLLM leaves in the temporary folder in a folder of the process's own,
-removed at its exit.
+and what vLLM leaves in the temporary folder in a folder of the run's own,
+removed when the run exits (``testing.private_temp``).
 """
 
 from __future__ import annotations

@@ -33,8 +33,7 @@ def use_private_temp_folder() -> Path | None:
     if started_by_a_run:
         tempfile.tempdir = started_by_a_run  # its own files stay where they always were
         return None
-    system = tempfile.gettempdir()
-    tempfile.tempdir = system
+    system = tempfile.gettempdir()  # resolved now, and kept for this process's own files
     os.environ[SYSTEM_TEMP] = system
     folder = Path(tempfile.mkdtemp(prefix="kvpool-run-", dir=system))
     for name in VARIABLES:

@@ -10,10 +10,10 @@ from pathlib import Path
 
 from testing.engine import REPO_ROOT
 
-#: A run: its folder, what a process it starts sees as the temporary folder, and a file left
-#: there by a forked child that exits (at which the folder must stay) and by a killed process.
+#: A run: its folder, what a process it starts sees as the temporary folder, and a forked
+#: child that leaves a file there (as a killed server would) and exits (the folder stays).
 RUN = """
-import json, os, signal, subprocess, sys, tempfile
+import json, os, subprocess, sys, tempfile
 from testing.private_temp import use_private_temp_folder
 folder = use_private_temp_folder()
 child = subprocess.run([sys.executable, "-c", "import tempfile; print(tempfile.gettempdir())"],
