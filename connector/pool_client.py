@@ -49,6 +49,10 @@ CODE_OBJECT_EXISTS = -705
 # published (another writer's save in flight, or one that writer abandoned or died in:
 # Mooncake drops such a reservation after about 30 s).
 CODE_RESERVED_ELSEWHERE = -70500
+# Not Mooncake's: a removal this client did not make, because a save of its own holds a put
+# session for the key. Mooncake drops an object removed between its writer's write and
+# publish, and the publish still answers success: the key would be left empty.
+CODE_KEPT_WRITING = -70501
 CODE_TRANSFER_FAILED = -800
 # A read whose lease on the object ran out before its transfer completed (Mooncake's
 # LEASE_EXPIRED, seen under a frozen store): its bytes may not be the object's.
@@ -326,6 +330,9 @@ class PoolClient:
         # Keys of the put sessions this client holds or is opening (a count per key: threads
         # may race for one), to tell a session in flight here from one left behind.
         self._sessions: Counter[str] = Counter()
+        # Keys a removal of this client is removing now: reserving them waits for none, it
+        # answers CODE_RESERVED_ELSEWHERE (the remover's save writes them next).
+        self._removing: set[str] = set()
         self._sessions_lock = threading.Lock()
         # Calls inside Mooncake now; a close requested meanwhile waits for the last of them.
         self._state = threading.Lock()
@@ -651,9 +658,23 @@ class PoolClient:
 
     def _open_sessions(self, keys: Sequence[str], sizes: Sequence[int]) -> list[int]:
         """``batch_put_session_start`` of ``keys``, each counted as a session of this client
-        while the call runs, and after it when reserved."""
+        while the call runs, and after it when reserved; a key this client is removing now
+        answers ``CODE_RESERVED_ELSEWHERE`` without a call."""
         with self._sessions_lock:
-            self._sessions.update(keys)
+            barred = {i for i, key in enumerate(keys) if key in self._removing} if self._removing else None
+            self._sessions.update(keys if not barred else (k for i, k in enumerate(keys) if i not in barred))
+        if barred:
+            codes = [CODE_RESERVED_ELSEWHERE] * len(keys)
+            asked = [i for i in range(len(keys)) if i not in barred]
+            reserved = self._open_sessions_now([keys[i] for i in asked], [sizes[i] for i in asked])
+            for i, code in zip(asked, reserved):
+                codes[i] = code
+            return codes
+        return self._open_sessions_now(keys, sizes)
+
+    def _open_sessions_now(self, keys: Sequence[str], sizes: Sequence[int]) -> list[int]:
+        """``batch_put_session_start`` of ``keys`` (already counted as sessions of this client);
+        the count of each key Mooncake did not reserve is dropped."""
         config = () if self._put_config is None else (self._put_config,)
         codes = self._session_call(self._store.batch_put_session_start, keys, list(sizes), *config)
         self._end_sessions([key for key, code in zip(keys, codes) if code != 0])
@@ -737,10 +758,22 @@ class PoolClient:
         return codes
 
     def remove(self, keys: Sequence[str]) -> list[int]:
-        codes: list[int] = []
-        for part in chunks(keys, self.batch_size):
-            codes.extend(self._call(self._store.batch_remove, self._scoped(part), True))
-        return codes
+        """Remove each key's object; per key 0 when removed. A key a save of this client is
+        writing (a put session held here) is left to that save: ``CODE_KEPT_WRITING``. While
+        the removal runs, reservations of its keys here answer ``CODE_RESERVED_ELSEWHERE``."""
+        with self._sessions_lock:
+            kept = {k for k in keys if self._sessions.get(k, 0) > 0 or k in self._removing}
+            mine = [k for k in dict.fromkeys(keys) if k not in kept]
+            self._removing.update(mine)
+        try:
+            removed: dict[str, int] = {}
+            for part in chunks(mine, self.batch_size):
+                codes = self._call(self._store.batch_remove, self._scoped(part), True)
+                removed.update(zip(part, codes))
+        finally:
+            with self._sessions_lock:
+                self._removing.difference_update(mine)
+        return [CODE_KEPT_WRITING if k in kept else removed.get(k, CODE_RPC_FAILED) for k in keys]
 
     def remove_matching(self, pattern: str) -> int:
         """Remove every object whose key matches ``pattern`` (a regular expression) and that no

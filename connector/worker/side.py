@@ -789,7 +789,8 @@ class WorkerSide:
         return out
 
     def _remove_corrupt(self, results: Sequence[GroupResult]) -> None:
-        """Remove objects that are not the block their key names: no one loads them again."""
+        """Remove objects that are not the block their key names: no one loads them again
+        (a key a save here is writing meanwhile is left to it: see ``PoolClient.remove``)."""
         if not any(r.corrupt_keys for r in results):
             return
         started = time.perf_counter()

@@ -173,8 +173,9 @@ def test_no_block_computed_on_a_failed_load_is_stored(
     cached = [r.num_cached_tokens or 0 for r in out.d.results]
     assert min(cached) >= GOOD_PREFIX, cached
     if role == "kv_both":
-        # B's recompute of P2 reached the pool, in place of what failed. (The message carries
-        # B's and D's transfers as recorded when their last batch returned: a rare run fails here.)
+        # B's recompute of P2 reached the pool, in place of what failed. (A rare run failed here
+        # with [128, 128]: P2 and the sharer replacing the same keys emptied them; see
+        # test_save_reservations. The message carries B's and D's transfers.)
         transfers = {
             name: [(t.operation, t.blocks, dict(t.failures), t.load_error_blocks) for t in run.transfers]
             for name, run in (("B", out.b), ("D", out.d))
