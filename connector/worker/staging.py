@@ -173,7 +173,13 @@ class GroupCopier:
     def into_block_checked(self, obj: int, block: int, header: bytes) -> bool:
         """Copy the object at address ``obj`` (in this process's memory) straight into
         ``block``, then check the block: whether its runs, read back from the block, have
-        the CRC-32C ``header`` states. False: the block holds bytes that must not be used.
+        the CRC-32C ``header`` states. False: the check failed and the block was zeroed.
+
+        A failed load's blocks go back to vLLM's free list, and a later request writes
+        only the slots it computes: an object's random bytes left there (NaN, Inf) may
+        reach a kernel that reads a whole block. A loader that left them gave wrong
+        answers under corrupted objects (benchmarks/README.md, finding 17): a block that
+        fails holds no byte of the object.
 
         Host memory only (``use_memmove``); ``header`` must state CRC-32C.
         """
@@ -187,7 +193,11 @@ class GroupCopier:
             at = run.base + block * run.block_stride
             move(at, obj + run.offset, run.size)
             crc = crc32c_extend(crc, run_type.from_address(at))
-        return payload_matches(header, Checksum.CRC32C, crc)
+        if payload_matches(header, Checksum.CRC32C, crc):
+            return True
+        for run in self.runs:
+            ctypes.memset(run.base + block * run.block_stride, 0, run.size)
+        return False
 
     # --- one object on the CPU: a memmove per run --------------------------------
     def _block_into_object(self, block: int, obj: int) -> None:
