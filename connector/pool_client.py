@@ -50,8 +50,9 @@ CODE_OBJECT_EXISTS = -705
 # Mooncake drops such a reservation after about 30 s).
 CODE_RESERVED_ELSEWHERE = -70500
 # Not Mooncake's: a removal this client did not make, because a save of its own holds a put
-# session for the key. Mooncake drops an object removed between its writer's write and
-# publish, and the publish still answers success: the key would be left empty.
+# session for the key (or another removal of its own is removing it). Mooncake drops an
+# object removed after its writer's publish reached the master and before the writer has the
+# answer, and the publish still answers success: the key would be left empty.
 CODE_KEPT_WRITING = -70501
 CODE_TRANSFER_FAILED = -800
 # A read whose lease on the object ran out before its transfer completed (Mooncake's
@@ -759,8 +760,9 @@ class PoolClient:
 
     def remove(self, keys: Sequence[str]) -> list[int]:
         """Remove each key's object; per key 0 when removed. A key a save of this client is
-        writing (a put session held here) is left to that save: ``CODE_KEPT_WRITING``. While
-        the removal runs, reservations of its keys here answer ``CODE_RESERVED_ELSEWHERE``."""
+        writing (a put session held here), or that another removal here is removing, is left
+        to it: ``CODE_KEPT_WRITING``. While the removal runs, reservations of its keys here
+        answer ``CODE_RESERVED_ELSEWHERE``."""
         with self._sessions_lock:
             kept = {k for k in keys if self._sessions.get(k, 0) > 0 or k in self._removing}
             mine = [k for k in dict.fromkeys(keys) if k not in kept]
