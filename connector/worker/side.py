@@ -749,7 +749,8 @@ class WorkerSide:
             return False
         try:
             # A payload not as its header states (corrupt, or read before its write landed)
-            # is checked object by object just before its copy, and never copied.
+            # fails its block: never reported loaded, so vLLM recomputes it (on the CPU it
+            # is checked on the block right after its copy, from the cache).
             bad = copier.to_blocks_if_intact(part, good, [headers[i] for i, _ in good])
             for k in bad:
                 i, block = good[k]
@@ -798,7 +799,7 @@ class WorkerSide:
         for r in results:
             codes = self.client.remove(r.corrupt_keys) if r.corrupt_keys else []
             removed.append(sum(1 for code in codes if code == 0))
-        logger.warning("KVPoolConnector removed %d object(s) that failed their header check", sum(removed))
+        logger.warning("KVPoolConnector removed %d object(s) that failed their check", sum(removed))
         kinds = self.stats.group_kinds or tuple("" for _ in results)
         zeros = tuple(0 for _ in results)
         self.stats.record_transfer(

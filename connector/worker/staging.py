@@ -8,7 +8,9 @@ own copies between that buffer and the blocks. Hence:
 
 * a call that outlives its deadline (a frozen store) can write into nothing but
   its thread's buffer, which that thread reuses only after the call returned;
-* a loaded object reaches the blocks only after its header is checked;
+* a loaded object reaches the blocks only after its header is checked, and a load
+  reports a block loaded only once its payload is checked (on the CPU, on the block
+  right after the copy);
 * a save reads its blocks once, quickly, and never while the store is slow.
 
 On the CPU the copies are ``memmove`` s of each block's runs and a payload's
@@ -147,12 +149,17 @@ class GroupCopier:
     def to_blocks_if_intact(
         self, slot: StagingSlot, pairs: Sequence[tuple[int, int]], headers: Sequence[bytes]
     ) -> list[int]:
-        """Like :meth:`to_blocks`, but only objects whose payload is as header ``headers[k]`` states.
+        """Like :meth:`to_blocks`, but a block whose payload is not as header ``headers[k]``
+        states is reported: the positions ``k`` in ``pairs`` whose payload did not match the
+        checksum its header states, of the kind it names.
 
-        Returns the positions ``k`` in ``pairs`` whose payload did not match the checksum
-        its header states, of the kind it names (nothing of them is copied). On the CPU
-        each object is checked and copied before the next one is read, so the copy reads
-        the payload from the cache the check just filled.
+        On the CPU a CRC-32C object is copied run by run and each run's CRC read back from
+        the block right after its copy, from the core's cache (:meth:`into_block_checked`): a
+        reported block then holds bytes that must not be used, and the caller fails it (vLLM
+        recomputes it and never caches it, as for a direct load). A pass over the payload
+        before the copy read it cold from memory: a third more time per load. Any other
+        object, and every object on the device path, is checked in the buffer and copied
+        only if it matches.
         """
         if not self.use_memmove:
             matches = slot.payloads_match([i for i, _ in pairs], headers, self.object_bytes)
@@ -163,8 +170,12 @@ class GroupCopier:
         self.check([b for _, b in pairs])
         bad = []
         for k, ((i, block), header) in enumerate(zip(pairs, headers, strict=True)):
-            if slot.payload_matches_at(i, header, self.object_bytes):
-                self._object_into_block(slot.ptr + i * self.object_bytes, block)
+            obj = slot.ptr + i * self.object_bytes
+            if stated_checksum(header) is Checksum.CRC32C:
+                if not self.into_block_checked(obj, block, header):
+                    bad.append(k)
+            elif slot.payload_matches_at(i, header, self.object_bytes):
+                self._object_into_block(obj, block)
             else:
                 bad.append(k)
         return bad

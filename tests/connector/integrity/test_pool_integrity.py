@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -148,7 +149,10 @@ def test_an_object_that_is_not_the_block_never_becomes_kv(
     worker.stats.drain()
     load(worker, ["a"], [5])
     assert worker.take_load_errors() == {5}, "a failed load: vLLM recomputes block 5"
-    assert same(block(worker, 5), before), "no byte of the object reached the block"
+    if case == "stale_payload":  # its header is the block's: copied, failed on the block, zeroed
+        assert not any(t.any() for t in block(worker, 5)), "no byte of the object stays in the block"
+    else:
+        assert same(block(worker, 5), before), "no byte of an object with a wrong header reached the block"
     until(lambda: records(worker, "remove"), "the object is removed")
     (loaded,) = records(worker, "load")
     assert loaded.failures == {"corrupt": 1}
@@ -159,6 +163,31 @@ def test_an_object_that_is_not_the_block_never_becomes_kv(
     save(worker, ["a"], [1])
     load(worker, ["a"], [5])
     assert worker.take_load_errors() == set() and same(block(worker, 5), block(worker, 1))
+
+
+def test_a_staged_load_checks_the_block_not_the_buffer(
+    worker: WorkerSide, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A copy out of the staging buffer that leaves the block unlike the object (a torn
+    write) fails the load: the CRC-32C is taken from the block after its copy."""
+    save(worker, ["a", "b"], [1, 2])
+    for b in (5, 6):
+        zero(worker, b)
+    worker.stats.drain()
+    real_move = ctypes.memmove
+
+    def torn_move(dst: int, src: int, count: int) -> Any:
+        moved = real_move(dst, src, count)
+        ctypes.c_ubyte.from_address(dst).value ^= 0x01  # one bit of the block, not of the buffer
+        return moved
+
+    monkeypatch.setattr(ctypes, "memmove", torn_move)
+    load(worker, ["a", "b"], [5, 6])
+    monkeypatch.undo()
+    assert worker.take_load_errors() == {5, 6}, "neither block may be used or cached"
+    assert not any(t.any() for b in (5, 6) for t in block(worker, b)), "both blocks zeroed"
+    (loaded,) = records(worker, "load")
+    assert (loaded.direct_blocks, loaded.failures) == (0, {"corrupt": 2 * len(worker.groups)})
 
 
 # --- loads past their deadline ---------------------------------------------------------------
