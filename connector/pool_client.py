@@ -38,7 +38,8 @@ CODE_BUFFER_TOO_SMALL = -600
 # The same code (Mooncake's INVALID_PARAMS) per key from a reservation: this client already
 # holds a put session for the key (a save of it in flight here, or one whose publish or
 # revoke failed: after a master failover, the session of a reservation made on the old leader
-# lingers in the client until revoked, and every reservation of its key answers this).
+# lingers in the client until revoked, and every reservation of its key answers this; a revoke
+# the master refuses, as after a store restarted under the write, keeps it for a retry).
 CODE_SESSION_HELD = -600
 # The master lists the object but holds no readable copy of it (its store died, or has not
 # finished writing it): REPLICA_IS_NOT_READY, REPLICA_NOT_FOUND, REPLICA_IS_GONE.
@@ -328,6 +329,7 @@ class PoolClient:
         self._unreachable_until = 0.0
         self._failed_batches = 0
         self._refusal_logged = -REFUSAL_LOG_S
+        self._kept_sessions_logged = -REFUSAL_LOG_S
         # Keys of the put sessions this client holds or is opening (a count per key: threads
         # may race for one), to tell a session in flight here from one left behind.
         self._sessions: Counter[str] = Counter()
@@ -644,10 +646,19 @@ class PoolClient:
             if left_behind:
                 # Sessions a save left behind: revoked (nothing of them is visible), then
                 # reserved again, once.
-                self.revoke([keys[i] for i in left_behind], tracked=False)
+                revoked = self.revoke([keys[i] for i in left_behind], tracked=False)
                 again = self._open_sessions([keys[i] for i in left_behind], [sizes[i] for i in left_behind])
-                for i, code in zip(left_behind, again):
+                kept = []
+                for i, code, revoke_code in zip(left_behind, again, revoked, strict=True):
                     codes[i] = code
+                    if code == CODE_SESSION_HELD:
+                        # Mooncake keeps a session whose revoke its master refused (a store
+                        # restarted under the write), for a retry: the key stays reserved by
+                        # it, as by another writer, until the master lets it go.
+                        codes[i] = CODE_RESERVED_ELSEWHERE
+                        kept.append(revoke_code)
+                if kept:
+                    self._note_kept_sessions(kept)
         taken = [i for i, code in enumerate(codes) if code == CODE_OBJECT_EXISTS]
         if taken:
             published = self.exists([keys[i] for i in taken])
@@ -687,6 +698,19 @@ class PoolClient:
                 self._sessions[key] -= 1
                 if self._sessions[key] <= 0:
                     del self._sessions[key]
+
+    def _note_kept_sessions(self, revoke_codes: Sequence[int]) -> None:
+        """Log (at most once a ``REFUSAL_LOG_S``) put sessions left behind that Mooncake kept."""
+        now = time.monotonic()
+        if now - self._kept_sessions_logged < REFUSAL_LOG_S:
+            return
+        self._kept_sessions_logged = now
+        logger.warning(
+            "Mooncake kept %d put session(s) a save left behind (revoke answered %s): their keys "
+            "count as in flight until its master lets them go",
+            len(revoke_codes),
+            sorted(set(revoke_codes)),
+        )
 
     def _note_refusals(self, codes: Sequence[int]) -> None:
         """Log (at most once a ``REFUSAL_LOG_S``) the reservations Mooncake's tenant admission refused."""

@@ -129,3 +129,27 @@ def test_a_put_session_left_behind_is_revoked_and_reserved_again(pool_client) ->
     assert pool_client.reserve(["left"], [64]) == [0]
     assert pool_client.revoke(["left"]) == [0]
     assert pool_client.exists(["left"]) == [False], "nothing of it ever visible"
+
+
+def test_a_put_session_mooncake_keeps_is_another_writers_reservation(
+    pool_client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A session left behind whose revoke the master refuses stays in Mooncake's client for a
+    retry, and every reservation of its key answers -600 (seen in a chaos run after a store
+    restarted under saves: counted ``other_error``). It is a reservation no one publishes,
+    as another writer's (``in_flight``); once the master lets it go, the key is reserved again."""
+    from kvpool.connector.pool_client import CODE_RESERVED_ELSEWHERE, Outcome, classify
+    from testing.mooncake_faults import mooncake_store_class
+
+    store = raw_store(pool_client)
+    assert store.batch_put_session_start(["kept"], [64]) == [0]  # behind the client's back
+    refused = -702  # INVALID_REPLICA: a revoke the master refuses; Mooncake keeps the session
+    monkeypatch.setattr(
+        mooncake_store_class(), "batch_put_session_revoke", lambda _, keys: [refused] * len(keys)
+    )
+    assert pool_client.reserve(["kept"], [64]) == [CODE_RESERVED_ELSEWHERE]
+    assert classify(CODE_RESERVED_ELSEWHERE) is Outcome.IN_FLIGHT
+    monkeypatch.undo()
+    assert pool_client.reserve(["kept"], [64]) == [0], "revoked now, then reserved again"
+    assert pool_client.revoke(["kept"]) == [0]
+    assert pool_client.exists(["kept"]) == [False], "nothing of it ever visible"
