@@ -750,7 +750,8 @@ class WorkerSide:
         try:
             # A payload not as its header states (corrupt, or read before its write landed)
             # fails its block: never reported loaded, so vLLM recomputes it (on the CPU it
-            # is checked on the block right after its copy, from the cache).
+            # is checked on the block right after its copy, from the cache, and a block that
+            # fails there is zeroed: nothing of the payload stays for the block's next user).
             bad = copier.to_blocks_if_intact(part, good, [headers[i] for i, _ in good])
             for k in bad:
                 i, block = good[k]
