@@ -595,7 +595,7 @@ def _plot(report: Report, out: Outcome, opts: Options) -> None:
     fig.legend(handles, labels, loc="lower center", ncol=5, fontsize=8)
     fig.savefig(path, dpi=110)
     plt.close(fig)
-    report.plots.append(str(path))
+    report.plots.append(str(path.relative_to(common.BENCH_DIR)))
 
 
 def main(argv: list[str] | None = None) -> int:

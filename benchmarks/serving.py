@@ -1058,7 +1058,7 @@ def _plot(report: Report, runs: dict[str, FleetRun], opts: Options) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-    report.plots.append(str(path))
+    report.plots.append(str(path.relative_to(common.BENCH_DIR)))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -656,8 +656,8 @@ def _report(rows: list[dict[str, Any]], reps: int, opts: Options) -> Report:
         "straight into the blocks and check them there (direct_local_loads: one copy a load). "
         "The read-ahead table measures the staged load the connector makes otherwise (two copies a "
         "load: segment to staging, staging to the blocks), overlapped batch by batch: the next "
-        "batch is read into one half of the buffer while the other is checked and copied into the "
-        "blocks, each object's check just before its copy. The read-ahead table sets that against "
+        "batch is read into one half of the buffer while the other is copied into the blocks, each "
+        "object's CRC-32C checked on its block right after its copy. The read-ahead table sets that against "
         "larger batches and against one read a group: it pays where reads are local copies and not "
         "over TCP, so the connector reads ahead only when its client holds a segment."
     )
