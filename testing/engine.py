@@ -69,6 +69,19 @@ class RequestResult(GreedyResult):
     logprobs: list[float] | None = None
 
 
+#: Log-probabilities of one token from the same KV agree within this (float32 KV).
+LOGPROB_TOLERANCE = 1e-3
+
+
+def output_difference(got: RequestResult, want: RequestResult) -> str | None:
+    """How ``got`` differs from ``want`` (tokens, then log-probabilities), or None."""
+    if got.token_ids != want.token_ids:
+        return f"tokens {got.token_ids} != {want.token_ids}"
+    assert got.logprobs is not None and want.logprobs is not None, "generated with logprobs=True"
+    worst = max(abs(a - b) for a, b in zip(got.logprobs, want.logprobs, strict=True))
+    return f"log-probabilities differ by up to {worst:.3g}" if worst >= LOGPROB_TOLERANCE else None
+
+
 def engine_core(llm: Any) -> Any | None:
     """The in-process ``EngineCore`` (scheduler, executor), or None if multiprocess."""
     client = llm.llm_engine.engine_core

@@ -29,6 +29,7 @@ from testing.engine import (
     create_llm,
     engine_core,
     generate,
+    output_difference,
     request_results,
     sampling_params,
     shutdown_llm,
@@ -44,7 +45,6 @@ pytestmark = [pytest.mark.faults, pytest.mark.engine, pytest.mark.mooncake, pyte
 MAX_TOKENS = 8
 FAILED_BLOCKS = range(4, 9)  # of the 9 blocks P2 shares with P1
 GOOD_PREFIX = 4 * BLOCK
-LOGPROB_TOLERANCE = 1e-3
 STEP_DEADLINE_S = 60.0
 
 
@@ -62,14 +62,6 @@ def reference(single_group: Path) -> RequestResult:
         return result
     finally:
         shutdown_llm(llm)
-
-
-def _differs(got: RequestResult, want: RequestResult) -> str | None:
-    if got.token_ids != want.token_ids:
-        return f"tokens {got.token_ids} != {want.token_ids}"
-    assert got.logprobs is not None and want.logprobs is not None
-    worst = max(abs(a - b) for a, b in zip(got.logprobs, want.logprobs, strict=True))
-    return f"log-probabilities differ by up to {worst:.3g}" if worst >= LOGPROB_TOLERANCE else None
 
 
 def _step_until(engine: Any, done: Any, outputs: dict[str, Any]) -> None:
@@ -130,7 +122,7 @@ def test_blocks_of_a_failed_load_are_never_a_local_hit(
         served = ["S"] if then == "aborted" else ["R", "S"]
         results = _serve(engine, served, outputs)
         for request_id, result in zip(served, results, strict=True):
-            problem = _differs(result, reference)
+            problem = output_difference(result, reference)
             assert problem is None, f"{request_id} after R was {then}: {problem}"
         # The scenario reuses KV: S takes at least the blocks whose reads never failed.
         assert (results[-1].num_cached_tokens or 0) >= GOOD_PREFIX, results[-1]

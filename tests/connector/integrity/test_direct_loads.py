@@ -17,6 +17,7 @@ import pytest
 
 from kvpool.connector.contract.object_header import HEADER_BYTES
 from kvpool.connector.worker.side import WorkerSide
+from testing.host_copies import torn_copies
 from testing.mooncake_faults import READ_METHOD, Stall, mooncake_store_class
 from tests.connector.integrity.test_pool_integrity import (
     block,
@@ -165,24 +166,14 @@ def test_a_corrupted_own_object_is_caught_after_its_direct_write(
     assert co_located.take_load_errors() == set() and same(block(co_located, 6), block(co_located, 2))
 
 
-def test_the_check_reads_the_block_not_the_object(
-    co_located: WorkerSide, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_the_check_reads_the_block_not_the_object(co_located: WorkerSide) -> None:
     """A copy that leaves the block unlike the intact object (a torn write) fails the load:
     the checksum is taken from the block after its copy, never from the object copied."""
     save(co_located, ["a", "b"], [1, 2])
     for b in (5, 6):
         zero(co_located, b)
-    real_move = ctypes.memmove
-
-    def torn_move(dst: int, src: int, count: int) -> Any:
-        moved = real_move(dst, src, count)
-        ctypes.c_ubyte.from_address(dst).value ^= 0x01  # one bit of the block, not of the object
-        return moved
-
-    monkeypatch.setattr(ctypes, "memmove", torn_move)
-    load(co_located, ["a", "b"], [5, 6])
-    monkeypatch.undo()
+    with torn_copies():  # one bit of the block, not of the object
+        load(co_located, ["a", "b"], [5, 6])
     assert co_located.take_load_errors() == {5, 6}, "neither block may be used or cached"
     (loaded,) = records(co_located, "load")
     assert (loaded.direct_blocks, loaded.failures) == (2, {"corrupt": 2})

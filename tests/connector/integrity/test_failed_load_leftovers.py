@@ -29,10 +29,10 @@ import pytest
 from kvpool.connector.contract.object_header import HEADER_BYTES
 from testing.engine import (
     EngineOptions,
-    RequestResult,
     create_llm,
     engine_core,
     generate,
+    output_difference,
     sampling_params,
     scheduler_connector,
     shutdown_llm,
@@ -50,7 +50,6 @@ MAX_TOKENS = 8
 #: Few blocks, so that the blocks of R's load come back to the head of the free queue soon.
 NUM_BLOCKS = 24
 MAX_MODEL_LEN = 640
-LOGPROB_TOLERANCE = 1e-3
 STEP_DEADLINE_S = 60.0
 NAN32 = struct.pack("<f", float("nan"))
 
@@ -81,14 +80,6 @@ def _fill_caches(llm: Any, value: float) -> None:
         tensor.fill_(value)
 
 
-def _differs(got: RequestResult, want: RequestResult) -> str | None:
-    if got.token_ids != want.token_ids:
-        return f"tokens {got.token_ids} != {want.token_ids}"
-    assert got.logprobs is not None and want.logprobs is not None
-    worst = max(abs(a - b) for a, b in zip(got.logprobs, want.logprobs, strict=True))
-    return f"log-probabilities differ by up to {worst:.3g}" if worst >= LOGPROB_TOLERANCE else None
-
-
 def _prompt(length: int, seed: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(3, 500) for _ in range(length)]
@@ -105,7 +96,7 @@ def test_unwritten_slots_reach_the_answer_only_when_not_finite(single_group: Pat
         for value in (0.0, 1e4, float("nan"), float("inf")):
             _fill_caches(llm, value)
             got = generate(llm, prompts, MAX_TOKENS, logprobs=True)
-            problems = [_differs(g, w) for g, w in zip(got, want, strict=True)]
+            problems = [output_difference(g, w) for g, w in zip(got, want, strict=True)]
             if value == value and abs(value) < float("inf"):
                 assert problems == [None, None], f"unwritten slots of {value} changed the answer"
             else:
@@ -201,5 +192,5 @@ def test_blocks_of_a_failed_load_hold_no_payload_byte(
     finally:
         shutdown_llm(reference)
     assert got.num_cached_tokens in (0, None), "T has no hit: its blocks come from the free queue"
-    problem = _differs(got, want)
+    problem = output_difference(got, want)
     assert problem is None, f"T, on R's blocks after R's failed load: {problem}"

@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -27,6 +26,7 @@ from kvpool.connector.metadata import GroupTransfer, PoolConnectorMetadata, Requ
 from kvpool.connector.observability.records import StatsCollector
 from kvpool.connector.scheduler.side import SchedulerSide
 from kvpool.connector.worker.side import Deadlines, WorkerSide
+from testing.host_copies import torn_copies
 from testing.mooncake_faults import Stall
 from testing.pool_store import put_bytes, raw_store
 from testing.worker import loads_in_flight, resting_slots, retire_staging_slot, run_loads, staging_slot
@@ -165,25 +165,15 @@ def test_an_object_that_is_not_the_block_never_becomes_kv(
     assert worker.take_load_errors() == set() and same(block(worker, 5), block(worker, 1))
 
 
-def test_a_staged_load_checks_the_block_not_the_buffer(
-    worker: WorkerSide, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_staged_load_checks_the_block_not_the_buffer(worker: WorkerSide) -> None:
     """A copy out of the staging buffer that leaves the block unlike the object (a torn
     write) fails the load: the CRC-32C is taken from the block after its copy."""
     save(worker, ["a", "b"], [1, 2])
     for b in (5, 6):
         zero(worker, b)
     worker.stats.drain()
-    real_move = ctypes.memmove
-
-    def torn_move(dst: int, src: int, count: int) -> Any:
-        moved = real_move(dst, src, count)
-        ctypes.c_ubyte.from_address(dst).value ^= 0x01  # one bit of the block, not of the buffer
-        return moved
-
-    monkeypatch.setattr(ctypes, "memmove", torn_move)
-    load(worker, ["a", "b"], [5, 6])
-    monkeypatch.undo()
+    with torn_copies():  # one bit of the block, not of the buffer
+        load(worker, ["a", "b"], [5, 6])
     assert worker.take_load_errors() == {5, 6}, "neither block may be used or cached"
     assert not any(t.any() for b in (5, 6) for t in block(worker, b)), "both blocks zeroed"
     (loaded,) = records(worker, "load")
