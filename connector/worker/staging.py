@@ -155,8 +155,8 @@ class GroupCopier:
 
         On the CPU a CRC-32C object is copied run by run and each run's CRC read back from
         the block right after its copy, from the core's cache (:meth:`into_block_checked`): a
-        reported block then holds bytes that must not be used, and the caller fails it (vLLM
-        recomputes it and never caches it, as for a direct load). A pass over the payload
+        reported block is zeroed, holding nothing of the payload, and the caller fails it
+        (vLLM recomputes it and never caches it, as for a direct load). A pass over the payload
         before the copy read it cold from memory: a third more time per load. Any other
         object, and every object on the device path, is checked in the buffer and copied
         only if it matches.
