@@ -289,6 +289,17 @@ def collect_metrics(llm: Any) -> dict[str, float]:
     return out
 
 
+def wait_for_saves_here(_worker: Any) -> None:
+    """In a worker process (``collective_rpc``): until this process's connector has published
+    its saves or given up on them (at once without a connector)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    if has_kv_transfer_group():
+        side = getattr(get_kv_transfer_group(), "_worker", None)
+        if side is not None:
+            side.wait_for_saves()
+
+
 def run_engine(
     opts: EngineOptions,
     batches: list[list[Prompt]],
@@ -300,16 +311,20 @@ def run_engine(
 ) -> EngineReport:
     """Create an engine, run each batch as one ``generate`` call (in order), report, shut down.
 
-    ``reset_local_cache``: vLLM's own prefix cache is emptied after each batch (the pool is
-    not touched), so every batch's hit comes from the pool.
+    With a connector, each batch's saves have landed before the next batch starts, so the
+    next one's lookups see them (every rank's: a save is asynchronous, a lookup is not
+    made to wait for it). ``reset_local_cache``: vLLM's own prefix cache is emptied after
+    each batch (the pool is not touched), so every batch's hit comes from the pool.
     """
     llm = create_llm(opts)
     try:
         core = engine_core(llm)
         layout = None if core is None else kv_cache_config_summary(core.scheduler.kv_cache_config)
         results = []
-        for batch in batches:
+        for index, batch in enumerate(batches):
             results.append(generate(llm, batch, max_tokens, logprobs=logprobs, trace_headers=trace_headers))
+            if opts.kv_transfer_config is not None and index + 1 < len(batches):
+                llm.collective_rpc(wait_for_saves_here)  # the next batch may hit what this one saved
             if reset_local_cache:
                 assert llm.reset_prefix_cache(), "vLLM's prefix cache was reset"
         metrics = None if opts.disable_log_stats else collect_metrics(llm)
