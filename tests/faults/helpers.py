@@ -387,6 +387,15 @@ class Engine:
         keys = pool_keys(sched.keyspace, prompt(*key), len(sched.layout.groups), range(PREFIX_BLOCKS))
         return sum(scheduler_of(sched).client.exists(keys))
 
+    def wait_for_saves(self) -> None:
+        """Until this engine's saves in flight have published or been given up on (at their
+        deadline)."""
+        from testing.engine import worker_connector
+
+        worker = worker_connector()
+        if worker is not None:
+            worker_of(worker).wait_for_saves()
+
     def undrained_failures(self, timeout: float = 30.0) -> Counter[str]:
         """Failures recorded but not yet handed to vLLM's metrics (after in-flight saves end)."""
         from concurrent.futures import wait
@@ -441,6 +450,8 @@ def serve_until_hits(
     """Serve ``keys`` in order until ``hits`` of them hit the pool (at most all of them)."""
     served: list[Served] = []
     for key in keys:
+        if served:
+            engine.wait_for_saves()  # a save is asynchronous: the next lookup sees what it saved
         served.append(engine.serve(key, deadline_s=deadline_s))
         if sum(s.hit for s in served) >= hits:
             break
