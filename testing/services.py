@@ -65,8 +65,9 @@ class PrometheusServer:
             f"--web.listen-address={LOOPBACK}:{self.port}",
             "--log.level=warn",
         ]
-        self.process = start_logged(command, self.workdir / "prometheus.log")
-        wait_for_port(self.port, timeout, self.process)
+        log = self.workdir / "prometheus.log"
+        self.process = start_logged(command, log)
+        wait_for_port(self.port, timeout, self.process, log_path=log)
         self._wait_ready(timeout)
         return self
 

@@ -53,15 +53,29 @@ def port_open(port: int, host: str = LOOPBACK) -> bool:
         return sock.connect_ex((host, port)) == 0
 
 
+def log_tail(path: Path, lines: int = 15) -> str:
+    """The last ``lines`` lines of a process's log ("" when it cannot be read)."""
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
 def wait_for_port(
-    port: int, timeout: float, process: subprocess.Popen[bytes] | None = None, host: str = LOOPBACK
+    port: int,
+    timeout: float,
+    process: subprocess.Popen[bytes] | None = None,
+    host: str = LOOPBACK,
+    log_path: Path | None = None,
 ) -> None:
     """Until something accepts connections on ``port`` of a loopback address; fails early if
-    ``process`` exits."""
+    ``process`` exits, with the end of its log (``log_path``): a log removed with its
+    folder afterwards still tells why."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process is not None and process.poll() is not None:
-            raise RuntimeError(f"process exited with {process.returncode} before listening on {port}")
+            why = f"; the end of {log_path}:\n{log_tail(log_path)}" if log_path is not None else ""
+            raise RuntimeError(f"process exited with {process.returncode} before listening on {port}{why}")
         if port_open(port, host):
             return
         time.sleep(0.05)
@@ -129,10 +143,11 @@ class MooncakeMaster:
 
     def start(self, timeout: float = 30.0, *, wait_rpc: bool = True) -> MooncakeMaster:
         """Start and wait until it serves; an HA standby serves RPC only once it leads."""
-        self.process = start_logged(self.command(), self.log_dir / "master.log")
-        wait_for_port(self.metrics_port, timeout, self.process)
+        log = self.log_dir / "master.log"
+        self.process = start_logged(self.command(), log)
+        wait_for_port(self.metrics_port, timeout, self.process, log_path=log)
         if wait_rpc:
-            wait_for_port(self.rpc_port, timeout, self.process)
+            wait_for_port(self.rpc_port, timeout, self.process, log_path=log)
         return self
 
     def serving_rpc(self) -> bool:
@@ -192,8 +207,9 @@ class MooncakeStore:
         if self.disk_tier is not None:
             env.update(self.disk_tier.store_env())
         try:
-            self.process = start_logged(self.command(), self.log_dir / "store.log", env)
-            wait_for_port(self.port, timeout, self.process, self.host)
+            log = self.log_dir / "store.log"
+            self.process = start_logged(self.command(), log, env)
+            wait_for_port(self.port, timeout, self.process, self.host, log_path=log)
             if master is not None:
                 wait_for_capacity(master, timeout)
         except BaseException:

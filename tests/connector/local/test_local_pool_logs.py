@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from kvpool.connector.local.pool import LocalPool, kill_process
+from kvpool.connector.local.pool import LocalPool, MooncakeMaster, kill_process
 
 pytestmark = pytest.mark.mooncake
 
@@ -39,3 +39,15 @@ def test_logs_are_kept_when_asked_or_when_a_part_died_on_its_own() -> None:
         assert pool.master is not None and pool.store is not None
         shutil.rmtree(pool.master.log_dir, ignore_errors=True)
         shutil.rmtree(pool.store.log_dir, ignore_errors=True)
+
+
+def test_a_master_that_exits_before_listening_says_why_even_once_its_log_is_gone() -> None:
+    """A test pool removes its log folders when it stops: the error carries the log's end."""
+    master = MooncakeMaster(extra_args=("--no_such_flag=1",))
+    try:
+        with pytest.raises(RuntimeError, match="before listening") as failed:
+            master.start(30)
+    finally:
+        master.stop()
+        shutil.rmtree(master.log_dir, ignore_errors=True)
+    assert "no_such_flag" in str(failed.value), str(failed.value)
