@@ -14,21 +14,35 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvpool.connector.local.pool import LOOPBACK, free_port, kill_process, start_logged, stop_process
+from kvpool.connector.local.pool import LOOPBACK, kill_process, start_logged, stop_process
 from kvpool.connector.local.pool import port_open as _port_open
+from kvpool.connector.local.ports import PortHold
 
 CLUSTER_TOKEN = "kvpool-chaos"
 
 
 @dataclass
 class EtcdMember:
-    """One member: its name, ports, data folder and process."""
+    """One member: its name, ports, data folder and process. Its ports are held
+    (:class:`PortHold`) until :meth:`release`: no other draw takes them while it is down."""
 
     name: str
     workdir: Path
-    client_port: int = field(default_factory=free_port)
-    peer_port: int = field(default_factory=free_port)
+    client_hold: PortHold = field(default_factory=PortHold.drawn)
+    peer_hold: PortHold = field(default_factory=PortHold.drawn)
     process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def client_port(self) -> int:
+        return self.client_hold.port
+
+    @property
+    def peer_port(self) -> int:
+        return self.peer_hold.port
+
+    def release(self) -> None:
+        self.client_hold.release()
+        self.peer_hold.release()
 
     @property
     def endpoint(self) -> str:
@@ -132,4 +146,5 @@ class EtcdCluster:
     def stop(self) -> None:
         for member in self.members:
             stop_process(member.process)
+            member.release()
         shutil.rmtree(self.workdir, ignore_errors=True)

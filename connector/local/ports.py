@@ -5,6 +5,9 @@ also takes the local ports of outgoing connections from: between the check and t
 server's own bind, any connection on the machine may take it (``EADDRINUSE``). So ports
 are drawn at random below that range, where the kernel never picks on its own, and only
 a server that binds the same port in that instant can race.
+
+A port a server binds only later, or binds again after a restart, is held meanwhile
+(:class:`PortHold`): no other draw hands it out, and its own server still binds it.
 """
 
 from __future__ import annotations
@@ -53,3 +56,41 @@ def free_port(host: str = LOOPBACK) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
+
+
+class PortHold:
+    """Keeps ``port`` from every other draw until :meth:`release`.
+
+    A socket bound to the port (never listening) makes :func:`bindable` false in every
+    process and fails every other hold on it, so :func:`free_port` never hands the port out, while a server
+    that sets ``SO_REUSEADDR`` (``mooncake_master``, etcd, most servers) binds and listens
+    on it alongside the hold, then again after a restart.
+    """
+
+    def __init__(self, port: int, host: str = LOOPBACK) -> None:
+        self.port = port
+        self._socket: socket.socket | None = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            # Bound first without SO_REUSEADDR: a claim no other hold shares, then opened to
+            # the server, which binds alongside it with SO_REUSEADDR of its own.
+            self._socket.bind((host, port))
+            self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        except OSError:
+            self.release()
+            raise
+
+    @classmethod
+    def drawn(cls, host: str = LOOPBACK) -> PortHold:
+        """A hold on a freshly drawn port; drawn again if another process took it in between."""
+        for _ in range(TRIES):
+            try:
+                return cls(free_port(host), host)
+            except OSError:
+                continue
+        raise OSError(f"no port to hold on {host} after {TRIES} draws")
+
+    def release(self) -> None:
+        """Let the port go (its server, if any, keeps it while it listens)."""
+        if self._socket is not None:
+            self._socket.close()
+            self._socket = None

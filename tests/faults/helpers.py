@@ -32,6 +32,7 @@ from kvpool.connector.local.pool import (
     wait_for_capacity,
     wait_for_port,
 )
+from kvpool.connector.local.ports import PortHold
 from testing.engine import worker_of
 from testing.worker import transfer_records, transfers_in_flight
 
@@ -102,8 +103,9 @@ class Etcd:
             "--initial-cluster",
             f"default={peer}",
         ]
-        self.process = start_logged(command, self.workdir / "etcd.log")
-        wait_for_port(self.client_port, timeout, self.process)
+        log = self.workdir / "etcd.log"
+        self.process = start_logged(command, log)
+        wait_for_port(self.client_port, timeout, self.process, log_path=log)
         return self
 
     def stop(self) -> None:
@@ -143,12 +145,14 @@ def process_etcd() -> Etcd:
 @dataclass
 class HAPool:
     """Two masters with ``--enable_ha`` electing a leader through the process's etcd
-    (:func:`process_etcd`), one store."""
+    (:func:`process_etcd`), one store. A standby binds its RPC port only once it leads:
+    each master's RPC port is held (:class:`PortHold`) until :meth:`stop`."""
 
     segment_size: str = "256MB"
     etcd: Etcd | None = None
     masters: list[MooncakeMaster] = field(default_factory=list)
     store: MooncakeStore | None = None
+    rpc_holds: list[PortHold] = field(default_factory=list)
 
     @property
     def address(self) -> str:
@@ -163,7 +167,9 @@ class HAPool:
         try:
             self.etcd = process_etcd()
             for _ in range(2):
-                self.masters.append(MooncakeMaster(extra_args=self.ha_args()).start(wait_rpc=False))
+                self.rpc_holds.append(PortHold.drawn())
+                master = MooncakeMaster(rpc_port=self.rpc_holds[-1].port, extra_args=self.ha_args())
+                self.masters.append(master.start(wait_rpc=False))
             leader = self.wait_for_leader(timeout)
             self.store = MooncakeStore(self.address, self.segment_size).start()
             wait_for_capacity(leader, timeout)
@@ -211,19 +217,33 @@ class HAPool:
         for master in self.masters:
             master.stop()
             shutil.rmtree(master.log_dir, ignore_errors=True)
+        for hold in self.rpc_holds:
+            hold.release()
 
 
 @dataclass
 class SinglePool:
     """One master on fixed loopback ports, so it can be killed and restarted under its
-    clients (they reconnect to the same address), and one store process."""
+    clients (they reconnect to the same address), and one store process.
+
+    Its ports are held from its creation to :meth:`stop`: while its master is not running
+    (not started yet, or killed), no other test's draw hands them out.
+    """
 
     segment_size: str = "256MB"
-    rpc_port: int = field(default_factory=free_port)
-    metrics_port: int = field(default_factory=free_port)
+    rpc_hold: PortHold = field(default_factory=PortHold.drawn)
+    metrics_hold: PortHold = field(default_factory=PortHold.drawn)
     master: MooncakeMaster | None = None
     store: MooncakeStore | None = None
     _logs: list[Path] = field(default_factory=list)
+
+    @property
+    def rpc_port(self) -> int:
+        return self.rpc_hold.port
+
+    @property
+    def metrics_port(self) -> int:
+        return self.metrics_hold.port
 
     @property
     def address(self) -> str:
@@ -278,6 +298,8 @@ class SinglePool:
             self.store.stop()
         if self.master is not None:
             self.master.stop()
+        self.rpc_hold.release()
+        self.metrics_hold.release()
         for path in self._logs:
             shutil.rmtree(path, ignore_errors=True)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import socket
 from pathlib import Path
 
@@ -44,3 +45,57 @@ def test_a_taken_port_is_never_handed_out(monkeypatch: pytest.MonkeyPatch) -> No
         monkeypatch.setattr(ports, "SPAN", 2000)
         monkeypatch.setattr(ports, "ephemeral_range", lambda: (port + 2000, port + 2001))
         assert ports.free_port() != port  # every draw hits the taken port: the kernel picks
+
+
+def _held_port_drawn_again(monkeypatch: pytest.MonkeyPatch, port: int) -> int:
+    """``free_port`` where every draw hits ``port`` (the kernel picks when none binds)."""
+    low, _ = ports.ephemeral_range()
+    start = max(1024, low - ports.SPAN)
+    monkeypatch.setattr(ports.secrets, "randbelow", lambda n: port - start)
+    return ports.free_port()
+
+
+def test_a_held_port_is_never_drawn_again_and_its_server_still_binds_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    hold = ports.PortHold.drawn()
+    port = hold.port
+    try:
+        assert not ports.bindable(port)
+        with pytest.raises(OSError):
+            ports.PortHold(port)  # one hold per port
+        assert _held_port_drawn_again(monkeypatch, port) != port
+        for _ in range(2):  # a server with SO_REUSEADDR listens on it, again after it stops
+            with socket.socket() as server:
+                server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                server.bind((ports.LOOPBACK, port))
+                server.listen()
+                client = socket.create_connection((ports.LOOPBACK, port), timeout=5)
+                accepted, _ = server.accept()
+                client.close()  # the client closes first: no TIME_WAIT stays on the port
+                accepted.close()
+            assert not ports.bindable(port), "held while its server is down"
+    finally:
+        hold.release()
+    assert ports.bindable(port)
+    assert _held_port_drawn_again(monkeypatch, port) == port  # released: drawn like any other
+
+
+@pytest.mark.mooncake
+def test_a_master_starts_and_restarts_on_held_ports() -> None:
+    from kvpool.connector.local.pool import MooncakeMaster
+
+    rpc, metrics = ports.PortHold.drawn(), ports.PortHold.drawn()
+    try:
+        for _ in range(2):  # started, killed, started again on the same ports
+            master = MooncakeMaster(rpc_port=rpc.port, metrics_port=metrics.port)
+            try:
+                master.start(30)
+                assert master.serving_rpc()
+            finally:
+                master.kill()
+                shutil.rmtree(master.log_dir, ignore_errors=True)
+            assert not ports.bindable(rpc.port) and not ports.bindable(metrics.port)
+    finally:
+        rpc.release()
+        metrics.release()
