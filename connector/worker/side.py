@@ -67,8 +67,13 @@ _DEFAULTS = ConnectorSettings.model_fields
 
 # The defaults of the ``transfer_threads`` and ``load_batch_bytes`` settings.
 TRANSFER_THREADS: int = _DEFAULTS["transfer_threads"].default
-# Staging buffers whose call was given up on rest this long (ten times Mooncake's longest
-# wait for a transfer, 60 s) before reuse; at most one per transfer thread rests at once.
+# Mooncake's longest wait for a call's transfers (``TransferEngineOperationState::
+# wait_for_completion``): a call that returns sooner returns once every transfer of it has
+# ended (completed or failed, its connection dropped), so nothing writes or reads its
+# buffer any more; a call cut off at this limit may leave its transport moving bytes.
+MOONCAKE_TRANSFER_WAIT_S = 60.0
+# Staging buffers of a job given up on that ran that long rest this long (ten times
+# Mooncake's limit) before reuse; at most one per transfer thread rests at once.
 RETIRE_GRACE_S = 600.0
 # Keys of one failed read whose size is asked for (an object of the wrong size fails the
 # read like a transfer error does): a stored object of another size is not the block.
@@ -328,10 +333,11 @@ class WorkerSide:
         return slot
 
     def _retire_slot(self) -> None:
-        """Retire this thread's buffer after a call given up on returned.
+        """Retire this thread's buffer after a call given up on returned at Mooncake's limit.
 
-        Mooncake may end a call at its own hard limit (60 s) while its transport
-        still moves bytes; only ``RETIRE_GRACE_S`` later is the buffer used again.
+        Mooncake may end a call at its own hard limit (``MOONCAKE_TRANSFER_WAIT_S``)
+        while its transport still moves bytes; only ``RETIRE_GRACE_S`` later is the
+        buffer used again.
         """
         slot: StagingSlot | None = getattr(self._local, "slot", None)
         if slot is not None:
@@ -475,10 +481,13 @@ class WorkerSide:
             self._job_of[id(request)] = job
 
         def run() -> Any:
+            started = time.monotonic()
             try:
                 return fn(request)
             finally:
-                if job.abandoned:
+                # Every Mooncake call of the job ran within its run: one that returned before
+                # Mooncake's limit left nothing moving, and its buffer is used again at once.
+                if job.abandoned and time.monotonic() - started >= MOONCAKE_TRANSFER_WAIT_S:
                     self._retire_slot()
                 job.returned()
                 self._forget(job, request)

@@ -183,9 +183,17 @@ def test_a_staged_load_checks_the_block_not_the_buffer(worker: WorkerSide) -> No
 # --- loads past their deadline ---------------------------------------------------------------
 
 
+@pytest.mark.parametrize("returned", ["before_mooncakes_limit", "at_mooncakes_limit"])
 def test_a_sync_load_past_its_deadline_fails_and_its_late_call_never_writes_a_block(
-    worker: WorkerSide, monkeypatch: pytest.MonkeyPatch
+    returned: str, worker: WorkerSide, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """The stalled call returns before Mooncake's own limit (every transfer of it ended:
+    its buffer is used again at once), or, as if cut off at that limit (its transport may
+    still move bytes), its buffer rests and the next load takes another."""
+    from kvpool.connector.worker import side as worker_side
+
+    if returned == "at_mooncakes_limit":
+        monkeypatch.setattr(worker_side, "MOONCAKE_TRANSFER_WAIT_S", 0.0)
     save(worker, ["a", "b"], [1, 2])
     stall = Stall("batch_get_into_multi_buffers", {worker.keyspace.key(0, 0, 0, "a")}, scribble=True)
     stall.install(monkeypatch)
@@ -204,12 +212,46 @@ def test_a_sync_load_past_its_deadline_fails_and_its_late_call_never_writes_a_bl
     until(lambda: stall.in_flight == 0 and not worker.jobs.stalled, "the stalled call returns")
     # ... which was the staging buffer, never the block.
     assert same(block(worker, 5), before)
-    # That buffer rests (Mooncake may end a call while its transport still writes).
-    (retired,) = resting_slots(worker)
+    retired = resting_slots(worker)
+    assert len(retired) == (returned == "at_mooncakes_limit"), "only a call cut off at the limit rests"
     monkeypatch.undo()
     load(worker, ["b"], [6], req="after")
     assert worker.take_load_errors() == set() and same(block(worker, 6), block(worker, 2))
-    assert retired in resting_slots(worker), "still resting"
+    assert resting_slots(worker) == retired, "a resting buffer stays resting"
+
+
+def test_loads_given_up_on_every_transfer_thread_at_once_leave_the_pool_serving(
+    worker: WorkerSide, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A frozen store: every transfer thread's load is given up on at its deadline, and the
+    calls return when the store thaws, well before Mooncake's own limit. Each thread uses its
+    buffer again at once. (Before, each buffer rested 600 s, and with as many resting as there
+    are threads every load failed at once for ten minutes: chaos run of 2026-12-05.)"""
+    save(worker, ["a", "b"], [1, 2])
+    stall = Stall("batch_get_into_multi_buffers", {worker.keyspace.key(0, 0, 0, "a")}, scribble=True)
+    stall.install(monkeypatch)
+    threads = worker.transfer_threads
+    targets = list(range(5, 5 + threads))
+    for b in targets:
+        zero(worker, b)
+    before = [block(worker, b) for b in targets]
+    run_loads(
+        worker, [RequestLoad(f"frozen-{b}", [GroupTransfer(0, ["a"], [b])], hit_tokens=32) for b in targets]
+    )
+    assert stall.stalled == threads, "one call in flight on every transfer thread"
+    assert worker.take_load_errors() == set(targets)
+    stall.release()
+    until(lambda: stall.in_flight == 0 and not worker.jobs.stalled, "the stalled calls return")
+    assert all(same(block(worker, b), old) for b, old in zip(targets, before, strict=True))
+    assert resting_slots(worker) == []
+    monkeypatch.undo()
+    worker.stats.drain()
+    run_loads(
+        worker, [RequestLoad(f"thawed-{b}", [GroupTransfer(0, ["b"], [b])], hit_tokens=32) for b in targets]
+    )
+    assert worker.take_load_errors() == set(), "every thread loads again"
+    assert all(same(block(worker, b), block(worker, 2)) for b in targets)
+    assert all(not r.failures for r in records(worker, "load"))
 
 
 def test_a_buffer_given_up_on_rests_before_reuse(worker: WorkerSide, monkeypatch: pytest.MonkeyPatch) -> None:
