@@ -355,7 +355,6 @@ def pool_spec(consumer: str, layout: Mapping[str, Any], **overrides: Any) -> dic
     """A pool of one master and two 64 MiB stores, with ``consumer`` (of ``layout``) using it."""
     spec: dict[str, Any] = {
         "image": "registry.example/mooncake:0.3.7",
-        "master": {"leaseTtlMs": 2000},
         "store": {"replicas": 2, "segmentSize": "64MB"},
         "connector": {"cache_prefix": f"e2e-{consumer}"},
         "consumers": [{"name": consumer, "container": "vllm", "layout": dict(layout)}],

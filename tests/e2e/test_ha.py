@@ -110,7 +110,7 @@ def ha_pool(e2e: E2E, model: Path, layout: dict, reference_server: None) -> Iter
     spec = harness.pool_spec(
         CONSUMER,
         layout,
-        master={"replicas": 2, "leaseTtlMs": 2000, "ha": {"enabled": True, "etcdEndpoints": members}},
+        master={"replicas": 2, "ha": {"enabled": True, "etcdEndpoints": members}},
         store={"replicas": 1, "segmentSize": "64MB"},
     )
     try:

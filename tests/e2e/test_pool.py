@@ -99,6 +99,7 @@ def test_pool_serves_its_consumer_from_real_processes(
     masters, stores = e2e.pods(MASTER), e2e.pods(STORE)
     assert len(masters) == 1 and len(stores) == 2 and all(p.ready for p in [*masters, *stores])
     assert all(true(e2e, kind) for kind in ("ConfigValid", "MasterReady", "StoreReady", "ConsumersRolledOut"))
+    assert not status(e2e).get("warnings"), "a pool of the defaults warns of nothing"
     store_args = [p.container().argv for p in stores]
     for pod, argv in zip(stores, store_args, strict=True):
         assert f"--host={pod.ip}" in argv  # $(POD_IP), expanded to the pod's own address
@@ -168,7 +169,7 @@ def test_an_external_pool_serves_its_consumer_from_a_master_it_does_not_run(
         external={"masterServerAddress": f"{service}:50051", "metricsEndpoints": [f"{service}:9003"]},
         connector={"cache_prefix": f"e2e-{CONSUMER}"},
     )
-    del spec["image"], spec["master"], spec["store"]
+    del spec["image"], spec["store"]  # an external pool runs neither (nor a master)
     e2e.kube.create(harness.vllm_deployment(EXTERNAL_CONSUMER, model, allow_pool=EXTERNAL, replicas=0))
     e2e.kube.create(harness.pool_manifest(EXTERNAL, spec))
     try:
