@@ -809,7 +809,12 @@ class WorkerSide:
         for r in results:
             codes = self.client.remove(r.corrupt_keys) if r.corrupt_keys else []
             removed.append(sum(1 for code in codes if code == 0))
-        logger.warning("KVPoolConnector removed %d object(s) that failed their check", sum(removed))
+        logger.warning(
+            "KVPoolConnector: %d object(s) failed their check; removed %d (any other: already gone, "
+            "leased by a reader, or being written)",
+            sum(len(r.corrupt_keys) for r in results),
+            sum(removed),
+        )
         kinds = self.stats.group_kinds or tuple("" for _ in results)
         zeros = tuple(0 for _ in results)
         self.stats.record_transfer(
