@@ -62,9 +62,9 @@ class PortHold:
     """Keeps ``port`` from every other draw until :meth:`release`.
 
     A socket bound to the port (never listening) makes :func:`bindable` false in every
-    process and fails every other hold on it, so :func:`free_port` never hands the port out, while a server
-    that sets ``SO_REUSEADDR`` (``mooncake_master``, etcd, most servers) binds and listens
-    on it alongside the hold, then again after a restart.
+    process and fails every other hold on it, so :func:`free_port` never hands the port
+    out, while a server that sets ``SO_REUSEADDR`` (``mooncake_master``, etcd, most
+    servers) binds and listens on it alongside the hold, then again after a restart.
     """
 
     def __init__(self, port: int, host: str = LOOPBACK) -> None:
