@@ -11,6 +11,7 @@ Load it with::
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -137,6 +138,14 @@ def record_recovery(stats: StatsCollector, failed_requests: int, failed_blocks: 
                 recomputed=index < failed_requests,
             )
         )
+
+
+def forward_raised() -> bool:
+    """Whether an exception is passing through the caller: vLLM calls ``wait_for_save`` in the
+    ``finally`` around the forward (``_get_kv_connector_output``), so one there means the
+    forward raised and the step's blocks may hold anything. (Called inside an unrelated
+    ``except`` further up the stack, it answers True too: a lost save, never a wrong one.)"""
+    return sys.exc_info()[1] is not None
 
 
 def step_block_ids(
@@ -414,7 +423,11 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
 
     def wait_for_save(self) -> None:
         meta = self._connector_metadata
-        if isinstance(meta, PoolConnectorMetadata) and meta.saves:
+        if not (isinstance(meta, PoolConnectorMetadata) and meta.saves):
+            return
+        if forward_raised():
+            self._work().drop_saves(meta)
+        else:
             self._work().start_saves(meta)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:

@@ -105,6 +105,7 @@ class Outcome(StrEnum):
     QUOTA_EXCEEDED = "quota_exceeded"  # Mooncake refused a save past its tenant's quota
     TENANT_NOT_REGISTERED = "tenant_not_registered"  # the master holds no quota for the tenant
     REPLICA_UNAVAILABLE = "replica_unavailable"  # listed, but no copy readable (its store died)
+    FORWARD_FAILED = "forward_failed"  # a save of a step whose forward raised: never started
     OTHER = "other_error"
 
 

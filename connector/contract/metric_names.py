@@ -82,7 +82,8 @@ FAILURES = _counter(
     "Keys whose transfer failed, by kind (missing, store_full, transfer_failed, rpc_failed, timeout, "
     "corrupt, in_flight: a save found the key reserved by another writer, quota_exceeded and "
     "tenant_not_registered: the master refused a tenant's save, replica_unavailable: the "
-    "master lists the object but no copy of it is readable, its store gone, other_error); a "
+    "master lists the object but no copy of it is readable, its store gone, forward_failed: "
+    "a save not made because the step's forward raised, other_error); a "
     "lookup past its deadline counts as a timeout of group all, one whose existence check the "
     "master could not answer as a timeout or rpc_failed of group all.",
     (*GROUP_LABELS, "operation", "reason"),

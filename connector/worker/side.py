@@ -420,6 +420,21 @@ class WorkerSide:
         if self.order.drain_saves:
             self.before_forward()
 
+    def drop_saves(self, meta: PoolConnectorMetadata) -> None:
+        """This step's saves are not made: its forward raised, so its blocks may hold anything
+        (stale bytes under a valid header and checksum would pass every load check)."""
+        now = time.perf_counter()
+        blocks = 0
+        for save in meta.saves:
+            results = [_failed(g, Outcome.FORWARD_FAILED) for g in save.groups]
+            blocks += sum(len(g.block_ids) for g in save.groups)
+            self._record("save", save.groups, results, now)
+        logger.warning(
+            "KVPoolConnector: the step's forward raised; its %d save(s) of %d block(s) are not made",
+            len(meta.saves),
+            blocks,
+        )
+
     def _save_after_forward(self, save: RequestSave, forward_done: Marker | None) -> None:
         """A save whose reads of its blocks are queued after the forward that computed them."""
         self.order.after(forward_done)
@@ -1055,6 +1070,14 @@ class WorkerSide:
         for ptr, size in spans:
             self.client.unregister(ptr, size)
         return True
+
+
+def _failed(transfer: GroupTransfer, outcome: Outcome) -> GroupResult:
+    """A group none of whose blocks was transferred, for ``outcome``."""
+    result = GroupResult(attempted=bool(transfer.block_ids))
+    if transfer.block_ids:
+        result.fail(list(transfer.block_ids), outcome)
+    return result
 
 
 def _timed_out(transfer: GroupTransfer, skip: set[tuple[int, int]] | None = None) -> GroupResult:
