@@ -26,6 +26,7 @@ BENCHMARKS = (
     "frozen_pool",
     "disk_tier",
     "chaos",
+    "chaos_colocated",
 )
 
 

@@ -25,6 +25,11 @@ A slowed or lossy link (``tc netem`` in a network namespace) is not among the fa
 the kernel has no ``sch_netem`` (this machine's: ``tc`` answers "Specified qdisc kind is
 unknown"); the report says so.
 
+``--colocated`` runs the fleet without store processes: each server's connector holds a
+segment of the pool (``global_segment_size``), so a server reads its own segment directly
+and its peer's over TCP. Store faults give way to ``server_frozen`` (a server stopped, its
+segment stalling its peer's transfers); a restarted server loses its segment's objects.
+
 ``--smoke`` is the short variant the test suite runs (~2 minutes of traffic, every kind once);
 without it, 20 minutes, every kind three times. ``--out DIR`` keeps the history there.
 """
@@ -56,7 +61,11 @@ from testing import chaos_history as ch
 from testing import chaos_judgement as judge
 from testing.chaos_schedule import FaultKind, PlannedFault, plan
 
-KINDS = [k for k in FaultKind if k != FaultKind.SLOW_LINK]
+#: The faults of a fleet whose stores hold the pool, and of one whose servers do (co-located).
+KINDS = [k for k in FaultKind if k not in (FaultKind.SLOW_LINK, FaultKind.SERVER_FROZEN)]
+COLOCATED_KINDS = [
+    k for k in FaultKind if k not in (FaultKind.SLOW_LINK, FaultKind.STORE_FROZEN, FaultKind.STORE_RESTARTED)
+]
 #: A request's allowance for queueing, prefill and decode on this machine's two busy cores,
 #: with no pool at all (the tiny model answers in well under a second when idle).
 COMPUTE_ALLOWANCE_S = 60.0
@@ -87,14 +96,20 @@ SHORT = Shape(120.0, 1, 25.0, 25.0, 6.0, 10.0, 36.0, 3, 30.0)
 FULL = Shape(1200.0, 3, 60.0, 120.0, None, 20.0, 60.0, 6, 60.0)
 
 
-def connector_extra() -> dict[str, Any]:
+def kinds_of(colocated: bool) -> list[FaultKind]:
+    return COLOCATED_KINDS if colocated else KINDS
+
+
+def connector_extra(segment_size: str | None = None) -> dict[str, Any]:
     """Settings beyond the address: hits always load where the connector can choose (the
-    run is about loads under faults), short deadlines as the fault suite uses."""
+    run is about loads under faults); ``segment_size``: the memory each server holds."""
     from kvpool.connector.contract.settings import ConnectorSettings
 
     extra: dict[str, Any] = {}
     if "load_policy" in ConnectorSettings.model_fields:
         extra["load_policy"] = "always"
+    if segment_size is not None:
+        extra["global_segment_size"] = segment_size
     return extra
 
 
@@ -185,6 +200,7 @@ class Outcome:
     shape: Shape
     kv_cache_tokens: list[int | None]
     wall_seconds: float | None = None  # the whole run's, set once it ended
+    colocated: bool = False
 
     def save(self, out_dir: Path) -> None:
         """Everything but the history (``history.jsonl`` beside it): the run can be judged again."""
@@ -197,6 +213,7 @@ class Outcome:
             "shape": asdict(self.shape),
             "kv_cache_tokens": self.kv_cache_tokens,
             "wall_seconds": self.wall_seconds,
+            "colocated": self.colocated,
         }
         (out_dir / "outcome.json").write_text(json.dumps(fields) + "\n")
 
@@ -213,6 +230,7 @@ class Outcome:
             Shape(**fields["shape"]),
             fields["kv_cache_tokens"],
             fields.get("wall_seconds"),
+            fields.get("colocated", False),
         )
 
 
@@ -220,7 +238,7 @@ def _cores() -> list[int]:
     return sorted(os.sched_getaffinity(0))
 
 
-def run_fleet(shape: Shape, wl: Workload, seed: int, out_dir: Path) -> Outcome:
+def run_fleet(shape: Shape, wl: Workload, seed: int, out_dir: Path, colocated: bool = False) -> Outcome:
     """Start everything, warm up, play the traffic and the faults, the negative control, then
     stop the fleet and compute the references; every process is stopped on the way out."""
     from testing.guard_switch import server_env
@@ -231,7 +249,8 @@ def run_fleet(shape: Shape, wl: Workload, seed: int, out_dir: Path) -> Outcome:
     model = build_gemma3(MODELS_DIR / "bench-gemma3-tiny")
     switch = out_dir / "payload-check-off"
     switch.unlink(missing_ok=True)
-    fleet = Fleet(model, server_env=server_env(switch, out_dir / "site"))
+    env = server_env(switch, out_dir / "site")
+    fleet = Fleet(model, stores=0 if colocated else 2, colocated=colocated, server_env=env)
     # The references' server: no cache, no connector; its worker in the engine core's process.
     reference = ApiServer(
         model,
@@ -254,7 +273,8 @@ def run_fleet(shape: Shape, wl: Workload, seed: int, out_dir: Path) -> Outcome:
     sampler: Sampler | None = None
     try:
         fleet.start_pool()
-        settings = pool.settings(fleet.address, CACHE_PREFIX, **connector_extra())
+        segment = fleet.segment_size if colocated else None
+        settings = pool.settings(fleet.address, CACHE_PREFIX, **connector_extra(segment))
         fleet.transfer_config = settings.kv_transfer_config()
         bound = request_bound_s(settings)
         fleet.start_servers(_cores())
@@ -275,13 +295,14 @@ def run_fleet(shape: Shape, wl: Workload, seed: int, out_dir: Path) -> Outcome:
             seed,
             start=shape.fault_start_s,
             end=shape.traffic_s - shape.fault_tail_s,
-            kinds=KINDS,
+            kinds=kinds_of(colocated),
             per_kind=shape.per_kind,
             targets={
                 FaultKind.STORE_FROZEN: fleet.stores,
                 FaultKind.STORE_RESTARTED: fleet.stores,
                 FaultKind.ETCD_MEMBER_RESTARTED: 3,
                 FaultKind.SERVER_RESTARTED: fleet.servers,
+                FaultKind.SERVER_FROZEN: fleet.servers,
             },
             max_hold=shape.max_hold_s,
         )
@@ -342,7 +363,7 @@ def run_fleet(shape: Shape, wl: Workload, seed: int, out_dir: Path) -> Outcome:
         if hands is not None:
             hands.close()
         sink.close()
-    outcome = Outcome(history, refs, schedule, final, bound, wl, shape, caches)
+    outcome = Outcome(history, refs, schedule, final, bound, wl, shape, caches, colocated=colocated)
     outcome.save(out_dir)
     return outcome
 
@@ -380,11 +401,18 @@ def judge_outcome(out: Outcome) -> Report:
     kinds = judge.by_kind(chaos, fates, wrong, timeline, shape.window_s, fraction=RECOVERY_FRACTION)
     leaks = judge.leaks(out.history.procs, LEAK_WARMUP_S)
     disagreements = judge.metrics_disagreements(out.history, final_generations=out.final_generations)
-    injected = {k.value: sum(1 for f in chaos.faults if f.kind == k.value and f.error is None) for k in KINDS}
+    kinds_run = kinds_of(out.colocated)
+    injected = {
+        k.value: sum(1 for f in chaos.faults if f.kind == k.value and f.error is None) for k in kinds_run
+    }
     failed_injections = [f for f in chaos.faults if f.error is not None]
     recoveries = [r for row in kinds for r in row.recoveries]
 
-    report = Report("chaos", "10. Chaos: a serving fleet under random faults", "")
+    report = (
+        Report("chaos_colocated", "10b. Chaos, co-located: servers holding the pool, under random faults", "")
+        if out.colocated
+        else Report("chaos", "10. Chaos: a serving fleet under random faults", "")
+    )
     table = Table(
         f"per fault kind ({shape.traffic_s / 60:.0f} min of traffic, seed in the command): requests "
         f"sent while a fault held (or within {shape.window_s:.0f} s after); recovery: seconds from "
@@ -424,7 +452,7 @@ def judge_outcome(out: Outcome) -> Report:
             "sent",
             "completed",
             "hung up by client",
-            "refused in a restart",
+            "refused in a restart or freeze",
             "refused",
             "failed",
             "hung",
@@ -459,11 +487,15 @@ def judge_outcome(out: Outcome) -> Report:
         Target("no wrong answer", f"{len(wrong)} wrong of {judged_answers} judged", not wrong),
         Target(
             f"no request hangs (bound {out.bound_s:.0f} s)",
-            f"{len(fates.hung)} hung; {len(fates.refused_in_restart)} refused in a restart, "
+            f"{len(fates.hung)} hung; {len(fates.refused_in_restart)} refused in a restart or freeze, "
             f"{len(fates.refused)} refused otherwise",
             not fates.hung,
         ),
-        Target("no stream breaks but by a server restart", f"{len(fates.failed)} failed", not fates.failed),
+        Target(
+            "no stream breaks but by a server restart" + (" or freeze" if out.colocated else ""),
+            f"{len(fates.failed)} failed",
+            not fates.failed,
+        ),
         Target(
             f"every fault kind injected at least {shape.per_kind} time(s)",
             ", ".join(f"{k} {n}" for k, n in injected.items()),
@@ -486,14 +518,28 @@ def judge_outcome(out: Outcome) -> Report:
     ]  # fmt: skip
     report.notes += [
         f"Workload: {out.workload.describe()}.",
-        f"Fleet: 2 vLLM API servers (tiny Gemma3, CPU, one core each, prefix caching, connector "
-        f"with hits always loaded), 2 HA masters on a 3-member etcd, 2 stores of 256 MB; references "
-        f"from a server without any cache (KV cache {out.kv_cache_tokens[0]} tokens).",
+        "Fleet: 2 vLLM API servers (tiny Gemma3, CPU, one core each, prefix caching, connector "
+        "with hits always loaded), 2 HA masters on a 3-member etcd, "
+        + (
+            "no store process: each server's connector holds a 256 MB segment of the pool; "
+            if out.colocated
+            else "2 stores of 256 MB; "
+        )
+        + f"references from a server without any cache (KV cache {out.kv_cache_tokens[0]} tokens).",
         f"Request bound {out.bound_s:.0f} s = {COMPUTE_ALLOWANCE_S:.0f} s compute allowance + lookup "
         "deadline + two load deadlines + save deadline; the client gives up 30 s later.",
+        *(
+            [
+                "server_frozen: the frozen server's own requests wait out the freeze (within the "
+                "request bound); its peer's transfers to and from its segment meet their deadlines."
+            ]
+            if out.colocated
+            else []
+        ),
         "Refused in a restart: sent to a server between its kill and "
         f"{judge.RESTART_SLACK_S:.0f} s after it served again (connection refused, or the stream "
-        "cut by the kill); refused otherwise: any other HTTP error or refusal (none expected).",
+        "cut by the kill), or held by a frozen server and cut within as long after it was "
+        "continued; refused otherwise: any other HTTP error or refusal (none expected).",
         "Hit rate: vllm:kvpool_lookup_hit_tokens over vllm:kvpool_lookup_query_tokens (tokens "
         "looked up past the local hit), summed over the servers per window. A fault's recovery is "
         "counted from the end of its episode: it, and every fault that began before the rate came "
@@ -543,7 +589,7 @@ def judge_outcome(out: Outcome) -> Report:
 
 
 def _plot(report: Report, out: Outcome, opts: Options) -> None:
-    path = common.plot_path("chaos", opts)
+    path = common.plot_path(report.name, opts)
     plt = common.pyplot() if path else None
     if plt is None or path is None:
         return
@@ -573,7 +619,7 @@ def _plot(report: Report, out: Outcome, opts: Options) -> None:
     bottom.set_ylabel("pool hit rate")
     bottom.set_xlabel("seconds since the traffic started")
     colours = plt.get_cmap("tab10")
-    for i, kind in enumerate(KINDS):
+    for i, kind in enumerate(kinds_of(out.colocated)):
         spans = [f for f in chaos.faults if f.kind == kind.value]
         for j, fault in enumerate(spans):
             end = max(fault.ended or fault.started, fault.started + 1.0)
@@ -598,9 +644,12 @@ def _plot(report: Report, out: Outcome, opts: Options) -> None:
     report.plots.append(str(path.relative_to(common.BENCH_DIR)))
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, colocated: bool = False) -> int:
     """Run, judge, print the report; exit 1 when a target is not met."""
     parser = common.parser((__doc__ or "").splitlines()[0])
+    parser.add_argument(
+        "--colocated", action="store_true", default=colocated, help="servers hold the pool; no store process"
+    )
     parser.add_argument("--seed", type=int, default=33)
     parser.add_argument("--out", type=Path, default=None, help="folder for history.jsonl and judgement.json")
     parser.add_argument("--judge", type=Path, default=None, help="judge the run kept in this folder again")
@@ -616,19 +665,18 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
         out_dir = args.out or Path(tempfile.mkdtemp(prefix="kvpool-chaos-"))
         out_dir.mkdir(parents=True, exist_ok=True)
-        outcome = run_fleet(shape, Workload(seed=args.seed), args.seed, out_dir)
+        outcome = run_fleet(shape, Workload(seed=args.seed), args.seed, out_dir, colocated=args.colocated)
         outcome.wall_seconds = round(time.perf_counter() - started, 1)
         outcome.save(out_dir)
     report = judge_outcome(outcome)
-    report.command = common.command_line("benchmarks.chaos", opts) + (
-        f" --seed {args.seed}" if args.seed != 33 else ""
-    )
+    module = "benchmarks.chaos_colocated" if outcome.colocated else "benchmarks.chaos"
+    report.command = common.command_line(module, opts) + (f" --seed {args.seed}" if args.seed != 33 else "")
     report.data["wall_seconds"] = outcome.wall_seconds or round(time.perf_counter() - started, 1)
     _plot(report, outcome, opts)
     (out_dir / "judgement.json").write_text(json.dumps(report.data, indent=1, default=str) + "\n")
     print(report.text(), flush=True)
     print(
-        f"\n(benchmarks.chaos: {report.data['wall_seconds']} s; history in {out_dir / 'history.jsonl'})",
+        f"\n({module}: {report.data['wall_seconds']} s; history in {out_dir / 'history.jsonl'})",
         flush=True,
     )
     if opts.write:

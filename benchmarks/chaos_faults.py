@@ -150,7 +150,7 @@ class Injector:
             fleet.wait_for_leader(POOL_TIMEOUT_S, not_index=killed)
             elected = self.now() - record.started
             leader = fleet.wait_for_leader(POOL_TIMEOUT_S)
-            fleet.wait_for_capacity(leader, fleet.stores, POOL_TIMEOUT_S)
+            fleet.wait_for_capacity(leader, fleet.segments, POOL_TIMEOUT_S)
             mounted = self.now() - record.started
             time.sleep(max(0.0, planned.hold - mounted))
             fleet.restart_master(killed)
@@ -171,6 +171,13 @@ class Injector:
             fleet.restart_server(planned.target)
             back = self.now() - killed_at
             return f"server {planned.target} killed with {in_flight} requests in flight; back in {back:.0f} s"
+        if kind == FaultKind.SERVER_FROZEN:
+            fleet.freeze_server(planned.target)
+            try:
+                time.sleep(planned.hold)
+            finally:
+                fleet.thaw_server(planned.target)
+            return f"server {planned.target} stopped {planned.hold:.1f} s"
         if kind == FaultKind.POOL_FULL:
             return self._fill_pool(planned.hold)
         if kind == FaultKind.OBJECTS_CORRUPTED:

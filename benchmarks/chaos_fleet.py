@@ -5,8 +5,10 @@ Every process is started here, in a session (process group) of its own, and stop
 first); :meth:`Fleet.stop` runs in the caller's ``finally``. Each part can be hit on its own:
 a store frozen, continued, killed and started again; the leading master killed and started
 again as a standby; an etcd member killed and started again; a server killed with its
-requests in flight and started again on its port. Parts are swapped under a lock; samplers
-read a consistent view through :meth:`Fleet.servers_now`.
+requests in flight and started again on its port; a server frozen and continued. A
+co-located fleet (``colocated``) has no store processes: each server's connector holds a
+segment of the pool in its own memory, so its peers read and write there. Parts are swapped
+under a lock; samplers read a consistent view through :meth:`Fleet.servers_now`.
 """
 
 from __future__ import annotations
@@ -43,13 +45,15 @@ class ServerSlot:
 
 @dataclass
 class Fleet:
-    """etcd x3, ``masters`` HA masters, ``stores`` store processes, ``servers`` vLLM servers."""
+    """etcd x3, ``masters`` HA masters, ``stores`` store processes, ``servers`` vLLM servers;
+    ``colocated``: each server holds a segment of ``segment_size`` too (and ``stores`` is 0)."""
 
     model: Path
     servers: int = 2
     masters: int = 2
     stores: int = 2
     segment_size: str = "256MB"
+    colocated: bool = False
     kv_cache_bytes: int = 96 << 20
     transfer_config: dict[str, Any] = field(default_factory=dict)
     server_env: dict[str, str] = field(default_factory=dict)
@@ -59,6 +63,7 @@ class Fleet:
     slots: list[ServerSlot] = field(default_factory=list)
     log_dirs: list[Path] = field(default_factory=list)  # every master's and store's
     _frozen: set[int] = field(default_factory=set)
+    _frozen_servers: dict[int, Any] = field(default_factory=dict)  # index: the process group stopped
     _lock: threading.Lock = field(default_factory=threading.Lock)
     # Servers die with the thread that started them (PR_SET_PDEATHSIG names the thread, not
     # the process): every start goes through this one thread, which lives as long as the fleet.
@@ -112,6 +117,11 @@ class Fleet:
     def segment_bytes(self) -> float:
         return float(self.segment_size.removesuffix("MB")) * (1 << 20)
 
+    @property
+    def segments(self) -> int:
+        """How many segments the pool has when every part is up: stores', or servers'."""
+        return self.stores + (self.servers if self.colocated else 0)
+
     def wait_for_capacity(self, leader: MooncakeMaster, stores: int, timeout: float) -> float:
         """Until ``leader`` has ``stores`` stores' memory mounted; the capacity."""
         deadline = time.monotonic() + timeout
@@ -148,7 +158,7 @@ class Fleet:
             self.store_list[index] = replacement
         if old is not None:
             old.stop()
-        self.wait_for_capacity(self.wait_for_leader(POOL_TIMEOUT_S), self.stores, POOL_TIMEOUT_S)
+        self.wait_for_capacity(self.wait_for_leader(POOL_TIMEOUT_S), self.segments, POOL_TIMEOUT_S)
 
     def kill_leader(self) -> int:
         index = self.leader()
@@ -196,10 +206,13 @@ class Fleet:
             self.slots.append(ServerSlot(self._start(self.new_server(cores[i % len(cores)], free_port()))))
 
     def wait_servers(self) -> None:
+        """Until every server serves (and, co-located, its segment is mounted)."""
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         for slot in self.slots:
             slot.server.wait_ready(deadline)
             slot.ready = True
+        if self.colocated:
+            self.wait_for_capacity(self.wait_for_leader(POOL_TIMEOUT_S), self.segments, POOL_TIMEOUT_S)
 
     def url(self, index: int) -> str:
         return self.slots[index].server.url
@@ -208,6 +221,20 @@ class Fleet:
         """(index, generation, server) of every server that serves (or did, until a fault)."""
         with self._lock:
             return [(i, s.generation, s.server) for i, s in enumerate(self.slots) if s.ready]
+
+    def freeze_server(self, index: int) -> None:
+        """SIGSTOP the server's whole group (API server, engine core, worker and its segment)."""
+        process = self.slots[index].server.process
+        assert process is not None
+        self._frozen_servers[index] = process
+        os.killpg(process.pid, signal.SIGSTOP)
+
+    def thaw_server(self, index: int) -> None:
+        """SIGCONT the group stopped by :meth:`freeze_server` (gone already if it was killed)."""
+        process = self._frozen_servers.pop(index, None)
+        if process is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGCONT)
 
     def kill_server(self, index: int) -> None:
         """SIGKILL the server's whole group (API server, engine core, worker): no goodbye."""
@@ -234,6 +261,8 @@ class Fleet:
     def stop(self, keep_logs_in: Path | None = None) -> None:
         """Every process started here, by PID (their groups for the servers); the servers' logs
         moved to ``keep_logs_in`` (else removed), the pool's log folders removed."""
+        for index in list(self._frozen_servers):
+            self.thaw_server(index)
         for slot in self.slots:
             with contextlib.suppress(Exception):
                 slot.server.stop()

@@ -40,8 +40,9 @@ from testing.chaos_history import (
 )
 
 SERVER_RESTARTED = "server_restarted"
-#: Seconds after a server is ready again during which errors still count as its restart's
-#: (a client connection opened before the kill may report late).
+SERVER_FROZEN = "server_frozen"
+#: Seconds after a server is ready again (or continued) during which errors still count as its
+#: restart's or freeze's (a client connection opened before the kill may report late).
 RESTART_SLACK_S = 2.0
 #: Metric series names the judgement reads (``MetricsSample.series`` keys).
 QUERY_TOKENS = "vllm:kvpool_lookup_query_tokens_total"
@@ -76,10 +77,12 @@ def wrong_answers(
 
 
 def restart_windows(faults: Iterable[FaultRecord], end: float) -> dict[int, list[tuple[float, float]]]:
-    """Per server: (killed, ready again + slack) of each of its restarts."""
+    """Per server: (killed, ready again + slack) of each of its restarts, and (stopped,
+    continued + slack) of each freeze: its HTTP server may reset a connection it held then,
+    as it is continued (seen at once, before any engine step)."""
     out: dict[int, list[tuple[float, float]]] = defaultdict(list)
     for fault in faults:
-        if fault.kind == SERVER_RESTARTED:
+        if fault.kind in (SERVER_RESTARTED, SERVER_FROZEN):
             out[fault.target].append((fault.started, (fault.ended or end) + RESTART_SLACK_S))
     return out
 
@@ -92,6 +95,7 @@ class Fates:
     disconnected: list[RequestRecord] = field(default_factory=list)  # by the client's plan
     refused: list[RequestRecord] = field(default_factory=list)  # an error, not during a restart
     refused_in_restart: list[RequestRecord] = field(default_factory=list)  # refused or cut by one
+    # (or by a freeze of its server)
     failed: list[RequestRecord] = field(default_factory=list)  # broke without a restart to explain it
     hung: list[RequestRecord] = field(default_factory=list)  # past the bound, or never ended
 

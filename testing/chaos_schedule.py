@@ -15,6 +15,9 @@ another of its kind holds is moved to just after it. A hold is how long the faul
 * ``etcd_member_restarted``: one etcd member killed, started again after the hold;
 * ``server_restarted``: one vLLM server killed with its transfers in flight, started again
   at once (the hold is nought; its start-up is its outage);
+* ``server_frozen``: one vLLM server's processes stopped (SIGSTOP) for 1-20 s, then continued:
+  where servers hold the pool's memory (co-located), its peers' reads and writes of that
+  memory stall;
 * ``pool_full``: filler objects put until the pool evicts, kept for the hold;
 * ``objects_corrupted``: stored objects of a finished answer overwritten (``upsert``) with
   payloads not their own, so the next turn that loads them meets them;
@@ -36,6 +39,7 @@ class FaultKind(StrEnum):
     LEADER_KILLED = "leader_killed"
     ETCD_MEMBER_RESTARTED = "etcd_member_restarted"
     SERVER_RESTARTED = "server_restarted"
+    SERVER_FROZEN = "server_frozen"
     POOL_FULL = "pool_full"
     OBJECTS_CORRUPTED = "objects_corrupted"
     SLOW_LINK = "slow_link"
@@ -48,6 +52,7 @@ HOLDS: dict[FaultKind, tuple[float, float]] = {
     FaultKind.LEADER_KILLED: (5.0, 15.0),
     FaultKind.ETCD_MEMBER_RESTARTED: (2.0, 10.0),
     FaultKind.SERVER_RESTARTED: (0.0, 0.0),
+    FaultKind.SERVER_FROZEN: (1.0, 20.0),
     FaultKind.POOL_FULL: (5.0, 15.0),
     FaultKind.OBJECTS_CORRUPTED: (0.0, 0.0),
     FaultKind.SLOW_LINK: (5.0, 20.0),

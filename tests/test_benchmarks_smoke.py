@@ -61,8 +61,8 @@ def test_runner_help() -> None:
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=NEEDS.get(n, [])) for n in _benchmarks()])
 def test_smoke(name: str) -> None:
-    if name == "chaos":
-        pytest.skip("tests/chaos runs the chaos run's short variant and checks its judgement")
+    if name in ("chaos", "chaos_colocated"):
+        pytest.skip("tests/chaos runs the chaos runs' short variants and checks their judgements")
     if name == "operator_reconcile":
         pytest.importorskip("kvpool.operator.app")
         pytest.importorskip("kmock")

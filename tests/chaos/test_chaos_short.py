@@ -1,10 +1,11 @@
-"""The chaos run's short variant: a fleet under every fault kind, judged; and its negative control.
+"""The chaos runs' short variants: a fleet under every fault kind, judged; and its negative control.
 
 ``python -m benchmarks.chaos --smoke`` in its own process (as a user runs it): about two
 minutes of traffic on two vLLM servers over an HA pool, every fault kind injected at least
 once, then the negative control (the payload check off while objects are overwritten). The
 run exits non-zero when any target of its judgement is not met; this test reads the
-judgement it wrote and names what failed.
+judgement it wrote and names what failed. ``benchmarks.chaos_colocated --smoke`` is the
+same with no store process: the servers hold the pool's memory, and one is frozen.
 """
 
 from __future__ import annotations
@@ -22,18 +23,28 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.engine, pytest.mark.mooncake, pytest.mark.faults, pytest.mark.timeout(1500)]
 
 
-def test_the_short_chaos_run_is_right_bounded_and_catches_its_negative_control(tmp_path: Path) -> None:
+STORE_FAULTS = {"store_frozen", "store_restarted"}
+
+
+@pytest.mark.parametrize("module", ["chaos", "chaos_colocated"])
+def test_the_short_chaos_run_is_right_bounded_and_catches_its_negative_control(
+    module: str, tmp_path: Path
+) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.chaos", "--smoke", "--out", str(tmp_path)],
+        [sys.executable, "-m", f"benchmarks.{module}", "--smoke", "--out", str(tmp_path)],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=1400,
         check=False,
     )
-    check_short_run(
-        tmp_path, done.returncode, f"stdout:\n{done.stdout[-6000:]}\nstderr:\n{done.stderr[-4000:]}"
-    )
+    tail = f"stdout:\n{done.stdout[-6000:]}\nstderr:\n{done.stderr[-4000:]}"
+    check_short_run(tmp_path, done.returncode, tail)
+    injected = set(json.loads((tmp_path / "judgement.json").read_text())["injected"])
+    if module == "chaos_colocated":  # no store to fault: a server frozen instead, with its segment
+        assert "server_frozen" in injected and not injected & STORE_FAULTS, tail
+    else:
+        assert injected >= STORE_FAULTS and "server_frozen" not in injected, tail
 
 
 def check_short_run(out_dir: Path, returncode: int, tail: str) -> None:

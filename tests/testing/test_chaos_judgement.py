@@ -98,6 +98,16 @@ def test_fates_count_hangs_refusals_and_restarts_apart() -> None:
     assert verdict.disconnected == [hung_up]
 
 
+def test_a_request_cut_while_its_server_was_frozen_counts_with_the_restarts() -> None:
+    freeze = FaultRecord("server_frozen", target=0, planned_at=50.0, started=50.0, ended=56.0)
+    cut = request(1, ch.FAILED, server=0, sent=50.4, ended=56.01)  # reset when it was continued
+    other = request(2, ch.FAILED, server=1, sent=50.4, ended=56.01)  # the other server: no excuse
+    late = request(3, ch.FAILED, server=0, sent=60.0, ended=60.5)
+    verdict = fates([cut, other, late], [freeze], bound_s=90.0)
+    assert verdict.refused_in_restart == [cut]
+    assert verdict.failed == [other, late]
+
+
 def metrics(
     t: float, server: int, generation: int, hits: float, queries: float, **more: float
 ) -> MetricsSample:
