@@ -58,9 +58,17 @@ if TYPE_CHECKING:
     from kvpool.operator.kube import KubeClient
 
 
+#: Pods labelled with a pool of another namespace (consumers granted to it) carry this label;
+#: the pool's own pods never do, so a same-named pool here never takes those pods for its own.
+NOT_ANOTHER_NAMESPACES = {"key": names.LABEL_POOL_NAMESPACE, "operator": "DoesNotExist"}
+
+
 def pool_pods(pool: str) -> dict[str, Any]:
-    """A peer: the pool's own pods in its namespace (masters, stores, consumers)."""
-    return {"podSelector": {"matchLabels": {names.LABEL_POOL: pool}}}
+    """A peer: the pool's own pods in its namespace (masters, stores, consumers), never the
+    consumers of a same-named pool of another namespace."""
+    return {
+        "podSelector": {"matchLabels": {names.LABEL_POOL: pool}, "matchExpressions": [NOT_ANOTHER_NAMESPACES]}
+    }
 
 
 def _policy(pool: str, namespace: str, name: str, pods: dict[str, Any], rules: list[dict[str, Any]]) -> dict:
@@ -135,10 +143,13 @@ def granted_consumers_rule(pool: str, namespace: str, spec: PoolSpec) -> dict[st
 
 
 def consumers_pods(pool: str) -> dict[str, Any]:
-    """The pool's consumers' pods: the pool's label, no component."""
+    """The pool's consumers' pods: the pool's label, no component, not another namespace's."""
     return {
         "matchLabels": {names.LABEL_POOL: pool},
-        "matchExpressions": [{"key": names.LABEL_COMPONENT, "operator": "DoesNotExist"}],
+        "matchExpressions": [
+            {"key": names.LABEL_COMPONENT, "operator": "DoesNotExist"},
+            NOT_ANOTHER_NAMESPACES,
+        ],
     }
 
 

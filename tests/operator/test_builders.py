@@ -191,6 +191,15 @@ SCRAPER = {
 }
 
 
+#: The pool's own pods, never a same-named pool's consumers from another namespace.
+OWN_PODS = {
+    "podSelector": {
+        "matchLabels": {names.LABEL_POOL: "pool"},
+        "matchExpressions": [{"key": names.LABEL_POOL_NAMESPACE, "operator": "DoesNotExist"}],
+    }
+}
+
+
 def test_network_policy_admits_only_the_pool_and_named_scraper_pods() -> None:
     raw = pool_spec(networkPolicy={"metricsFrom": [SCRAPER]})
     policy = children(raw)["NetworkPolicy/pool-kvpool"]
@@ -199,7 +208,7 @@ def test_network_policy_admits_only_the_pool_and_named_scraper_pods() -> None:
     assert selector["matchExpressions"][0]["values"] == ["master", "store"]
     assert policy["spec"]["policyTypes"] == ["Ingress"]
     own, metrics = policy["spec"]["ingress"]
-    assert own == {"from": [{"podSelector": {"matchLabels": {names.LABEL_POOL: "pool"}}}]}
+    assert own == {"from": [OWN_PODS]}
     assert metrics["ports"] == [{"protocol": "TCP", "port": 9003}]
     # One peer with both selectors: pods so labelled, in namespaces so labelled (never a whole namespace).
     assert metrics["from"] == [
@@ -291,10 +300,13 @@ def test_consumers_transfer_ports_are_closed_to_all_but_the_pool() -> None:
     # Consumer pods: the pool label the injection puts on them, and no component label.
     assert selector == {
         "matchLabels": {names.LABEL_POOL: "pool"},
-        "matchExpressions": [{"key": names.LABEL_COMPONENT, "operator": "DoesNotExist"}],
+        "matchExpressions": [
+            {"key": names.LABEL_COMPONENT, "operator": "DoesNotExist"},
+            {"key": names.LABEL_POOL_NAMESPACE, "operator": "DoesNotExist"},
+        ],
     }
     pool_rule, others = policy["spec"]["ingress"]
-    assert pool_rule == {"from": [{"podSelector": {"matchLabels": {names.LABEL_POOL: "pool"}}}]}
+    assert pool_rule == {"from": [OWN_PODS]}
     assert "from" not in others  # anyone ...
     tcp = [(p["port"], p["endPort"]) for p in others["ports"] if p["protocol"] == "TCP"]
     assert tcp == [(1, TRANSFER_PORT_MIN - 1), (TRANSFER_PORT_MAX + 1, 65535)]  # ... but the transfer ports
@@ -316,7 +328,7 @@ def test_etcd_is_restricted_to_the_pool_when_its_pods_are_named() -> None:
     assert policy["spec"]["podSelector"] == {"matchLabels": {"app": "etcd"}}
     pool_rule, peers = policy["spec"]["ingress"]
     assert pool_rule == {
-        "from": [{"podSelector": {"matchLabels": {names.LABEL_POOL: "pool"}}}],
+        "from": [OWN_PODS],
         "ports": [{"protocol": "TCP", "port": 2379}],
     }
     assert peers == {"from": [{"podSelector": {"matchLabels": {"app": "etcd"}}}]}

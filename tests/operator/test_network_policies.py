@@ -238,6 +238,31 @@ def test_a_selector_the_operator_cannot_read_counts_as_selecting() -> None:
     assert guarding_policies([GATEWAY_ONLY], [{"app": "batch"}], POOL_UID) == ()
 
 
+def test_a_same_named_pool_never_takes_another_namespaces_consumers_for_its_own() -> None:
+    """OTHER's consumer of this namespace's pool carries ``pool=pool``; a pool of OTHER also
+    named ``pool`` must neither select it (its policy would widen OTHER's gateway-only rule
+    for it) nor admit it to its masters and stores as one of its own pods."""
+    gateway_only = {**GATEWAY_ONLY, "metadata": {"name": "llm-from-gateway", "namespace": OTHER}}
+    granted = Pod(
+        "tenant-llm-0", OTHER, {"app": "llm", names.LABEL_POOL: "pool", names.LABEL_POOL_NAMESPACE: NAMESPACE}
+    )
+    # OTHER's own pool sees no policy of OTHER selecting its own consumers (not "app: llm").
+    plan = build_plan("pool", OTHER, pool_spec(), OperatorPolicy(), NamespaceNetwork())
+    assert plan.valid, plan.problems
+    before = Network(NAMESPACES, (gateway_only,))
+    after = before.with_policies(c for c in plan.children if c["kind"] == "NetworkPolicy")
+    assert names.consumers_network_policy_name("pool") in {p["metadata"]["name"] for p in after.policies}
+    for source in SOURCES:
+        for port, protocol in PORTS:
+            assert after.admits(source, granted, port, protocol) == before.admits(
+                source, granted, port, protocol
+            )
+    theirs = Pod("pool-master-0", OTHER, names.selector("pool", names.MASTER))
+    assert not after.admits(granted, theirs, 9003) and not after.admits(granted, theirs, 50051)
+    own = Pod("llm-0", OTHER, {"app": "llm", names.LABEL_POOL: "pool"})
+    assert after.admits(own, theirs, 50051)
+
+
 def test_consumers_in_the_granted_namespaces_reach_rpc_and_transfer_ports_only() -> None:
     third = "third-team"
     namespaces = {**NAMESPACES, third: {"kubernetes.io/metadata.name": third}}
