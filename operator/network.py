@@ -46,11 +46,8 @@ from kvpool.connector.contract.layout import Problem
 from kvpool.operator import names
 from kvpool.operator.names import DEPLOYMENTS, NETWORK_POLICIES, PODS
 from kvpool.operator.policy import OperatorPolicy
-from kvpool.operator.spec import PoolSpec
+from kvpool.operator.spec import TRANSFER_PORT_MAX, TRANSFER_PORT_MIN, PoolSpec
 
-# Mooncake's transfer engine listens on ports in this range (its own default, pinned).
-TRANSFER_PORT_MIN = 15000
-TRANSFER_PORT_MAX = 17000
 TRANSFER_PORT_ENV = (("MC_MIN_RPC_PORT", str(TRANSFER_PORT_MIN)), ("MC_MAX_RPC_PORT", str(TRANSFER_PORT_MAX)))
 NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
 

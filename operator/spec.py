@@ -89,6 +89,11 @@ def _check_quantity(value: int | str) -> int | str:
 
 Quantity = Annotated[int | str, AfterValidator(_check_quantity)]
 Port = Annotated[int, Field(ge=1, le=65535)]
+# Mooncake's transfer engine listens on ports in this range (its own default, pinned in every
+# client). The pool's NetworkPolicy opens it on masters and stores to granted consumers, so no
+# master or store port of its own may lie in it (the master's HTTP port serves an admin API).
+TRANSFER_PORT_MIN = 15000
+TRANSFER_PORT_MAX = 17000
 DNSName = Annotated[str, StringConstraints(pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", max_length=253)]
 NamespaceName = Annotated[str, StringConstraints(pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", max_length=63)]
 Endpoint = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9.\-\[\]:]+:[0-9]{1,5}$")]
@@ -112,6 +117,16 @@ _CONTROL_PLANE_LIST = "[" + ", ".join(f"'{key}'" for key in CONTROL_PLANE_KEYS) 
 def _cel(*rules: tuple[str, str]) -> dict[str, Any]:
     """``x-kubernetes-validations``: CEL rules the API server checks (rule, message)."""
     return {"x-kubernetes-validations": [{"rule": rule, "message": message} for rule, message in rules]}
+
+
+#: A master or store port: outside the transfer range (``validation`` checks it too).
+OUTSIDE_TRANSFER_RANGE = _cel(
+    (
+        f"self < {TRANSFER_PORT_MIN} || self > {TRANSFER_PORT_MAX}",
+        f"must not be in {TRANSFER_PORT_MIN}-{TRANSFER_PORT_MAX} (Mooncake's transfer ports, which the "
+        "pool's NetworkPolicy opens to its granted consumers)",
+    )
+)
 
 
 class Toleration(_Model):
@@ -182,8 +197,14 @@ class MasterSpec(_Model):
 
     replicas: int = Field(default=1, ge=1, le=2**31 - 1, description="1 without HA; at least 2 with HA.")
     ha: HASpec = Field(default_factory=HASpec)
-    rpc_port: Port = Field(default=50051, description="Master RPC port.")
-    metrics_port: Port = Field(default=9003, description="HTTP port of /metrics and /health.")
+    rpc_port: Port = Field(
+        default=50051, description="Master RPC port.", json_schema_extra=OUTSIDE_TRANSFER_RANGE
+    )
+    metrics_port: Port = Field(
+        default=9003,
+        description="HTTP port of /metrics and /health.",
+        json_schema_extra=OUTSIDE_TRANSFER_RANGE,
+    )
     eviction_high_watermark_ratio: float = Field(
         default=0.95, gt=0, le=1, description="Pool usage that triggers eviction."
     )
@@ -255,7 +276,9 @@ class StoreSpec(_Model):
         description="Memory each store pod (or vLLM rank, when embedded) contributes: "
         "bytes or a string like '4GB' (binary units).",
     )
-    port: Port = Field(default=50052, description="Store client service port.")
+    port: Port = Field(
+        default=50052, description="Store client service port.", json_schema_extra=OUTSIDE_TRANSFER_RANGE
+    )
     protocol: Literal["tcp", "rdma"] = "tcp"
     rdma_devices: list[str] = Field(default_factory=list, description="RDMA devices for rdma.")
     resources: ComputeResources = Field(

@@ -20,7 +20,15 @@ from kvpool.operator.components import STORE_MEMORY_OVERHEAD, store_memory_limit
 from kvpool.operator.connector_settings import pool_connector_settings, spec_field_of
 from kvpool.operator.disk_tier import check_disk_tier
 from kvpool.operator.policy import OperatorPolicy, policy_problems
-from kvpool.operator.spec import ComputeResources, GrantConsumerSpec, PoolSpec, format_bytes, parse_quantity
+from kvpool.operator.spec import (
+    TRANSFER_PORT_MAX,
+    TRANSFER_PORT_MIN,
+    ComputeResources,
+    GrantConsumerSpec,
+    PoolSpec,
+    format_bytes,
+    parse_quantity,
+)
 
 
 def location(loc: tuple[int | str, ...], root: str = "spec") -> str:
@@ -70,6 +78,16 @@ def check_master(spec: PoolSpec) -> list[Problem]:
                 f"without HA there is exactly one master, got {master.replicas}",
             )
         )
+    problems += [
+        _problem(
+            f"spec.master.{name}",
+            "transfer-port-range",
+            f"port {port} is in {TRANSFER_PORT_MIN}-{TRANSFER_PORT_MAX}, Mooncake's transfer ports, "
+            "which the pool's NetworkPolicy opens to its granted consumers: choose another",
+        )
+        for name, port in (("rpcPort", master.rpc_port), ("metricsPort", master.metrics_port))
+        if TRANSFER_PORT_MIN <= port <= TRANSFER_PORT_MAX
+    ]
     if master.rpc_port == master.metrics_port:
         problems.append(
             _problem(
@@ -90,6 +108,16 @@ def check_store(spec: PoolSpec) -> list[Problem]:
     if spec.store.replicas < 1:
         problems.append(
             _problem("spec.store.replicas", "store-replicas", "standalone mode needs at least one store pod")
+        )
+    if TRANSFER_PORT_MIN <= spec.store.port <= TRANSFER_PORT_MAX:
+        problems.append(
+            _problem(
+                "spec.store.port",
+                "transfer-port-range",
+                f"port {spec.store.port} is in {TRANSFER_PORT_MIN}-{TRANSFER_PORT_MAX}, Mooncake's "
+                "transfer ports, which the pool's NetworkPolicy opens to its granted consumers: "
+                "choose another",
+            )
         )
     master_ports = {spec.master.rpc_port: "rpcPort", spec.master.metrics_port: "metricsPort"}
     if spec.store.port in master_ports:

@@ -214,3 +214,9 @@ def test_the_crd_keeps_pools_off_the_control_plane_too() -> None:
         protected, keyless = tolerations["items"]["x-kubernetes-validations"]
         assert all(f"'{key}'" in protected["rule"] for key in CONTROL_PLANE_KEYS)
         assert "self.operator != 'Exists'" in keyless["rule"]
+    # The API server refuses master and store ports in the transfer range, as the operator does.
+    ports = [spec["properties"]["master"]["properties"][p] for p in ("rpcPort", "metricsPort")]
+    ports.append(spec["properties"]["store"]["properties"]["port"])
+    for port in ports:
+        (outside,) = port["x-kubernetes-validations"]
+        assert outside["rule"] == "self < 15000 || self > 17000"

@@ -90,6 +90,10 @@ def test_messages_name_consumer_group_and_rule() -> None:
         ),
         ({"master": {"replicas": 2, "ha": {"enabled": True}}}, ("spec.master.ha.etcdEndpoints", "ha-etcd")),
         ({"master": {"rpcPort": 9003}}, ("spec.master.metricsPort", "port-conflict")),
+        # Inside Mooncake's transfer ports, opened to granted consumers: never the admin API.
+        ({"master": {"metricsPort": 15500}}, ("spec.master.metricsPort", "transfer-port-range")),
+        ({"master": {"rpcPort": 17000}}, ("spec.master.rpcPort", "transfer-port-range")),
+        ({"store": {"port": 15000}}, ("spec.store.port", "transfer-port-range")),
         ({"store": {"replicas": 0}}, ("spec.store.replicas", "store-replicas")),
         (
             {"store": {"segmentSize": "8GB", "resources": {"limits": {"memory": "6Gi"}}}},
