@@ -96,7 +96,9 @@ TRANSFER_PORT_MIN = 15000
 TRANSFER_PORT_MAX = 17000
 DNSName = Annotated[str, StringConstraints(pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", max_length=253)]
 NamespaceName = Annotated[str, StringConstraints(pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", max_length=63)]
-Endpoint = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9.\-\[\]:]+:[0-9]{1,5}$")]
+#: A TCP port, 1-65535, as text (no leading zero).
+PORT_TEXT = r"(6553[0-5]|655[0-2][0-9]|65[0-4][0-9]{2}|6[0-4][0-9]{3}|[1-5][0-9]{4}|[1-9][0-9]{0,3})"
+Endpoint = Annotated[str, StringConstraints(pattern=rf"^[A-Za-z0-9.\-\[\]:]+:{PORT_TEXT}$")]
 # Byte sizes take the contract's own parser: an integer, or a string such as "4GB" (binary units).
 ByteSize = Annotated[int, BeforeValidator(parse_size, json_schema_input_type=int | str)]
 
@@ -387,8 +389,8 @@ class NetworkPolicySpec(_Model):
 MasterServerAddress = Annotated[
     str,
     StringConstraints(
-        pattern=r"^(etcd://[A-Za-z0-9.\-\[\]:]+:[0-9]{1,5}([,;][A-Za-z0-9.\-\[\]:]+:[0-9]{1,5})*"
-        r"|[A-Za-z0-9.\-\[\]:]+:[0-9]{1,5})$",
+        pattern=rf"^(etcd://[A-Za-z0-9.\-\[\]:]+:{PORT_TEXT}([,;][A-Za-z0-9.\-\[\]:]+:{PORT_TEXT})*"
+        rf"|[A-Za-z0-9.\-\[\]:]+:{PORT_TEXT})$",
         max_length=1024,
     ),
 ]

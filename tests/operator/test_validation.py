@@ -105,6 +105,15 @@ def test_messages_name_consumer_group_and_rule() -> None:
             ("spec.connector.cache_prefix", "schema:string_pattern_mismatch"),
         ),
         ({"master": {"rpcPort": "x"}}, ("spec.master.rpcPort", "schema:int_parsing")),
+        # An endpoint's port is 1-65535: a NetworkPolicy of port 0 or 99999 would be refused.
+        (
+            {"master": {"replicas": 2, "ha": {"enabled": True, "etcdEndpoints": ["etcd:99999"]}}},
+            ("spec.master.ha.etcdEndpoints[0]", "schema:string_pattern_mismatch"),
+        ),
+        (
+            {"master": {"replicas": 2, "ha": {"enabled": True, "etcdEndpoints": ["e:2379", "etcd:0"]}}},
+            ("spec.master.ha.etcdEndpoints[1]", "schema:string_pattern_mismatch"),
+        ),
         ({"store": {"mode": "shared"}}, ("spec.store.mode", "schema:literal_error")),
         ({"surprise": 1}, ("spec.surprise", "schema:extra_forbidden")),
         (
