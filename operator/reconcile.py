@@ -777,8 +777,9 @@ class Reconciler:
         self.master_health_url = master_health_url
         self.leader_timeout = leader_timeout
         self.observe_timeout = observe_timeout
-        # The last poll of each pool's master (the observation timer's).
+        # The last poll of each pool's master (the observation timer's), and what it asked.
         self.observations: dict[tuple[str, str], Observation] = {}
+        self._observed_targets: dict[tuple[str, str], tuple[Any, ...]] = {}
         self._locks: dict[tuple[str, str], asyncio.Lock] = {}
         # The pool generation whose unlisted grants were last looked for (``refuse_unlisted_grants``).
         self._swept: dict[tuple[str, str], int | None] = {}
@@ -846,6 +847,7 @@ class Reconciler:
             grants = await read_grants(self.kube, pool)
             plan = build_plan(name, namespace, pool.get("spec"), self.policy, network, grants)
             valid = plan.valid
+            observation = self.observation_of(plan)
             if plan.valid:
                 status = await converge(
                     self.kube,
@@ -855,12 +857,11 @@ class Reconciler:
                     utcnow(),
                     self.check_leader,
                     self.injection_mode,
-                    self.observations.get((namespace, name)),
+                    observation,
                 )
             else:
                 status = invalid_status(plan.problems, old, pool["metadata"].get("generation"), utcnow())
             # After the policy is applied: a grant says what the master was told.
-            observation = self.observations.get((namespace, name))
             await write_grant_statuses(self.kube, name, grants, plan, utcnow(), observation, status)
             status = await with_grants_elsewhere(self.kube, pool, status, plan, utcnow())
         if status != old:
@@ -889,6 +890,7 @@ class Reconciler:
                 )
                 self.metrics.forget_pool(namespace, name)
                 self.observations.pop((namespace, name), None)
+                self._observed_targets.pop((namespace, name), None)
                 self._locks.pop((namespace, name), None)
                 return
             try:
@@ -904,6 +906,7 @@ class Reconciler:
             self.metrics.reconciles.labels("delete", "success").inc()
             self.metrics.forget_pool(namespace, name)
             self.observations.pop((namespace, name), None)
+            self._observed_targets.pop((namespace, name), None)
             self._swept.pop((namespace, name), None)
             self._locks.pop((namespace, name), None)
 
@@ -956,6 +959,21 @@ class Reconciler:
         if drain.job_id is not None:
             with contextlib.suppress(DrainRefused):
                 await cancel_drain_job(self.drain_base(plan, observation), drain.job_id, self.observe_timeout)
+
+    def poll_target(self, plan: Plan) -> tuple[Any, ...]:
+        """What a poll of ``plan``'s master asks, and what its answer vouches for."""
+        if plan.external:
+            return ("external", plan.master_address, plan.metrics_endpoints)
+        return ("pool", self.master_base(plan), plan.metrics_port, plan.ha)
+
+    def observation_of(self, plan: Plan) -> Observation | None:
+        """The last poll of the pool's master, if it asked what ``plan`` names: after a spec
+        change (another external master, another port) an older answer vouches for nothing,
+        and no consumer is rolled on it before the next poll."""
+        key = (plan.namespace, plan.pool)
+        if self._observed_targets.get(key) != self.poll_target(plan):
+            return None
+        return self.observations.get(key)
 
     async def poll(self, plan: Plan) -> Observation:
         """One poll of the pool's master, within ``observe_timeout`` (no lock held)."""
@@ -1055,6 +1073,7 @@ class Reconciler:
         before = self.observations.get(key)
         if observation is not None:
             self.observations[key] = observation
+            self._observed_targets[key] = self.poll_target(plan)
         drain = record_of(body.get("status") or {}) if plan.store_replicas is not None else None
         stepped = None if drain is None else await self.step_drain(plan, drain, observation)
         async with self._lock(namespace, name):

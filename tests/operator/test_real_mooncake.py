@@ -41,6 +41,7 @@ import pytest
 from kvpool.connector.contract.mooncake_env import client_env
 from kvpool.connector.contract.settings import ConnectorSettings
 from kvpool.connector.local.pool import LocalPool, find_binary, free_port, start_logged, stop_process
+from kvpool.connector.local.ports import PortHold
 from kvpool.connector.pool_client import open_client
 from kvpool.operator import names, store_probe
 from kvpool.operator.consumer_hits import pod_ready
@@ -770,6 +771,30 @@ async def test_an_external_pool_runs_nothing_and_serves_its_consumer(
         finally:
             client.close()
         await eventually(lambda: status()["capacity"]["objects"] == 1, what="the object counted")
+
+        # Another master named, whose HTTP port nothing answers: the old master's answer
+        # vouches for nothing, so the consumer is not rolled onto the new address.
+        nowhere = PortHold.drawn()
+        try:
+            moved = {
+                "masterServerAddress": f"localhost:{nowhere.port}",
+                "metricsEndpoints": [f"localhost:{nowhere.port}"],
+            }
+            await cluster.patch_pool("pool", {"spec": {"external": moved}})
+            await eventually(
+                lambda: status().get("observedGeneration") == 2 and cluster.handled("pool"), what="seen"
+            )
+            assert cluster.condition("pool", "MasterReady")["status"] != "True", cluster.condition(
+                "pool", "MasterReady"
+            )
+            await asyncio.sleep(1.0)
+            (flag,) = kv_flags(cluster.get(DEPLOYMENTS_PATH, "llm"))
+            assert (
+                json.loads(flag.split("=", 1)[1])["kv_connector_extra_config"]["master_server_address"]
+                == master
+            )
+        finally:
+            nowhere.release()
     for part in (pool.master, pool.store):
         if part is not None:
             shutil.rmtree(part.log_dir, ignore_errors=True)
