@@ -339,16 +339,12 @@ def _put_back(tokens: list[str], removed: list[list[Any]], in_place: bool) -> li
 # --- injection --------------------------------------------------------------------------
 
 
-def _container(pod: dict[str, Any], name: str | None) -> dict[str, Any]:
-    containers = pod.get("containers") or []
-    if not containers:
-        raise ConsumerError("the Deployment has no containers")
-    if name is None:
-        return containers[0]
-    for container in containers:
-        if container.get("name") == name:
-            return container
-    raise ConsumerError(f"the Deployment has no container {name!r}")
+def _mounts_connector(container: Mapping[str, Any]) -> bool:
+    """Whether the operator's connector volume is mounted in ``container`` (injected there)."""
+    return any(
+        isinstance(m, Mapping) and m.get("name") == names.CONNECTOR_VOLUME
+        for m in container.get("volumeMounts") or []
+    )
 
 
 def as_served(entry: Mapping[str, Any]) -> dict[str, Any]:
@@ -418,7 +414,14 @@ def restore_record(container: Mapping[str, Any], pod: Mapping[str, Any]) -> dict
 
 
 def injected(deployment: Mapping[str, Any], injection: Injection) -> dict[str, Any]:
-    """The Deployment with the injection applied (a new object)."""
+    """The Deployment with the injection applied (a new object). Moved to another container
+    (``spec.consumers[].container`` changed), it is first taken out of the one it was in."""
+    chosen = choose_container(deployment, injection)
+    recorded = read_record(
+        ((deployment.get("metadata") or {}).get("annotations") or {}).get(names.ANNOTATION_RESTORE)
+    )
+    if not isinstance(chosen, Refusal) and recorded.get("container") not in (None, chosen.get("name")):
+        deployment = restored(deployment)
     new = copy.deepcopy(dict(deployment))
     meta = new.setdefault("metadata", {})
     template = new.setdefault("spec", {}).setdefault("template", {})
@@ -549,12 +552,17 @@ def restored(deployment: Mapping[str, Any]) -> dict[str, Any]:
     record = read_record(raw_record)
     template = new.setdefault("spec", {}).setdefault("template", {})
     pod = template.setdefault("spec", {})
-    try:
-        container: dict[str, Any] | None = _container(pod, record.get("container"))
-    except ConsumerError:
-        container = None
-    if container is not None:
-        _restore_container(container, record)
+    # The recorded container gets back what the record says; any other the connector's
+    # volume is mounted in (its record lost) only loses what the operator injects. A container
+    # the operator never touched is left as it is.
+    recorded = record.get("container")
+    for container in pod.get("containers") or []:
+        if not isinstance(container, dict):
+            continue
+        if recorded is not None and container.get("name") == recorded:
+            _restore_container(container, record)
+        elif _mounts_connector(container):
+            _restore_container(container, record if recorded is None else {})
     volumes = _remove(list(pod.get("volumes") or []), names.CONNECTOR_VOLUME)
     if volumes or "volumes" not in set(record.get("created", CREATED_BY_DEFAULT)):
         pod["volumes"] = volumes

@@ -23,7 +23,7 @@ from kvpool.operator.consumers import (
 )
 from kvpool.operator.merge_patch import apply_merge_patch
 from kvpool.operator.plan import build_plan
-from testing.operator_objects import ORIGINAL_KV_CONFIG, pool_spec, stored, vllm_deployment
+from testing.operator_objects import ORIGINAL_KV_CONFIG, consumer, pool_spec, stored, vllm_deployment
 
 
 def injection(**overrides: Any) -> Injection:
@@ -153,6 +153,58 @@ def test_restoring_keeps_changes_made_in_between() -> None:
     ]
     assert [e["name"] for e in back["env"]] == ["HF_HOME", "PYTHONHASHSEED", "EXTRA"]
     assert {"name": "PYTHONHASHSEED", "value": "42"} in back["env"]
+
+
+def proxy_first() -> dict[str, Any]:
+    """A Deployment whose first container is a proxy with env of its own the operator also
+    sets in the container it injects (``POD_IP``, ``PYTHONHASHSEED``)."""
+    deployment = vllm_deployment()
+    proxy = {
+        "name": "proxy",
+        "image": "envoy",
+        "env": [
+            {"name": "POD_IP", "value": "proxy's own"},
+            {"name": "PYTHONHASHSEED", "value": "7"},
+        ],
+    }
+    deployment["spec"]["template"]["spec"]["containers"].insert(0, proxy)
+    return deployment
+
+
+@pytest.mark.parametrize("record", ["lost", "unreadable", "another version"])
+def test_without_its_record_restoring_takes_out_only_what_was_injected(record: str) -> None:
+    """The record names the container injected into; without it, the containers the connector
+    volume is mounted in lose what the operator injects, and no other container is touched
+    (the first one is not taken for the injected one)."""
+    original = proxy_first()
+    new = injected(original, injection())
+    annotations = new["metadata"]["annotations"]
+    if record == "lost":
+        del annotations[names.ANNOTATION_RESTORE]
+    elif record == "unreadable":
+        annotations[names.ANNOTATION_RESTORE] = "{not json"
+    else:
+        annotations[names.ANNOTATION_RESTORE] = json.dumps(
+            {**json.loads(annotations[names.ANNOTATION_RESTORE]), "version": 1}
+        )
+    back = restored(new)
+    proxy, vllm_back, sidecar = back["spec"]["template"]["spec"]["containers"]
+    assert proxy == original["spec"]["template"]["spec"]["containers"][0]
+    assert sidecar == original["spec"]["template"]["spec"]["containers"][2]
+    assert flags(vllm_back) == [] and "volumeMounts" not in vllm_back
+    # No container mounts a volume the pod no longer has.
+    assert "volumes" not in back["spec"]["template"]["spec"]
+
+
+def test_moving_the_injection_to_another_container_takes_it_out_of_the_first() -> None:
+    original = proxy_first()
+    into_vllm = injected(original, injection())
+    moved = injected(into_vllm, injection(consumers=[{**consumer(), "container": "sidecar"}]))
+    proxy, vllm_moved, sidecar = moved["spec"]["template"]["spec"]["containers"]
+    assert vllm_moved == original["spec"]["template"]["spec"]["containers"][1]
+    assert len(flags(sidecar)) == 1 and proxy == original["spec"]["template"]["spec"]["containers"][0]
+    assert json.loads(moved["metadata"]["annotations"][names.ANNOTATION_RESTORE])["container"] == "sidecar"
+    assert restored(moved) == original
 
 
 def test_a_missing_container_is_reported() -> None:
