@@ -116,11 +116,10 @@ def network_policy(
     return _policy(pool, namespace, names.network_policy_name(pool), pods, rules)
 
 
-def granted_consumers_rule(pool: str, namespace: str, spec: PoolSpec) -> dict[str, Any]:
-    """Consumers in the namespaces the pool takes grants from (pods labelled with the pool and
-    its namespace, in exactly those namespaces): the master's RPC port and the transfer ports
-    (the stores'), never the master's HTTP port with its admin API."""
-    peers = {
+def granted_consumers(pool: str, namespace: str, spec: PoolSpec) -> dict[str, Any]:
+    """A peer: consumers in the namespaces the pool takes grants from (pods labelled with the
+    pool and its namespace, in exactly those namespaces)."""
+    return {
         "namespaceSelector": {
             "matchExpressions": [
                 {
@@ -132,11 +131,16 @@ def granted_consumers_rule(pool: str, namespace: str, spec: PoolSpec) -> dict[st
         },
         "podSelector": {"matchLabels": {names.LABEL_POOL: pool, names.LABEL_POOL_NAMESPACE: namespace}},
     }
+
+
+def granted_consumers_rule(pool: str, namespace: str, spec: PoolSpec) -> dict[str, Any]:
+    """The granted consumers: the master's RPC port and the transfer ports (the stores'),
+    never the master's HTTP port with its admin API."""
     ports = [
         {"protocol": "TCP", "port": spec.master.rpc_port},
         {"protocol": "TCP", "port": TRANSFER_PORT_MIN, "endPort": TRANSFER_PORT_MAX},
     ]
-    return {"from": [peers], "ports": ports}
+    return {"from": [granted_consumers(pool, namespace, spec)], "ports": ports}
 
 
 def consumers_pods(pool: str) -> dict[str, Any]:
@@ -280,7 +284,8 @@ def etcd_protection(
             rule="etcd-namespace-policy",
             message=f"the namespace's NetworkPolicies ({named}) select the etcd pods: the operator adds "
             "no policy to them (it would widen what those admit); they must let the pool's pods "
-            f"({names.LABEL_POOL}={pool}) in on the etcd client ports",
+            f"({names.LABEL_POOL}={pool}), and its granted consumers in other namespaces, in on the "
+            "etcd client ports",
         )
     ]
 
@@ -321,9 +326,13 @@ def etcd_client_ports(endpoints: list[str]) -> list[int]:
 
 def etcd_network_policy(pool: str, namespace: str, spec: PoolSpec) -> dict[str, Any]:
     """Ingress to the etcd pods named by ``ha.etcdPodSelector``: their client ports from the
-    pool's pods (masters elect through it; stores and consumers find the leader in it),
+    pool's pods (masters elect through it; stores and consumers find the leader in it) and
+    from its granted consumers in other namespaces (they find the leader there too),
     anything from the etcd members themselves (peer traffic)."""
     selector = {"matchLabels": dict(spec.master.ha.etcd_pod_selector)}
     ports = [{"protocol": "TCP", "port": port} for port in etcd_client_ports(spec.master.ha.etcd_endpoints)]
-    rules = [{"from": [pool_pods(pool)], "ports": ports}, {"from": [{"podSelector": selector}]}]
+    clients = [pool_pods(pool)]
+    if spec.tenancy.enabled and spec.tenancy.grant_namespaces:
+        clients.append(granted_consumers(pool, namespace, spec))
+    rules = [{"from": clients, "ports": ports}, {"from": [{"podSelector": selector}]}]
     return _policy(pool, namespace, names.etcd_network_policy_name(pool), selector, rules)

@@ -291,3 +291,15 @@ def test_consumers_in_the_granted_namespaces_reach_rpc_and_transfer_ports_only()
     )
     closed = Network(namespaces, ()).with_policies(c for c in plain.children if c["kind"] == "NetworkPolicy")
     assert not closed.admits(granted, MASTER, 50051) and not closed.admits(granted, STORE, 15000)
+
+
+def test_granted_consumers_reach_the_etcd_pods_an_ha_pool_names() -> None:
+    """They find the leader in etcd too: its client ports, and nothing else of it."""
+    spec = pool_spec(master=HA, tenancy={"enabled": True, "grantNamespaces": [OTHER]}, consumers=[])
+    plan = build_plan("pool", NAMESPACE, spec, OperatorPolicy())
+    assert plan.valid, plan.problems
+    network = Network(NAMESPACES, ()).with_policies(c for c in plan.children if c["kind"] == "NetworkPolicy")
+    granted = Pod("tenant-llm-0", OTHER, {names.LABEL_POOL: "pool", names.LABEL_POOL_NAMESPACE: NAMESPACE})
+    assert network.admits(granted, ETCD, 2379) and not network.admits(granted, ETCD, 2380)
+    assert not network.admits(Pod("tenant-batch-0", OTHER, {"app": "batch"}), ETCD, 2379)
+    assert not network.admits(OUTSIDER, ETCD, 2379) and network.admits(MASTER, ETCD, 2379)
