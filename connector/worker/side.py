@@ -333,7 +333,7 @@ class WorkerSide:
         return slot
 
     def _retire_slot(self) -> None:
-        """Retire this thread's buffer after a call given up on returned at Mooncake's limit.
+        """Retire this thread's buffer after a job that may hold a call cut off at Mooncake's limit.
 
         Mooncake may end a call at its own hard limit (``MOONCAKE_TRANSFER_WAIT_S``)
         while its transport still moves bytes; only ``RETIRE_GRACE_S`` later is the
@@ -501,8 +501,10 @@ class WorkerSide:
                 return fn(request)
             finally:
                 # Every Mooncake call of the job ran within its run: one that returned before
-                # Mooncake's limit left nothing moving, and its buffer is used again at once.
-                if job.abandoned and time.monotonic() - started >= MOONCAKE_TRANSFER_WAIT_S:
+                # Mooncake's limit left nothing moving, and its buffer is used again at once. A
+                # job that ran that long may hold a call cut off at the limit, given up on or
+                # not (an engine that takes no step gives nothing up): its buffer rests.
+                if time.monotonic() - started >= MOONCAKE_TRANSFER_WAIT_S:
                     self._retire_slot()
                 job.returned()
                 self._forget(job, request)

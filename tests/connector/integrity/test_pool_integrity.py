@@ -192,9 +192,9 @@ def test_a_sync_load_past_its_deadline_fails_and_its_late_call_never_writes_a_bl
     still move bytes), its buffer rests and the next load takes another."""
     from kvpool.connector.worker import side as worker_side
 
-    if returned == "at_mooncakes_limit":
-        monkeypatch.setattr(worker_side, "MOONCAKE_TRANSFER_WAIT_S", 0.0)
     save(worker, ["a", "b"], [1, 2])
+    if returned == "at_mooncakes_limit":  # (after the save, which would count too)
+        monkeypatch.setattr(worker_side, "MOONCAKE_TRANSFER_WAIT_S", 0.0)
     stall = Stall("batch_get_into_multi_buffers", {worker.keyspace.key(0, 0, 0, "a")}, scribble=True)
     stall.install(monkeypatch)
     zero(worker, 5)
@@ -218,6 +218,22 @@ def test_a_sync_load_past_its_deadline_fails_and_its_late_call_never_writes_a_bl
     load(worker, ["b"], [6], req="after")
     assert worker.take_load_errors() == set() and same(block(worker, 6), block(worker, 2))
     assert resting_slots(worker) == retired, "a resting buffer stays resting"
+
+
+def test_a_job_that_ran_to_mooncakes_limit_rests_its_buffer_even_if_never_given_up(
+    worker: WorkerSide, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No step, nothing given up (a paused engine): a call may still end at Mooncake's own
+    limit with bytes moving, so a job that ran that long rests its buffer. (The limit set to
+    0: every job counts as one that reached it.)"""
+    from kvpool.connector.worker import side as worker_side
+
+    save(worker, ["a"], [1])
+    before = resting_slots(worker)
+    monkeypatch.setattr(worker_side, "MOONCAKE_TRANSFER_WAIT_S", 0.0)
+    load(worker, ["a"], [5])
+    assert worker.take_load_errors() == set() and same(block(worker, 5), block(worker, 1))
+    assert len(resting_slots(worker)) == len(before) + 1
 
 
 def test_loads_given_up_on_every_transfer_thread_at_once_leave_the_pool_serving(
