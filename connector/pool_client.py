@@ -608,6 +608,9 @@ class PoolClient:
             except Exception:
                 logger.warning("Mooncake batch call failed for %d keys", len(part), exc_info=True)
                 part_codes = [CODE_RPC_FAILED] * len(part)
+            if len(part_codes) != len(part):  # no code for some key: none of them counts as moved
+                logger.warning("Mooncake answered %d codes for %d keys", len(part_codes), len(part))
+                part_codes = [CODE_RPC_FAILED] * len(part)
             self._note_codes(part_codes)
             codes.extend(part_codes)
         return codes

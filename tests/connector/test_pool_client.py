@@ -102,6 +102,25 @@ def test_calls_stay_within_the_buffer_bound(pool_client) -> None:
     assert got == [8 * per_key] and np.array_equal(out[: 8 * per_key], buf[: 8 * per_key])
 
 
+def test_a_read_answered_with_fewer_codes_than_keys_moves_none(pool_client) -> None:
+    """Every block a read asked for needs its own code: a short answer counts none as loaded."""
+    buf = np.arange(64, dtype=np.uint8)
+    pool_client.register(buf.ctypes.data, buf.nbytes)
+    keys = ["short-0", "short-1"]
+    assert put_from(pool_client, keys, [[buf.ctypes.data]] * 2, [[16]] * 2) == [0, 0]
+
+    class ShortAnswers(CountingStore):
+        def batch_get_into_multi_buffers(self, *args: object) -> list[int]:
+            return list(raw.batch_get_into_multi_buffers(*args))[:1]
+
+    raw = raw_store(pool_client)
+    replace_raw_store(pool_client, ShortAnswers(raw))
+    out = np.zeros(32, dtype=np.uint8)
+    pool_client.register(out.ctypes.data, out.nbytes)
+    got = pool_client.get_into(keys, [[out.ctypes.data], [out.ctypes.data + 16]], [[16], [16]])
+    assert got == [CODE_RPC_FAILED, CODE_RPC_FAILED]
+
+
 def test_every_code_mooncake_answers_for_a_replica_gone_is_named() -> None:
     """A store that died under a read leaves objects the master lists with no readable copy
     (REPLICA_IS_NOT_READY, seen in the chaos run): a reason of its own, not other_error."""
