@@ -212,6 +212,8 @@ class SchedulerSide:
         """The answer to ``request``'s queued lookup; None while it is in flight (a request
         with none, or one of another length, is queued now)."""
         pending = state.pending
+        if pending is not None and pending.outcome is not None and self._stale(pending.outcome[1]):
+            pending = None  # answered, but the request was not reached for a while: ask again
         if pending is None or pending.lookup.query.num_tokens != request.num_tokens:
             state.cancel_lookup()
             query = self._query(request, num_computed_tokens)

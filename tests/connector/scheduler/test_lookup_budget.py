@@ -120,3 +120,33 @@ def test_the_budget_is_validated_by_name() -> None:
     assert "greater than or equal to 0" in str(raised.value)
     with pytest.raises(ValidationError, match="lookup_budget_ms"):
         ConnectorSettings(master_server_address="127.0.0.1:1", lookup_budget_ms=5000)
+
+
+def test_an_answer_the_request_waited_on_past_the_lookup_deadline_is_asked_again(
+    model_dir: Path, pool_settings: Any, pool_client: Any
+) -> None:
+    """A deferred request's lookup is answered, then the request is not reached for longer
+    than ``lookup_timeout_s`` (the step's token budget, ``max_num_seqs``): its blocks may
+    have left the pool since, so it asks again rather than claim them."""
+    from kvpool.connector.contract.keys import hash_digest
+
+    timeout_s = 0.2
+    transfer = local_pool_transfer(pool_settings, lookup_timeout_s=timeout_s, lookup_budget_ms=0)
+    scheduler = make_scheduler(model_dir, FULL, transfer)
+    try:
+        connector = scheduler.connector
+        request = make_request(scheduler, list(range(17, 17 + HIT_BLOCKS * 32 + 40)))
+        store_blocks(pool_client, scheduler, request, {0: range(HIT_BLOCKS)})
+        assert connector.get_num_new_matched_tokens(request, 0) == (None, False)  # deferred
+        assert answer_lookups(connector)
+        view = scheduler_of(connector).coordinator.group_block_hashes(0, request.block_hashes)
+        keys = [connector.keyspace.key(0, 0, 0, hash_digest(bytes(view[b]))) for b in range(HIT_BLOCKS)]
+        assert pool_client.remove(keys) == [0] * HIT_BLOCKS  # (forced: the lookup leased them)
+        threading.Event().wait(3 * timeout_s)  # the request waits past the deadline
+        claimed = connector.get_num_new_matched_tokens(request, 0)
+        if claimed[0] is None:  # asked again
+            assert answer_lookups(connector)
+            claimed = connector.get_num_new_matched_tokens(request, 0)
+        assert claimed == (0, False), "a hit claimed from an answer the pool no longer holds"
+    finally:
+        scheduler.shutdown()
