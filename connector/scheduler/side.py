@@ -137,6 +137,10 @@ class SchedulerSide:
         coord = self.coordinator
         req_id = request.request_id
         state = self.requests.get(req_id)
+        if self.can_save:  # its saves start past vLLM's own hit, whatever the pool answers
+            if state is None:
+                state = self.requests[req_id] = RequestState()
+            state.local_tokens = num_computed_tokens
         if not self.can_load or coord is None or (state is not None and state.load_failed):
             return 0, False
         if self.load_policy is LoadPolicy.NEVER:

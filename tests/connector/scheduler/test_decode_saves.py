@@ -198,3 +198,34 @@ def test_a_steps_new_requests_plan_from_the_block_tables_vllm_put_in_its_output(
         assert step_block_ids(decode, manager_block_ids) is manager_block_ids
     finally:
         scheduler.shutdown()
+
+
+def _saves_of_next(scheduler: Any, prompt: list[int]) -> list[int]:
+    """As :func:`_prefill_saves` for a request that may be admitted without a lookup step."""
+    request = make_request(scheduler, prompt, max_tokens=1)
+    scheduler.add_request(request)
+    output = schedule_answered(scheduler)
+    if request.request_id not in output.num_scheduled_tokens:  # it waited for its lookup
+        output = scheduler.schedule()
+    block_ids = request_block_ids(scheduler, request.request_id)
+    saves = [s for s in output.kv_connector_metadata.saves if s.req_id == request.request_id]
+    _sample_one_each(scheduler, output)
+    return [block_ids.index(b) for s in saves for b in s.groups[0].block_ids]
+
+
+@pytest.mark.parametrize("load_policy", ["always", "never"])
+def test_saves_start_past_the_local_hit_when_the_pool_is_not_asked(
+    model_dir, pool_settings, load_policy: str
+) -> None:
+    """No lookup tells what the pool holds (the local hit covers every block the pool could
+    add, or loads are off): the request's saves start past vLLM's own hit, not at block 0
+    (vLLM sets the request's computed tokens only after the connector planned them)."""
+    scheduler = make_scheduler(model_dir, FULL, local_pool_transfer(pool_settings, load_policy=load_policy))
+    try:
+        assert _saves_of_next(scheduler, PROMPT) == list(range(PROMPT_BLOCKS))
+        if load_policy == "always":  # the same prompt: its whole blocks are all cached locally
+            assert _saves_of_next(scheduler, PROMPT) == []
+        else:  # loads off: never asked, even for the blocks past the local prefix
+            assert _saves_of_next(scheduler, GROWN) == list(range(PROMPT_BLOCKS, len(GROWN) // BLOCK))
+    finally:
+        scheduler.shutdown()
