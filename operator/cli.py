@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from kvpool.operator.crd import build_grant_crd, render_crd
 from kvpool.operator.leader import SERVICE_HEALTH_URL
+from kvpool.operator.names import LEASE_NAME
 from kvpool.operator.pod_injection import DEPLOYMENT_PATCH, INJECTION_MODES, POD_ADMISSION
 from kvpool.operator.rbac import RULES, TENANT_RULES, WEBHOOK_RULES, render_rules
 
@@ -149,7 +150,11 @@ def _parser() -> argparse.ArgumentParser:
         help="run as one of several replicas: only the holder of a Lease in this namespace acts "
         "(the others stand by); default: no election, this replica always acts",
     )
-    run.add_argument("--leader-election-id", default="kvpool-operator", help="the Lease's name")
+    run.add_argument(
+        "--leader-election-id",
+        default=LEASE_NAME,
+        help="the Lease's name (the chart's Role lets the operator get and patch this one only)",
+    )
     run.add_argument(
         "--injection-mode",
         choices=INJECTION_MODES,

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpool.operator.kube import ApiError, KubeClient
-from kvpool.operator.names import LEASES
+from kvpool.operator.names import LEASE_NAME, LEASES
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ class LeaseOptions:
     """Where the Lease is and how it is held."""
 
     namespace: str
-    name: str = "kvpool-operator"
+    name: str = LEASE_NAME
     identity: str = ""  # empty: $POD_NAME, else the host name
     lease_duration: float = 15.0
     renew_deadline: float = 10.0

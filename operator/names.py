@@ -59,6 +59,8 @@ POD_DISRUPTION_BUDGETS = ApiResource("policy", "v1", "poddisruptionbudgets", "Po
 EVENTS = ApiResource("", "v1", "events", "Event")
 PODS = ApiResource("", "v1", "pods", "Pod")
 LEASES = ApiResource("coordination.k8s.io", "v1", "leases", "Lease")
+#: The operator's leader-election Lease (``--leader-election-id``; the chart's Role names it).
+LEASE_NAME = "kvpool-operator"
 
 _BY_KIND: dict[tuple[str, str], ApiResource] = {
     (r.api_version, r.kind): r

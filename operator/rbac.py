@@ -12,7 +12,7 @@ so tests can prove every recorded request is covered and no rule goes unused.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
@@ -23,6 +23,7 @@ from kvpool.operator.names import (
     DEPLOYMENTS,
     EVENTS,
     GRANTS,
+    LEASE_NAME,
     LEASES,
     NETWORK_POLICIES,
     POD_DISRUPTION_BUDGETS,
@@ -35,14 +36,18 @@ from kvpool.operator.names import (
 
 @dataclass(frozen=True)
 class Rule:
-    """One RBAC rule: API group, resources, verbs."""
+    """One RBAC rule: API group, resources, verbs (and, when set, the only objects it names)."""
 
     api_group: str
     resources: tuple[str, ...]
     verbs: tuple[str, ...]
+    resource_names: tuple[str, ...] = ()
 
     def as_dict(self) -> dict[str, list[str]]:
-        return {"apiGroups": [self.api_group], "resources": list(self.resources), "verbs": list(self.verbs)}
+        out = {"apiGroups": [self.api_group], "resources": list(self.resources), "verbs": list(self.verbs)}
+        if self.resource_names:
+            out["resourceNames"] = list(self.resource_names)
+        return out
 
 
 @dataclass(frozen=True)
@@ -52,6 +57,7 @@ class Permission:
     api_group: str
     resource: str
     verb: str
+    name: str | None = field(default=None, compare=False)  # the object a request names, if one
 
 
 RULES: tuple[Rule, ...] = (
@@ -105,8 +111,12 @@ TENANT_GRANT_RULES: tuple[Rule, ...] = (
 )
 TENANT_RULES = {"edit": TENANT_EDIT_RULES, "view": TENANT_VIEW_RULES, "grant": TENANT_GRANT_RULES}
 
-# Leader election: the Lease in the operator's own namespace (a Role there).
-LEASE_RULES: tuple[Rule, ...] = (Rule(LEASES.group, (LEASES.plural,), ("get", "create", "patch")),)
+# Leader election: the operator's own Lease in its own namespace (a Role there), by name
+# where RBAC can say it (a create names no object).
+LEASE_RULES: tuple[Rule, ...] = (
+    Rule(LEASES.group, (LEASES.plural,), ("create",)),
+    Rule(LEASES.group, (LEASES.plural,), ("get", "patch"), (LEASE_NAME,)),
+)
 
 WEBHOOK_RULES: tuple[Rule, ...] = (
     Rule(
@@ -149,7 +159,7 @@ def request_permission(method: str, url: str) -> Permission | None:
         "PATCH": "patch",
         "DELETE": "delete" if name else "deletecollection",
     }.get(method.upper(), method.lower())
-    return Permission(group, resource, verb)
+    return Permission(group, resource, verb, name)
 
 
 def implied_permissions(method: str, body: Any) -> list[Permission]:
@@ -176,6 +186,7 @@ def allowed(permission: Permission, rules: tuple[Rule, ...] = RULES) -> Rule | N
             rule.api_group == permission.api_group
             and permission.resource in rule.resources
             and permission.verb in rule.verbs
+            and (not rule.resource_names or permission.name in rule.resource_names)
         ):
             return rule
     return None

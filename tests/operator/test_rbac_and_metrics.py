@@ -210,3 +210,19 @@ def test_cli_policy_options() -> None:
     assert config.master_health_url == "http://127.0.0.2:{port}/health"
     with pytest.raises(SystemExit, match="KEY=VALUE"):
         options_from_args(_parser().parse_args(["run", "--operator-pod-label", "novalue"]))
+
+
+def test_the_lease_rules_name_the_operators_lease_only() -> None:
+    """Another controller's Lease in the operator's namespace is out of reach (but for a
+    create, which RBAC cannot limit by name)."""
+    from kvpool.operator.names import LEASE_NAME
+    from kvpool.operator.rbac import LEASE_RULES
+
+    path = "/apis/coordination.k8s.io/v1/namespaces/ops/leases"
+    for method in ("GET", "PATCH"):
+        own = request_permission(method, f"{path}/{LEASE_NAME}")
+        theirs = request_permission(method, f"{path}/another-controller")
+        assert own is not None and allowed(own, LEASE_RULES)
+        assert theirs is not None and not allowed(theirs, LEASE_RULES)
+    create = request_permission("POST", path)
+    assert create is not None and allowed(create, LEASE_RULES)
