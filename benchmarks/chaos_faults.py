@@ -134,12 +134,7 @@ class Injector:
     def _do(self, planned: PlannedFault, record: FaultRecord) -> str | None:
         kind, fleet = planned.kind, self.fleet
         if kind == FaultKind.STORE_FROZEN:
-            fleet.freeze_store(planned.target)
-            try:
-                time.sleep(planned.hold)
-            finally:
-                fleet.thaw_store(planned.target)
-            return f"store {planned.target} stopped {planned.hold:.1f} s"
+            return _frozen("store", fleet.freeze_store, fleet.thaw_store, planned)
         if kind == FaultKind.STORE_RESTARTED:
             fleet.kill_store(planned.target)
             time.sleep(planned.hold)
@@ -172,12 +167,7 @@ class Injector:
             back = self.now() - killed_at
             return f"server {planned.target} killed with {in_flight} requests in flight; back in {back:.0f} s"
         if kind == FaultKind.SERVER_FROZEN:
-            fleet.freeze_server(planned.target)
-            try:
-                time.sleep(planned.hold)
-            finally:
-                fleet.thaw_server(planned.target)
-            return f"server {planned.target} stopped {planned.hold:.1f} s"
+            return _frozen("server", fleet.freeze_server, fleet.thaw_server, planned)
         if kind == FaultKind.POOL_FULL:
             return self._fill_pool(planned.hold)
         if kind == FaultKind.OBJECTS_CORRUPTED:
@@ -246,3 +236,15 @@ class Injector:
             f"{replaced} of {len(keys)} objects of user {chosen.user} turn {chosen.turn} "
             f"(request {chosen.id}) overwritten"
         )
+
+
+def _frozen(
+    part: str, freeze: Callable[[int], None], thaw: Callable[[int], None], planned: PlannedFault
+) -> str:
+    """Stop ``part`` ``planned.target`` for the fault's hold, then continue it (whatever happens)."""
+    freeze(planned.target)
+    try:
+        time.sleep(planned.hold)
+    finally:
+        thaw(planned.target)
+    return f"{part} {planned.target} stopped {planned.hold:.1f} s"
