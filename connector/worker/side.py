@@ -868,7 +868,11 @@ class WorkerSide:
         groups = [g for g in save.groups if g.block_ids and self._saves_group(g.group_id)]
         last = groups[-1] if groups else None
         with tracing.span("kvpool.save", save.trace_context, request_id=save.req_id) as span:
-            staged = self._stage_together(groups, job)
+            try:
+                staged = self._stage_together(groups, job)
+            except Exception:  # never let a transfer bug reach the forward pass: group by group
+                logger.exception("KVPoolConnector save could not stage its groups together")
+                staged = None
             results = [self._traced_group("save", g, job, g is last, staged) for g in save.groups]
             tracing.mark_failed(span, sum((r.failures for r in results), Counter()))
         self._record("save", save.groups, results, started, 0, False)
