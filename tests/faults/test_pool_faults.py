@@ -109,7 +109,9 @@ class Window:
 
 @pytest.fixture
 def window(pool: SinglePool, engine: Engine) -> Window:
-    """A healthy, empty pool (256MB store, default master) and a mark in the engine's records."""
+    """A healthy, empty pool (256MB store, default master) and a mark in the engine's records
+    (an earlier test's saves still in flight end first: they would land in this one's window)."""
+    engine.wait_for_saves()
     store = pool.store
     if (
         store is None
