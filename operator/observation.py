@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import aiohttp
 
@@ -49,6 +50,9 @@ class Observation:
     reason: str = "Answered"  # or Unreachable, NoLeader, NotAMaster
     # Store pods by IP, to name the pod of each segment.
     store_pods: Mapping[str, str] = field(default_factory=dict)
+    # What the poll asked (the operator's key of the pool's master and ports): an answer
+    # vouches for that only.
+    asked: tuple[Any, ...] = ()
 
     @property
     def answered(self) -> bool:

@@ -19,6 +19,7 @@ import copy
 import datetime
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import kopf
@@ -777,9 +778,8 @@ class Reconciler:
         self.master_health_url = master_health_url
         self.leader_timeout = leader_timeout
         self.observe_timeout = observe_timeout
-        # The last poll of each pool's master (the observation timer's), and what it asked.
+        # The last poll of each pool's master (the observation timer's).
         self.observations: dict[tuple[str, str], Observation] = {}
-        self._observed_targets: dict[tuple[str, str], tuple[Any, ...]] = {}
         self._locks: dict[tuple[str, str], asyncio.Lock] = {}
         # The pool generation whose unlisted grants were last looked for (``refuse_unlisted_grants``).
         self._swept: dict[tuple[str, str], int | None] = {}
@@ -890,7 +890,6 @@ class Reconciler:
                 )
                 self.metrics.forget_pool(namespace, name)
                 self.observations.pop((namespace, name), None)
-                self._observed_targets.pop((namespace, name), None)
                 self._locks.pop((namespace, name), None)
                 return
             try:
@@ -906,7 +905,6 @@ class Reconciler:
             self.metrics.reconciles.labels("delete", "success").inc()
             self.metrics.forget_pool(namespace, name)
             self.observations.pop((namespace, name), None)
-            self._observed_targets.pop((namespace, name), None)
             self._swept.pop((namespace, name), None)
             self._locks.pop((namespace, name), None)
 
@@ -970,17 +968,19 @@ class Reconciler:
         """The last poll of the pool's master, if it asked what ``plan`` names: after a spec
         change (another external master, another port) an older answer vouches for nothing,
         and no consumer is rolled on it before the next poll."""
-        key = (plan.namespace, plan.pool)
-        if self._observed_targets.get(key) != self.poll_target(plan):
+        observation = self.observations.get((plan.namespace, plan.pool))
+        if observation is None or observation.asked != self.poll_target(plan):
             return None
-        return self.observations.get(key)
+        return observation
 
     async def poll(self, plan: Plan) -> Observation:
-        """One poll of the pool's master, within ``observe_timeout`` (no lock held)."""
+        """One poll of the pool's master, within ``observe_timeout`` (no lock held), with what
+        it asked (:meth:`poll_target`)."""
         now = utcnow()
         if plan.external:
             bases = [f"http://{endpoint}" for endpoint in plan.metrics_endpoints]
-            return await poll_master(bases, now=now, timeout=self.observe_timeout)
+            observation = await poll_master(bases, now=now, timeout=self.observe_timeout)
+            return replace(observation, asked=self.poll_target(plan))
         stores = await self.kube.list(
             PODS,
             plan.namespace,
@@ -994,7 +994,7 @@ class Reconciler:
             masters = pod_ips(
                 await self.kube.list(PODS, plan.namespace, label_selector=master_pods_selector(plan.pool))
             )
-        return await poll_master(
+        observation = await poll_master(
             [self.master_base(plan)],
             now=now,
             timeout=self.observe_timeout,
@@ -1002,6 +1002,7 @@ class Reconciler:
             metrics_port=plan.metrics_port,
             store_pods=store_pods,
         )
+        return replace(observation, asked=self.poll_target(plan))
 
     async def poll_hits(self, plan: Plan) -> dict[str, Any] | None:
         """``status.hits`` from the consumers' own ``/metrics`` (None: no consumer pod is ready):
@@ -1073,7 +1074,6 @@ class Reconciler:
         before = self.observations.get(key)
         if observation is not None:
             self.observations[key] = observation
-            self._observed_targets[key] = self.poll_target(plan)
         drain = record_of(body.get("status") or {}) if plan.store_replicas is not None else None
         stepped = None if drain is None else await self.step_drain(plan, drain, observation)
         async with self._lock(namespace, name):
