@@ -54,6 +54,21 @@ def _problem(field: str, rule: str, message: str) -> Problem:
     return Problem(field=field, rule=rule, message=message)
 
 
+def in_transfer_range(field: str, port: int) -> list[Problem]:
+    """A master or store port among Mooncake's transfer ports, which the pool's NetworkPolicy
+    opens to its granted consumers (the master's HTTP port there would expose its admin API)."""
+    if not TRANSFER_PORT_MIN <= port <= TRANSFER_PORT_MAX:
+        return []
+    return [
+        _problem(
+            field,
+            "transfer-port-range",
+            f"port {port} is in {TRANSFER_PORT_MIN}-{TRANSFER_PORT_MAX}, Mooncake's transfer ports, "
+            "which the pool's NetworkPolicy opens to its granted consumers: choose another",
+        )
+    ]
+
+
 def check_master(spec: PoolSpec) -> list[Problem]:
     master = spec.master
     problems = []
@@ -78,16 +93,8 @@ def check_master(spec: PoolSpec) -> list[Problem]:
                 f"without HA there is exactly one master, got {master.replicas}",
             )
         )
-    problems += [
-        _problem(
-            f"spec.master.{name}",
-            "transfer-port-range",
-            f"port {port} is in {TRANSFER_PORT_MIN}-{TRANSFER_PORT_MAX}, Mooncake's transfer ports, "
-            "which the pool's NetworkPolicy opens to its granted consumers: choose another",
-        )
-        for name, port in (("rpcPort", master.rpc_port), ("metricsPort", master.metrics_port))
-        if TRANSFER_PORT_MIN <= port <= TRANSFER_PORT_MAX
-    ]
+    problems += in_transfer_range("spec.master.rpcPort", master.rpc_port)
+    problems += in_transfer_range("spec.master.metricsPort", master.metrics_port)
     if master.rpc_port == master.metrics_port:
         problems.append(
             _problem(
@@ -109,16 +116,7 @@ def check_store(spec: PoolSpec) -> list[Problem]:
         problems.append(
             _problem("spec.store.replicas", "store-replicas", "standalone mode needs at least one store pod")
         )
-    if TRANSFER_PORT_MIN <= spec.store.port <= TRANSFER_PORT_MAX:
-        problems.append(
-            _problem(
-                "spec.store.port",
-                "transfer-port-range",
-                f"port {spec.store.port} is in {TRANSFER_PORT_MIN}-{TRANSFER_PORT_MAX}, Mooncake's "
-                "transfer ports, which the pool's NetworkPolicy opens to its granted consumers: "
-                "choose another",
-            )
-        )
+    problems += in_transfer_range("spec.store.port", spec.store.port)
     master_ports = {spec.master.rpc_port: "rpcPort", spec.master.metrics_port: "metricsPort"}
     if spec.store.port in master_ports:
         problems.append(
