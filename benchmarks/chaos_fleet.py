@@ -17,6 +17,7 @@ import contextlib
 import os
 import shutil
 import signal
+import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -63,7 +64,8 @@ class Fleet:
     slots: list[ServerSlot] = field(default_factory=list)
     log_dirs: list[Path] = field(default_factory=list)  # every master's and store's
     _frozen: set[int] = field(default_factory=set)
-    _frozen_servers: dict[int, Any] = field(default_factory=dict)  # index: the process group stopped
+    # Each frozen server's process (its group stopped), by index.
+    _frozen_servers: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     # Servers die with the thread that started them (PR_SET_PDEATHSIG names the thread, not
     # the process): every start goes through this one thread, which lives as long as the fleet.
@@ -122,16 +124,16 @@ class Fleet:
         """How many segments the pool has when every part is up: stores', or servers'."""
         return self.stores + (self.servers if self.colocated else 0)
 
-    def wait_for_capacity(self, leader: MooncakeMaster, stores: int, timeout: float) -> float:
-        """Until ``leader`` has ``stores`` stores' memory mounted; the capacity."""
+    def wait_for_capacity(self, leader: MooncakeMaster, segments: int, timeout: float) -> float:
+        """Until ``leader`` has ``segments`` segments' memory mounted; the capacity."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             with contextlib.suppress(OSError):
                 capacity = leader.capacity_bytes()
-                if capacity >= stores * self.segment_bytes():
+                if capacity >= segments * self.segment_bytes():
                     return capacity
             time.sleep(0.1)
-        raise TimeoutError(f"{stores} stores not mounted on {leader.address} after {timeout:.0f}s")
+        raise TimeoutError(f"{segments} segments not mounted on {leader.address} after {timeout:.0f}s")
 
     def freeze_store(self, index: int) -> None:
         store = self.store_list[index]
