@@ -535,12 +535,27 @@ async def roll_consumers(
     return states
 
 
+class ConsumersNotReleased(ApiError):
+    """The API refused to take the pool's settings out of some Deployments (every other one
+    was released); the first refusal's status."""
+
+    def __init__(self, namespace: str, refused: list[tuple[str, ApiError]]):
+        self.names = [name for name, _ in refused]
+        first = refused[0][1]
+        kept = f"{namespace}: {', '.join(self.names)} kept the settings"
+        super().__init__(first.status, first.reason, kept)
+
+
 async def release_consumers(
     kube: KubeClient, namespace: str, pool: str, keep: set[str], notify: Notify, pool_namespace: str = ""
 ) -> list[str]:
     """Take the pool's settings out of Deployments in ``namespace`` it no longer lists; their
-    names. ``pool_namespace``: the pool's, when ``namespace`` is a grant's (default: the same)."""
-    released = []
+    names. ``pool_namespace``: the pool's, when ``namespace`` is a grant's (default: the same).
+
+    One Deployment the API refuses (a webhook, a stale read) never keeps the rest: each is
+    tried, each refusal gets an Event, and ``ConsumersNotReleased`` names them at the end."""
+    released: list[str] = []
+    refused: list[tuple[str, ApiError]] = []
     selector = f"{names.LABEL_CONSUMER_OF}={pool}"
     for deployment in await kube.list(DEPLOYMENTS, namespace, label_selector=selector):
         name = deployment.get("metadata", {}).get("name", "")
@@ -565,9 +580,19 @@ async def release_consumers(
                 "the pool's settings are taken out, what they replaced cannot be put back",
             )
         if patch:
-            await kube.patch(DEPLOYMENTS, namespace, name, patch)
+            try:
+                await kube.patch(DEPLOYMENTS, namespace, name, patch)
+            except ApiError as exc:
+                logger.warning("releasing %s/%s from pool %s: %s", namespace, name, pool, exc)
+                if not exc.conflict:  # a stale read is tried again, not reported
+                    message = f"{name}: its settings could not be taken out ({exc})"
+                    notify("Warning", "ConsumerNotReleased", message)
+                refused.append((name, exc))
+                continue
             notify("Normal", "ConsumerReleased", f"{name}: connector settings removed")
         released.append(name)
+    if refused:
+        raise ConsumersNotReleased(namespace, refused)
     return released
 
 
@@ -658,12 +683,17 @@ async def converge(
     # Pod admission patches no Deployment: what patching put in one before is taken out,
     # but from a refused one (its owner has yet to move the label onto its pod template).
     keep = {c.name for c in consumers if mode == DEPLOYMENT_PATCH or c.refused}
-    await release_consumers(kube, namespace, name, keep, notify)
+    # A Deployment the API refused to release has its Event; the pass goes on to write the
+    # status, and the next pass (its change, or the resync) tries it again.
+    with contextlib.suppress(ConsumersNotReleased):
+        await release_consumers(kube, namespace, name, keep, notify)
     for other in consumer_namespaces(pool, plan):
         prefix = f"{other}/"
         kept = {n.removeprefix(prefix) for n in keep if n.startswith(prefix)}
         try:
             await release_consumers(kube, other, name, kept, notify, pool_namespace=namespace)
+        except ConsumersNotReleased:
+            pass
         except ApiError as exc:  # a namespace the operator no longer reads: said by validation
             logger.warning("releasing consumers of %s/%s in %s: %s", namespace, name, other, exc)
     old = pool.get("status") or {}
@@ -893,8 +923,8 @@ class Reconciler:
                 self._locks.pop((namespace, name), None)
                 return
             try:
-                await release_consumers(self.kube, namespace, name, set(), notify)
-                await self.release_grant_consumers(body, notify)
+                await self.release_every_consumer(body, notify)
+                await self.forget_grants(body)
                 for resource, child_name in children_names(name):
                     removal = await ensure_absent(self.kube, resource, namespace, child_name, uid)
                     if removal.conflict is not None:
@@ -908,17 +938,31 @@ class Reconciler:
             self._swept.pop((namespace, name), None)
             self._locks.pop((namespace, name), None)
 
-    async def release_grant_consumers(self, body: Mapping[str, Any], notify: Notify) -> None:
-        """Teardown in the grants' namespaces: their consumers released, the ConfigMaps the
-        pool wrote for them deleted (the grants stay: they are the tenants')."""
+    async def release_every_consumer(self, body: Mapping[str, Any], notify: Notify) -> None:
+        """Teardown's first step: the pool's settings out of its consumers, in its namespace and
+        its grants'. Every namespace is tried; a Deployment that kept them fails the step (the
+        teardown is tried again; the pool's children stay while a consumer points at them)."""
         meta = body["metadata"]
-        for other in consumer_namespaces(body):
+        refused: list[ConsumersNotReleased] = []
+        for other in (meta["namespace"], *consumer_namespaces(body)):
+            pool_namespace = "" if other == meta["namespace"] else meta["namespace"]
             try:
-                await release_consumers(self.kube, other, meta["name"], set(), notify, meta["namespace"])
+                await release_consumers(self.kube, other, meta["name"], set(), notify, pool_namespace)
+            except ConsumersNotReleased as exc:
+                refused.append(exc)
             except ApiError as exc:
-                logger.warning(
+                if other == meta["namespace"]:
+                    raise
+                logger.warning(  # a namespace the operator no longer reads: said by validation
                     "releasing consumers of %s/%s in %s: %s", meta["namespace"], meta["name"], other, exc
                 )
+        if refused:
+            raise refused[0]
+
+    async def forget_grants(self, body: Mapping[str, Any]) -> None:
+        """Teardown in the grants' namespaces: the ConfigMaps the pool wrote for them deleted
+        (the grants stay: they are the tenants'; their status says the pool is gone)."""
+        meta = body["metadata"]
         gone = f"pool {meta['namespace']}/{meta['name']} is deleted"
         for grant in await read_grants(self.kube, body):
             if grant.namespace != meta["namespace"] and grant.uid:

@@ -11,7 +11,15 @@ from kvpool.operator import names
 from kvpool.operator.consumers import injected, record_problem, restored
 from kvpool.operator.plan import build_plan
 from testing.kube_api import DEPLOYMENTS_PATH, NAMESPACE, POOLS_PATH, Cluster, Fault, eventually
-from testing.operator_objects import Operator, converge, kv_flags, pool_manifest, pool_spec, vllm_deployment
+from testing.operator_objects import (
+    Operator,
+    consumer,
+    converge,
+    kv_flags,
+    pool_manifest,
+    pool_spec,
+    vllm_deployment,
+)
 
 MALFORMED = json.dumps({"version": 2, "container": "vllm", "env": ["PYTHONHASHSEED"], "others": "x"})
 
@@ -78,3 +86,40 @@ async def test_the_skip_teardown_annotation_lets_a_stuck_pool_go(
     (event,) = await eventually(lambda: cluster.events("TeardownSkipped"), what="an Event")
     assert event["type"] == "Warning"
     assert kv_flags(cluster.get(DEPLOYMENTS_PATH, "llm"))  # left as it was, as the Event says
+
+
+@pytest.mark.asyncio
+async def test_a_consumer_the_api_refuses_never_keeps_the_others_from_their_release(
+    cluster: Cluster, operator: Operator
+) -> None:
+    # Listed first, so that a release stopping at the first refusal leaves "second" behind.
+    for deployment in ("first", "second"):
+        await cluster.create(vllm_deployment(deployment))
+    await cluster.create(pool_manifest(spec=pool_spec(consumers=[consumer("first"), consumer("second")])))
+    await converge(cluster, generation=1)
+    assert all(kv_flags(cluster.get(DEPLOYMENTS_PATH, name)) for name in ("first", "second"))
+
+    # The pool stops listing both; an admission webhook refuses every patch of "first".
+    refusal = cluster.api.fail(Fault("PATCH", "deployments", 403, times=10_000, name="first"))
+    await cluster.patch_pool("pool", {"spec": {"consumers": [consumer("other")]}})
+    await eventually(lambda: cluster.pool_status("pool").get("observedGeneration") == 2, what="pass 2")
+    assert kv_flags(cluster.get(DEPLOYMENTS_PATH, "second")) == []
+    assert kv_flags(cluster.get(DEPLOYMENTS_PATH, "first"))
+    events = await eventually(lambda: cluster.events("ConsumerNotReleased"), what="an Event")
+    assert all(e["type"] == "Warning" and e["message"].startswith("first:") for e in events)
+
+    # Teardown tries every consumer too, and keeps the pool's children while one keeps its settings.
+    await cluster.patch_pool("pool", {"spec": {"consumers": [consumer("first"), consumer("second")]}})
+    refusal.times = 0
+    await converge(cluster, generation=3)
+    refusal.times = 10_000
+    await cluster.delete_pool("pool")
+    await eventually(lambda: kv_flags(cluster.get(DEPLOYMENTS_PATH, "second")) == [], what="second released")
+    await cluster.passes("pool", cluster.mark(), count=2)
+    assert cluster.get(POOLS_PATH, "pool") is not None
+    assert kv_flags(cluster.get(DEPLOYMENTS_PATH, "first"))
+    assert cluster.get(DEPLOYMENTS_PATH, names.master_name("pool")) is not None
+
+    refusal.times = 0
+    await eventually(lambda: cluster.get(POOLS_PATH, "pool") is None, what="pool gone")
+    assert kv_flags(cluster.get(DEPLOYMENTS_PATH, "first")) == []
