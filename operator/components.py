@@ -21,6 +21,9 @@ from kvpool.operator.store_wait import wait_container
 RUN_AS_USER = 1000
 POD_IP_ENV = "POD_IP"
 TMP_VOLUME = "tmp"
+# Mooncake logs to stderr; /tmp holds only small files (the store probe's memory). Past the
+# limit the kubelet evicts the pod, never the node's other tenants.
+TMP_SIZE_LIMIT = "64Mi"
 MASTER_HEALTH_PATH = "/health"
 # Memory a store pod needs beyond its segment (process, transfer buffers).
 STORE_MEMORY_OVERHEAD = 512 << 20
@@ -160,13 +163,18 @@ def component_deployment(
                             "volumeMounts": [{"name": TMP_VOLUME, "mountPath": "/tmp"}, *(mounts or [])],
                         }
                     ],
-                    # A writable /tmp (logs) beside the read-only root filesystem.
-                    "volumes": [{"name": TMP_VOLUME, "emptyDir": {}}, *(volumes or [])],
+                    # A writable /tmp beside the read-only root filesystem.
+                    "volumes": [tmp_volume(), *(volumes or [])],
                     **pod_scheduling,
                 },
             },
         },
     }
+
+
+def tmp_volume() -> dict[str, Any]:
+    """The pod's writable ``/tmp``, bounded."""
+    return {"name": TMP_VOLUME, "emptyDir": {"sizeLimit": TMP_SIZE_LIMIT}}
 
 
 # Mooncake's etcd client takes several endpoints separated by "," or ";" (both tried with a

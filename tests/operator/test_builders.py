@@ -144,6 +144,21 @@ def test_every_pod_runs_as_non_root() -> None:
             assert "ALL" in sc["capabilities"]["drop"]
 
 
+def test_every_scratch_volume_has_a_size_limit() -> None:
+    # An emptyDir without one can fill the node's disk under every other tenant's pods.
+    tier = {"capacity": "1GB", "volume": {"type": "emptyDir", "size": "1GB"}}
+    for raw in (
+        pool_spec(),
+        pool_spec(master={"replicas": 2, "ha": {"enabled": True, "etcdEndpoints": ["etcd:2379"]}}),
+        pool_spec(store={"segmentSize": "1GB", "replicas": 1, "diskTier": tier}),
+    ):
+        deployments = [obj for obj in children(raw).values() if obj["kind"] == "Deployment"]
+        volumes = [v for d in deployments for v in d["spec"]["template"]["spec"].get("volumes", [])]
+        scratch = [v for v in volumes if "emptyDir" in v]
+        assert len(scratch) >= len(deployments)
+        assert all(v["emptyDir"].get("sizeLimit") for v in scratch), scratch
+
+
 def test_configmap_is_the_contracts_rendering() -> None:
     raw = pool_spec(connector={"cache_prefix": "team-a", "batch_size": 64, "save_decode_cache": True})
     configmap = children(raw)["ConfigMap/pool-connector"]
