@@ -20,7 +20,7 @@ from typing import Any
 
 from vllm.utils.math_utils import cdiv
 from vllm.v1.core.kv_cache_coordinator import replay_boundaries
-from vllm.v1.kv_cache_interface import MambaSpec
+from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
 
 from kvpool.connector.contract.keys import KeySpace, hash_digest
 from kvpool.connector.contract.settings import ConnectorSettings
@@ -522,9 +522,10 @@ class SchedulerSide:
             start = tracked.saved_upto[gid]
             transfer = GroupTransfer(group_id=gid)
             if end > start:
+                below = retained_blocks(group.spec)
                 mask = group.manager_cls.reachable_block_mask(
                     start,
-                    end,
+                    end + below,
                     coord.alignment_tokens,
                     group.spec,
                     group.use_eagle,
@@ -535,6 +536,8 @@ class SchedulerSide:
                     dcp_world_size=group.dcp_world_size,
                     final_segment_end_block=cdiv(request.num_prompt_tokens, group.block_size),
                 )
+                if mask is not None:
+                    mask = _reaching_below(mask, below, end - start)
                 states = _boundary_states(group, offered)
                 ids, digests, kept = block_ids[gid], transfer.digests, transfer.block_ids
                 replace_below = tracked.replace_upto[gid] if tracked.replace_upto else 0
@@ -706,6 +709,24 @@ def _group_load(
         transfer.block_ids.append(block_ids[index])
     transfer.masked = max(0, covered - first_block) - len(transfer.block_ids)
     return transfer
+
+
+def retained_blocks(spec: Any) -> int:
+    """Blocks a hit on a sliding-window group loads below its window: with multi-module MTP,
+    vLLM keeps ``extra_retained_tokens`` there and allocates real blocks for them (0 else)."""
+    extra = getattr(spec, "extra_retained_tokens", 0)
+    if not isinstance(spec, SlidingWindowSpec) or extra <= 0:
+        return 0
+    window = spec.sliding_window - 1
+    return cdiv(window + extra, spec.block_size) - cdiv(window, spec.block_size)
+
+
+def _reaching_below(mask: Sequence[bool], below: int, count: int) -> list[bool]:
+    """The first ``count`` entries of ``mask``, each also kept when one of the ``below``
+    blocks after it is: a hit ending there loads that many blocks more."""
+    if below <= 0:
+        return list(mask[:count])
+    return [any(mask[index : index + below + 1]) for index in range(count)]
 
 
 def hit_unit(coord: HybridHitCoordinator) -> int:

@@ -301,6 +301,44 @@ def test_a_window_group_loads_every_block_vllm_keeps_below_its_window(
         scheduler.shutdown()
 
 
+@pytest.mark.parametrize("retained", [0, 33])
+def test_a_window_group_saves_every_block_a_hit_loads_below_its_window(
+    model_dir, pool_settings, pool_client, retained
+) -> None:
+    """A window group saves only the blocks a hit can reach (vLLM's reachable mask, sparse when
+    the full-attention block is larger). With multi-module MTP a hit also loads the blocks vLLM
+    keeps below the window, so those are saved too: what one engine saves, another loads whole."""
+    groups = [GroupDesc("full", 128), GroupDesc("sliding_window", 32, window=32, retained=retained)]
+    prompt = list(range(5, 5 + 4 * 128 + 5))
+    saving = make_scheduler(model_dir, groups, local_pool_transfer(pool_settings))
+    try:
+        request = make_request(saving, prompt)
+        saving.add_request(request)
+        meta = admit(saving).kv_connector_metadata  # a miss: the whole prompt in this step
+        assert isinstance(meta, PoolConnectorMetadata)
+        (save,) = [s for s in meta.saves if s.req_id == request.request_id]
+        assert save.groups[1].masked > 0, "the window group's mask is sparse"
+        keyspace = saving.connector.keyspace
+        saved = set()
+        for group in save.groups:  # written as a worker would
+            for digest in group.digests:
+                assert put_bytes(pool_client, keyspace.key(group.group_id, 0, 0, digest), b"kv" * 8) == 0
+                saved.add((group.group_id, digest))
+    finally:
+        saving.shutdown()
+    loading = make_scheduler(model_dir, groups, local_pool_transfer(pool_settings))
+    try:
+        again = make_request(loading, prompt)
+        loading.add_request(again)
+        load = _load_of(admit(loading), again.request_id)
+        assert load is not None and load.hit_tokens == 4 * 128
+        loaded = {(group.group_id, digest) for group in load.groups for digest in group.digests}
+        assert len(load.groups[1].digests) == (2 if retained else 1)
+        assert loaded <= saved, "a hit loads a block nobody saved: its load fails"
+    finally:
+        loading.shutdown()
+
+
 def test_a_request_no_hit_could_serve_is_admitted_without_waiting_for_a_lookup(
     model_dir, pool_settings, pool_client
 ) -> None:
