@@ -24,6 +24,7 @@ from kvpool.connector.contract.identity import KVIdentity, fingerprint_inputs, s
 from kvpool.connector.contract.layout import GroupKind, KVGroup, KVLayout
 from kvpool.connector.contract.shards import kv_shards_of
 from kvpool.connector.observability.logs import get_logger
+from kvpool.connector.vllm_identity import attention_kernel, model_settings, speculative, vllm_version
 
 logger = get_logger(__name__)
 
@@ -170,6 +171,11 @@ def identity_from_vllm(vllm_config: Any, kv_cache_config: KVCacheConfig) -> KVId
         block_hash_algorithm=algorithm,
         pp_layer_partition=os.environ.get("VLLM_PP_LAYER_PARTITION", ""),
         block_hash_seed=_hash_seed(algorithm),
+        vllm_version=vllm_version(),
+        model_dtype=str(getattr(model, "dtype", "") or ""),
+        model_settings=model_settings(model),
+        attention_kernel=attention_kernel(vllm_config, kv_cache_config),
+        speculative=speculative(vllm_config),
     )
 
 

@@ -52,6 +52,17 @@ class KVIdentity(BaseModel):
     block_hash_seed: str = Field(
         default="", description="Digest of the seed of vLLM's block hashes (PYTHONHASHSEED or the default)."
     )
+    vllm_version: str = Field(default="", description="vLLM's version: its kernels write the blocks.")
+    model_dtype: str = Field(default="", description="The model's dtype (what a quantized cache quantizes).")
+    model_settings: str = Field(
+        default="",
+        description="Digest of model settings beyond name and revision: config path, code revision, "
+        "weights path, online quantization, the RoPE variant max_model_len picks.",
+    )
+    attention_kernel: str = Field(
+        default="", description="Device type, chosen attention backend, and on the CPU each group's ISA."
+    )
+    speculative: str = Field(default="", description="The speculative drafter: method, model, revision.")
 
 
 def stage_independent(layout: KVLayout) -> KVLayout:

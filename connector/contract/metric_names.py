@@ -157,6 +157,11 @@ FINGERPRINT_LABELS = (
     "block_hash_algorithm",
     "pp_layer_partition",
     "block_hash_seed",
+    "vllm_version",
+    "model_dtype",
+    "model_settings",
+    "attention_kernel",
+    "speculative",
 )
 KEY_FINGERPRINT_INFO = MetricSpec(
     f"{PREFIX}key_fingerprint_info",

@@ -42,7 +42,9 @@ def _vllm_config() -> SimpleNamespace:
         prefill_context_parallel_size=1,
         decode_context_parallel_size=1,
     )
-    model = SimpleNamespace(model="m", revision=None, quantization=None, hf_overrides={})
+    model = SimpleNamespace(
+        model="m", revision=None, quantization=None, hf_overrides={}, dtype=torch.bfloat16, max_model_len=4096
+    )
     return SimpleNamespace(cache_config=cache, parallel_config=parallel, model_config=model)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from kvpool.connector.contract.identity import KVIdentity, fingerprint_inputs, key_fingerprint
 from kvpool.connector.contract.layout import GroupKind, KVGroup, KVLayout, fingerprint
@@ -20,6 +21,11 @@ VARIANTS = {
     "kv_cache_layout": ["LBHNC"],
     "block_hash_algorithm": ["sha256_cbor"],
     "block_hash_seed": ["deadbeef0000"],
+    "vllm_version": ["0.33.0"],
+    "model_dtype": ["torch.float16"],
+    "model_settings": ["0123456789ab"],
+    "attention_kernel": ["cpu;isa=amx", "cpu;isa=vec"],
+    "speculative": ["eagle:org/draft:"],
 }
 
 
@@ -56,10 +62,13 @@ def _configs(**cache: object) -> tuple[SimpleNamespace, SimpleNamespace]:
             **cache,
         }
     )
-    model_config = SimpleNamespace(revision=None, quantization=None, hf_overrides={})
-    return SimpleNamespace(cache_config=cache_config, model_config=model_config), SimpleNamespace(
-        kv_cache_layout=None
+    model_config = SimpleNamespace(
+        revision=None, quantization=None, hf_overrides={}, dtype=torch.float32, max_model_len=4096
     )
+    vllm_config = SimpleNamespace(
+        cache_config=cache_config, model_config=model_config, speculative_config=None
+    )
+    return vllm_config, SimpleNamespace(kv_cache_layout=None, kv_cache_groups=[])
 
 
 def test_identity_reads_vllm_settings(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -83,6 +92,56 @@ def test_identity_reads_vllm_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     assert identity.model_revision == "v2" and len(identity.hf_overrides) == 12
     kv_cache_config.kv_cache_layout = "LBHNC"
     assert identity_from_vllm(vllm_config, kv_cache_config).kv_cache_layout == "LBHNC"
+
+
+def test_identity_reads_what_changes_the_bytes_beyond_the_shape(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The vLLM version, the model dtype, model settings beyond its name (config path, code
+    revision, weights, online quantization, LongRoPE's length-picked factors), the CPU
+    attention kernel's block format, and the speculative drafter each separate keys."""
+    import vllm
+    from vllm.v1.attention.backends import cpu_attn
+
+    from kvpool.connector.vllm_layout import identity_from_vllm
+    from testing.kv_cache import GroupDesc, make_kv_cache_config
+
+    def identity(**model: object) -> KVIdentity:
+        vllm_config, kv_cache_config = _configs()
+        vllm_config.model_config.__dict__.update(model)
+        return identity_from_vllm(vllm_config, kv_cache_config)
+
+    base = identity()
+    assert base.vllm_version == vllm.__version__ and base.model_dtype == "torch.float32"
+    assert base.model_settings == "" and base.speculative == ""
+    assert identity(dtype=torch.bfloat16).model_dtype != base.model_dtype
+    for name, value in (
+        ("hf_config_path", "/configs/other"),
+        ("code_revision", "abc123"),
+        ("model_weights", "/weights/v2"),
+        ("quantization_config", {"method": "fp8", "ignore": ["lm_head"]}),
+    ):
+        assert identity(**{name: value}).model_settings not in ("", base.model_settings), name
+
+    # Phi-3's LongRoPE: vLLM takes the long factors when max_model_len passes the original context.
+    rope = {"rope_type": "longrope", "original_max_position_embeddings": 4096}
+    longrope = SimpleNamespace(rope_parameters=rope)
+    short = identity(hf_text_config=longrope, max_model_len=4096).model_settings
+    long = identity(hf_text_config=longrope, max_model_len=32768).model_settings
+    assert "" != short != long != ""
+    plain = SimpleNamespace(rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    assert identity(hf_text_config=plain, max_model_len=32768).model_settings == ""
+
+    # vLLM's CPU kernels lay a block out per instruction set: AMX's packing is not VEC's rows.
+    vllm_config, _ = _configs()
+    kv_cache_config = make_kv_cache_config([GroupDesc("full", 32)])
+    kernels = {}
+    for isa in ("amx", "vec"):
+        monkeypatch.setattr(cpu_attn, "_get_attn_isa", lambda *args, isa=isa: isa)
+        kernels[isa] = identity_from_vllm(vllm_config, kv_cache_config).attention_kernel
+    assert kernels == {"amx": "cpu;isa=amx", "vec": "cpu;isa=vec"}
+
+    vllm_config, kv_cache_config = _configs()
+    vllm_config.speculative_config = SimpleNamespace(method="eagle", model="org/draft", revision=None)
+    assert identity_from_vllm(vllm_config, kv_cache_config).speculative == "eagle:org/draft:"
 
 
 def test_pipeline_stages_and_scheduler_share_the_key_fingerprint() -> None:
