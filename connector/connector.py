@@ -265,6 +265,7 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
                 idle_step_wait_s=self.settings.idle_step_wait_s,
                 direct_local_loads=self.settings.direct_local_loads and self.settings.global_segment_size > 0,
                 order=TransferOrder(drain_saves=_zeroes_before_preemptions(vllm_config)),
+                failures_by_request=not self.layout.recovers_failed_loads_by_block,
             )
         # layout= is the layout's fingerprint (the operator's layoutFingerprint of a declared one);
         # keys= the one in this engine's pool keys (the layout and what else makes KV the same).

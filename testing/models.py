@@ -21,6 +21,7 @@ __all__ = [
     "build_gemma3",
     "build_gemma3_full",
     "build_gemma3_one_kv_head",
+    "build_gemma3_window_only",
     "build_gpt_oss",
     "gpt_oss_config",
 ]
@@ -42,6 +43,17 @@ def build_gemma3_full(path: str | os.PathLike[str], *, seed: int = 0) -> Path:
         seed=seed,
         num_hidden_layers=GEMMA3_FULL_LAYERS,
         layer_types=["full_attention"] * GEMMA3_FULL_LAYERS,
+    )
+
+
+def build_gemma3_window_only(path: str | os.PathLike[str], *, seed: int = 0) -> Path:
+    """The tiny Gemma3 with a 64-token sliding window in every layer: one KV-cache group,
+    whose hit leaves every block below its window a null block."""
+    return build_gemma3(
+        path,
+        seed=seed,
+        num_hidden_layers=GEMMA3_FULL_LAYERS,
+        layer_types=["sliding_attention"] * GEMMA3_FULL_LAYERS,
     )
 
 

@@ -81,6 +81,15 @@ class KVLayout(BaseModel):
     )
 
     @property
+    def recovers_failed_loads_by_block(self) -> bool:
+        """Whether a failed load may go back to vLLM block by block (it then recomputes from
+        the first failed block): only with one full-attention group, where every block below
+        a hit is real. A window, chunk or Mamba group holds null blocks below its hit, which
+        a recompute from inside the hit would read; such layouts, and hybrids, send the
+        request back whole."""
+        return len(self.groups) == 1 and self.groups[0].kind == GroupKind.FULL
+
+    @property
     def effective_hash_block_size(self) -> int:
         """Hash granularity: explicit, else the cache block size, else the smallest block."""
         if self.hash_block_size is not None:

@@ -7,8 +7,8 @@ copies its blocks there, then reserves, writes and publishes its objects; a
 load reads objects there, checks each header, and only then copies the payload
 into the blocks (a long load reads its next batch into the buffer's other half
 meanwhile). Each key's return code is classified; a failed load is
-reported so vLLM recomputes it (block ids for single-group layouts, the request
-for hybrid ones), and an object whose header or payload is wrong is removed from the pool.
+reported so vLLM recomputes it (block ids for one full-attention group, the request
+for any other layout), and an object whose header or payload is wrong is removed from the pool.
 
 Every wait has a deadline (:mod:`kvpool.connector.integrity.deadlines`): a load without
 progress for ``load_timeout_s`` fails, a save for ``save_timeout_s`` is
@@ -163,6 +163,7 @@ class WorkerSide:
         idle_step_wait_s: float = IDLE_STEP_WAIT_S,
         device_path: bool | None = None,
         direct_local_loads: bool = False,
+        failures_by_request: bool | None = None,
     ):
         self.client = client
         self.keyspace = keyspace
@@ -181,6 +182,11 @@ class WorkerSide:
         # A load's read-ahead batch (``read_ahead_bytes``); None: each read fills the buffer.
         self.load_batch_bytes = load_batch_bytes
         self.groups: list[list[LayerBlocks]] = [[] for _ in group_layers]
+        # A failed load goes back to vLLM as its request (recomputed whole), not as block ids
+        # (recomputed from the first failed block): always but for one full-attention group
+        # (``KVLayout.recovers_failed_loads_by_block``); unset: for more than one group.
+        by_request = failures_by_request
+        self.failures_by_request = len(group_layers) > 1 if by_request is None else by_request
         self.copiers: list[GroupCopier | None] = [None for _ in group_layers]
         self._device: Any = None
         # None: the device path where the KV cache is on an accelerator; True: on CPU tensors too.
@@ -467,9 +473,9 @@ class WorkerSide:
                 self._async_jobs.pop(req_id, None)
                 self._async_loads.pop(req_id, None)
             finished_recving.add(req_id)
-            # A single-group load's failures are block ids (take_load_errors); a hybrid
-            # request is sent back whole.
-            if (job.done and not job.result) or (job.abandoned and len(self.groups) > 1):
+            # A load of one full-attention group fails by block ids (take_load_errors); any
+            # other request is sent back whole.
+            if (job.done and not job.result) or (job.abandoned and self.failures_by_request):
                 failed_recving.add(req_id)
         return finished_recving, failed_recving
 
@@ -550,9 +556,9 @@ class WorkerSide:
             results = [self._traced_group("load", g, job) for g in load.groups]
             tracing.mark_failed(span, sum((r.failures for r in results), Counter()))
         failed = [b for r in results for b in r.failed_block_ids]
-        # vLLM takes block-level load errors for single-group layouts only; a
-        # hybrid request (always loaded asynchronously) is sent back whole.
-        recovered_by_request = bool(failed) and len(self.groups) > 1
+        # Block ids only for one full-attention group (vLLM takes none for hybrids, and a
+        # recompute from inside a window's hit would read its null blocks): else the request.
+        recovered_by_request = bool(failed) and self.failures_by_request
         ok = not recovered_by_request
         # Before the failure is reported: the recompute's saves then find the key free.
         self._remove_corrupt(results)
@@ -575,7 +581,7 @@ class WorkerSide:
 
     def _load_abandoned(self, load: RequestLoad, job: Job) -> None:
         """Report a load given up at its deadline: what it did not copy is recomputed."""
-        by_request = len(self.groups) > 1
+        by_request = self.failures_by_request
         results = [_timed_out(g, skip=job.copied) for g in load.groups]
         failed = [b for r in results for b in r.failed_block_ids]
         if failed and not by_request:

@@ -10,8 +10,10 @@ from the pool: its tokens and log-probabilities must equal a run without any poo
 it must still take the good prefix from the pool (all of P2's 10 blocks when B saves:
 B's recompute replaced what it had to).
 
-The matrix: both layouts (the all-full-attention Gemma3 has one KV-cache group: its loads
-fail per block; the hybrid Gemma3 fails per request), B as ``kv_both`` and as
+The matrix: three layouts (the all-full-attention Gemma3 has one KV-cache group: its loads
+fail per block; the all-sliding-window Gemma3 has one group too, but a hit leaves every block
+below its window a null block, so a recompute from inside the hit would read them: it fails
+per request, as the hybrid Gemma3 does), B as ``kv_both`` and as
 ``kv_consumer``, and two faults: reads that answer -800 without writing a byte (at the
 Mooncake client), and A's objects swapped for 1-byte objects through Mooncake's own
 ``upsert`` (black box). The negative control hides the failure from vLLM: the same
@@ -38,7 +40,7 @@ from testing.engine import (
     transfer_config,
     worker_connector,
 )
-from testing.models import build_gemma3, build_gemma3_full
+from testing.models import build_gemma3, build_gemma3_full, build_gemma3_window_only
 from testing.mooncake_faults import FailingReads, digests_of
 from testing.pool_store import raw_store
 from testing.prompts import BLOCK, P1, P2, pool_keys
@@ -93,6 +95,11 @@ def _model(path: Path, groups: int) -> Model:
 @pytest.fixture(scope="module")
 def single_group(tmp_path_factory: pytest.TempPathFactory) -> Model:
     return _model(build_gemma3_full(tmp_path_factory.mktemp("gemma3-full")), 1)
+
+
+@pytest.fixture(scope="module")
+def window_only(tmp_path_factory: pytest.TempPathFactory) -> Model:
+    return _model(build_gemma3_window_only(tmp_path_factory.mktemp("gemma3-window")), 1)
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +166,7 @@ def _scenario(
 
 
 @pytest.mark.parametrize("role", ["kv_both", "kv_consumer"])
-@pytest.mark.parametrize("layout", ["single_group", "hybrid"])
+@pytest.mark.parametrize("layout", ["single_group", "window_only", "hybrid"])
 def test_no_block_computed_on_a_failed_load_is_stored(
     request: pytest.FixtureRequest,
     layout: str,
