@@ -43,7 +43,13 @@ def build() -> Board:
             Target(f"sum({o.CONSUMERS_ROLLED_OUT.exported}{SEL})", "rolled out"),
             Target(f"sum({consumers}{SEL})", "declared"),
         ],
-        width=12,
+    )
+    board.stat(
+        "Pools by mode",
+        "managed: the operator runs the master and the store pods; embedded: it runs the master and "
+        "the consumers' vLLM ranks hold the memory; external: spec.external names a master the "
+        "operator does not run (the alerts on master targets leave these to KVPoolError).",
+        [Target(f"sum by (mode) ({o.POOL_INFO.exported}{SEL})", "{{mode}}")],
     )
     board.timeseries(
         "Pools by condition",

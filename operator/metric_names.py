@@ -63,6 +63,16 @@ CONSUMERS_ROLLED_OUT = MetricSpec(
     ("namespace", "pool"),
 )
 
+POOL_INFO = MetricSpec(
+    f"{PREFIX}pool_info",
+    Kind.GAUGE,
+    "1 for each pool, with its mode: managed (the operator runs its master and store pods), "
+    "embedded (the operator runs its master; the consumers' vLLM ranks hold the memory) or "
+    "external (spec.external: a master the operator does not run, which its ServiceMonitor "
+    "does not scrape).",
+    ("namespace", "pool", "mode"),
+)
+
 # What each pool's status says its master counts (status.capacity), and its phase: also for
 # external pools, whose master Prometheus may not scrape.
 POOL_PHASE = MetricSpec(
@@ -181,6 +191,7 @@ ALL: tuple[MetricSpec, ...] = (
     POOL_CONDITION,
     CONSUMERS,
     CONSUMERS_ROLLED_OUT,
+    POOL_INFO,
     POOL_PHASE,
     POOL_STORE_DRAIN,
     *OBSERVED_POOL_GAUGES,
@@ -193,3 +204,4 @@ BY_NAME = {spec.name: spec for spec in ALL}
 # Label values.
 TRIGGERS = ("create", "update", "resume", "resync", "delete")
 RESULTS = ("success", "invalid", "error")
+MANAGED, EMBEDDED, EXTERNAL = "managed", "embedded", "external"  # POOL_INFO's modes

@@ -19,10 +19,14 @@ from kvpool.operator.metric_names import (
     CONSUMER_HIT_GAUGES,
     CONSUMERS,
     CONSUMERS_ROLLED_OUT,
+    EMBEDDED,
+    EXTERNAL,
     GRANT_HIT_GAUGES,
+    MANAGED,
     OBSERVED_GRANT_GAUGES,
     OBSERVED_POOL_GAUGES,
     POOL_CONDITION,
+    POOL_INFO,
     POOL_PHASE,
     POOL_STORE_DRAIN,
     POOLS,
@@ -70,6 +74,10 @@ class _PoolCollector(Collector):
             for (namespace, pool), values in sorted(self._metrics.consumers.items()):
                 family.add_metric([namespace, pool], values[index])
             yield family
+        info = _gauge(POOL_INFO)
+        for (namespace, pool), mode in sorted(self._metrics.modes.items()):
+            info.add_metric([namespace, pool, mode], 1)
+        yield info
         phases = _gauge(POOL_PHASE)
         for (namespace, pool), phase in sorted(self._metrics.phases.items()):
             phases.add_metric([namespace, pool, phase], 1)
@@ -111,6 +119,7 @@ class OperatorMetrics:
         self.conditions: dict[tuple[str, str], dict[str, str]] = {}
         self.consumers: dict[tuple[str, str], tuple[int, int]] = {}
         self.phases: dict[tuple[str, str], str] = {}
+        self.modes: dict[tuple[str, str], str] = {}  # ``pool_mode`` of each pool's spec
         self.drains: dict[tuple[str, str], str] = {}  # the state of a drain that waits
         # capacity, used, objects, stores mounted, stores expected (``OBSERVED_POOL_GAUGES``)
         self.capacity: dict[tuple[str, str], tuple[int | None, ...]] = {}
@@ -135,8 +144,13 @@ class OperatorMetrics:
     def count_write(self, verb: str, resource: ApiResource) -> None:
         self.writes.labels(verb, resource.plural).inc()
 
-    def observe_pool(self, namespace: str, pool: str, status: Mapping[str, Any]) -> None:
-        """Remember a pool's conditions and consumer counts from its status."""
+    def observe_pool(
+        self, namespace: str, pool: str, status: Mapping[str, Any], mode: str | None = None
+    ) -> None:
+        """Remember a pool's conditions and consumer counts from its status, and its ``mode``
+        (``pool_mode`` of its spec; None: the mode last observed)."""
+        if mode is not None:
+            self.modes[(namespace, pool)] = mode
         self.conditions[(namespace, pool)] = {c["type"]: c["status"] for c in status.get("conditions") or []}
         consumers = status.get("consumers") or []
         rolled_out = sum(1 for c in consumers if c.get("rolledOut"))
@@ -163,11 +177,24 @@ class OperatorMetrics:
         self.conditions.pop((namespace, pool), None)
         self.consumers.pop((namespace, pool), None)
         self.phases.pop((namespace, pool), None)
+        self.modes.pop((namespace, pool), None)
         self.drains.pop((namespace, pool), None)
         self.capacity.pop((namespace, pool), None)
         self.grants.pop((namespace, pool), None)
         self.hits.pop((namespace, pool), None)
         self.grant_hits.pop((namespace, pool), None)
+
+
+def pool_mode(spec: Mapping[str, Any] | None) -> str:
+    """A pool's mode as ``POOL_INFO`` names it: external (``spec.external``, whatever its store
+    mode), embedded (``spec.store.mode``) or managed."""
+    spec = spec or {}
+    if spec.get("external") is not None:
+        return EXTERNAL
+    store = spec.get("store")
+    if isinstance(store, Mapping) and store.get("mode") == "embedded":
+        return EMBEDDED
+    return MANAGED
 
 
 def grant_numbers(status: Mapping[str, Any]) -> dict[str, tuple[int, int, int]]:

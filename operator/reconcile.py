@@ -65,7 +65,7 @@ from kvpool.operator.leader import (
     pod_ips,
 )
 from kvpool.operator.merge_patch import diff
-from kvpool.operator.metrics import OperatorMetrics
+from kvpool.operator.metrics import OperatorMetrics, pool_mode
 from kvpool.operator.names import CONFIGMAPS, DEPLOYMENTS, GRANTS, PODS, POOLS
 from kvpool.operator.network import read_namespace_network, selects
 from kvpool.operator.observation import Observation, base_of, poll_master
@@ -854,13 +854,16 @@ class Reconciler:
                     raise
             if outcome is None:
                 return None
-            status, valid = outcome
+            status, valid, mode = outcome
             self.metrics.reconciles.labels(trigger, "success" if valid else "invalid").inc()
-            self.metrics.observe_pool(namespace, name, status)
+            self.metrics.observe_pool(namespace, name, status, mode)
             return status
 
-    async def _pass(self, namespace: str, name: str, notify: Notify) -> tuple[dict[str, Any], bool] | None:
-        """Read the pool fresh, converge it, write its status if it changed; (status, valid)."""
+    async def _pass(
+        self, namespace: str, name: str, notify: Notify
+    ) -> tuple[dict[str, Any], bool, str] | None:
+        """Read the pool fresh, converge it, write its status if it changed; (status, valid,
+        the pool's mode for the metrics)."""
         pool = await self.kube.get(POOLS, namespace, name)
         if pool is None or pool.get("metadata", {}).get("deletionTimestamp"):
             return None
@@ -897,7 +900,7 @@ class Reconciler:
         if status != old:
             await self.kube.patch(POOLS, namespace, name, {"status": diff(old, status)}, subresource="status")
             announce(old, status, notify)
-        return status, valid
+        return status, valid, pool_mode(pool.get("spec"))
 
     async def teardown(self, body: Mapping[str, Any], notify: Notify) -> None:
         """A pool is being deleted: take its settings out of every consumer, delete its children.
@@ -1151,7 +1154,7 @@ class Reconciler:
                     POOLS, namespace, name, {"status": diff(old, status)}, subresource="status"
                 )
                 announce(old, status, notify)
-                self.metrics.observe_pool(namespace, name, status)
+                self.metrics.observe_pool(namespace, name, status, pool_mode(pool.get("spec")))
         if orphan is not None:
             await self.forget_drain_job(plan, orphan, observation)  # outside the lock: give the job back
         if drain_moved:

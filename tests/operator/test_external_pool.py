@@ -7,10 +7,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import aiohttp
 import pytest
 
+from kvpool.operator.metric_names import POOL_INFO
 from kvpool.operator.names import NETWORK_POLICIES, SERVICES
-from testing.kube_api import DEPLOYMENTS_PATH, Cluster, eventually
+from testing.kube_api import DEPLOYMENTS_PATH, NAMESPACE, Cluster, eventually
 from testing.operator_objects import Operator, converge, kv_flags, pool_manifest, pool_spec, vllm_deployment
 
 pytestmark = pytest.mark.asyncio
@@ -50,3 +52,9 @@ async def test_a_pool_turned_external_stops_what_it_ran_and_rolls_its_consumer(
     reasons = {c["type"]: c["reason"] for c in status["conditions"]}
     assert reasons["MasterReady"] == "External" and reasons["Observed"] == "NotAsked"
     assert any("external-network" in w for w in status["warnings"])
+    # The alerts on master targets leave an external pool alone: the operator says it is one.
+    async with aiohttp.ClientSession() as session, session.get(operator.metrics_url) as response:
+        text = await response.text()
+    info = POOL_INFO.exported
+    assert f'{info}{{mode="external",namespace="{NAMESPACE}",pool="pool"}} 1.0' in text
+    assert f'{info}{{mode="managed",' not in text

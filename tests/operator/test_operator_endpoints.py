@@ -55,6 +55,7 @@ async def test_liveness_and_metrics(cluster: Cluster, operator: Operator) -> Non
     assert f'{names.POOLS.exported}{{condition="ConfigValid",status="True"}} 1.0' in text
     rolled_out = names.CONSUMERS_ROLLED_OUT.exported
     assert f'{rolled_out}{{namespace="{NAMESPACE}",pool="pool"}} 1.0' in text
+    assert f'{names.POOL_INFO.exported}{{mode="managed",namespace="{NAMESPACE}",pool="pool"}} 1.0' in text
     assert f'{names.RECONCILES.exported}{{result="success",trigger="create"}}' in text
     assert f'{names.API_WRITES.exported}{{resource="deployments",verb="patch"}}' in text
     assert f"{names.RECONCILE_DURATION.exported}_count" in text

@@ -126,6 +126,31 @@ def test_pool_gauges_follow_status() -> None:
 
 
 @pytest.mark.parametrize(
+    ("spec", "mode"),
+    [
+        ({"image": "mooncake:1", "store": {"replicas": 2}}, "managed"),
+        ({"image": "mooncake:1", "store": {"mode": "embedded"}}, "embedded"),
+        ({"external": {"masterServerAddress": "m:50051"}}, "external"),
+        ({"external": {"masterServerAddress": "m:50051"}, "store": {"mode": "embedded"}}, "external"),
+        (None, "managed"),
+    ],
+)
+def test_the_pool_info_gauge_names_each_pools_mode(spec: dict | None, mode: str) -> None:
+    m = metrics.OperatorMetrics()
+
+    def info(namespace: str, pool: str, mode: str) -> float | None:
+        labels = {"namespace": namespace, "pool": pool, "mode": mode}
+        return m.registry.get_sample_value(metric_names.POOL_INFO.exported, labels)
+
+    m.observe_pool("a", "p", {"phase": "Ready"}, metrics.pool_mode(spec))
+    assert info("a", "p", mode) == 1
+    m.observe_pool("a", "p", {"phase": "Error"})  # no mode: the last one stays
+    assert info("a", "p", mode) == 1
+    m.forget_pool("a", "p")
+    assert info("a", "p", mode) is None
+
+
+@pytest.mark.parametrize(
     ("text", "value"),
     [
         ("8Gi", 8 << 30),
