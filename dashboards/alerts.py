@@ -122,19 +122,22 @@ def pool_alerts() -> list[Alert]:
     evicted_now = _sum_rate(ext.MASTER_EVICTED_KEYS, PER_POOL, "5m")
     evicted_before = _sum_rate(ext.MASTER_EVICTED_KEYS, PER_POOL, "1h", offset="5m")
     store_full = _sum_rate(m.FAILURES.exported, PER_POOL, "5m", f'{{reason="{Outcome.STORE_FULL}"}}')
+    external = f'{o.POOL_INFO.exported}{{mode="{o.EXTERNAL}"}}'
     return [
         Alert(
             "KVPoolMasterDown",
             f"max by {pool_by} ({up}) == 0\n"
             f"or\n"
             f"(\n  group by {pool_by} ({o.CONSUMERS.exported})\n"
+            f"  unless on {pool_by}\n  {external}\n"
             f"  unless on {pool_by}\n  ({up} == 1)\n)",
             "2m",
             "critical",
             "No Mooncake master of {{ $labels.namespace }}/{{ $labels.pool }} is up",
             "Prometheus reaches no master of pool {{ $labels.namespace }}/{{ $labels.pool }} (or the "
-            "operator manages the pool and no master target exists). Lookups, loads and saves fail; "
-            "vLLM keeps serving by recomputing.",
+            "operator runs the pool's master and no master target exists). Lookups, loads and saves "
+            "fail; vLLM keeps serving by recomputing. An external pool's master (spec.external) is "
+            "not scraped: KVPoolError says when it does not serve.",
         ),
         Alert(
             "KVPoolNoLeader",

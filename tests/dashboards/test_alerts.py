@@ -124,6 +124,10 @@ def cases() -> list[Case]:
                 series(om.CONSUMERS.exported, **op, namespace=NS, pool="b"): "1x15",
                 # a pool the operator manages, with no master target at all
                 series(om.CONSUMERS.exported, **op, namespace=NS, pool="c"): "1x15",
+                series(om.POOL_INFO.exported, **op, namespace=NS, pool="c", mode=om.MANAGED): "1x15",
+                # an external pool: its master is not scraped (KVPoolError covers it)
+                series(om.CONSUMERS.exported, **op, namespace=NS, pool="d"): "1x15",
+                series(om.POOL_INFO.exported, **op, namespace=NS, pool="d", mode=om.EXTERNAL): "1x15",
             },
             {
                 "1m": [],
