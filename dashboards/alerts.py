@@ -123,6 +123,11 @@ def pool_alerts() -> list[Alert]:
     evicted_before = _sum_rate(ext.MASTER_EVICTED_KEYS, PER_POOL, "1h", offset="5m")
     store_full = _sum_rate(m.FAILURES.exported, PER_POOL, "5m", f'{{reason="{Outcome.STORE_FULL}"}}')
     external = f'{o.POOL_INFO.exported}{{mode="{o.EXTERNAL}"}}'
+    # An embedded pool's memory is its consumers' vLLM ranks': none running, none mounted.
+    embedded_without_engines = (
+        f'group by {pool_by} ({o.POOL_INFO.exported}{{mode="{o.EMBEDDED}"}})\n'
+        f"  unless on {pool_by}\n  group by {pool_by} ({m.IN_POOL.exported})"
+    )
     return [
         Alert(
             "KVPoolMasterDown",
@@ -141,13 +146,15 @@ def pool_alerts() -> list[Alert]:
         ),
         Alert(
             "KVPoolNoLeader",
-            f"max by {pool_by} ({ext.MASTER_CAPACITY}) == 0\nand on {pool_by}\nmax by {pool_by} ({up}) == 1",
+            f"max by {pool_by} ({ext.MASTER_CAPACITY}) == 0\nand on {pool_by}\nmax by {pool_by} ({up}) == 1\n"
+            f"unless on {pool_by}\n(\n  {embedded_without_engines}\n)",
             "3m",
             "critical",
             "No master of {{ $labels.namespace }}/{{ $labels.pool }} is serving the pool",
             "The masters of {{ $labels.namespace }}/{{ $labels.pool }} are up but none holds mounted "
             "store memory: with HA no leader was elected (check etcd), or no store mounted its "
-            "segment at the current leader.",
+            "segment at the current leader. An embedded pool none of whose vLLM engines runs "
+            "(consumers scaled to zero) holds no memory by design and stays quiet.",
         ),
         Alert(
             "KVPoolStandbyFailed",

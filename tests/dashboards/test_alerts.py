@@ -149,8 +149,20 @@ def cases() -> list[Case]:
                 # c: the master is down (KVPoolMasterDown's case, not this one)
                 series(external.UP, **master, pool="c", instance="m5"): "0x15",
                 series(external.MASTER_CAPACITY, **master, pool="c", instance="m5"): "0x15",
+                # d: embedded, its consumers scaled to zero: no vLLM rank holds memory, by design
+                series(external.UP, **master, pool="d", instance="m6"): "1x15",
+                series(external.MASTER_CAPACITY, **master, pool="d", instance="m6"): "0x15",
+                series(om.POOL_INFO.exported, **op, namespace=NS, pool="d", mode=om.EMBEDDED): "1x15",
+                # e: embedded, an engine runs and mounted nothing: no leader to mount at
+                series(external.UP, **master, pool="e", instance="m7"): "1x15",
+                series(external.MASTER_CAPACITY, **master, pool="e", instance="m7"): "0x15",
+                series(om.POOL_INFO.exported, **op, namespace=NS, pool="e", mode=om.EMBEDDED): "1x15",
+                series(cm.IN_POOL.exported, **{**MODEL, "pool": "e"}, model_name="m"): "0x15",
             },
-            {"2m": [], "10m": [Firing({"namespace": NS, "pool": "a"})]},
+            {
+                "2m": [],
+                "10m": [Firing({"namespace": NS, "pool": "a"}), Firing({"namespace": NS, "pool": "e"})],
+            },
         ),
         Case(
             "KVPoolStandbyFailed",
