@@ -60,7 +60,8 @@ def _group_hit_rate(window: str, offset: str = "") -> str:
 def connector_alerts() -> list[Alert]:
     before = _group_hit_rate("1h", offset="10m")
     failed = _sum_rate(m.FAILURES.exported, PER_MODEL, "10m", f'{{operation="{m.LOAD}"}}')
-    moved = _sum_rate(m.TRANSFER_BLOCKS.exported, PER_MODEL, "10m", f'{{operation="{m.LOAD}"}}')
+    # Both in keys, every rank's (a tensor-parallel engine loads one key per rank and block).
+    moved = _sum_rate(m.TRANSFER_KEYS.exported, PER_MODEL, "10m", f'{{operation="{m.LOAD}"}}')
     return [
         Alert(
             "KVPoolGroupHitRateCollapse",
@@ -84,7 +85,8 @@ def connector_alerts() -> list[Alert]:
             "warning",
             "Loads from the KV pool fail for {{ $labels.model_name }}",
             "{{ $value | humanizePercentage }} of the keys {{ $labels.model_name }} in "
-            "{{ $labels.namespace }}/{{ $labels.pool }} loaded from the pool over 10 minutes failed "
+            "{{ $labels.namespace }}/{{ $labels.pool }} loaded from the pool over 10 minutes failed, "
+            "every tensor-parallel rank's keys counted "
             f"(threshold {LOAD_ERROR_SHARE:.0%}). vLLM recomputes those blocks, so output stays "
             "correct but the pool saves nothing. See 'Failed keys by kind' on the Connector dashboard.",
         ),

@@ -31,6 +31,13 @@ def _hit_rate(hits: str, queries: str, labels: list[str]) -> str:
     return ratio(sum_rate(hits, SEL, labels), sum_rate(queries, SEL, labels))
 
 
+def _failed_share(operation: str, labels: list[str]) -> str:
+    """Keys of ``operation`` that failed over those tried (moved or failed), every rank's."""
+    failed = sum_rate(m.FAILURES.exported, _sel(operation=operation), labels)
+    moved = sum_rate(m.TRANSFER_KEYS.exported, _sel(operation=operation), labels)
+    return f"{failed}\n/ (\n{failed}\n+ ({moved} or {failed} * 0)\n)"
+
+
 def build() -> Board:
     by_model = [MODEL]
     variables = [
@@ -278,6 +285,18 @@ def build() -> Board:
                 "{{operation}} {{reason}} ({{group_kind}})",
             )
         ],
+    )
+    board.timeseries(
+        "Share of keys that failed",
+        "Keys whose load or save failed over the keys tried (moved plus failed), every rank's: a "
+        "tensor-parallel engine moves one key per rank and block. KVPoolLoadErrorsRising pages on "
+        "the load share.",
+        [
+            Target(_failed_share(operation, by_model), f"{{{{model_name}}}} {operation}")
+            for operation in (m.LOAD, m.SAVE)
+        ],
+        unit="percentunit",
+        max_value=1,
     )
     board.timeseries(
         "Objects removed from the pool",

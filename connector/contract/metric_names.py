@@ -77,11 +77,19 @@ MASKED_BLOCKS = _counter(
 )
 TRANSFER_BLOCKS = _counter("transfer_blocks", "Blocks moved, per group.", (*GROUP_LABELS, "operation"))
 TRANSFER_BYTES = _counter("transfer_bytes", "Bytes moved, per group.", (*GROUP_LABELS, "operation"))
+TRANSFER_KEYS = _counter(
+    "transfer_keys",
+    "Keys moved, per group, by every rank: a tensor- or pipeline-parallel engine moves one key "
+    "per rank and block (transfer_blocks counts each block once); a key several ranks read "
+    "(replicated KV) counts once per rank. Failures count the same way: over this plus failures, "
+    "the share of keys that failed.",
+    (*GROUP_LABELS, "operation"),
+)
 FAILURES = _counter(
     "failures",
-    "Keys whose transfer failed, by kind (missing, store_full, transfer_failed, rpc_failed, timeout, "
-    "corrupt, in_flight: a save found the key reserved by another writer, quota_exceeded and "
-    "tenant_not_registered: the master refused a tenant's save, replica_unavailable: the "
+    "Keys whose transfer failed (on every rank), by kind (missing, store_full, transfer_failed, "
+    "rpc_failed, timeout, corrupt, in_flight: a save found the key reserved by another writer, "
+    "quota_exceeded and tenant_not_registered: the master refused a tenant's save, replica_unavailable: the "
     "master lists the object but no copy of it is readable, its store gone, forward_failed: "
     "a save not made because the step's forward raised, other_error); a "
     "lookup past its deadline counts as a timeout of group all, one whose existence check the "
@@ -196,6 +204,7 @@ ALL: tuple[MetricSpec, ...] = (
     MASKED_BLOCKS,
     TRANSFER_BLOCKS,
     TRANSFER_BYTES,
+    TRANSFER_KEYS,
     FAILURES,
     REMOVED_OBJECTS,
     LOAD_ERROR_BLOCKS,

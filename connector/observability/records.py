@@ -96,8 +96,9 @@ class TransferRecord:
     recomputed: bool = False  # the whole request was sent back to recompute
     reason: str = ""  # operation "remove": why the objects (``blocks`` per group) were removed
     # The worker's rank in its engine (tensor and pipeline); None: not one rank's view. Every
-    # rank moves the same blocks of a request: only rank 0 counts them (and their failures,
-    # skips, latencies), every rank its bytes; the scheduler counts what vLLM recomputes.
+    # rank moves the same blocks of a request, each its own keys: only rank 0 counts the blocks
+    # (and their masks, latencies), every rank its bytes, keys moved and keys failed; the
+    # scheduler counts what vLLM recomputes.
     rank: int | None = None
 
 

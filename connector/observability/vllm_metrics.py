@@ -90,17 +90,21 @@ def records_to_data(lookups: Iterable[LookupRecord], transfers: Iterable[Transfe
             for g, kind in enumerate(t.group_kinds):
                 out.inc(m.REMOVED_OBJECTS, t.blocks[g], group=g, group_kind=kind, reason=t.reason)
             continue
-        if t.rank:  # another rank of the same blocks: its bytes only
-            for g, kind in enumerate(t.group_kinds):
-                out.inc(m.TRANSFER_BYTES, t.bytes[g], group=g, group_kind=kind, operation=op)
+        # Every rank's keys: its own (its shard's), so each rank counts its bytes, the keys it
+        # moved and those that failed. The blocks, masks and latencies are the same on every
+        # rank: rank 0 counts them.
+        for g, kind in enumerate(t.group_kinds):
+            labels = {"group": g, "group_kind": kind, "operation": op}
+            out.inc(m.TRANSFER_BYTES, t.bytes[g], **labels)
+            out.inc(m.TRANSFER_KEYS, t.blocks[g], **labels)
+            for reason, count in t.group_failures[g].items():
+                out.inc(m.FAILURES, count, reason=reason, **labels)
+        if t.rank:  # another rank of the same blocks
             continue
         for g, kind in enumerate(t.group_kinds):
             labels = {"group": g, "group_kind": kind, "operation": op}
             out.inc(m.TRANSFER_BLOCKS, t.blocks[g], **labels)
-            out.inc(m.TRANSFER_BYTES, t.bytes[g], **labels)
             out.inc(m.MASKED_BLOCKS, t.masked[g], **labels)
-            for reason, count in t.group_failures[g].items():
-                out.inc(m.FAILURES, count, reason=reason, **labels)
             if t.group_attempted[g]:
                 out.observe(m.OPERATION_SECONDS, t.group_seconds[g], operation=op, group_kind=kind)
         if any(t.group_attempted):

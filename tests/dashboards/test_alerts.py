@@ -80,12 +80,21 @@ def cases() -> list[Case]:
             "KVPoolLoadErrorsRising",
             {
                 series(cm.FAILURES.exported, **hybrid, **g0, **load): "0+25x40",
-                series(cm.TRANSFER_BLOCKS.exported, **hybrid, **g0, operation=cm.LOAD): "0+75x40",
+                series(cm.TRANSFER_KEYS.exported, **hybrid, **g0, operation=cm.LOAD): "0+75x40",
                 # 1% failed: quiet
                 series(cm.FAILURES.exported, **MODEL, model_name="ok", **g0, **load): "0+1x40",
                 series(
-                    cm.TRANSFER_BLOCKS.exported, **MODEL, model_name="ok", **g0, operation=cm.LOAD
+                    cm.TRANSFER_KEYS.exported, **MODEL, model_name="ok", **g0, operation=cm.LOAD
                 ): "0+99x40",
+                # tensor parallel 2: rank 1 fails every key, rank 0 moves its own; the blocks
+                # (counted once) are as many as the failed keys, the keys tried twice as many
+                series(cm.FAILURES.exported, **MODEL, model_name="tp", **g0, **load): "0+20x40",
+                series(
+                    cm.TRANSFER_KEYS.exported, **MODEL, model_name="tp", **g0, operation=cm.LOAD
+                ): "0+20x40",
+                series(
+                    cm.TRANSFER_BLOCKS.exported, **MODEL, model_name="tp", **g0, operation=cm.LOAD
+                ): "0+20x40",
                 # every load failed, nothing moved at all
                 series(cm.FAILURES.exported, **MODEL, model_name="none", **g0, **load): "0+10x40",
             },
@@ -94,6 +103,7 @@ def cases() -> list[Case]:
                 "30m": [
                     Firing({"namespace": NS, "pool": "pool-a", "model_name": "m"}, "25%"),
                     Firing({"namespace": NS, "pool": "pool-a", "model_name": "none"}, "100%"),
+                    Firing({"namespace": NS, "pool": "pool-a", "model_name": "tp"}, "50%"),
                 ],
             },
         ),
