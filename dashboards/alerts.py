@@ -20,6 +20,13 @@ PER_GROUP = [NAMESPACE, POOL, MODEL, "group", "group_kind"]
 HIT_RATE_DROP = 0.5  # the group's hit rate fell below half of the hour before
 HIT_RATE_FLOOR = 0.1  # ... and the hour before it was at least 10%
 LOAD_ERROR_SHARE = 0.05  # more than 5% of load keys failed
+LOOKUP_ERROR_SHARE = 0.05  # more than 5% of lookups failed
+SAVE_ERROR_SHARE = 0.05  # more than 5% of the keys saves tried failed for a reason below
+# Save failures that say nothing is wrong with the pool: another engine saving the same shared
+# prefix at once (in_flight: its copy lands), the step's forward raised (forward_failed: vLLM's
+# own error, the save never started), the pool or the tenant's quota full (store_full:
+# KVPoolStoreFull's; quota_exceeded: the quota doing its job, the grant gauges show it).
+BENIGN_SAVE_REASONS = (Outcome.IN_FLIGHT, Outcome.FORWARD_FAILED, Outcome.STORE_FULL, Outcome.QUOTA_EXCEEDED)
 EVICTION_SPIKE = 3  # evictions three times the hour before ...
 EVICTION_SHARE = 0.05  # ... and more than 5% of the pool's keys in 5 minutes
 
@@ -57,11 +64,34 @@ def _group_hit_rate(window: str, offset: str = "") -> str:
     )
 
 
+def _in_pool_rate(metric: str, sel: str, window: str) -> str:
+    """``metric``'s rate per model, over the engines in the pool (one out of it is
+    KVPoolEngineOutOfPool's: its lookups fail as rpc_failed until it joins)."""
+    engine = ", ".join([*PER_MODEL, "engine"])
+    return (
+        f"sum{by(PER_MODEL)} (\n  rate({metric}{sel}[{window}])\n"
+        f"  unless on ({engine})\n  ({m.IN_POOL.exported} == 0)\n)"
+    )
+
+
+def _failed_share(failed: str, moved: str, tried: str) -> str:
+    """``failed`` over the keys tried: those ``moved`` plus those that failed (``tried``; zero
+    keys moved when an engine moved none)."""
+    return f"(\n{failed}\n)\n/ (\n{tried}\n  + (\n{moved}\n  or\n{tried} * 0\n  )\n)"
+
+
 def connector_alerts() -> list[Alert]:
     before = _group_hit_rate("1h", offset="10m")
     failed = _sum_rate(m.FAILURES.exported, PER_MODEL, "10m", f'{{operation="{m.LOAD}"}}')
     # Both in keys, every rank's (a tensor-parallel engine loads one key per rank and block).
     moved = _sum_rate(m.TRANSFER_KEYS.exported, PER_MODEL, "10m", f'{{operation="{m.LOAD}"}}')
+    lookup_failed = _in_pool_rate(m.FAILURES.exported, f'{{operation="{m.LOOKUP}"}}', "10m")
+    lookups = _in_pool_rate(m.LOOKUPS.exported, "", "10m")
+    benign = "|".join(BENIGN_SAVE_REASONS)
+    save = f'operation="{m.SAVE}"'
+    save_failed = _sum_rate(m.FAILURES.exported, PER_MODEL, "10m", f'{{{save}, reason!~"{benign}"}}')
+    save_tried = _sum_rate(m.FAILURES.exported, PER_MODEL, "10m", f"{{{save}}}")
+    saved = _sum_rate(m.TRANSFER_KEYS.exported, PER_MODEL, "10m", f"{{{save}}}")
     return [
         Alert(
             "KVPoolGroupHitRateCollapse",
@@ -79,8 +109,7 @@ def connector_alerts() -> list[Alert]:
         ),
         Alert(
             "KVPoolLoadErrorsRising",
-            f"(\n{failed}\n)\n/ (\n{failed}\n  + (\n{moved}\n  or\n{failed} * 0\n  )\n)\n"
-            f"> {LOAD_ERROR_SHARE}",
+            _failed_share(failed, moved, failed) + f"\n> {LOAD_ERROR_SHARE}",
             "10m",
             "warning",
             "Loads from the KV pool fail for {{ $labels.model_name }}",
@@ -89,6 +118,35 @@ def connector_alerts() -> list[Alert]:
             "every tensor-parallel rank's keys counted "
             f"(threshold {LOAD_ERROR_SHARE:.0%}). vLLM recomputes those blocks, so output stays "
             "correct but the pool saves nothing. See 'Failed keys by kind' on the Connector dashboard.",
+        ),
+        Alert(
+            "KVPoolLookupErrors",
+            f"(\n{lookup_failed}\n)\n/ (\n{lookups}\n)\n> {LOOKUP_ERROR_SHARE}",
+            "10m",
+            "warning",
+            "Lookups in the KV pool fail for {{ $labels.model_name }}",
+            "{{ $value | humanizePercentage }} of the lookups {{ $labels.model_name }} in "
+            "{{ $labels.namespace }}/{{ $labels.pool }} made over 10 minutes failed (threshold "
+            f"{LOOKUP_ERROR_SHARE:.0%}; engines out of the pool are KVPoolEngineOutOfPool's): the "
+            "master did not answer in time (timeout) or could not be reached (rpc_failed). Each such "
+            "lookup is a miss: vLLM computes the prefix itself. Check that the engines reach the "
+            "master and that it is not overloaded; 'Failed keys by kind' on the Connector dashboard "
+            "shows which.",
+        ),
+        Alert(
+            "KVPoolSaveErrors",
+            _failed_share(save_failed, saved, save_tried) + f"\n> {SAVE_ERROR_SHARE}",
+            "10m",
+            "warning",
+            "Saves to the KV pool fail for {{ $labels.model_name }}",
+            "{{ $value | humanizePercentage }} of the keys {{ $labels.model_name }} in "
+            "{{ $labels.namespace }}/{{ $labels.pool }} tried to save over 10 minutes failed "
+            f"(threshold {SAVE_ERROR_SHARE:.0%}), every tensor-parallel rank's keys counted; not "
+            f"counted as failed: {', '.join(BENIGN_SAVE_REASONS)} (another engine saving the same "
+            "prefix, vLLM's own forward error, a full pool: KVPoolStoreFull, a tenant at its quota: "
+            "its grant's gauges). The pool "
+            "misses those blocks later. 'Failed keys by kind' on the Connector dashboard names the "
+            "reason (transfer_failed: the stores' transfer engine; rpc_failed or timeout: the master).",
         ),
         Alert(
             "KVPoolLayoutMismatch",

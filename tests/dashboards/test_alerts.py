@@ -59,6 +59,8 @@ def cases() -> list[Case]:
     g0 = {"group": "0", "group_kind": "full"}
     g1 = {"group": "1", "group_kind": "sliding_window"}
     load = {"operation": cm.LOAD, "reason": "missing"}
+    lookup = {"operation": cm.LOOKUP, "group": cm.ALL_GROUPS_KIND, "group_kind": cm.ALL_GROUPS_KIND}
+    save = {"operation": cm.SAVE}
     master = {"job": MASTER_JOB, "namespace": NS}
     op = {"job": OPERATOR_JOB, "instance": "operator:9090"}
     valid_false = {"condition": "ConfigValid", "status": "False", **op}
@@ -104,6 +106,72 @@ def cases() -> list[Case]:
                     Firing({"namespace": NS, "pool": "pool-a", "model_name": "m"}, "25%"),
                     Firing({"namespace": NS, "pool": "pool-a", "model_name": "none"}, "100%"),
                     Firing({"namespace": NS, "pool": "pool-a", "model_name": "tp"}, "50%"),
+                ],
+            },
+        ),
+        Case(
+            "KVPoolLookupErrors",
+            {
+                # an engine partitioned from the master: every lookup fails
+                series(cm.LOOKUPS.exported, **hybrid): "0+100x40",
+                series(cm.FAILURES.exported, **hybrid, **lookup, reason="rpc_failed"): "0+100x40",
+                series(cm.IN_POOL.exported, **hybrid): "1x40",
+                # 1% timed out: quiet
+                series(cm.LOOKUPS.exported, **MODEL, model_name="ok"): "0+100x40",
+                series(cm.FAILURES.exported, **MODEL, model_name="ok", **lookup, reason="timeout"): "0+1x40",
+                series(cm.IN_POOL.exported, **MODEL, model_name="ok"): "1x40",
+                # never joined the pool: KVPoolEngineOutOfPool's, not this alert's
+                series(cm.LOOKUPS.exported, **MODEL, model_name="out"): "0+100x40",
+                series(
+                    cm.FAILURES.exported, **MODEL, model_name="out", **lookup, reason="rpc_failed"
+                ): "0+100x40",
+                series(cm.IN_POOL.exported, **MODEL, model_name="out"): "0x40",
+                # a healthy engine: lookups, no failure
+                series(cm.LOOKUPS.exported, **MODEL, model_name="healthy"): "0+100x40",
+                series(cm.IN_POOL.exported, **MODEL, model_name="healthy"): "1x40",
+            },
+            {"5m": [], "30m": [Firing({"namespace": NS, "pool": "pool-a", "model_name": "m"}, "100%")]},
+        ),
+        Case(
+            "KVPoolSaveErrors",
+            {
+                # 10% of the keys fail in the stores' transfer engine
+                series(cm.TRANSFER_KEYS.exported, **hybrid, **g0, operation=cm.SAVE): "0+90x40",
+                series(cm.FAILURES.exported, **hybrid, **g0, **save, reason="transfer_failed"): "0+10x40",
+                # the master unreachable: nothing saved at all
+                series(
+                    cm.FAILURES.exported, **MODEL, model_name="down", **g0, **save, reason="rpc_failed"
+                ): "0+20x40",
+                # engines saving the same shared prefix at once: healthy
+                series(
+                    cm.TRANSFER_KEYS.exported, **MODEL, model_name="busy", **g0, operation=cm.SAVE
+                ): "0+50x40",
+                series(
+                    cm.FAILURES.exported, **MODEL, model_name="busy", **g0, **save, reason="in_flight"
+                ): "0+50x40",
+                # forwards that raised, and a full pool (KVPoolStoreFull's): not this alert's
+                series(
+                    cm.TRANSFER_KEYS.exported, **MODEL, model_name="other", **g0, operation=cm.SAVE
+                ): "0+40x40",
+                series(
+                    cm.FAILURES.exported, **MODEL, model_name="other", **g0, **save, reason="forward_failed"
+                ): "0+30x40",
+                series(
+                    cm.FAILURES.exported, **MODEL, model_name="other", **g0, **save, reason="store_full"
+                ): "0+30x40",
+                # 2% failed: quiet
+                series(
+                    cm.TRANSFER_KEYS.exported, **MODEL, model_name="ok", **g0, operation=cm.SAVE
+                ): "0+98x40",
+                series(
+                    cm.FAILURES.exported, **MODEL, model_name="ok", **g0, **save, reason="timeout"
+                ): "0+2x40",
+            },
+            {
+                "5m": [],
+                "30m": [
+                    Firing({"namespace": NS, "pool": "pool-a", "model_name": "m"}, "10%"),
+                    Firing({"namespace": NS, "pool": "pool-a", "model_name": "down"}, "100%"),
                 ],
             },
         ),
