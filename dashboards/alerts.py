@@ -27,6 +27,9 @@ SAVE_ERROR_SHARE = 0.05  # more than 5% of the keys saves tried failed for a rea
 # own error, the save never started), the pool or the tenant's quota full (store_full:
 # KVPoolStoreFull's; quota_exceeded: the quota doing its job, the grant gauges show it).
 BENIGN_SAVE_REASONS = (Outcome.IN_FLIGHT, Outcome.FORWARD_FAILED, Outcome.STORE_FULL, Outcome.QUOTA_EXCEEDED)
+# A full pool evicts to make room: a save refused now and then is the design. More than 1% of
+# the keys saves tried (or of the master's put starts) refused for room is eviction falling behind.
+STORE_FULL_SHARE = 0.01
 EVICTION_SPIKE = 3  # evictions three times the hour before ...
 EVICTION_SHARE = 0.05  # ... and more than 5% of the pool's keys in 5 minutes
 
@@ -181,7 +184,14 @@ def pool_alerts() -> list[Alert]:
     pool_by = f"({', '.join(PER_POOL)})"
     evicted_now = _sum_rate(ext.MASTER_EVICTED_KEYS, PER_POOL, "5m")
     evicted_before = _sum_rate(ext.MASTER_EVICTED_KEYS, PER_POOL, "1h", offset="5m")
-    store_full = _sum_rate(m.FAILURES.exported, PER_POOL, "5m", f'{{reason="{Outcome.STORE_FULL}"}}')
+    save = f'operation="{m.SAVE}"'
+    store_full = _sum_rate(m.FAILURES.exported, PER_POOL, "5m", f'{{{save}, reason="{Outcome.STORE_FULL}"}}')
+    save_tried = _sum_rate(m.FAILURES.exported, PER_POOL, "5m", f"{{{save}}}")
+    saved = _sum_rate(m.TRANSFER_KEYS.exported, PER_POOL, "5m", f"{{{save}}}")
+    put_starts = (
+        f"{_sum_rate(ext.MASTER_PUT_STARTS, PER_POOL, '5m')}\n  + "
+        f"{_sum_rate(ext.MASTER_BATCH_PUT_ITEMS, PER_POOL, '5m')}"
+    )
     external = f'{o.POOL_INFO.exported}{{mode="{o.EXTERNAL}"}}'
     # An embedded pool's memory is its consumers' vLLM ranks': none running, none mounted.
     embedded_without_engines = (
@@ -227,13 +237,18 @@ def pool_alerts() -> list[Alert]:
         ),
         Alert(
             "KVPoolStoreFull",
-            f"{store_full} > 0\nor\n{_sum_rate(ext.MASTER_PUT_ALLOC_FAILURES, PER_POOL, '5m')} > 0",
+            _failed_share(store_full, saved, save_tried)
+            + f"\n> {STORE_FULL_SHARE}\nor\n"
+            + f"{_sum_rate(ext.MASTER_PUT_ALLOC_FAILURES, PER_POOL, '5m')}\n/ (\n  {put_starts}\n)\n"
+            + f"> {STORE_FULL_SHARE}",
             "5m",
             "warning",
             "The KV pool {{ $labels.namespace }}/{{ $labels.pool }} is full",
-            "Saves fail because the pool has no room ({{ $value | humanize }} failures/s) and eviction "
-            "does not keep up. Add store memory (spec.store.segmentSize or replicas) or lower the "
-            "eviction watermark.",
+            "Saves fail because the pool has no room ({{ $value | humanizePercentage }} of the keys "
+            "the consumers tried to save, or of the puts the master started, refused over 5 minutes; "
+            f"threshold {STORE_FULL_SHARE:.0%}) and eviction does not keep up. A full pool that evicts as "
+            "designed refuses fewer. Add store memory (spec.store.segmentSize or replicas) or lower "
+            "the eviction watermark.",
         ),
         Alert(
             "KVPoolEvictionSpike",

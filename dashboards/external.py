@@ -22,7 +22,10 @@ MASTER_EVICTIONS = "master_successful_evictions_total"
 MASTER_EVICTION_ATTEMPTS = "master_attempted_evictions_total"
 MASTER_EVICTED_KEYS = "master_evicted_key_count"
 MASTER_EVICTED_BYTES = "master_evicted_size_bytes"
-MASTER_PUT_ALLOC_FAILURES = "master_put_start_alloc_failures_total"
+MASTER_PUT_ALLOC_FAILURES = "master_put_start_alloc_failures_total"  # per key
+# Keys whose put the master started: one per PutStart, one per key of a BatchPutStart.
+MASTER_PUT_STARTS = "master_put_start_requests_total"
+MASTER_BATCH_PUT_ITEMS = "master_batch_put_start_items_total"
 
 # RPCs the connector and the stores make, as (label, request counter, failure counter).
 MASTER_REQUESTS: tuple[tuple[str, str, str], ...] = tuple(

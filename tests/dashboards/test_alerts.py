@@ -253,17 +253,43 @@ def cases() -> list[Case]:
         Case(
             "KVPoolStoreFull",
             {
+                # pool-a: every save refused for room
                 series(
                     cm.FAILURES.exported, **hybrid, **g0, operation=cm.SAVE, reason="store_full"
                 ): "0+60x15",
+                # b: the master refuses a fifth of the puts it starts (batched and single)
                 series(external.MASTER_PUT_ALLOC_FAILURES, **master, pool="b", instance="m"): "0+120x15",
+                series(external.MASTER_BATCH_PUT_ITEMS, **master, pool="b", instance="m"): "0+500x15",
+                series(external.MASTER_PUT_STARTS, **master, pool="b", instance="m"): "0+100x15",
                 series(external.MASTER_PUT_ALLOC_FAILURES, **master, pool="c", instance="m"): "0x15",
+                series(external.MASTER_BATCH_PUT_ITEMS, **master, pool="c", instance="m"): "0+500x15",
+                series(external.MASTER_PUT_STARTS, **master, pool="c", instance="m"): "0x15",
+                # d: a full pool evicting as designed: 1 key in 200 refused, by the consumers and
+                # by the master
+                series(
+                    cm.FAILURES.exported,
+                    **{**MODEL, "pool": "d"},
+                    model_name="m",
+                    **g0,
+                    operation=cm.SAVE,
+                    reason="store_full",
+                ): "0+1x15",
+                series(
+                    cm.TRANSFER_KEYS.exported,
+                    **{**MODEL, "pool": "d"},
+                    model_name="m",
+                    **g0,
+                    operation=cm.SAVE,
+                ): "0+199x15",
+                series(external.MASTER_PUT_ALLOC_FAILURES, **master, pool="d", instance="m"): "0+1x15",
+                series(external.MASTER_BATCH_PUT_ITEMS, **master, pool="d", instance="m"): "0+200x15",
+                series(external.MASTER_PUT_STARTS, **master, pool="d", instance="m"): "0x15",
             },
             {
                 "2m": [],
                 "10m": [
-                    Firing({"namespace": NS, "pool": "pool-a"}, "1"),
-                    Firing({"namespace": NS, "pool": "b"}, "2"),
+                    Firing({"namespace": NS, "pool": "pool-a"}, "100%"),
+                    Firing({"namespace": NS, "pool": "b"}, "20%"),
                 ],
             },
         ),
