@@ -17,9 +17,13 @@ from dashboards.conventions import (
 )
 from dashboards.promql import by, quantile, ratio, sum_rate
 from kvpool.connector.contract import metric_names as m
+from kvpool.connector.pool_client import Outcome
 
 UID = "kvpool-connector"
 SEL = selector(VAR_NAMESPACE, VAR_POOL, VAR_MODEL, VAR_ENGINE)
+# Not a failure: a save that found its key reserved by another writer (two engines saving the
+# same shared prefix at once); the other's copy lands. Shown by kind, never counted as failed.
+NOT_FAILED = (Outcome.IN_FLIGHT,)
 GROUP = ["group", "group_kind"]
 
 
@@ -31,11 +35,17 @@ def _hit_rate(hits: str, queries: str, labels: list[str]) -> str:
     return ratio(sum_rate(hits, SEL, labels), sum_rate(queries, SEL, labels))
 
 
+def _failed(**fixed: str) -> str:
+    """The selector of failures (``NOT_FAILED`` left out)."""
+    return _sel(**fixed)[:-1] + f', reason!~"{"|".join(NOT_FAILED)}"}}'
+
+
 def _failed_share(operation: str, labels: list[str]) -> str:
     """Keys of ``operation`` that failed over those tried (moved or failed), every rank's."""
-    failed = sum_rate(m.FAILURES.exported, _sel(operation=operation), labels)
+    failed = sum_rate(m.FAILURES.exported, _failed(operation=operation), labels)
+    tried = sum_rate(m.FAILURES.exported, _sel(operation=operation), labels)
     moved = sum_rate(m.TRANSFER_KEYS.exported, _sel(operation=operation), labels)
-    return f"{failed}\n/ (\n{failed}\n+ ({moved} or {failed} * 0)\n)"
+    return f"{failed}\n/ (\n{tried}\n+ ({moved} or {tried} * 0)\n)"
 
 
 def build() -> Board:
@@ -76,8 +86,9 @@ def build() -> Board:
     )
     board.stat(
         "Failed keys per second",
-        "Keys whose load or save failed, all kinds.",
-        [Target(sum_rate(m.FAILURES.exported, SEL))],
+        "Keys whose lookup, load or save failed, all kinds but in_flight (a save that found its key "
+        "being saved by another engine: its copy lands; 'Failed keys by kind' shows it).",
+        [Target(sum_rate(m.FAILURES.exported, _failed()))],
         unit="short",
     )
 
@@ -278,7 +289,8 @@ def build() -> Board:
         "missing: gone between lookup and load; store_full: no space to save; transfer_failed and "
         "rpc_failed: the transfer engine or the master failed; timeout: past the connector's deadline "
         "(a frozen master or store; a lookup then misses); corrupt: an object that is not its block; "
-        "quota_exceeded and tenant_not_registered: the master refused a save of the tenant.",
+        "quota_exceeded and tenant_not_registered: the master refused a save of the tenant; "
+        "in_flight (not a failure): another engine was saving the same key, and its copy lands.",
         [
             Target(
                 sum_rate(m.FAILURES.exported, SEL, ["operation", "reason", "group_kind"]),
@@ -288,7 +300,8 @@ def build() -> Board:
     )
     board.timeseries(
         "Share of keys that failed",
-        "Keys whose load or save failed over the keys tried (moved plus failed), every rank's: a "
+        "Keys whose load or save failed (in_flight left out) over the keys tried (moved plus "
+        "failed), every rank's: a "
         "tensor-parallel engine moves one key per rank and block. KVPoolLoadErrorsRising pages on "
         "the load share.",
         [

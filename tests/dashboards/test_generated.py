@@ -161,3 +161,18 @@ def test_queries_honour_the_template_variables(models) -> None:
                     label for label, (op, value) in sel.matchers.items() if op == "Re" and value == "(x)"
                 }
                 assert required <= filtered, f"{query}: {sel.metric} ignores {required - filtered}"
+
+
+def test_a_save_another_engine_is_making_is_no_failed_key(models) -> None:
+    """in_flight (two engines saving the same shared prefix at once) is shown by kind, never
+    counted among the failed keys: a healthy fleet shows no failures."""
+    queries = list(panel_queries(connector_board.UID, models[connector_board.UID]))
+    counted = [q for q in queries if q.panel in ("Failed keys per second", "Share of keys that failed")]
+    assert len(counted) == 3
+    for query in counted:
+        numerator = query.expr.split("\n/", 1)[0]  # the share's denominator counts every key tried
+        (failures,) = [s for s in selectors(substitute(numerator)) if s.metric == cm.FAILURES.exported]
+        op, value = failures.matchers["reason"]
+        assert op == "NotRe" and "in_flight" in value.split("|"), query
+    (by_kind,) = [q for q in queries if q.panel == "Failed keys by kind"]
+    assert all("reason" not in s.matchers for s in selectors(substitute(by_kind.expr)))
