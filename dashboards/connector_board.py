@@ -35,17 +35,22 @@ def _hit_rate(hits: str, queries: str, labels: list[str]) -> str:
     return ratio(sum_rate(hits, SEL, labels), sum_rate(queries, SEL, labels))
 
 
-def _failed(**fixed: str) -> str:
-    """The selector of failures (``NOT_FAILED`` left out)."""
-    return _sel(**fixed)[:-1] + f', reason!~"{"|".join(NOT_FAILED)}"}}'
+def _with(sel: str, *matchers: str) -> str:
+    """``sel`` with more ``matchers`` (``label!~"..."`` and the like)."""
+    return sel[:-1] + "".join(f", {matcher}" for matcher in matchers) + "}"
 
 
-def _failed_share(operation: str, labels: list[str]) -> str:
-    """Keys of ``operation`` that failed over those tried (moved or failed), every rank's."""
-    failed = sum_rate(m.FAILURES.exported, _failed(operation=operation), labels)
-    tried = sum_rate(m.FAILURES.exported, _sel(operation=operation), labels)
-    moved = sum_rate(m.TRANSFER_KEYS.exported, _sel(operation=operation), labels)
-    return f"{failed}\n/ (\n{tried}\n+ ({moved} or {tried} * 0)\n)"
+NOT_FAILED_MATCHER = f'reason!~"{"|".join(NOT_FAILED)}"'
+TRANSFERS = f'operation=~"{m.LOAD}|{m.SAVE}"'
+
+
+def _failed_share(labels: list[str]) -> str:
+    """Keys loaded or saved that failed over those tried (moved or failed), every rank's: 0
+    where none failed; where none moved, the failed keys are all that was tried."""
+    failed = sum_rate(m.FAILURES.exported, _with(SEL, TRANSFERS, NOT_FAILED_MATCHER), labels)
+    tried = sum_rate(m.FAILURES.exported, _with(SEL, TRANSFERS), labels)
+    moved = sum_rate(m.TRANSFER_KEYS.exported, _with(SEL, TRANSFERS), labels)
+    return f"(\n{failed}\nor {moved} * 0\n)\n/ (\n({moved} or {tried} * 0)\n+ ({tried} or {moved} * 0)\n)"
 
 
 def build() -> Board:
@@ -88,7 +93,7 @@ def build() -> Board:
         "Failed keys per second",
         "Keys whose lookup, load or save failed, all kinds but in_flight (a save that found its key "
         "being saved by another engine: its copy lands; 'Failed keys by kind' shows it).",
-        [Target(sum_rate(m.FAILURES.exported, _failed()))],
+        [Target(sum_rate(m.FAILURES.exported, _with(SEL, NOT_FAILED_MATCHER)))],
         unit="short",
     )
 
@@ -301,13 +306,10 @@ def build() -> Board:
     board.timeseries(
         "Share of keys that failed",
         "Keys whose load or save failed (in_flight left out) over the keys tried (moved plus "
-        "failed), every rank's: a "
-        "tensor-parallel engine moves one key per rank and block. KVPoolLoadErrorsRising pages on "
-        "the load share.",
-        [
-            Target(_failed_share(operation, by_model), f"{{{{model_name}}}} {operation}")
-            for operation in (m.LOAD, m.SAVE)
-        ],
+        "failed), every rank's: a tensor-parallel engine moves one key per rank and block. "
+        "KVPoolLoadErrorsRising pages on the load share, KVPoolSaveErrors on the save share (with "
+        "more reasons left out).",
+        [Target(_failed_share([MODEL, "operation"]), "{{model_name}} {{operation}}")],
         unit="percentunit",
         max_value=1,
     )
