@@ -355,6 +355,9 @@ class Engine:
         from testing.engine import sampling_params
 
         engine = self.llm.llm_engine
+        # The pool a request meets holds every earlier request's saves: a save is asynchronous
+        # (its writes outlive its step), and a lookup racing one would miss at random.
+        self.wait_for_saves()
         self._reset_local_cache(engine, deadline_s)
         params = sampling_params(MAX_TOKENS)
         self._ids += 1
