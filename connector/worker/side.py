@@ -140,6 +140,17 @@ class GroupResult:
         self.failed_block_ids.extend(block_ids)
 
 
+@dataclass
+class StagedGroup:
+    """A group of a save staged with the others before any of them is written: its objects
+    (headers included) in ``slot``, a part of the thread's buffer; None when staging failed
+    (``result`` says how)."""
+
+    result: GroupResult
+    slot: StagingSlot | None
+    seconds: float = 0.0
+
+
 class WorkerSide:
     """Worker-process state of ``KVPoolConnector``."""
 
@@ -863,13 +874,93 @@ class WorkerSide:
         groups = [g for g in save.groups if g.block_ids and self._saves_group(g.group_id)]
         last = groups[-1] if groups else None
         with tracing.span("kvpool.save", save.trace_context, request_id=save.req_id) as span:
-            results = [self._traced_group("save", g, job, g is last) for g in save.groups]
+            try:
+                staged = self._stage_together(groups, job)
+            except Exception:  # never let a transfer bug reach the forward pass: group by group
+                logger.exception("KVPoolConnector save could not stage its groups together")
+                staged = None
+            results = [self._traced_group("save", g, job, g is last, staged) for g in save.groups]
             tracing.mark_failed(span, sum((r.failures for r in results), Counter()))
         self._record("save", save.groups, results, started, 0, False)
         job.finish(True)
 
-    def _save_group(self, transfer: GroupTransfer, job: Job, last: bool) -> GroupResult:
-        """Copy the blocks into staging, then reserve, write and publish their objects."""
+    def _stage_together(self, groups: Sequence[GroupTransfer], job: Job) -> dict[int, StagedGroup] | None:
+        """Stage every group's objects into one buffer before any is written, so the blocks are
+        released (the save barrier) after local copies only; None when the groups do not fit
+        together (then each group is staged and written in turn, in batches)."""
+        if len(groups) < 2:
+            return None  # one group fitting one buffer is released before its write anyway
+        copiers = [self.copiers[g.group_id] for g in groups]
+        sizes = [len(g.block_ids) * c.object_bytes for g, c in zip(groups, copiers, strict=True) if c]
+        slot = self._slot()
+        if slot is None or len(sizes) < len(groups) or sum(sizes) > slot.nbytes:
+            return None
+        staged: dict[int, StagedGroup] = {}
+        offset = 0
+        for index, (transfer, copier, nbytes) in enumerate(zip(groups, copiers, sizes, strict=True)):
+            assert copier is not None
+            started = time.perf_counter()
+            result = GroupResult(attempted=True)
+            part = slot.part(offset, nbytes)
+            offset += nbytes
+            try:
+                copier.check(transfer.block_ids)
+                if not job.begin_touch():  # given up at its deadline: nothing more is copied
+                    for rest in groups[index:]:
+                        failed = GroupResult(attempted=True)
+                        failed.fail(rest.block_ids, Outcome.TIMEOUT)
+                        staged[rest.group_id] = StagedGroup(failed, None)
+                    return staged
+                try:
+                    if copier.use_memmove:
+                        checks = copier.stage(part, transfer.block_ids)
+                    else:  # queued on this thread's stream; released before the device ran it
+                        copier.from_blocks(part, transfer.block_ids, synchronize=False)
+                        self._note_blocks_read(job)
+                finally:
+                    job.end_touch(last=index == len(groups) - 1)
+                size = copier.object_bytes
+                if not copier.use_memmove:  # taken where the bytes are; waits for this thread's stream
+                    checks = part.payload_word_sums(range(len(transfer.block_ids)), size)
+                identities = [self._identity(transfer, i, copier) for i in range(len(transfer.block_ids))]
+                part.write_headers(
+                    [pack_header(h, c, copier.checksum) for h, c in zip(identities, checks, strict=True)],
+                    size,
+                )
+                staged[transfer.group_id] = StagedGroup(result, part, time.perf_counter() - started)
+            except Exception:  # never let a transfer bug reach the forward pass
+                logger.exception("KVPoolConnector save failed to stage group %d", transfer.group_id)
+                result.fail(transfer.block_ids, Outcome.OTHER)
+                staged[transfer.group_id] = StagedGroup(result, None)
+        return staged
+
+    def _put_together(self, transfer: GroupTransfer, job: Job, staged: StagedGroup) -> GroupResult:
+        """Reserve, write and publish a group staged by :meth:`_stage_together`."""
+        result, slot = staged.result, staged.slot
+        copier = self.copiers[transfer.group_id]
+        if slot is None or copier is None:
+            return result
+        size = copier.object_bytes
+        keys = self._keys(transfer)
+        replacing = getattr(transfer, "replacing", 0)
+        per_call = max(1, self.client.batch_size)
+        for start in range(0, len(keys), per_call):
+            part_keys = keys[start : start + per_call]
+            if start < replacing:
+                self.client.remove(part_keys[: replacing - start])
+            part = slot.part(start * size, len(part_keys) * size)
+            self._put_staged(
+                result, job, part, part_keys, transfer.block_ids[start : start + per_call], copier
+            )
+        return result
+
+    def _save_group(
+        self, transfer: GroupTransfer, job: Job, last: bool, staged: dict[int, StagedGroup] | None = None
+    ) -> GroupResult:
+        """Copy the blocks into staging, then reserve, write and publish their objects (staged
+        already, with the request's other groups, when ``staged`` has this group)."""
+        if staged is not None and transfer.group_id in staged:
+            return self._put_together(transfer, job, staged[transfer.group_id])
         result = GroupResult()
         copier = self.copiers[transfer.group_id]
         if not transfer.block_ids or copier is None or not self.writes[transfer.group_id]:
@@ -981,7 +1072,14 @@ class WorkerSide:
             payload_bytes=copier.payload_bytes,
         )
 
-    def _traced_group(self, op: str, transfer: GroupTransfer, job: Job, last: bool = False) -> GroupResult:
+    def _traced_group(
+        self,
+        op: str,
+        transfer: GroupTransfer,
+        job: Job,
+        last: bool = False,
+        staged: dict[int, StagedGroup] | None = None,
+    ) -> GroupResult:
         """One group's transfer as a child span of the request's."""
         with tracing.span(
             f"kvpool.{op}.group",
@@ -994,12 +1092,13 @@ class WorkerSide:
                 if op == "load":
                     result = self._load_group(transfer, job)
                 else:
-                    result = self._save_group(transfer, job, last)
+                    result = self._save_group(transfer, job, last, staged)
             except Exception:  # never let a transfer bug reach the forward pass
                 logger.exception("KVPoolConnector %s failed for group %d", op, transfer.group_id)
                 result = GroupResult(attempted=True)
                 result.fail(transfer.block_ids, Outcome.OTHER)
-            result.seconds = time.perf_counter() - started
+            early = staged.get(transfer.group_id) if staged is not None else None
+            result.seconds = time.perf_counter() - started + (early.seconds if early else 0.0)
             tracing.set_attributes(
                 span, blocks=result.blocks, bytes=result.bytes, direct_blocks=result.direct_blocks
             )

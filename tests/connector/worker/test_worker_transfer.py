@@ -112,6 +112,25 @@ def test_save_then_load_moves_exact_bytes(worker) -> None:
     assert load_rec.bytes == (2 * w.group_block_bytes(0), w.group_block_bytes(1))
 
 
+def test_the_save_barrier_waits_for_copies_not_for_writes(worker, monkeypatch) -> None:
+    """A save of two groups stages both before it writes either: the next step's barrier
+    passes while the first group's write is still held in the pool (before, it waited for
+    that write, and for a slow store up to a deadline per batch: the save was given up)."""
+    from testing.mooncake_faults import Stall
+
+    w, _ = worker
+    stall = Stall("batch_put_from_multi_buffer_ranges").install(monkeypatch)
+    save = RequestSave("r1", [GroupTransfer(0, ["a", "b"], [1, 2]), GroupTransfer(1, ["c"], [3])])
+    w.start_saves(PoolConnectorMetadata(saves=[save]))
+    w.before_forward()
+    assert stall.returned == 0, "the barrier passed before any write returned"
+    stall.release()
+    w.wait_for_saves()
+    monkeypatch.undo()
+    keys = [w.keyspace.key(0, 0, 0, d) for d in ("a", "b")] + [w.keyspace.key(1, 0, 0, "c")]
+    assert w.client.exists(keys) == [True] * 3, "the save was not given up: every object published"
+
+
 def test_empty_load_finishes_at_once(worker) -> None:
     """Regression: a request whose every block is masked out must not hang."""
     w, _ = worker
