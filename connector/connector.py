@@ -24,6 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from kvpool.connector.contract.identity import refuse_weak_block_hash
 from kvpool.connector.contract.keys import KeySpace
 from kvpool.connector.contract.layout import check_or_raise
 from kvpool.connector.contract.layout import fingerprint as layout_fingerprint
@@ -196,6 +197,9 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
             warn_if_workers_stop_first(vllm_config, self.settings.shutdown_timeout_s)
         tracing.configure_from_env()
         self._fingerprint_inputs = key_fingerprint_inputs_from_vllm(vllm_config, kv_cache_config, self.layout)
+        refuse_weak_block_hash(
+            self._fingerprint_inputs["block_hash_algorithm"], self.settings.allow_non_cryptographic_block_hash
+        )
         # The scheduler side exports them once, as vllm:kvpool_key_fingerprint_info.
         self._fingerprint_exported = role != KVConnectorRole.SCHEDULER
         self._in_pool_exported: bool | None = None  # the scheduler's vllm:kvpool_in_pool, last sent

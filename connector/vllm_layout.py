@@ -20,7 +20,12 @@ from vllm.v1.kv_cache_interface import (
     UniformTypeKVCacheSpecs,
 )
 
-from kvpool.connector.contract.identity import KVIdentity, fingerprint_inputs, seed_digest
+from kvpool.connector.contract.identity import (
+    NON_CRYPTOGRAPHIC_BLOCK_HASHES,
+    KVIdentity,
+    fingerprint_inputs,
+    seed_digest,
+)
 from kvpool.connector.contract.layout import GroupKind, KVGroup, KVLayout
 from kvpool.connector.contract.shards import kv_shards_of
 from kvpool.connector.observability.logs import get_logger
@@ -28,8 +33,6 @@ from kvpool.connector.vllm_identity import attention_kernel, model_settings, spe
 
 logger = get_logger(__name__)
 
-#: vLLM's block-hash algorithms whose seed is random per process unless PYTHONHASHSEED is set.
-_PER_PROCESS_SEED_ALGORITHMS = frozenset({"xxhash", "xxhash_cbor"})
 #: Cache dtype names vLLM treats as the same format.
 _CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}
 
@@ -216,7 +219,7 @@ def _hash_seed(algorithm: str) -> str:
     seed = os.environ.get("PYTHONHASHSEED")
     if seed is not None:
         return seed_digest(seed)
-    if algorithm in _PER_PROCESS_SEED_ALGORITHMS:
+    if algorithm in NON_CRYPTOGRAPHIC_BLOCK_HASHES:  # seeded at random per process
         return "per-process"
     return seed_digest(DEFAULT_NONE_HASH_SEED)
 

@@ -320,6 +320,7 @@ CONNECTOR_FIELDS = (
     "load_policy",
     "load_margin",
     "load_decision_min_samples",
+    "allow_non_cryptographic_block_hash",
 )
 
 

@@ -22,6 +22,23 @@ from pydantic import BaseModel, ConfigDict, Field
 from kvpool.connector.contract.layout import KVLayout, fingerprint
 from kvpool.connector.contract.shards import shard_independent
 
+#: vLLM's block-hash algorithms that are not collision resistant (fast, and seeded by PYTHONHASHSEED).
+NON_CRYPTOGRAPHIC_BLOCK_HASHES = frozenset({"xxhash", "xxhash_cbor"})
+
+
+def refuse_weak_block_hash(algorithm: str, allowed: bool) -> None:
+    """Raise when the block hash is not collision resistant and the pool does not allow it: one
+    engine computing a crafted prompt would store its KV under another prompt's key, and every
+    engine sharing that prefix would load it."""
+    if algorithm in NON_CRYPTOGRAPHIC_BLOCK_HASHES and not allowed:
+        raise ValueError(
+            f"KVPoolConnector: prefix_caching_hash_algo={algorithm} is not collision resistant; in a "
+            "shared pool a crafted prompt could place its KV under another prompt's key for every "
+            "engine. Use sha256 (vLLM's default) or sha256_cbor, or set "
+            "allow_non_cryptographic_block_hash: true in kv_connector_extra_config (a pool's "
+            "spec.connector) to accept that risk."
+        )
+
 
 def seed_digest(seed: str) -> str:
     """A short digest of the block-hash seed: identifies it without revealing it."""

@@ -201,6 +201,12 @@ class ConnectorSettings(BaseModel):
         "the blocks, then checking its checksum there (a mismatch fails the load: recompute). Other "
         "loads move through the staging buffer.",
     )
+    allow_non_cryptographic_block_hash: bool = Field(
+        default=False,
+        description="Let engines whose prefix_caching_hash_algo is xxhash or xxhash_cbor join the pool. "
+        "Their block hashes are not collision resistant: a crafted prompt could place its KV under "
+        "another prompt's key for every engine of the pool. Off: such an engine does not start.",
+    )
     idle_step_wait_s: float = Field(
         default=0.005,
         gt=0,

@@ -381,3 +381,30 @@ def test_a_request_no_hit_could_serve_is_admitted_without_waiting_for_a_lookup(
         assert len(connector.stats.lookups) == lookups
     finally:
         scheduler.shutdown()
+
+
+@pytest.mark.parametrize("algorithm", ["xxhash", "xxhash_cbor"])
+def test_a_block_hash_that_is_not_collision_resistant_joins_only_when_allowed(
+    model_dir, pool_settings, algorithm
+) -> None:
+    """A crafted prompt colliding with another's block hash would place its KV under that
+    prompt's key for every engine: an engine hashing with xxhash does not start, and says
+    which setting accepts the risk."""
+    from testing.kv_cache import make_kv_cache_config
+    from testing.scheduler import engine_config, scheduler_over
+
+    groups = [GroupDesc("full", 32)]
+    for allowed in (False, True):
+        transfer = local_pool_transfer(pool_settings, allow_non_cryptographic_block_hash=allowed)
+        vllm_config = engine_config(model_dir, transfer)
+        vllm_config.cache_config.prefix_caching_hash_algo = algorithm
+        if not allowed:
+            with pytest.raises(ValueError, match="allow_non_cryptographic_block_hash") as refused:
+                scheduler_over(vllm_config, make_kv_cache_config(groups), 32, 32)
+            assert algorithm in str(refused.value)
+            continue
+        scheduler = scheduler_over(vllm_config, make_kv_cache_config(groups), 32, 32)
+        try:
+            assert scheduler.connector is not None
+        finally:
+            scheduler.shutdown()
