@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvpool.connector.contract.identity import NON_CRYPTOGRAPHIC_BLOCK_HASHES
 from kvpool.connector.contract.layout import fingerprint
 from kvpool.connector.contract.settings import CONFIG_PATH_ENV, CONNECTOR_NAME, ConnectorSettings
 from kvpool.operator import names
@@ -79,6 +80,8 @@ class Injection:
     layout_fingerprint: str
     config_hash: str
     kv_cache_dtype: str = "auto"  # the declared layout's dtype (vLLM's --kv-cache-dtype)
+    # The pool lets engines hashing blocks with xxhash join (the connector refuses them else).
+    allows_weak_block_hash: bool = False
     # A consumer of a grant in another namespace: its namespace and the pool's (empty: the
     # pool's own consumer, in the pool's namespace).
     namespace: str = ""
@@ -129,6 +132,7 @@ def plan_injection(
         layout_fingerprint=layout_fingerprint,
         config_hash=config_hash,
         kv_cache_dtype=consumer.layout.dtype,
+        allows_weak_block_hash=settings.allow_non_cryptographic_block_hash,
         namespace=namespace,
         pool_namespace=pool_namespace,
         grant=grant,
@@ -191,6 +195,7 @@ def refusal(
 
 SHELLS = frozenset({"sh", "bash", "dash", "ash", "zsh", "ksh", "busybox"})
 DTYPE_FLAGS = ("--kv-cache-dtype", "--kv_cache_dtype")
+HASH_ALGO_FLAGS = ("--prefix-caching-hash-algo", "--prefix_caching_hash_algo")
 
 
 def container_tokens(container: Mapping[str, Any]) -> list[str]:
@@ -257,8 +262,9 @@ def injection_refusal(deployment: Mapping[str, Any], injection: Injection) -> Re
     injected), or None. What is detected: a shell launch (``sh -c``: appended arguments
     become the shell's ``$0``), a transfer config of another connector (the consumer's own
     would be dropped), a ``--kv-cache-dtype`` other than the declared layout's (the connector
-    would find another layout and stay out of the pool), no container or no single vLLM
-    container to choose."""
+    would find another layout and stay out of the pool), a block hash that is not collision
+    resistant where the pool does not allow one (the connector would refuse to start), no
+    container or no single vLLM container to choose."""
     meta = deployment.get("metadata") or {}
     where = f"Deployment {meta.get('namespace', '')}/{meta.get('name', '')}"
     chosen = choose_container(deployment, injection)
@@ -291,6 +297,14 @@ def injection_refusal(deployment: Mapping[str, Any], injection: Injection) -> Re
                 f"{where} runs --kv-cache-dtype={dtype} but the pool declares its layout with dtype "
                 f"{injection.kv_cache_dtype!r}: the connector would stay out of the pool, so set "
                 f"layout.dtype: {dtype} for this consumer in the pool's spec",
+            )
+    for algorithm in flag_values(tokens, HASH_ALGO_FLAGS):
+        if algorithm in NON_CRYPTOGRAPHIC_BLOCK_HASHES and not injection.allows_weak_block_hash:
+            return Refusal(
+                "block-hash",
+                f"{where} runs --prefix-caching-hash-algo={algorithm}, which is not collision "
+                "resistant: the connector would refuse to start. Use sha256 (vLLM's default), or set "
+                "spec.connector.allow_non_cryptographic_block_hash: true to accept the risk",
             )
     return None
 

@@ -96,6 +96,7 @@ def test_field_names_and_contract_blocks() -> None:
         "load_policy",
         "load_margin",
         "load_decision_min_samples",
+        "allow_non_cryptographic_block_hash",
     }
     layout = spec["consumers"]["items"]["properties"]["layout"]
     assert {"groups", "tp_size", "pp_size", "pcp_size", "dcp_size"} <= set(layout["properties"])

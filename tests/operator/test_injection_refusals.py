@@ -1,6 +1,7 @@
 """Injection that could do nothing is refused, naming the rule and the fix: a shell launch, a
 transfer config of another connector, a ``--kv-cache-dtype`` other than the declared layout's,
-no single vLLM container."""
+a block hash that is not collision resistant where the pool does not allow one, no single vLLM
+container."""
 
 from __future__ import annotations
 
@@ -67,6 +68,16 @@ def test_each_rule_names_itself_and_the_fix() -> None:
     refused = injection_refusal(fp8, injection())
     assert refused is not None and refused.rule == "kv-cache-dtype" and "layout.dtype: fp8" in refused.message
     assert rule_of(fp8, injection(dtype="fp8")) is None
+
+    # A block hash that is not collision resistant: the connector would refuse to start.
+    xxhash = vllm_deployment()
+    xxhash["spec"]["template"]["spec"]["containers"][0]["args"] += ["--prefix-caching-hash-algo=xxhash"]
+    refused = injection_refusal(xxhash, injection())
+    assert refused is not None and refused.rule == "block-hash"
+    assert "allow_non_cryptographic_block_hash" in refused.message
+    allowing = pool_spec(consumers=[{"name": "llm", "layout": layout(), "container": "vllm"}])
+    allowing["connector"]["allow_non_cryptographic_block_hash"] = True
+    assert rule_of(xxhash, build_plan("pool", NAMESPACE, allowing).consumers[0]) is None
 
     two_vllms = vllm_deployment()
     containers = two_vllms["spec"]["template"]["spec"]["containers"]
