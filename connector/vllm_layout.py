@@ -209,6 +209,11 @@ def _overrides_digest(overrides: Any) -> str:
         return ""
     if callable(overrides):
         text = f"{getattr(overrides, '__module__', '')}.{getattr(overrides, '__qualname__', repr(overrides))}"
+        logger.warning(
+            "KVPoolConnector: hf_overrides is a callable (%s); the key fingerprint knows it by that "
+            "name only: give each model a callable makes differently its own model_id",
+            text,
+        )
     else:
         text = json.dumps(overrides, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:12]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from types import SimpleNamespace
 
 import pytest
@@ -92,6 +93,33 @@ def test_identity_reads_vllm_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     assert identity.model_revision == "v2" and len(identity.hf_overrides) == 12
     kv_cache_config.kv_cache_layout = "LBHNC"
     assert identity_from_vllm(vllm_config, kv_cache_config).kv_cache_layout == "LBHNC"
+
+
+def test_a_callable_hf_overrides_is_known_by_name_and_warned_about(caplog: pytest.LogCaptureFixture) -> None:
+    """Two callables of one qualified name digest alike, so the connector says to tell such
+    models apart by model_id."""
+    from kvpool.connector import vllm_layout
+
+    def make(layers: int):
+        def overrides(config):
+            config.num_hidden_layers = layers
+            return config
+
+        return overrides
+
+    log = logging.getLogger(vllm_layout.logger.name)
+    log.addHandler(caplog.handler)
+    try:
+        vllm_config, kv_cache_config = _configs()
+        vllm_config.model_config.hf_overrides = make(2)
+        two = vllm_layout.identity_from_vllm(vllm_config, kv_cache_config).hf_overrides
+        vllm_config.model_config.hf_overrides = make(4)
+        assert vllm_layout.identity_from_vllm(vllm_config, kv_cache_config).hf_overrides == two
+    finally:
+        log.removeHandler(caplog.handler)
+    assert any(
+        "model_id" in r.getMessage() and "make.<locals>.overrides" in r.getMessage() for r in caplog.records
+    )
 
 
 def test_identity_reads_what_changes_the_bytes_beyond_the_shape(monkeypatch: pytest.MonkeyPatch) -> None:
