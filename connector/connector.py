@@ -64,16 +64,20 @@ if TYPE_CHECKING:
 logger = get_logger(__name__)
 
 
-def _zeroes_before_preemptions(vllm_config: VllmConfig) -> bool:
-    """Whether this engine's model runner zeroes and copies blocks before ``handle_preemptions``.
+def saves_read_blocks_within_the_step(vllm_config: VllmConfig) -> bool:
+    """Whether a step's saves must have read their blocks before the step ends (else before
+    the next forward).
 
-    The V2 model runner updates its blocks first, so there a step's saves must have read
-    their blocks before the step ends; the V1 runner calls ``handle_preemptions`` first.
+    The V2 model runner zeroes and copies blocks before ``handle_preemptions`` (the V1
+    runner calls it first). With sleep mode vLLM may release the KV cache's memory after
+    any step, with no later step, so a save still queued would read memory that is gone
+    (or, after a wake-up, blocks that hold something else).
     """
     try:
-        return bool(vllm_config.use_v2_model_runner)
+        v2_runner = bool(vllm_config.use_v2_model_runner)
     except Exception:  # an unknown runner: be safe
         return True
+    return v2_runner or bool(getattr(vllm_config.model_config, "enable_sleep_mode", False))
 
 
 def recompute_failed_loads(transfer: Any) -> None:
@@ -268,7 +272,7 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
                 transfer_threads=self.settings.transfer_threads,
                 idle_step_wait_s=self.settings.idle_step_wait_s,
                 direct_local_loads=self.settings.direct_local_loads and self.settings.global_segment_size > 0,
-                order=TransferOrder(drain_saves=_zeroes_before_preemptions(vllm_config)),
+                order=TransferOrder(drain_saves=saves_read_blocks_within_the_step(vllm_config)),
                 failures_by_request=not self.layout.recovers_failed_loads_by_block,
             )
         # layout= is the layout's fingerprint (the operator's layoutFingerprint of a declared one);

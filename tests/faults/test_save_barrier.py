@@ -181,3 +181,19 @@ def test_under_a_runner_that_writes_blocks_first_saves_read_theirs_within_the_st
         assert not unreleased_saves(worker)
     finally:
         worker.shutdown()
+
+
+def test_saves_read_their_blocks_within_the_step_where_no_next_step_may_come() -> None:
+    """The V2 runner writes blocks before ``handle_preemptions``; with sleep mode vLLM may
+    release the KV cache's memory after any step. Either way a step's saves read their
+    blocks before the step ends; otherwise (the V1 runner) before the next forward."""
+    from types import SimpleNamespace
+
+    from kvpool.connector.connector import saves_read_blocks_within_the_step
+
+    def config(v2: bool, sleep: bool) -> Any:
+        return SimpleNamespace(use_v2_model_runner=v2, model_config=SimpleNamespace(enable_sleep_mode=sleep))
+
+    assert not saves_read_blocks_within_the_step(config(v2=False, sleep=False))
+    assert saves_read_blocks_within_the_step(config(v2=False, sleep=True))
+    assert saves_read_blocks_within_the_step(config(v2=True, sleep=False))
