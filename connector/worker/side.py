@@ -945,6 +945,9 @@ class WorkerSide:
         replacing = getattr(transfer, "replacing", 0)
         per_call = max(1, self.client.batch_size)
         for start in range(0, len(keys), per_call):
+            if not job.may_publish():  # given up at its deadline: no more calls into the pool
+                result.fail(transfer.block_ids[start:], Outcome.TIMEOUT)
+                break
             part_keys = keys[start : start + per_call]
             if start < replacing:
                 self.client.remove(part_keys[: replacing - start])

@@ -131,6 +131,44 @@ def test_the_save_barrier_waits_for_copies_not_for_writes(worker, monkeypatch) -
     assert w.client.exists(keys) == [True] * 3, "the save was not given up: every object published"
 
 
+def test_a_save_given_up_while_it_writes_makes_no_more_calls(worker, monkeypatch) -> None:
+    """A staged save given up at its deadline while one write hangs in the pool calls the pool
+    no more (each further batch could hang as long, with the worker's transfers refused
+    meanwhile), and publishes nothing."""
+    from testing.mooncake_faults import Stall, mooncake_store_class
+
+    w, _ = worker
+    monkeypatch.setattr(w.client, "batch_size", 1)  # a batch per block
+    stall = Stall("batch_put_session_start").install(monkeypatch)
+    store_class = mooncake_store_class()
+    stalled_start = store_class.batch_put_session_start
+    starts: list[list[str]] = []
+
+    def counted(store, keys, *args):
+        starts.append(list(keys))
+        return stalled_start(store, keys, *args)
+
+    monkeypatch.setattr(store_class, "batch_put_session_start", counted)
+    save = RequestSave("r1", [GroupTransfer(0, ["a", "b"], [1, 2]), GroupTransfer(1, ["c"], [3])])
+    w.start_saves(PoolConnectorMetadata(saves=[save]))
+    w.before_forward()  # every group staged: the barrier passes
+    deadline = time.monotonic() + 10
+    while stall.stalled == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert stall.stalled == 1, "the first batch's reservation hangs"
+    (job,) = [j for j in w.jobs.live() if j.kind == "save"]
+    job.abandon()
+    stall.release()
+    w.wait_for_saves()
+    deadline = time.monotonic() + 10
+    while w.jobs.live() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    monkeypatch.undo()
+    assert len(starts) == 1, f"calls after the save was given up: {starts[1:]}"
+    keys = [w.keyspace.key(0, 0, 0, d) for d in ("a", "b")] + [w.keyspace.key(1, 0, 0, "c")]
+    assert w.client.exists(keys) == [False] * 3, "nothing published"
+
+
 def test_empty_load_finishes_at_once(worker) -> None:
     """Regression: a request whose every block is masked out must not hang."""
     w, _ = worker
