@@ -896,6 +896,18 @@ class WorkerSide:
         if slot is None or len(sizes) < len(groups) or sum(sizes) > slot.nbytes:
             return None
         staged: dict[int, StagedGroup] = {}
+        # Block ids checked first: the last group to copy releases the blocks (the barrier).
+        valid = []
+        for transfer, copier in zip(groups, copiers, strict=True):
+            assert copier is not None
+            try:
+                copier.check(transfer.block_ids)
+                valid.append(transfer.group_id)
+            except Exception:  # never let a transfer bug reach the forward pass
+                logger.exception("KVPoolConnector save failed to stage group %d", transfer.group_id)
+                invalid = GroupResult(attempted=True)
+                invalid.fail(transfer.block_ids, Outcome.OTHER)
+                staged[transfer.group_id] = StagedGroup(invalid, None)
         offset = 0
         for index, (transfer, copier, nbytes) in enumerate(zip(groups, copiers, sizes, strict=True)):
             assert copier is not None
@@ -903,8 +915,9 @@ class WorkerSide:
             result = GroupResult(attempted=True)
             part = slot.part(offset, nbytes)
             offset += nbytes
+            if transfer.group_id not in valid:
+                continue
             try:
-                copier.check(transfer.block_ids)
                 if not job.begin_touch():  # given up at its deadline: nothing more is copied
                     for rest in groups[index:]:
                         failed = GroupResult(attempted=True)
@@ -918,7 +931,7 @@ class WorkerSide:
                         copier.from_blocks(part, transfer.block_ids, synchronize=False)
                         self._note_blocks_read(job)
                 finally:
-                    job.end_touch(last=index == len(groups) - 1)
+                    job.end_touch(last=transfer.group_id == valid[-1])
                 size = copier.object_bytes
                 if not copier.use_memmove:  # taken where the bytes are; waits for this thread's stream
                     checks = part.payload_word_sums(range(len(transfer.block_ids)), size)
