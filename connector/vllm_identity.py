@@ -101,11 +101,14 @@ def attention_kernel(vllm_config: Any, kv_cache_config: Any) -> str:
         parts.append(f"backend={getattr(backend, 'name', backend)}")
     if current_platform.is_cpu():
         parts.append("isa=" + "|".join(sorted(_cpu_isas(vllm_config, kv_cache_config))))
+        parts.append(_cpu_features())
     return ";".join(parts)
 
 
 def _cpu_isas(vllm_config: Any, kv_cache_config: Any) -> set[str]:
-    """The instruction set vLLM's CPU attention picks for each attention spec, as it does."""
+    """The instruction set vLLM's CPU attention picks for each attention group, as it does, from
+    the group's spec as the scheduler sees it (a uniform-type group: its first layer's; the
+    host's features stand for the rest)."""
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     dtype = vllm_config.model_config.dtype
@@ -113,14 +116,25 @@ def _cpu_isas(vllm_config: Any, kv_cache_config: Any) -> set[str]:
     isas = set()
     for group in getattr(kv_cache_config, "kv_cache_groups", ()):
         spec = group.kv_cache_spec
-        specs = spec.kv_cache_specs.values() if isinstance(spec, UniformTypeKVCacheSpecs) else [spec]
-        for layer in specs:
-            if isinstance(layer, AttentionSpec):
-                try:
-                    isas.add(_get_attn_isa(dtype, layer.block_size, layer.head_size, cache_dtype))
-                except NotImplementedError:  # vLLM refuses this cache on this CPU: it never runs
-                    isas.add("unsupported")
+        if isinstance(spec, UniformTypeKVCacheSpecs):
+            spec = next(iter(spec.kv_cache_specs.values()))
+        if isinstance(spec, AttentionSpec):
+            try:
+                isas.add(_get_attn_isa(dtype, spec.block_size, spec.head_size, cache_dtype))
+            except NotImplementedError:  # vLLM refuses this cache on this CPU: it never runs
+                isas.add("unsupported")
     return isas
+
+
+def _cpu_features() -> str:
+    """What of the host decides vLLM's CPU kernels: AMX, AVX-512 and the architecture."""
+    import torch
+    from vllm.platforms import current_platform
+
+    amx = int(bool(torch.cpu._is_amx_tile_supported()))
+    avx512 = int(bool(torch.cpu._is_avx512_supported()))
+    arch = getattr(current_platform.get_cpu_architecture(), "name", "unknown")
+    return f"cpu={arch},amx={amx},avx512={avx512}"
 
 
 def speculative(vllm_config: Any) -> str:

@@ -75,6 +75,27 @@ def test_uniform_type_group_is_the_same_layout_on_scheduler_and_worker() -> None
     assert key_fingerprint(on_worker, identity) == key_fingerprint(on_scheduler, identity)
 
 
+def test_layers_of_other_instruction_sets_in_one_group_keep_one_fingerprint() -> None:
+    """vLLM's CPU attention picks an ISA per head size (``vec16`` for 80, ``amx`` or ``vec`` for
+    128); the scheduler sees a uniform-type group as its first layer, so the kernel part of
+    the identity is the same there and on the worker."""
+
+    def spec(head_size: int) -> FullAttentionSpec:
+        return FullAttentionSpec(block_size=32, num_kv_heads=1, head_size=head_size, dtype=torch.bfloat16)
+
+    uniform = UniformTypeKVCacheSpecs(block_size=32, kv_cache_specs={"l0": spec(80), "l1": spec(128)})
+    worker = KVCacheConfig(
+        num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0", "l1"], uniform)]
+    )
+    scheduler = generate_scheduler_kv_cache_config([worker])
+    config = _vllm_config()
+    config.cache_config.cache_dtype = "auto"
+    on_worker, on_scheduler = identity_from_vllm(config, worker), identity_from_vllm(config, scheduler)
+    assert on_worker.attention_kernel == on_scheduler.attention_kernel
+    assert on_worker.attention_kernel.startswith("cpu;isa=vec16;cpu=")
+    assert on_worker == on_scheduler
+
+
 def test_start_up_logs_every_fingerprint_input_never_the_seed(monkeypatch) -> None:
     import logging
 
