@@ -15,6 +15,8 @@ from kvpool.operator import metric_names as o
 PER_POOL = [NAMESPACE, POOL]
 PER_MODEL = [NAMESPACE, POOL, MODEL]
 PER_GROUP = [NAMESPACE, POOL, MODEL, "group", "group_kind"]
+# One engine: vLLM numbers each server's engines from 0, so its scrape target tells servers apart.
+PER_ENGINE = [NAMESPACE, POOL, MODEL, "engine", "instance"]
 
 # Thresholds (documented in each alert's description).
 HIT_RATE_DROP = 0.5  # the group's hit rate fell below half of the hour before
@@ -69,8 +71,9 @@ def _group_hit_rate(window: str, offset: str = "") -> str:
 
 def _in_pool_rate(metric: str, sel: str, window: str) -> str:
     """``metric``'s rate per model, over the engines in the pool (one out of it is
-    KVPoolEngineOutOfPool's: its lookups fail as rpc_failed until it joins)."""
-    engine = ", ".join([*PER_MODEL, "engine"])
+    KVPoolEngineOutOfPool's: its lookups fail as rpc_failed until it joins). An engine is its
+    scrape target's (``instance``): vLLM numbers the engines of each server from 0."""
+    engine = ", ".join(PER_ENGINE)
     return (
         f"sum{by(PER_MODEL)} (\n  rate({metric}{sel}[{window}])\n"
         f"  unless on ({engine})\n  ({m.IN_POOL.exported} == 0)\n)"
@@ -153,28 +156,28 @@ def connector_alerts() -> list[Alert]:
         ),
         Alert(
             "KVPoolLayoutMismatch",
-            f"sum{by([*PER_MODEL, 'engine'])} ({m.LAYOUT_MISMATCHES.exported}) > 0",
+            f"sum{by(PER_ENGINE)} ({m.LAYOUT_MISMATCHES.exported}) > 0",
             "1m",
             "warning",
             "An engine of {{ $labels.model_name }} stays out of the KV pool: its declared layout is wrong",
-            "Engine {{ $labels.engine }} of {{ $labels.model_name }} in {{ $labels.namespace }}/"
-            "{{ $labels.pool }} built a KV layout that differs from the one its MooncakeKVPool declares "
-            "in {{ $value }} field(s), so it serves without the pool. Its log names each field; "
-            "kvpool-layout prints the right layout block for the consumer.",
+            "Engine {{ $labels.engine }} of {{ $labels.model_name }} at {{ $labels.instance }} in "
+            "{{ $labels.namespace }}/{{ $labels.pool }} built a KV layout that differs from the one "
+            "its MooncakeKVPool declares in {{ $value }} field(s), so it serves without the pool. "
+            "Its log names each field; kvpool-layout prints the right layout block for the consumer.",
         ),
         Alert(
             "KVPoolEngineOutOfPool",
-            f"min{by([*PER_MODEL, 'engine'])} ({m.IN_POOL.exported}) == 0\n"
-            f"unless on ({', '.join([*PER_MODEL, 'engine'])})\n"
-            f"sum{by([*PER_MODEL, 'engine'])} ({m.LAYOUT_MISMATCHES.exported}) > 0",
+            f"min{by(PER_ENGINE)} ({m.IN_POOL.exported}) == 0\n"
+            f"unless on ({', '.join(PER_ENGINE)})\n"
+            f"sum{by(PER_ENGINE)} ({m.LAYOUT_MISMATCHES.exported}) > 0",
             "10m",
             "warning",
             "An engine of {{ $labels.model_name }} serves without the KV pool",
-            "Engine {{ $labels.engine }} of {{ $labels.model_name }} in {{ $labels.namespace }}/"
-            "{{ $labels.pool }} has served without the pool for 10 minutes: its Mooncake master did "
-            "not serve when the engine started, and the engine has not joined it since (it tries "
-            "every 5 s; its log says why). Output stays correct; the engine computes every prefix "
-            "itself. Check that the master serves and that the engine reaches it.",
+            "Engine {{ $labels.engine }} of {{ $labels.model_name }} at {{ $labels.instance }} in "
+            "{{ $labels.namespace }}/{{ $labels.pool }} has served without the pool for 10 minutes: "
+            "its Mooncake master did not serve when the engine started, and the engine has not "
+            "joined it since (it tries every 5 s; its log says why). Output stays correct; the engine "
+            "computes every prefix itself. Check that the master serves and that the engine reaches it.",
         ),
     ]
 

@@ -60,6 +60,8 @@ def cases() -> list[Case]:
     g1 = {"group": "1", "group_kind": "sliding_window"}
     load = {"operation": cm.LOAD, "reason": "missing"}
     lookup = {"operation": cm.LOOKUP, "group": cm.ALL_GROUPS_KIND, "group_kind": cm.ALL_GROUPS_KIND}
+    two_a = {**MODEL, "model_name": "two", "instance": "a"}  # two replicas, engine "0" in each
+    two_b = {**MODEL, "model_name": "two", "instance": "b"}
     save = {"operation": cm.SAVE}
     master = {"job": MASTER_JOB, "namespace": NS}
     op = {"job": OPERATOR_JOB, "instance": "operator:9090"}
@@ -129,8 +131,21 @@ def cases() -> list[Case]:
                 # a healthy engine: lookups, no failure
                 series(cm.LOOKUPS.exported, **MODEL, model_name="healthy"): "0+100x40",
                 series(cm.IN_POOL.exported, **MODEL, model_name="healthy"): "1x40",
+                # two replicas (engine "0" in each pod): one partitioned, one out of the pool
+                series(cm.LOOKUPS.exported, **two_a): "0+100x40",
+                series(cm.FAILURES.exported, **two_a, **lookup, reason="rpc_failed"): "0+100x40",
+                series(cm.IN_POOL.exported, **two_a): "1x40",
+                series(cm.LOOKUPS.exported, **two_b): "0+100x40",
+                series(cm.FAILURES.exported, **two_b, **lookup, reason="rpc_failed"): "0+100x40",
+                series(cm.IN_POOL.exported, **two_b): "0x40",
             },
-            {"5m": [], "30m": [Firing({"namespace": NS, "pool": "pool-a", "model_name": "m"}, "100%")]},
+            {
+                "5m": [],
+                "30m": [
+                    Firing({"namespace": NS, "pool": "pool-a", "model_name": "m"}, "100%"),
+                    Firing({"namespace": NS, "pool": "pool-a", "model_name": "two"}, "100%"),
+                ],
+            },
         ),
         Case(
             "KVPoolSaveErrors",
