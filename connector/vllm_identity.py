@@ -59,11 +59,15 @@ def model_settings(model_config: Any) -> str:
 
 def rope_variant(model_config: Any) -> str:
     """``longrope:long`` or ``longrope:short`` where vLLM picks LongRoPE's factors from
-    ``max_model_len`` (longer than the original context: the long factors); else ""."""
+    ``max_model_len`` (longer than the original context: the long factors), ``longrope:auto-fit``
+    where that length was fitted after the model was built; else ""."""
     config = getattr(model_config, "hf_text_config", None) or getattr(model_config, "hf_config", None)
     if config is None:
         return ""
     max_model_len = getattr(model_config, "max_model_len", None)
+    # Auto-fit (``--max-model-len -1``): the model was built with the length its config allows,
+    # and max_model_len lowered afterwards; every such engine built it alike.
+    auto_fit = getattr(model_config, "original_max_model_len", None) == -1
     for params in _rope_parameters(config):
         kind = params.get("rope_type") or params.get("type")
         if kind not in _LENGTH_CHOSEN_ROPE:
@@ -71,6 +75,8 @@ def rope_variant(model_config: Any) -> str:
         original = params.get("original_max_position_embeddings") or getattr(
             config, "original_max_position_embeddings", None
         )
+        if auto_fit:
+            return "longrope:auto-fit"
         if isinstance(max_model_len, int) and isinstance(original, int):
             return "longrope:long" if max_model_len > original else "longrope:short"
         return f"longrope:{max_model_len}"

@@ -155,6 +155,9 @@ def test_identity_reads_what_changes_the_bytes_beyond_the_shape(monkeypatch: pyt
     short = identity(hf_text_config=longrope, max_model_len=4096).model_settings
     long = identity(hf_text_config=longrope, max_model_len=32768).model_settings
     assert "" != short != long != ""
+    # Auto-fit: the model was built before max_model_len was lowered to what fits.
+    fitted = identity(hf_text_config=longrope, max_model_len=3000, original_max_model_len=-1).model_settings
+    assert fitted not in ("", short, long)
     plain = SimpleNamespace(rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     assert identity(hf_text_config=plain, max_model_len=32768).model_settings == ""
 
