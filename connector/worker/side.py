@@ -25,7 +25,7 @@ import ctypes
 import threading
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from functools import partial
@@ -428,7 +428,8 @@ class WorkerSide:
             job = Job("save", self.deadlines.save_s)
             if stalled:
                 job.abandon()
-                self._record("save", save.groups, [_timed_out(g) for g in save.groups], time.perf_counter())
+                results = [self._not_saved(g, _timed_out) for g in save.groups]
+                self._record("save", save.groups, results, time.perf_counter())
                 continue
             future = self._submit(job, save, save_after_forward)
             with self._lock:
@@ -443,7 +444,9 @@ class WorkerSide:
         now = time.perf_counter()
         blocks = 0
         for save in meta.saves:
-            results = [_failed(g, Outcome.FORWARD_FAILED) for g in save.groups]
+            results = [
+                self._not_saved(g, partial(_failed, outcome=Outcome.FORWARD_FAILED)) for g in save.groups
+            ]
             blocks += sum(len(g.block_ids) for g in save.groups)
             self._record("save", save.groups, results, now)
         logger.warning(
@@ -451,6 +454,13 @@ class WorkerSide:
             len(meta.saves),
             blocks,
         )
+
+    def _not_saved(
+        self, transfer: GroupTransfer, failed: Callable[[GroupTransfer], GroupResult]
+    ) -> GroupResult:
+        """A group of a save not made: failed as ``failed`` says where this rank saves it (its
+        keys), nothing where another rank of its shard does or it holds none of the group."""
+        return failed(transfer) if self._saves_group(transfer.group_id) else GroupResult()
 
     def _save_after_forward(self, save: RequestSave, forward_done: Marker | None) -> None:
         """A save whose reads of its blocks are queued after the forward that computed them."""

@@ -175,6 +175,44 @@ def test_the_second_rank_of_a_shard_saves_nothing_and_loads_the_first_ranks_obje
         second.shutdown()
 
 
+@pytest.mark.mooncake
+def test_a_save_not_made_fails_only_on_the_rank_that_writes_its_shard(pool_client, cache_prefix) -> None:
+    """A save dropped (its forward raised) counts its keys failed on the rank that would have
+    written them, never on a rank that holds a copy (it writes none: every rank now counts
+    its failures, so the copy would count the same keys again)."""
+    import torch
+
+    from kvpool.connector.worker.side import WorkerSide
+
+    def rank(tp_rank: int) -> WorkerSide:
+        worker = WorkerSide(
+            client=pool_client,
+            keyspace=KeySpace(cache_prefix, "shards"),
+            tp_rank=tp_rank,
+            pp_rank=0,
+            group_layers=[["l0"]],
+            num_blocks=8,
+            stats=StatsCollector(group_kinds=("full",)),
+            tp_size=2,
+            group_shards=(1,),
+        )
+        worker.register_kv_caches({"l0": torch.zeros(2, 8, BLOCK, 1, 8)})
+        return worker
+
+    failures = []
+    for tp_rank in (0, 1):
+        worker = rank(tp_rank)
+        try:
+            worker.drop_saves(
+                PoolConnectorMetadata(saves=[RequestSave("r", [GroupTransfer(0, ["d0"], [1])])])
+            )
+            (record,) = worker.stats.drain()[1]
+            failures.append(dict(record.group_failures[0]))
+        finally:
+            worker.shutdown()
+    assert failures == [{"forward_failed": 1}, {}]
+
+
 def _vllm_config(tp: int, heads: int, mla: bool = False, dcp: int = 1) -> object:
     from types import SimpleNamespace
 
