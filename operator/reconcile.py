@@ -583,6 +583,8 @@ async def release_consumers(
             try:
                 await kube.patch(DEPLOYMENTS, namespace, name, patch)
             except ApiError as exc:
+                if exc.status == 404:  # deleted since the list: nothing of the pool's is left in it
+                    continue
                 logger.warning("releasing %s/%s from pool %s: %s", namespace, name, pool, exc)
                 if not exc.conflict:  # a stale read is tried again, not reported
                     message = f"{name}: its settings could not be taken out ({exc})"
@@ -954,8 +956,8 @@ class Reconciler:
             except ConsumersNotReleased as exc:
                 refused.append(exc)
             except ApiError as exc:
-                if other == meta["namespace"]:
-                    raise
+                if other == meta["namespace"] or exc.status not in (403, 404):
+                    raise  # tried again: a consumer there may still point at the pool's children
                 logger.warning(  # a namespace the operator no longer reads: said by validation
                     "releasing consumers of %s/%s in %s: %s", meta["namespace"], meta["name"], other, exc
                 )

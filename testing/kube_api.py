@@ -90,10 +90,13 @@ class Fault:
     times: int = 1
     name: str | None = None
     subresource: str | None = None
+    namespace: str | None = None  # None: in any namespace
 
     def matches(self, request: kmock.Request) -> bool:
-        return self.times > 0 and operator_request(
-            request, self.method, self.plural, self.name, self.subresource
+        return (
+            self.times > 0
+            and operator_request(request, self.method, self.plural, self.name, self.subresource)
+            and (self.namespace is None or request.namespace == self.namespace)
         )
 
 

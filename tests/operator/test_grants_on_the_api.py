@@ -6,9 +6,11 @@ namespaces a pool lists are cut with its own, a grant from any other is refused.
 from __future__ import annotations
 
 import json
+import urllib.request
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvpool.connector.contract.tenant_policy import POLICY_FILE, policy_yaml
 from kvpool.operator import names
@@ -20,6 +22,7 @@ from testing.kube_api import (
     POOLS_PATH,
     TENANT_NAMESPACE,
     Cluster,
+    Fault,
     eventually,
 )
 from testing.operator_objects import (
@@ -300,6 +303,41 @@ async def test_deleting_the_pool_releases_the_grants_consumers_and_keeps_the_gra
     other = cluster.get(GRANTS_PATH, "other")
     assert other is not None
     assert [c["message"] for c in conditions_of(other)] == [f"pool {NAMESPACE}/elsewhere not found"]
+
+
+def failed_teardowns(url: str) -> float:
+    """Teardowns the operator counted failed (``kvpool_operator_reconcile_errors``, trigger delete)."""
+    with urllib.request.urlopen(url, timeout=5) as response:
+        text = response.read().decode()
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "kvpool_operator_reconcile_errors_total" and s.labels.get("trigger") == "delete"
+    )
+
+
+async def test_a_grant_namespace_the_api_fails_to_list_keeps_the_pool_until_released(
+    cluster: Cluster, operator: Operator
+) -> None:
+    """Teardown tries again while the API fails (500) to list a grant namespace's Deployments:
+    the ConfigMap its consumers mount stays until they are released (only a namespace the
+    operator may not read, 403 or 404, is skipped)."""
+    tenant = TENANT_NAMESPACE
+    await create_shared_pool(cluster, tenant_deployment(tenant, "chat"))
+    await converge(cluster)
+    await eventually(
+        lambda: kv_flags(cluster.get(DEPLOYMENTS_PATH, "chat", tenant)) != [], what="chat patched"
+    )
+    outage = cluster.api.fail(Fault("GET", "deployments", 500, times=10_000, namespace=tenant))
+    await cluster.delete_pool("pool")
+    await eventually(lambda: failed_teardowns(operator.metrics_url) >= 2, what="teardown tried twice")
+    assert cluster.get(POOLS_PATH, "pool") is not None
+    assert kv_flags(cluster.get(DEPLOYMENTS_PATH, "chat", tenant)) != []
+    assert cluster.get(CONFIGMAPS_PATH, "pool-llm-connector", tenant) is not None, "still mounted"
+    outage.times = 0
+    await eventually(lambda: cluster.get(POOLS_PATH, "pool") is None, what="the pool gone")
+    assert kv_flags(cluster.get(DEPLOYMENTS_PATH, "chat", tenant)) == []
 
 
 async def test_a_grant_made_before_its_pool_is_answered_when_the_pool_comes(

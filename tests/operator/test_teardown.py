@@ -123,3 +123,18 @@ async def test_a_consumer_the_api_refuses_never_keeps_the_others_from_their_rele
     refusal.times = 0
     await eventually(lambda: cluster.get(POOLS_PATH, "pool") is None, what="pool gone")
     assert kv_flags(cluster.get(DEPLOYMENTS_PATH, "first")) == []
+
+
+@pytest.mark.asyncio
+async def test_a_consumer_gone_since_the_list_is_no_refusal(cluster: Cluster, operator: Operator) -> None:
+    """A 404 on the release patch (the Deployment was deleted after the list) is nothing to
+    report: no Warning, and the others are released."""
+    for deployment in ("first", "second"):
+        await cluster.create(vllm_deployment(deployment))
+    await cluster.create(pool_manifest(spec=pool_spec(consumers=[consumer("first"), consumer("second")])))
+    await converge(cluster, generation=1)
+    cluster.api.fail(Fault("PATCH", "deployments", 404, name="first"))
+    await cluster.patch_pool("pool", {"spec": {"consumers": [consumer("other")]}})
+    await eventually(lambda: kv_flags(cluster.get(DEPLOYMENTS_PATH, "second")) == [], what="second released")
+    await eventually(lambda: kv_flags(cluster.get(DEPLOYMENTS_PATH, "first")) == [], what="first, next pass")
+    assert cluster.events("ConsumerNotReleased") == []
