@@ -38,7 +38,7 @@ from kvpool.connector.metadata import PoolConnectorMetadata, runs_no_forward
 from kvpool.connector.observability import tracing
 from kvpool.connector.observability.logs import get_logger
 from kvpool.connector.observability.pool_events import PoolEvents
-from kvpool.connector.observability.records import StatsCollector, TransferRecord
+from kvpool.connector.observability.records import StatsCollector, TransferRecord, failed_lookup
 from kvpool.connector.observability.vllm_metrics import (
     PoolConnectorStats,
     PoolPromMetrics,
@@ -307,6 +307,7 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
             return self._sched().get_num_new_matched_tokens(request, num_computed_tokens)
         except Exception:  # a lookup must never stop a request: it computes instead
             logger.exception("KVPoolConnector lookup failed; computing the request without the pool")
+            self.stats.record_lookup(failed_lookup(self.stats.group_kinds, request, num_computed_tokens))
             return 0, False
 
     def update_state_after_alloc(

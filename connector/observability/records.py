@@ -33,6 +33,24 @@ class LookupRecord:
     deferred_steps: int = 0  # scheduler steps the request skipped waiting for this answer
 
 
+def failed_lookup(group_kinds: tuple[str, ...], request: Any, num_computed_tokens: int) -> LookupRecord:
+    """A lookup that raised: a miss of the request's tokens past its local hit, counted failed
+    (``other_error``) so the lookup failure metrics and alert see it."""
+    zeros = tuple(0 for _ in group_kinds)
+    return LookupRecord(
+        query_tokens=max(0, int(getattr(request, "num_tokens", 0)) - num_computed_tokens),
+        hit_tokens=0,
+        group_kinds=group_kinds,
+        looked_up_blocks=zeros,
+        present_blocks=zeros,
+        needed_blocks=zeros,
+        group_hit_tokens=zeros,
+        seconds=0.0,
+        keys=0,
+        failures={"other_error": 1},  # pool_client.Outcome.OTHER
+    )
+
+
 class Deferred(Sequence[int]):
     """Per-group counts computed on their first read, so only exported statistics cost time."""
 

@@ -408,3 +408,25 @@ def test_a_block_hash_that_is_not_collision_resistant_joins_only_when_allowed(
             assert scheduler.connector is not None
         finally:
             scheduler.shutdown()
+
+
+def test_a_lookup_that_raises_is_a_miss_counted_failed(model_dir, pool_settings, monkeypatch) -> None:
+    """A bug in a lookup never stops a request (it computes), and is counted: a lookup failed
+    as ``other_error``, which the lookup failure alert sees."""
+    scheduler = make_scheduler(model_dir, [GroupDesc("full", 32)], local_pool_transfer(pool_settings))
+    try:
+        connector = scheduler.connector
+        side = scheduler_of(connector)
+
+        def broken(request, num_computed_tokens):
+            raise RuntimeError("a lookup bug")
+
+        monkeypatch.setattr(side, "get_num_new_matched_tokens", broken)
+        request = make_request(scheduler, list(range(1, 1 + 3 * 32 + 1)))
+        connector.stats.drain()
+        assert connector.get_num_new_matched_tokens(request, 0) == (0, False)
+        lookups, _ = connector.stats.drain()
+        assert [dict(r.failures) for r in lookups] == [{"other_error": 1}]
+        assert lookups[0].query_tokens == 3 * 32 + 1 and lookups[0].hit_tokens == 0
+    finally:
+        scheduler.shutdown()
