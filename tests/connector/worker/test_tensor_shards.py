@@ -7,6 +7,8 @@ real Mooncake: only the lowest rank stores, the other reads that object.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from kvpool.connector.contract.identity import KVIdentity, key_fingerprint
@@ -120,31 +122,31 @@ def test_a_block_of_a_replicated_group_is_announced_once_its_one_key_is_stored()
     assert [type(e) for e in events.take_events()] == [BlockStored]
 
 
+def shard_copy_rank(client: Any, keyspace: KeySpace, tp_rank: int) -> Any:
+    """Rank ``tp_rank`` of a TP=2 engine whose one group is one shard: rank 1 holds a copy."""
+    from kvpool.connector.worker.side import WorkerSide
+
+    return WorkerSide(
+        client=client,
+        keyspace=keyspace,
+        tp_rank=tp_rank,
+        pp_rank=0,
+        group_layers=[["l0"]],
+        num_blocks=8,
+        stats=StatsCollector(group_kinds=("full",)),
+        tp_size=2,
+        group_shards=(1,),
+    )
+
+
 @pytest.mark.mooncake
 def test_the_second_rank_of_a_shard_saves_nothing_and_loads_the_first_ranks_object(
     pool_client, cache_prefix
 ) -> None:
     import torch
 
-    from kvpool.connector.worker.side import WorkerSide
-
     space = KeySpace(cache_prefix, "shards")
-
-    def rank(tp_rank: int) -> WorkerSide:
-        worker = WorkerSide(
-            client=pool_client,
-            keyspace=space,
-            tp_rank=tp_rank,
-            pp_rank=0,
-            group_layers=[["l0"]],
-            num_blocks=8,
-            stats=StatsCollector(group_kinds=("full",)),
-            tp_size=2,
-            group_shards=(1,),
-        )
-        return worker
-
-    first, second = rank(0), rank(1)
+    first, second = (shard_copy_rank(pool_client, space, r) for r in (0, 1))
     caches = [torch.randn(2, 8, BLOCK, 1, 8), torch.zeros(2, 8, BLOCK, 1, 8)]
     first.register_kv_caches({"l0": caches[0]})
     second.register_kv_caches({"l0": caches[1]})
@@ -182,26 +184,10 @@ def test_a_save_not_made_fails_only_on_the_rank_that_writes_its_shard(pool_clien
     its failures, so the copy would count the same keys again)."""
     import torch
 
-    from kvpool.connector.worker.side import WorkerSide
-
-    def rank(tp_rank: int) -> WorkerSide:
-        worker = WorkerSide(
-            client=pool_client,
-            keyspace=KeySpace(cache_prefix, "shards"),
-            tp_rank=tp_rank,
-            pp_rank=0,
-            group_layers=[["l0"]],
-            num_blocks=8,
-            stats=StatsCollector(group_kinds=("full",)),
-            tp_size=2,
-            group_shards=(1,),
-        )
-        worker.register_kv_caches({"l0": torch.zeros(2, 8, BLOCK, 1, 8)})
-        return worker
-
     failures = []
     for tp_rank in (0, 1):
-        worker = rank(tp_rank)
+        worker = shard_copy_rank(pool_client, KeySpace(cache_prefix, "shards"), tp_rank)
+        worker.register_kv_caches({"l0": torch.zeros(2, 8, BLOCK, 1, 8)})
         try:
             worker.drop_saves(
                 PoolConnectorMetadata(saves=[RequestSave("r", [GroupTransfer(0, ["d0"], [1])])])
