@@ -129,6 +129,13 @@ class Job:
         with self._cond:
             return self._state is JobState.ABANDONED and not self._returned
 
+    @property
+    def in_flight(self) -> bool:
+        """Whether a call of the job may still be in flight: it has neither finished (its last
+        call returned before it did) nor returned since it was given up on."""
+        with self._cond:
+            return self._state is not JobState.DONE and not self._returned
+
     def overdue(self) -> bool:
         with self._cond:
             return self._overdue_locked()

@@ -1193,7 +1193,7 @@ class WorkerSide:
             self._forget(job)
         for job in self.jobs.live():
             job.wait(deadline=time.monotonic() + 0.05)
-        if self.jobs.live():
+        if any(job.in_flight for job in self.jobs.live()):
             return False  # a call stuck in Mooncake may still use the registered memory
         with self._lock:
             # A buffer given up on stays registered: Mooncake's transport may still write it.

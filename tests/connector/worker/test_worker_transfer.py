@@ -306,6 +306,33 @@ def test_a_refused_load_is_reported_failed_without_touching_anything(worker) -> 
     assert not w.stats.transfers, "nothing was transferred"
 
 
+def test_shutdown_takes_a_finished_save_for_done_before_its_thread_returns(
+    pool_client, cache_prefix, monkeypatch
+) -> None:
+    """A save that finished (its last call returned) while its thread has yet to leave is no
+    call in flight: shutdown drains cleanly (a loaded machine once caught a thread there)."""
+    import threading
+
+    left = threading.Event()
+    finished = threading.Event()
+    original = WorkerSide._save_request
+
+    def slow_to_leave(self, save) -> None:
+        original(self, save)
+        finished.set()
+        left.wait(30)  # the thread not yet scheduled again after its job finished
+
+    monkeypatch.setattr(WorkerSide, "_save_request", slow_to_leave)
+    w = single_group_worker(pool_client, cache_prefix, num_blocks=NUM_BLOCKS)
+    w.register_kv_caches({"l0": torch.randn(SHAPE)})
+    try:
+        w.start_saves(PoolConnectorMetadata(saves=[RequestSave("r", [GroupTransfer(0, ["d"], [1])])]))
+        assert finished.wait(30)
+        assert w.shutdown() is True, "a finished save is no call in flight"
+    finally:
+        left.set()
+
+
 def test_shutdown_forgets_transfers_that_never_started(pool_client, cache_prefix, monkeypatch) -> None:
     """Saves still queued behind busy transfer threads are cancelled at shutdown: they never
     ran, so once the busy ones return nothing is in flight (no call is reported stuck)."""
