@@ -11,6 +11,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, overload
 
+from kvpool.connector.pool_client import Outcome
+
 TRACE_HEADERS = ("traceparent", "tracestate")
 
 
@@ -35,7 +37,7 @@ class LookupRecord:
 
 def failed_lookup(group_kinds: tuple[str, ...], request: Any, num_computed_tokens: int) -> LookupRecord:
     """A lookup that raised: a miss of the request's tokens past its local hit, counted failed
-    (``other_error``) so the lookup failure metrics and alert see it."""
+    (``Outcome.OTHER``) so the lookup failure metrics and alert see it."""
     zeros = tuple(0 for _ in group_kinds)
     return LookupRecord(
         query_tokens=max(0, int(getattr(request, "num_tokens", 0)) - num_computed_tokens),
@@ -47,7 +49,7 @@ def failed_lookup(group_kinds: tuple[str, ...], request: Any, num_computed_token
         group_hit_tokens=zeros,
         seconds=0.0,
         keys=0,
-        failures={"other_error": 1},  # pool_client.Outcome.OTHER
+        failures={Outcome.OTHER.value: 1},
     )
 
 

@@ -536,7 +536,7 @@ class SchedulerSide:
                     dcp_world_size=group.dcp_world_size,
                     final_segment_end_block=cdiv(request.num_prompt_tokens, group.block_size),
                 )
-                if mask is not None:
+                if mask is not None and below:
                     mask = _reaching_below(mask, below, end - start)
                 states = _boundary_states(group, offered)
                 ids, digests, kept = block_ids[gid], transfer.digests, transfer.block_ids
@@ -724,8 +724,6 @@ def retained_blocks(spec: Any) -> int:
 def _reaching_below(mask: Sequence[bool], below: int, count: int) -> list[bool]:
     """The first ``count`` entries of ``mask``, each also kept when one of the ``below``
     blocks after it is: a hit ending there loads that many blocks more."""
-    if below <= 0:
-        return list(mask[:count])
     return [any(mask[index : index + below + 1]) for index in range(count)]
 
 
