@@ -111,12 +111,18 @@ TENANT_GRANT_RULES: tuple[Rule, ...] = (
 )
 TENANT_RULES = {"edit": TENANT_EDIT_RULES, "view": TENANT_VIEW_RULES, "grant": TENANT_GRANT_RULES}
 
-# Leader election: the operator's own Lease in its own namespace (a Role there), by name
-# where RBAC can say it (a create names no object).
-LEASE_RULES: tuple[Rule, ...] = (
-    Rule(LEASES.group, (LEASES.plural,), ("create",)),
-    Rule(LEASES.group, (LEASES.plural,), ("get", "patch"), (LEASE_NAME,)),
-)
+
+
+def lease_rules(name: str = LEASE_NAME) -> tuple[Rule, ...]:
+    """Leader election: the operator's own Lease ``name`` in its own namespace (a Role
+    there), by name where RBAC can say it (a create names no object)."""
+    return (
+        Rule(LEASES.group, (LEASES.plural,), ("create",)),
+        Rule(LEASES.group, (LEASES.plural,), ("get", "patch"), (name,)),
+    )
+
+
+LEASE_RULES = lease_rules()
 
 WEBHOOK_RULES: tuple[Rule, ...] = (
     Rule(
