@@ -683,8 +683,11 @@ async def converge(
         ]
     conflicts += [c.refused for c in consumers if c.refused]
     # Pod admission patches no Deployment: what patching put in one before is taken out,
-    # but from a refused one (its owner has yet to move the label onto its pod template).
-    keep = {c.name for c in consumers if mode == DEPLOYMENT_PATCH or c.refused}
+    # but from a refused one (its owner has yet to move the label onto its pod template),
+    # and not before the pool serves (taking it out rolls the consumer, and admission
+    # refuses the new Pods until then).
+    admits = serves and not refused
+    keep = {c.name for c in consumers if mode == DEPLOYMENT_PATCH or c.refused or not admits}
     # A Deployment the API refused to release has its Event; the pass goes on to write the
     # status, and the next pass (its change, or the resync) tries it again.
     with contextlib.suppress(ConsumersNotReleased):

@@ -259,6 +259,28 @@ def test_the_cli_sets_the_mode_and_pod_admission_needs_the_webhook() -> None:
 
 
 @pytest.mark.parametrize("operator_config", [POD_ADMISSION_CONFIG])
+async def test_what_patching_put_in_stays_while_the_pool_does_not_serve(
+    cluster: Cluster, operator: Operator
+) -> None:
+    """Taking the settings out rolls the consumer, and admission refuses its new Pods until the
+    pool serves: a consumer keeps what patching put in until its Pods can be admitted."""
+    spec = pool_spec()
+    injection = build_plan("pool", NAMESPACE, spec).consumers[0]
+    moved = injected(opted_in("llm"), injection)
+    moved["metadata"]["labels"][names.LABEL_CONSUMER_OF] = "pool"
+    await cluster.create(moved)
+    start = cluster.mark()
+    await cluster.create(pool_manifest(spec=spec))
+    await cluster.passes("pool", start, count=3)  # no Deployment controller: never serves
+    assert cluster.condition("pool", "MasterReady").get("status") != "True"
+    assert consumer_writes(cluster, start) == []
+    assert kv_flags(cluster.get(DEPLOYMENTS_PATH, "llm"))
+
+    await serving(cluster)
+    await eventually(lambda: not kv_flags(cluster.get(DEPLOYMENTS_PATH, "llm")), what="llm restored")
+
+
+@pytest.mark.parametrize("operator_config", [POD_ADMISSION_CONFIG])
 async def test_what_patching_put_in_is_taken_out_once_the_template_opts_in(
     cluster: Cluster, operator: Operator
 ) -> None:
