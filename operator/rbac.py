@@ -112,7 +112,6 @@ TENANT_GRANT_RULES: tuple[Rule, ...] = (
 TENANT_RULES = {"edit": TENANT_EDIT_RULES, "view": TENANT_VIEW_RULES, "grant": TENANT_GRANT_RULES}
 
 
-
 def lease_rules(name: str = LEASE_NAME) -> tuple[Rule, ...]:
     """Leader election: the operator's own Lease ``name`` in its own namespace (a Role
     there), by name where RBAC can say it (a create names no object)."""
