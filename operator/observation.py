@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+from aiohttp.abc import AbstractResolver
 
 from kvpool.operator.components import MASTER_HEALTH_PATH
 from kvpool.operator.leader import AddressRefused, IPAddress, excerpt, leader_health_url
@@ -135,14 +136,17 @@ async def poll_master(
     master_ips: Collection[IPAddress] | None = None,
     metrics_port: int = 0,
     store_pods: Mapping[str, str] | None = None,
+    resolver: AbstractResolver | None = None,
 ) -> Observation:
     """Ask the masters at ``bases`` (``http://host:port``) for the serving one's numbers, all
-    within ``timeout`` seconds; never raises for what a master does or does not answer."""
+    within ``timeout`` seconds; never raises for what a master does or does not answer.
+    ``resolver``: the only way their names resolve (None: the system's)."""
     pods = dict(store_pods or {})
     try:
         async with asyncio.timeout(timeout):
             client_timeout = aiohttp.ClientTimeout(total=timeout)
-            async with aiohttp.ClientSession(timeout=client_timeout) as session:
+            connector = aiohttp.TCPConnector(resolver=resolver) if resolver is not None else None
+            async with aiohttp.ClientSession(timeout=client_timeout, connector=connector) as session:
                 base = await _serving_base(session, bases, master_ips, metrics_port)
                 numbers = await _numbers(session, base)
     except _Refused as exc:

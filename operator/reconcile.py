@@ -42,6 +42,7 @@ from kvpool.operator.consumers import (
 )
 from kvpool.operator.drain_jobs import DrainRefused, cancel_drain_job
 from kvpool.operator.drain_timer import advance, drain_base
+from kvpool.operator.external_guard import PinnedResolver, pools_elsewhere, vet_endpoints
 from kvpool.operator.grant_usage import grant_usage, with_changed_at
 from kvpool.operator.grants import (
     NAMESPACE_NOT_ALLOWED,
@@ -1030,9 +1031,7 @@ class Reconciler:
         it asked (:meth:`poll_target`)."""
         now = utcnow()
         if plan.external:
-            bases = [f"http://{endpoint}" for endpoint in plan.metrics_endpoints]
-            observation = await poll_master(bases, now=now, timeout=self.observe_timeout)
-            return replace(observation, asked=self.poll_target(plan))
+            return replace(await self.poll_external(plan, now), asked=self.poll_target(plan))
         stores = await self.kube.list(
             PODS,
             plan.namespace,
@@ -1055,6 +1054,26 @@ class Reconciler:
             store_pods=store_pods,
         )
         return replace(observation, asked=self.poll_target(plan))
+
+    async def poll_external(self, plan: Plan, now: str) -> Observation:
+        """An external pool's master, asked only at addresses that lead to no pool this
+        operator runs in another namespace (``external_guard``)."""
+        try:
+            elsewhere = await pools_elsewhere(self.kube, plan.namespace, self.policy.watched_namespaces)
+        except ApiError as exc:
+            problem = f"the pools this operator runs could not be read ({exc}): not asked"
+            return Observation(now, problem=problem, reason="Unreachable")
+        vetted = await vet_endpoints(
+            plan.metrics_endpoints,
+            elsewhere,
+            self.observe_timeout,
+            field_name="spec.external.metricsEndpoints",
+        )
+        if vetted.problem is not None:
+            return Observation(now, problem=vetted.problem, reason="EndpointRefused")
+        bases = [f"http://{endpoint}" for endpoint in plan.metrics_endpoints]
+        resolver = PinnedResolver(vetted.addresses)
+        return await poll_master(bases, now=now, timeout=self.observe_timeout, resolver=resolver)
 
     async def poll_hits(self, plan: Plan) -> dict[str, Any] | None:
         """``status.hits`` from the consumers' own ``/metrics`` (None: no consumer pod is ready):

@@ -9,7 +9,9 @@ from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
 
+from kvpool.operator import names
 from kvpool.operator.metric_names import POOL_INFO
 from kvpool.operator.names import NETWORK_POLICIES, SERVICES
 from testing.kube_api import DEPLOYMENTS_PATH, NAMESPACE, Cluster, eventually
@@ -58,3 +60,69 @@ async def test_a_pool_turned_external_stops_what_it_ran_and_rolls_its_consumer(
     info = POOL_INFO.exported
     assert f'{info}{{mode="external",namespace="{NAMESPACE}",pool="pool"}} 1.0' in text
     assert f'{info}{{mode="managed",' not in text
+
+
+@pytest.mark.parametrize("operator_config", [{"observe_interval": 0.3}])
+async def test_an_external_pool_never_points_the_operator_at_another_namespaces_pool(
+    cluster: Cluster, operator: Operator
+) -> None:
+    """The operator's pods may reach every pool it runs: an external pool whose endpoint
+    leads to one of another namespace's (here its master pod, by a name that resolves to its
+    IP) is not asked, and says so without naming that pool. A fake master on 127.0.0.1 (no
+    Mooncake needed: what matters is whether it is asked) counts the requests."""
+    asked: list[str] = []
+
+    async def anything(request: web.Request) -> web.Response:
+        asked.append(request.path)
+        return web.Response(status=404)
+
+    app = web.Application()
+    app.router.add_get("/{tail:.*}", anything)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        other = pool_manifest("shared")
+        other["metadata"]["namespace"] = "llm"
+        await cluster.create(other)
+        master_pod = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": "shared-master-0",
+                "namespace": "llm",
+                "labels": {names.LABEL_POOL: "shared", names.LABEL_COMPONENT: names.MASTER},
+            },
+            "spec": {"containers": [{"name": "master", "image": "mooncake"}]},
+            "status": {"podIP": "127.0.0.1"},
+        }
+        await cluster.create(master_pod)
+        spec = pool_spec(
+            external={"masterServerAddress": f"localhost:{port}", "metricsEndpoints": [f"localhost:{port}"]}
+        )
+        del spec["image"], spec["store"]
+        await cluster.create(vllm_deployment())
+        await cluster.create(pool_manifest(spec=spec))
+
+        def master_ready() -> dict[str, Any]:
+            cluster.settle()
+            return cluster.condition("pool", "MasterReady")
+
+        refused = await eventually(
+            lambda: master_ready().get("reason") == "EndpointRefused" and master_ready(), what="refused"
+        )
+        assert "spec.external.metricsEndpoints[0]" in refused["message"]
+        assert "another namespace" in refused["message"] and "shared" not in refused["message"]
+        await cluster.passes("pool", cluster.mark(), count=2)
+        assert asked == []
+        assert kv_flags(cluster.get(DEPLOYMENTS_PATH, "llm")) == []
+
+        # Negative control: once that pool's master is elsewhere, the endpoint is asked.
+        response = await cluster.api.delete(f"/api/v1/namespaces/llm/pods/{master_pod['metadata']['name']}")
+        assert response.status == 200, await response.text()
+        await eventually(lambda: asked, what="the endpoint asked")
+        await eventually(lambda: "answered HTTP 404" in master_ready()["message"], what="its answer")
+    finally:
+        await runner.cleanup()

@@ -1,0 +1,131 @@
+"""What an external pool's ``metricsEndpoints`` may reach: never a pool this operator runs in
+another namespace.
+
+The operator's pods are let into the HTTP port of every pool it runs (health, capacity, drain
+jobs). An external pool naming another namespace's master, by its Service's name, an
+ExternalName of its own or an IP literal, would have the operator read that pool's numbers
+into a status the external pool's author reads. So each endpoint's host is resolved once,
+every address is checked against the masters and stores this operator runs in other
+namespaces, and the request goes to exactly the addresses checked (:class:`PinnedResolver`:
+a DNS answer that changes in between is never asked).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import socket
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from aiohttp.abc import AbstractResolver, ResolveResult
+
+from kvpool.operator import names
+from kvpool.operator.kube import KubeClient
+from kvpool.operator.leader import IPAddress, pod_ips
+from kvpool.operator.names import PODS, POOLS, SERVICES
+
+# Where each address of another namespace's pool leads: "namespace/pool".
+Elsewhere = Mapping[IPAddress, str]
+
+
+async def pools_elsewhere(kube: KubeClient, namespace: str, watched: Sequence[str]) -> dict[IPAddress, str]:
+    """The addresses of the masters and stores this operator runs outside ``namespace``
+    (their Service's cluster IPs and their pods' IPs), within what it watches (``watched``
+    empty: every namespace). Raises :class:`ApiError` when one cannot be read."""
+    scopes: list[str | None] = [n for n in watched if n != namespace] if watched else [None]
+    found: dict[IPAddress, str] = {}
+    for scope in scopes:
+        for pool in await kube.list(POOLS, scope):
+            meta = pool.get("metadata") or {}
+            where, name = str(meta.get("namespace") or ""), str(meta.get("name") or "")
+            if where == namespace or not name:
+                continue
+            service = await kube.get(SERVICES, where, names.master_name(name))
+            addresses = set(_cluster_ips(service))
+            for component in (names.MASTER, names.STORE):
+                pods = await kube.list(PODS, where, label_selector=names.label_selector(name, component))
+                addresses |= pod_ips(pods)
+            found.update(dict.fromkeys(addresses, f"{where}/{name}"))
+    return found
+
+
+def _cluster_ips(service: Mapping[str, object] | None) -> set[IPAddress]:
+    spec = (service or {}).get("spec")
+    if not isinstance(spec, Mapping):
+        return set()
+    texts = [spec.get("clusterIP"), *(spec.get("clusterIPs") or [])]
+    out: set[IPAddress] = set()
+    for text in texts:
+        try:
+            out.add(ipaddress.ip_address(str(text)))
+        except ValueError:  # "None" (headless) or absent
+            continue
+    return out
+
+
+@dataclass(frozen=True)
+class Vetted:
+    """Endpoints checked: the addresses each host may be asked at, or why none is asked."""
+
+    addresses: Mapping[str, tuple[ResolveResult, ...]] = field(default_factory=dict)
+    problem: str | None = None
+
+
+def _host_port(endpoint: str) -> tuple[str, int]:
+    host, _, port = endpoint.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+async def vet_endpoints(
+    endpoints: Sequence[str], elsewhere: Elsewhere, timeout: float, *, field_name: str
+) -> Vetted:
+    """Resolve each ``host:port`` once (within ``timeout``) and refuse all of them when any
+    address leads to another namespace's pool: the message names the field, never that pool."""
+    loop = asyncio.get_running_loop()
+    addresses: dict[str, tuple[ResolveResult, ...]] = {}
+    for index, endpoint in enumerate(endpoints):
+        host, port = _host_port(endpoint)
+        try:
+            async with asyncio.timeout(timeout):
+                infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except (OSError, TimeoutError) as exc:
+            return Vetted(problem=f"{field_name}[{index}] {endpoint!r} does not resolve: {exc or 'timeout'}")
+        results = []
+        for family, _, proto, _, sockaddr in infos:
+            address = ipaddress.ip_address(str(sockaddr[0]).split("%")[0])
+            if address in elsewhere:
+                return Vetted(
+                    problem=f"{field_name}[{index}] {endpoint!r} reaches a pool this operator runs in "
+                    "another namespace: not asked (name the external master's own address)"
+                )
+            results.append(
+                ResolveResult(
+                    hostname=host,
+                    host=str(address),
+                    port=port,
+                    family=family,
+                    proto=proto,
+                    flags=socket.AI_NUMERICHOST | socket.AI_NUMERICSERV,
+                )
+            )
+        addresses[host] = tuple(results)
+    return Vetted(addresses=addresses)
+
+
+class PinnedResolver(AbstractResolver):
+    """Answers only the hosts :func:`vet_endpoints` checked, with the addresses it checked."""
+
+    def __init__(self, addresses: Mapping[str, Sequence[ResolveResult]]):
+        self._addresses = addresses
+
+    async def resolve(
+        self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET
+    ) -> list[ResolveResult]:
+        found = [r for r in self._addresses.get(host.strip("[]"), ()) if r["port"] == port]
+        if not found:
+            raise OSError(f"{host}:{port} was not checked: not asked")
+        return found
+
+    async def close(self) -> None:
+        return None
