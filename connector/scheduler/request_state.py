@@ -76,6 +76,10 @@ class RequestState:
 
     # Its lookup: queued or in flight, then answered.
     pending: PendingLookup | None = None
+    # Its answer went stale before vLLM reached it, and it was asked again: the next answer
+    # is taken however old (a request reached less often than the deadline is not deferred
+    # forever; an old answer costs at most a failed load).
+    asked_again: bool = False
     looked_up: LookedUp | None = None
     local_tokens: int | None = None  # vLLM's own prefix hit when it was last asked
     plan: LoadPlan | None = None  # set while the hit reaches past the local one

@@ -216,8 +216,14 @@ class SchedulerSide:
         """The answer to ``request``'s queued lookup; None while it is in flight (a request
         with none, or one of another length, is queued now)."""
         pending = state.pending
-        if pending is not None and pending.outcome is not None and self._stale(pending.outcome[1]):
-            pending = None  # answered, but the request was not reached for a while: ask again
+        if (
+            pending is not None
+            and pending.outcome is not None
+            and self._stale(pending.outcome[1])
+            and not state.asked_again
+        ):
+            state.asked_again = True
+            pending = None  # answered, but the request was not reached for a while: ask again, once
         if pending is None or pending.lookup.query.num_tokens != request.num_tokens:
             state.cancel_lookup()
             query = self._query(request, num_computed_tokens)
@@ -231,6 +237,7 @@ class SchedulerSide:
             pending.deferred_steps += 1
             return None
         state.cancel_lookup()
+        state.asked_again = False
         if answered and pending.outcome is not None:
             record, looked_up = pending.outcome
             record.deferred_steps = pending.deferred_steps

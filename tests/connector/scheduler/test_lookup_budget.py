@@ -150,3 +150,30 @@ def test_an_answer_the_request_waited_on_past_the_lookup_deadline_is_asked_again
         assert claimed == (0, False), "a hit claimed from an answer the pool no longer holds"
     finally:
         scheduler.shutdown()
+
+
+def test_a_request_reached_less_often_than_the_lookup_deadline_is_still_admitted(
+    model_dir: Path, pool_settings: Any, pool_client: Any
+) -> None:
+    """Each step's forward outlasts ``lookup_timeout_s`` (a saturated engine, a slow CPU
+    prefill), so every answer is stale by the time vLLM reaches the request again. The
+    request asks again once, then takes the answer it has: it is admitted, never deferred
+    step after step (an old answer costs at most a failed load, and a recompute)."""
+    timeout_s = 0.2
+    transfer = local_pool_transfer(pool_settings, lookup_timeout_s=timeout_s, lookup_budget_ms=0)
+    scheduler = make_scheduler(model_dir, FULL, transfer)
+    try:
+        connector = scheduler.connector
+        request = make_request(scheduler, list(range(23, 23 + HIT_BLOCKS * 32 + 40)))
+        store_blocks(pool_client, scheduler, request, {0: range(HIT_BLOCKS)})
+        answers = []
+        for _ in range(6):
+            answers.append(connector.get_num_new_matched_tokens(request, 0))
+            if answers[-1][0] is not None:
+                break
+            assert answer_lookups(connector)  # answered during the step's forward ...
+            threading.Event().wait(1.5 * timeout_s)  # ... which outlasts the deadline
+        assert answers[-1] == (HIT_BLOCKS * 32, True), answers
+        assert len(answers) <= 3, answers  # asked again once at most
+    finally:
+        scheduler.shutdown()
