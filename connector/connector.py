@@ -12,7 +12,7 @@ Load it with::
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -115,6 +115,30 @@ def warn_if_workers_stop_first(vllm_config: Any, shutdown_timeout_s: float) -> b
         "workers before their last saves may drain (those blocks miss later); raise it",
         grace,
         shutdown_timeout_s,
+    )
+    return True
+
+
+def warn_if_sleep_mode_on_an_accelerator(vllm_config: Any, kv_caches: Mapping[str, Any]) -> bool:
+    """Warn that sleep mode and the pool do not go together on an accelerator (True when it
+    warned).
+
+    vLLM registers the KV caches (and so allocates the staging buffers) inside its CuMem
+    pools, and a sleep releases that memory with no connector hook before it: a transfer
+    still in flight then reads or writes released memory, and registrations for RDMA point
+    at pages the wake-up no longer maps. Headers and checksums keep wrong KV out, but the
+    engine may fail.
+    """
+    if not getattr(vllm_config.model_config, "enable_sleep_mode", False):
+        return False
+    devices = {str(getattr(t, "device", "cpu")).split(":")[0] for t in kv_caches.values()}
+    if devices <= {"cpu"}:
+        return False
+    logger.warning(
+        "KVPoolConnector with enable_sleep_mode on %s: a transfer in flight when the engine "
+        "sleeps touches released memory, and RDMA registrations do not survive a sleep "
+        "(docs/architecture.md, sleep mode); run the pool without sleep mode here",
+        ", ".join(sorted(devices - {"cpu"})),
     )
     return True
 
@@ -406,6 +430,7 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         return self._worker
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        warn_if_sleep_mode_on_an_accelerator(self._vllm_config, kv_caches)
         self._work().register_kv_caches(kv_caches)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:

@@ -123,3 +123,20 @@ def test_a_shutdown_grace_below_the_save_drain_is_named(monkeypatch) -> None:
     assert not warn_if_workers_stop_first(config("uni"), 10.0)  # one process: nothing stops first
     monkeypatch.setenv("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "60")
     assert not warn_if_workers_stop_first(config("mp"), 10.0)
+
+
+def test_sleep_mode_with_caches_on_an_accelerator_is_named() -> None:
+    """Fake configs and tensors (a GPU cannot run here): the warning depends only on the
+    setting and the caches' device type."""
+    from types import SimpleNamespace
+
+    from kvpool.connector.connector import warn_if_sleep_mode_on_an_accelerator
+
+    def config(sleep: bool) -> SimpleNamespace:
+        return SimpleNamespace(model_config=SimpleNamespace(enable_sleep_mode=sleep))
+
+    gpu = {"layer.0": SimpleNamespace(device="cuda:0")}
+    cpu = {"layer.0": SimpleNamespace(device="cpu")}
+    assert warn_if_sleep_mode_on_an_accelerator(config(True), gpu)
+    assert not warn_if_sleep_mode_on_an_accelerator(config(True), cpu)  # host memory stays
+    assert not warn_if_sleep_mode_on_an_accelerator(config(False), gpu)
