@@ -31,12 +31,17 @@ from kubernetes_asyncio.client import ApiClient, Configuration
 from kvpool.operator import names
 from kvpool.operator.consumers import Refusal
 from kvpool.operator.election import LeaseElector, LeaseLost, LeaseOptions
-from kvpool.operator.grants import NAMESPACE_NOT_ALLOWED, POOL_NOT_FOUND, namespace_refusal
+from kvpool.operator.grants import NAMESPACE_NOT_ALLOWED, POOL_NOT_FOUND, namespace_refusal, read_grant
 from kvpool.operator.kube import USER_AGENT, ApiError, KubeClient, connection_info, load_configuration
 from kvpool.operator.leader import SERVICE_HEALTH_URL
 from kvpool.operator.metrics import OperatorMetrics, serve_metrics
 from kvpool.operator.names import DEPLOYMENTS, GRANTS, PODS, POOLS
-from kvpool.operator.pod_injection import DEPLOYMENT_PATCH, POD_ADMISSION, admit_pod
+from kvpool.operator.pod_injection import (
+    DEPLOYMENT_PATCH,
+    POD_ADMISSION,
+    admit_pod,
+    pool_namespace_of_pod,
+)
 from kvpool.operator.policy import OperatorPolicy
 from kvpool.operator.reconcile import (
     Notify,
@@ -346,13 +351,17 @@ def register_admission(registry: kopf.OperatorRegistry, options: OperatorOptions
         if options.namespaces and namespace not in options.namespaces:
             return  # another operator's namespace: its own webhook answers for it
         pool_name = str((meta.get("labels") or {}).get(names.LABEL_ALLOW_POOL, ""))
+        # A grant's consumer in another namespace names its pool's (allow-pool-namespace).
+        pool_namespace = pool_namespace_of_pod(body, namespace)
+        if options.namespaces and pool_namespace not in options.namespaces:
+            return  # a pool another operator serves: its webhook answers for the Pod
         # A fresh read of the pool (never an index that may lag a spec change or a status
         # that just turned Ready): Pods are created rarely, and one GET is cheap.
         try:
-            pool = await asyncio.wait_for(kube.get(POOLS, namespace, pool_name), POOL_LOOKUP_TIMEOUT)
+            pool = await asyncio.wait_for(kube.get(POOLS, pool_namespace, pool_name), POOL_LOOKUP_TIMEOUT)
         except RETRYABLE as exc:
             raise kopf.AdmissionError(
-                f"pool {namespace}/{pool_name} could not be read ({exc or type(exc).__name__}): "
+                f"pool {pool_namespace}/{pool_name} could not be read ({exc or type(exc).__name__}): "
                 "the Pod is refused, the ReplicaSet controller retries [pool-unreachable]",
                 code=503,
             ) from exc
@@ -360,12 +369,22 @@ def register_admission(registry: kopf.OperatorRegistry, options: OperatorOptions
             grants = await asyncio.wait_for(read_grants(kube, pool), POOL_LOOKUP_TIMEOUT) if pool else []
         except RETRYABLE as exc:
             raise kopf.AdmissionError(
-                f"the grants of pool {namespace}/{pool_name} could not be read "
+                f"the grants of pool {pool_namespace}/{pool_name} could not be read "
                 f"({exc or type(exc).__name__}): "
                 "the Pod is refused, the ReplicaSet controller retries [pool-unreachable]",
                 code=503,
             ) from exc
-        answer = admit_pod(dict(body), namespace, pool, options.policy, grants)
+        # No such pool in the Pod's own namespace: a grant of its namespace may list it as a
+        # consumer of a pool elsewhere (the refusal then names the label it lacks). Only a hint:
+        # the Pod is refused either way.
+        namespace_grants = []
+        if pool is None and pool_namespace == namespace:
+            with contextlib.suppress(*RETRYABLE):
+                found = await asyncio.wait_for(kube.list(GRANTS, namespace), POOL_LOOKUP_TIMEOUT)
+                namespace_grants = [read_grant(obj) for obj in found]
+        answer = admit_pod(
+            dict(body), namespace, pool, options.policy, grants, pool_namespace, namespace_grants
+        )
         if isinstance(answer, Refusal):
             raise kopf.AdmissionError(str(answer), code=403)
         patch.update(answer.patch)

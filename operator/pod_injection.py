@@ -1,7 +1,9 @@
 """Injection at Pod admission: the pool's settings go into each new Pod, never into its Deployment.
 
 The mutating webhook (``app``) hands every new Pod that carries the opt-in label
-``kvpool.mooncake.io/allow-pool: <pool>`` to ``admit_pod``, with the pool the label names.
+``kvpool.mooncake.io/allow-pool: <pool>`` to ``admit_pod``, with the pool the label names (in
+the namespace its ``allow-pool-namespace`` label names, else the Pod's: a consumer of a grant
+in another namespace than its pool's, ``pool_namespace_of_pod``).
 The Pod gets what Deployment patching would put into its template (``consumers.injected``,
 applied to the Pod seen as its Deployment's template), plus a record of what was injected
 (the ``kvpool.mooncake.io/injected`` annotation). Whatever cannot be injected is refused
@@ -35,7 +37,7 @@ from kvpool.operator.consumers import (
     injection_refusal,
     refusal,
 )
-from kvpool.operator.grants import Grant
+from kvpool.operator.grants import Grant, namespace_refusal, pool_namespace_of
 from kvpool.operator.merge_patch import diff
 from kvpool.operator.plan import build_plan
 from kvpool.operator.policy import OperatorPolicy
@@ -76,6 +78,13 @@ def owning_deployment(pod: Mapping[str, Any]) -> str | None:
         ):
             return name[: -len(template_hash) - 1] or None
     return None
+
+
+def pool_namespace_of_pod(pod: Mapping[str, Any], namespace: str) -> str:
+    """The namespace of the pool a Pod opts into: its ``allow-pool-namespace`` label (a grant's
+    consumer in another namespace than its pool's), else its own ``namespace``."""
+    labels = (pod.get("metadata") or {}).get("labels") or {}
+    return str(labels.get(names.LABEL_ALLOW_POOL_NAMESPACE) or namespace)
 
 
 def as_template(pod: Mapping[str, Any], namespace: str, deployment: str) -> dict[str, Any]:
@@ -152,8 +161,13 @@ def consumer_of(
     deployment: str,
     policy: OperatorPolicy,
     grants: Sequence[Grant] = (),
+    consumer_namespace: str = "",
 ) -> Injection | Refusal:
-    """The injection the pool's spec declares for ``deployment``, or why there is none."""
+    """The injection pool ``namespace/name``'s spec (or a grant it accepts) declares for
+    ``consumer_namespace/deployment`` (default: a Deployment of the pool's namespace), or why
+    there is none. A consumer is its namespace and its name: a Deployment of the same name in
+    another namespace is another consumer."""
+    consumer_namespace = consumer_namespace or namespace
     plan = build_plan(name, namespace, pool.get("spec"), policy, grants=grants)
     if not plan.valid:
         problems = ", ".join(str(p) for p in plan.problems)
@@ -161,13 +175,50 @@ def consumer_of(
             "pool-invalid", f"{where}: pool {namespace}/{name} has an invalid spec ({problems}): fix the pool"
         )
     for injection in plan.consumers:
-        if injection.deployment == deployment:
+        if injection.deployment == deployment and (injection.namespace or namespace) == consumer_namespace:
             return injection
+    if consumer_namespace == namespace:
+        return Refusal(
+            "not-a-consumer",
+            f"{where} carries {names.LABEL_ALLOW_POOL}={name} but pool {namespace}/{name} does not list it: "
+            f"add it to the pool's spec.consumers (with its layout), or remove the label",
+        )
+    grant_namespaces = ((pool.get("spec") or {}).get("tenancy") or {}).get("grantNamespaces") or []
+    unlisted = None if plan.tenancy is not None else f"pool {namespace}/{name} has tenancy off"
+    unlisted = unlisted or namespace_refusal(consumer_namespace, namespace, name, grant_namespaces)
+    why = (
+        f"{unlisted}, so no grant of namespace {consumer_namespace} counts"
+        if unlisted
+        else f"no grant of namespace {consumer_namespace} that the pool accepts lists it"
+    )
     return Refusal(
         "not-a-consumer",
-        f"{where} carries {names.LABEL_ALLOW_POOL}={name} but pool {namespace}/{name} does not list it: "
-        f"add it to the pool's spec.consumers (with its layout), or remove the label",
+        f"{where} carries {names.LABEL_ALLOW_POOL}={name} and "
+        f"{names.LABEL_ALLOW_POOL_NAMESPACE}={namespace} but pool {namespace}/{name} does not take "
+        f"it as a consumer ({why}): add it to the spec.consumers of a MooncakeKVPoolGrant of "
+        f"namespace {consumer_namespace} naming the pool (with its layout), or remove the labels",
     )
+
+
+def grant_hint(
+    where: str, namespace: str, name: str, deployment: str, namespace_grants: Sequence[Grant]
+) -> Refusal | None:
+    """For a Pod whose labels name pool ``name`` in its own ``namespace``, where there is none:
+    a grant of its namespace that lists its Deployment as a consumer of pool ``name`` in
+    another namespace (the Pod lacks ``allow-pool-namespace``), as a consent refusal."""
+    for grant in sorted(namespace_grants, key=lambda g: g.name):
+        if grant.spec is None or grant.namespace != namespace or grant.spec.pool != name:
+            continue
+        other = pool_namespace_of(grant)
+        if other != namespace and any(c.name == deployment for c in grant.spec.consumers):
+            return Refusal(
+                "consent",
+                f"{where} needs the labels {names.LABEL_ALLOW_POOL}={name} and "
+                f"{names.LABEL_ALLOW_POOL_NAMESPACE}={other}{ON_TEMPLATE} to take its settings "
+                f"(grant {grant.name} lists it as a consumer of pool {other}/{name}, and there is "
+                f"no MooncakeKVPool {namespace}/{name}: one there would be another pool)",
+            )
+    return None
 
 
 def injection_record(injection: Injection, container: str | None) -> dict[str, Any]:
@@ -212,12 +263,19 @@ def admit_pod(
     pool: Mapping[str, Any] | None,
     policy: OperatorPolicy | None = None,
     grants: Sequence[Grant] = (),
+    pool_namespace: str = "",
+    namespace_grants: Sequence[Grant] = (),
 ) -> PodInjection | Refusal:
-    """The patch a new Pod with the opt-in label gets from ``pool`` (the one the label names,
-    None if there is none; ``grants``: its namespace's, for a pool with tenancy), or why it
-    is refused."""
+    """The patch a new Pod with the opt-in label gets from ``pool`` (the one its labels name,
+    in ``pool_namespace``, default the Pod's ``namespace``; None if there is none; ``grants``:
+    the pool's, ``read_grants``, for a pool with tenancy), or why it is refused. A Pod of
+    another namespace than its pool's is injected only as a consumer a grant of its namespace
+    lists, one the pool accepts, with that grant's settings, as Deployment patching would.
+    ``namespace_grants``: the grants of the Pod's namespace, read where its labels name a pool
+    of its own namespace that does not exist (to tell a grant's consumer what consent it lacks)."""
     meta = pod.get("metadata") or {}
     name = str((meta.get("labels") or {}).get(names.LABEL_ALLOW_POOL, ""))
+    pool_namespace = pool_namespace or namespace
     deployment = owning_deployment(pod)
     if deployment is None:
         shown = meta.get("name") or meta.get("generateName") or ""
@@ -230,10 +288,17 @@ def admit_pod(
     view = as_template(pod, namespace, deployment)
     where = f"Deployment {namespace}/{deployment}"
     found = (
-        refusal(view, name, on=ON_TEMPLATE)
-        or pool_refusal(where, namespace, name, pool)
+        refusal(view, name, on=ON_TEMPLATE, pool_namespace=pool_namespace)
         or (
-            consumer_of(where, namespace, name, pool, deployment, policy or OperatorPolicy(), grants)
+            grant_hint(where, namespace, name, deployment, namespace_grants)
+            if pool is None and pool_namespace == namespace
+            else None
+        )
+        or pool_refusal(where, pool_namespace, name, pool)
+        or (
+            consumer_of(
+                where, pool_namespace, name, pool, deployment, policy or OperatorPolicy(), grants, namespace
+            )
             if pool
             else None
         )

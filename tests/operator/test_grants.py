@@ -438,6 +438,55 @@ def test_an_unlisted_namespaces_grant_gets_no_consumers() -> None:
     assert plan.valid and [c.deployment for c in plan.consumers] == ["llm-0"] and plan.grant_children == []
 
 
+def tenant_pod(name: str, labels: dict[str, str]) -> dict[str, Any]:
+    """A Pod of Deployment ``name`` in the grant's namespace, ``labels`` on its pod template."""
+    deployment = vllm_deployment(name, allow_pool=None)
+    deployment["metadata"]["namespace"] = OTHER
+    deployment["spec"]["template"]["metadata"]["labels"].update(labels)
+    return replica_set_pod(deployment)
+
+
+def test_a_grants_consumer_pod_is_admitted_only_as_the_grant_lists_it_to_a_pool_that_takes_it() -> None:
+    grants = [grant("own", "8MB"), grant_with_consumers(consumer("chat"))]
+    pool = serving_pool(granted_spec())
+    answer = admit_pod(tenant_pod("chat", ALLOW), OTHER, pool, grants=grants, pool_namespace=NAMESPACE)
+    assert isinstance(answer, PodInjection), answer
+    (chat,) = [
+        c for c in build_plan("pool", NAMESPACE, granted_spec(), grants=grants).consumers if c.namespace
+    ]
+    assert answer.record["configHash"] == chat.config_hash and answer.record["deployment"] == "chat"
+    pod = apply_merge_patch(tenant_pod("chat", ALLOW), answer.patch)
+    assert pod["metadata"]["labels"][names.LABEL_POOL_NAMESPACE] == NAMESPACE
+    assert pod["spec"]["volumes"][-1]["configMap"]["name"] == "pool-llm-connector"
+
+    def refused(pod: dict[str, Any], pool: dict[str, Any] | None, **kwargs: Any) -> Refusal:
+        found = admit_pod(pod, OTHER, pool, **{"grants": grants, "pool_namespace": NAMESPACE, **kwargs})
+        assert isinstance(found, Refusal), found
+        return found
+
+    # A namespace the pool does not list: its grants give no consumer, whatever they list.
+    unlisted = granted_spec()
+    unlisted["tenancy"]["grantNamespaces"] = []
+    found = refused(tenant_pod("chat", ALLOW), serving_pool(unlisted))
+    assert found.rule == "not-a-consumer" and "spec.tenancy.grantNamespaces" in found.message
+    # A Deployment the grant does not list, and the pool's own consumer's name in the grant's namespace.
+    for name in ("stranger", "llm-0"):
+        found = refused(tenant_pod(name, ALLOW), pool)
+        assert found.rule == "not-a-consumer" and "MooncakeKVPoolGrant" in found.message
+    # Consent names the pool's namespace: a pool of the same name in the Pod's is another one.
+    only_pool = {names.LABEL_ALLOW_POOL: "pool"}
+    found = refused(tenant_pod("chat", only_pool), pool)
+    assert found.rule == "consent" and names.LABEL_ALLOW_POOL_NAMESPACE in found.message
+    found = refused(tenant_pod("chat", only_pool), None, pool_namespace="", namespace_grants=grants[1:])
+    assert found.rule == "consent" and f"{names.LABEL_ALLOW_POOL_NAMESPACE}={NAMESPACE}" in found.message
+    assert refused(tenant_pod("chat", only_pool), None, pool_namespace="").rule == "no-pool"
+    # The pool's own namespace: a Deployment named as the grant's consumer is another consumer.
+    own = vllm_deployment("chat", allow_pool=None)
+    own["spec"]["template"]["metadata"]["labels"].update(only_pool)
+    namesake = admit_pod(replica_set_pod(own), NAMESPACE, pool, grants=grants)
+    assert isinstance(namesake, Refusal) and namesake.rule == "not-a-consumer", namesake
+
+
 def window_of(block_size: int) -> dict[str, Any]:
     """The consumer's layout with its window group's block size changed."""
     layout = json.loads(json.dumps(consumer()["layout"]))

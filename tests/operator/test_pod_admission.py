@@ -15,16 +15,19 @@ import pytest_asyncio
 
 from kvpool.operator import names
 from kvpool.operator.app import INJECT_ID, OperatorOptions, WebhookOptions
-from kvpool.operator.consumers import injected
+from kvpool.operator.consumers import Injection, injected
 from kvpool.operator.election import LeaseOptions
+from kvpool.operator.grants import read_grant
 from kvpool.operator.names import DEPLOYMENTS, POOLS
 from kvpool.operator.plan import build_plan
 from kvpool.operator.pod_injection import POD_ADMISSION
 from kvpool.operator.rbac import LEASE_RULES, RULES, allowed, request_permission
 from testing.kube_api import (
     DEPLOYMENTS_PATH,
+    GRANTS_PATH,
     NAMESPACE,
     POOLS_PATH,
+    TENANT_NAMESPACE,
     Cluster,
     OperatorThread,
     emulated_cluster,
@@ -44,6 +47,7 @@ from testing.operator_objects import (
     vllm_deployment,
 )
 from testing.pod_admission import admitted, pod_review, replica_set_pod, serving_pool
+from tests.operator.test_grants_on_the_api import grant_manifest, tenancy_spec
 
 pytestmark = pytest.mark.asyncio
 LEASE_NAMESPACE = "kvpool-system"
@@ -307,3 +311,96 @@ async def test_what_patching_put_in_is_taken_out_once_the_template_opts_in(
     )
     assert "Deployment team-a/legacy needs the label" in conflict and "on its pod template" in conflict
     assert kv_flags(cluster.get(DEPLOYMENTS_PATH, "legacy"))
+
+
+# --- a grant's consumers in another namespace --------------------------------------------
+
+TENANT_GRANT = "tenant"
+
+
+def tenant_opted_in(name: str, pool_namespace: str | None = NAMESPACE) -> dict[str, Any]:
+    """A Deployment of the tenant's namespace as in Git: on its pod template the opt-in label
+    and (``pool_namespace``) the one naming the pool's namespace."""
+    deployment = vllm_deployment(name, allow_pool=None)
+    deployment["metadata"]["namespace"] = TENANT_NAMESPACE
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    labels[names.LABEL_ALLOW_POOL] = "pool"
+    if pool_namespace is not None:
+        labels[names.LABEL_ALLOW_POOL_NAMESPACE] = pool_namespace
+    return deployment
+
+
+async def create_granted_pool(cluster: Cluster, *tenant_consumers: str) -> dict[str, Any]:
+    """A pool taking grants from the tenant's namespace, its own consumer ``llm`` (opted in,
+    with its grant), and grant ``tenant`` there listing ``tenant_consumers``; the pool's spec."""
+    await cluster.create(opted_in("llm"))
+    await cluster.create(grant_manifest("team-a", "8MB"))
+    granted = grant_manifest(TENANT_GRANT, "8MB", namespace=TENANT_NAMESPACE, pool_namespace=NAMESPACE)
+    granted["spec"]["consumers"] = [consumer(name) for name in tenant_consumers]
+    await cluster.create(granted)
+    spec = tenancy_spec("team-a")
+    spec["tenancy"]["grantNamespaces"] = [TENANT_NAMESPACE]
+    await cluster.create(pool_manifest(spec=spec))
+    return spec
+
+
+def grant_injection(cluster: Cluster, spec: dict[str, Any], namespace: str, name: str) -> Injection:
+    """What Deployment patching gives ``namespace/name`` (the pool's plan with the grants as stored)."""
+    grants = [
+        read_grant(g)
+        for g in (
+            cluster.get(GRANTS_PATH, "team-a"),
+            cluster.get(GRANTS_PATH, TENANT_GRANT, TENANT_NAMESPACE),
+        )
+        if g is not None
+    ]
+    plan = build_plan("pool", NAMESPACE, spec, grants=grants)
+    (injection,) = [
+        c for c in plan.consumers if c.deployment == name and (c.namespace or NAMESPACE) == namespace
+    ]
+    return injection
+
+
+@pytest.mark.parametrize("operator_config", [POD_ADMISSION_CONFIG])
+async def test_a_grants_consumer_in_another_namespace_is_injected_with_the_grants_settings(
+    cluster: Cluster, operator: Operator
+) -> None:
+    url = f"{operator.webhook_url}/{INJECT_ID}"
+    chat = tenant_opted_in("chat")
+    await cluster.create(chat)
+    spec = await create_granted_pool(cluster, "chat")
+    await serving(cluster)
+
+    # Its Pod gets what Deployment patching would put into its template: the grant's tenant,
+    # the grant's ConfigMap in the tenant's namespace, the pool's namespace as a label.
+    pod = await start_pod(cluster, url, chat, "aaa")
+    injection = grant_injection(cluster, spec, TENANT_NAMESPACE, "chat")
+    assert injection.namespace == TENANT_NAMESPACE and injection.config_map == "pool-tenant-connector"
+    template = injected(chat, injection)["spec"]["template"]
+    assert pod["spec"] == template["spec"]
+    assert pod["metadata"]["labels"][names.LABEL_POOL_NAMESPACE] == NAMESPACE
+    (flag,) = [a for a in pod["spec"]["containers"][0]["args"] if a.startswith("--kv-transfer-config")]
+    assert (
+        json.loads(flag.split("=", 1)[1])["kv_connector_extra_config"]["tenant"]
+        == f"{TENANT_NAMESPACE}.tenant"
+    )
+    record = json.loads(pod["metadata"]["annotations"][names.ANNOTATION_INJECTED])
+    assert record["configHash"] == injection.config_hash and record["deployment"] == "chat"
+
+    # A tenant's Deployment no grant lists: refused, and told where to list it.
+    stranger = await review(url, replica_set_pod(tenant_opted_in("stranger")))
+    assert stranger["allowed"] is False and stranger["status"]["code"] == 403
+    message = stranger["status"]["message"]
+    assert message.endswith("[not-a-consumer]") and "MooncakeKVPoolGrant" in message
+    # A listed one with the opt-in label alone names a pool of its own namespace: the refusal
+    # names the label it lacks.
+    bare = await review(url, replica_set_pod(tenant_opted_in("chat", pool_namespace=None)))
+    assert bare["allowed"] is False and bare["status"]["message"].endswith("[consent]")
+    assert f"{names.LABEL_ALLOW_POOL_NAMESPACE}={NAMESPACE}" in bare["status"]["message"]
+    # A Deployment of the pool's namespace named as the tenant's consumer is another Deployment.
+    namesake = await review(url, replica_set_pod(opted_in("chat")))
+    assert namesake["allowed"] is False and namesake["status"]["message"].endswith("[not-a-consumer]")
+    assert "add it to the pool's spec.consumers" in namesake["status"]["message"]
+    # ... and the tenant's Deployment named as the pool's own consumer is not that one.
+    other_llm = await review(url, replica_set_pod(tenant_opted_in("llm")))
+    assert other_llm["allowed"] is False and other_llm["status"]["message"].endswith("[not-a-consumer]")
