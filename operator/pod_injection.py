@@ -343,9 +343,9 @@ def template_refusal(deployment: Mapping[str, Any], injection: Injection) -> Ref
     template_labels = (((deployment.get("spec") or {}).get("template") or {}).get("metadata") or {}).get(
         "labels"
     ) or {}
-    return refusal(deployment, injection.pool, template_labels, ON_TEMPLATE) or injection_refusal(
-        deployment, injection
-    )
+    return refusal(
+        deployment, injection.pool, template_labels, ON_TEMPLATE, injection.pool_namespace
+    ) or injection_refusal(deployment, injection)
 
 
 def pod_config_hashes(pods: Iterable[Mapping[str, Any]], deployment: str) -> list[str]:

@@ -422,10 +422,6 @@ def consumer_refusal(deployment: Mapping[str, Any], injection: Injection, mode: 
 HELD_BACK = "held back: not every object of the pool is its own (see the Conflict condition)"
 MISSING = "the Deployment does not exist"
 NOT_SERVING = "not rolled: the pool does not serve yet (MasterReady and StoreReady must be True)"
-OTHER_NAMESPACE_ADMISSION = (
-    "not rolled: with pod admission the operator injects Pods of the pool's own namespace only; "
-    "another namespace's consumer takes its grant's settings by Deployment patching"
-)
 
 
 async def roll_consumer(
@@ -440,8 +436,6 @@ async def roll_consumer(
         return consumer_state(injection, rolled_out, message, refused, stalled)
 
     namespace = injection.namespace or namespace
-    if injection.namespace and mode == POD_ADMISSION:
-        return state(False, OTHER_NAMESPACE_ADMISSION)
     deployment = await kube.get(DEPLOYMENTS, namespace, injection.deployment)
     if deployment is None:
         return state(False, MISSING)

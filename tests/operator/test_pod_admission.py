@@ -404,3 +404,47 @@ async def test_a_grants_consumer_in_another_namespace_is_injected_with_the_grant
     # ... and the tenant's Deployment named as the pool's own consumer is not that one.
     other_llm = await review(url, replica_set_pod(tenant_opted_in("llm")))
     assert other_llm["allowed"] is False and other_llm["status"]["message"].endswith("[not-a-consumer]")
+
+
+@pytest.mark.parametrize("operator_config", [POD_ADMISSION_CONFIG])
+async def test_grant_consumers_in_another_namespace_roll_out_one_after_the_other(
+    cluster: Cluster, operator: Operator
+) -> None:
+    url = f"{operator.webhook_url}/{INJECT_ID}"
+    tenants = [tenant_opted_in("chat"), tenant_opted_in("batch")]
+    for deployment in tenants:
+        await cluster.create(deployment)
+    start = cluster.mark()
+    await create_granted_pool(cluster, "chat", "batch")
+    await serving(cluster)
+    for index, deployment in enumerate([opted_in("llm"), *tenants]):
+        await start_pod(cluster, url, deployment, f"hash{index}")
+
+    def consumers() -> dict[str, dict[str, Any]]:
+        cluster.settle()
+        return {c["name"]: c for c in cluster.pool_status("pool").get("consumers") or []}
+
+    wanted = ("llm", f"{TENANT_NAMESPACE}/chat", f"{TENANT_NAMESPACE}/batch")
+    await eventually(
+        lambda: (
+            all(consumers().get(name, {}).get("rolledOut") for name in wanted)
+            and cluster.condition("pool", "ConsumersRolledOut").get("status") == "True"
+        ),
+        what="every consumer rolled out",
+    )
+
+    def on_grant() -> dict[str, dict[str, Any]]:
+        status = (cluster.get(GRANTS_PATH, TENANT_GRANT, TENANT_NAMESPACE) or {}).get("status") or {}
+        return {c["name"]: c for c in status.get("consumers") or []}
+
+    await eventually(
+        lambda: all(on_grant().get(name, {}).get("rolledOut") for name in ("chat", "batch")),
+        what="the tenant's grant says both rolled out",
+    )
+    # Pod admission writes no tenant Deployment, and every request is one the chart allows.
+    await cluster.quiet("pool")
+    tenant_paths = {DEPLOYMENTS.path(TENANT_NAMESPACE, d["metadata"]["name"]) for d in tenants}
+    assert [w for w in cluster.writes(start) if w.url.path in tenant_paths] == []
+    for request in cluster.requests(start):
+        permission = request_permission(request.method, str(request.url))
+        assert permission is None or allowed(permission, RULES + LEASE_RULES), request.url
