@@ -233,13 +233,18 @@ def test_metrics_must_count_the_completed_requests_and_the_outages() -> None:
     history.metrics[-1].series[FINISHED_LENGTH] = 5.0
     history.metrics[-1].series[failures] = 0.0
     history.metrics[-1].series[in_flight] = 0.0
+    # Every reason's series exists from the start: one at 0 counted nothing, the catch-all too.
+    history.metrics[-1].series['vllm:kvpool_failures_total{reason="other_error"}'] = 0.0
     history.metrics[-1].series['vllm:kvpool_failures_total{reason="gremlins"}'] = 0.0
     assert metrics_disagreements(history, final_generations={0: 0, 1: 0}) == [
         "server 0 generation 0: 1 requests finished on /metrics, 2 completed in the history "
         "(2 sent after its first scrape, 0 hung up)",
         "server 1 generation 0: never scraped",
-        "unknown failure reasons on /metrics: ['gremlins']",
         "1 pool outages under traffic, no failure on /metrics",
+    ]
+    history.metrics[-1].series['vllm:kvpool_failures_total{reason="gremlins"}'] = 2.0
+    assert metrics_disagreements(history, final_generations={0: 0})[1:] == [
+        "unknown failure reasons on /metrics: ['gremlins']"
     ]
 
 
