@@ -46,6 +46,7 @@ from kvpool.connector.observability.vllm_metrics import (
     in_pool_gauge,
     merge_data,
     records_to_data,
+    zero_series,
 )
 from kvpool.connector.pool_client import acquire_client, release_client
 from kvpool.connector.scheduler.pool_reset import LayoutReset
@@ -231,6 +232,8 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         # The scheduler side exports them once, as vllm:kvpool_key_fingerprint_info.
         self._fingerprint_exported = role != KVConnectorRole.SCHEDULER
         self._in_pool_exported: bool | None = None  # the scheduler's vllm:kvpool_in_pool, last sent
+        # The scheduler's first stats carry its counters known up front at 0 (its groups' too).
+        self._zeros_exported = role != KVConnectorRole.SCHEDULER
         self.keyspace = KeySpace(self.settings.cache_prefix, self._fingerprint_inputs["fingerprint"])
         self.stats = StatsCollector(group_kinds=tuple(g.kind.value for g in self.layout.groups))
         # Per group: the objects of one block per pipeline stage (fewer than the ranks when
@@ -393,6 +396,10 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         if not self._fingerprint_exported:
             self._fingerprint_exported = True
             gauges = {fingerprint_info_key(self._fingerprint_inputs): 1.0}
+        zeros: dict[str, float] = {}
+        if not self._zeros_exported:
+            self._zeros_exported = True
+            zeros = dict.fromkeys(zero_series([g.kind.value for g in self.layout.groups]), 0.0)
         decisions = None
         if self._scheduler is not None:
             in_pool = self.layout_verdict.in_pool and bool(self._client.attached)
@@ -402,9 +409,10 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
             # vLLM asks once per step output (scheduler side): the step is done.
             self._scheduler.on_step_done()
             decisions = self._scheduler.take_decision_data()
-        if not lookups and not transfers and not layout_counters and not gauges and not decisions:
+        if not any((lookups, transfers, layout_counters, gauges, decisions, zeros)):
             return None
         data = add_counters(records_to_data(lookups, transfers), layout_counters)
+        data["counters"] = {**zeros, **data["counters"]}
         data["gauges"] = gauges
         if decisions:
             data = merge_data(data, decisions)

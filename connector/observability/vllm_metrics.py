@@ -8,7 +8,7 @@ Records become a plain, serialisable ``{"counters": {key: n}, "histograms":
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
@@ -19,7 +19,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 from kvpool.connector.contract import metric_names as m
+from kvpool.connector.contract.settings import ConnectorSettings, SettingsError
 from kvpool.connector.observability.records import LookupRecord, TransferRecord
+from kvpool.connector.pool_client import FAILURE_OUTCOMES, Outcome
+from kvpool.connector.scheduler.load_decision import VERDICT_LABELS
 
 SEP = "|"
 MAX_OBSERVATIONS = 4096  # per histogram series and interval; beyond, the oldest go
@@ -50,6 +53,51 @@ def parse_key(key: str) -> tuple[str, tuple[str, ...]]:
     """(metric name, label values) of a series key."""
     name, *pairs = key.split(SEP)
     return name, tuple(pair.split("=", 1)[1] for pair in pairs)
+
+
+#: Per group and operation: the counters each transfer of the group adds to.
+_GROUP_TRANSFER_COUNTERS = (m.TRANSFER_BLOCKS, m.TRANSFER_BYTES, m.TRANSFER_KEYS, m.MASKED_BLOCKS)
+
+
+def zero_series(group_kinds: Sequence[str] = ()) -> list[str]:
+    """Series keys of the counters whose label values are known before their first event, to
+    export at 0: ``rate()`` and the alerts then see that first event, and the dashboards read 0,
+    not "No data".
+
+    The counters without labels of ours, every reason a lookup may fail for, every load
+    decision; with the engine's KV-cache groups (``group_kinds``, by group index), each group's
+    hits, its loads' and saves' blocks, bytes, keys and failures (every reason), and the
+    corrupt objects removed. Not the layout mismatches (one series per field that differs),
+    nor gauges (0 says something) or histograms.
+    """
+    reasons = [outcome.value for outcome in FAILURE_OUTCOMES]
+    keys = [series_key(spec) for spec in m.ALL if spec.kind is m.Kind.COUNTER and not spec.labels]
+    all_groups = {"group": m.ALL_GROUPS_KIND, "group_kind": m.ALL_GROUPS_KIND}
+    keys += [series_key(m.FAILURES, operation=m.LOOKUP, reason=r, **all_groups) for r in reasons]
+    keys += [series_key(m.LOAD_DECISIONS, decision=d, basis=b) for d, b in VERDICT_LABELS]
+    for g, kind in enumerate(group_kinds):
+        group = {"group": g, "group_kind": kind}
+        keys += [series_key(spec, **group) for spec in (m.GROUP_HIT_TOKENS, m.PRESENT_BLOCKS, m.HIT_BLOCKS)]
+        for op in (m.LOAD, m.SAVE):
+            keys += [series_key(spec, operation=op, **group) for spec in _GROUP_TRANSFER_COUNTERS]
+            keys += [series_key(m.FAILURES, operation=op, reason=r, **group) for r in reasons]
+        keys.append(series_key(m.REMOVED_OBJECTS, reason=Outcome.CORRUPT.value, **group))
+    return keys
+
+
+def declared_group_kinds(vllm_config: Any) -> tuple[str, ...]:
+    """The group kinds of the KV layout the connector's settings declare (the operator declares
+    one for each consumer it configures); none without one, or without valid settings (the
+    connector says why when it starts)."""
+    transfer = getattr(vllm_config, "kv_transfer_config", None)
+    if transfer is None:
+        return ()
+    try:
+        settings = ConnectorSettings.from_sources(transfer.kv_connector_extra_config)
+    except SettingsError:
+        return ()
+    layout = settings.declared_layout
+    return () if layout is None else tuple(group.kind.value for group in layout.groups)
 
 
 class _Payload:
@@ -273,20 +321,23 @@ class PoolPromMetrics(KVConnectorPromMetrics):
                     name=spec.name, documentation=spec.help, labelnames=names, buckets=list(spec.buckets)
                 )
             self._metrics[spec.name] = metric
-            if spec.kind is m.Kind.COUNTER and not spec.labels:
-                # Series without labels of ours exist from the start, so the
-                # first event is visible to rate(); labelled ones appear with
-                # their first event.
-                for labelvalues in per_engine_labelvalues.values():
-                    metric.labels(*[str(v) for v in labelvalues])
+        # The counters known up front exist from the start, at 0 (the groups: those the settings
+        # declare; the scheduler's first stats carry the zeros of the groups vLLM built).
+        zeros = [parse_key(key) for key in zero_series(declared_group_kinds(vllm_config))]
+        for labelvalues in per_engine_labelvalues.values():
+            engine_labels = [str(v) for v in labelvalues]
+            for name, labels in zeros:
+                self._metrics[name].labels(*engine_labels, *labels)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         engine_labels = [str(v) for v in self.per_engine_labelvalues.get(engine_idx, [])]
         for key, value in transfer_stats_data.get("counters", {}).items():
             name, labels = parse_key(key)
             metric = self._metrics.get(name)
-            if metric is not None and value:
-                metric.labels(*engine_labels, *labels).inc(value)
+            if metric is not None:
+                child = metric.labels(*engine_labels, *labels)  # a 0 creates the series
+                if value:
+                    child.inc(value)
         for key, value in transfer_stats_data.get("gauges", {}).items():
             name, labels = parse_key(key)
             metric = self._metrics.get(name)

@@ -51,6 +51,11 @@ class Verdict:
     load_s: float | None = None
     recompute_s: float | None = None
 
+    @property
+    def labels(self) -> tuple[str, str]:
+        """Its ``(decision, basis)`` labels of ``vllm:kvpool_load_decisions``."""
+        return ("load" if self.load else "recompute", self.basis.value)
+
 
 #: Hits recomputed in a row on the estimate after which one loads anyway: a load rate learned
 #: during a slow spell would otherwise never be measured again.
@@ -59,6 +64,14 @@ PROBE_EVERY = 64
 LOAD_FORCED = Verdict(True, Basis.FORCED)
 RECOMPUTE_FORCED = Verdict(False, Basis.FORCED)
 LOAD_ON_FLOOR = Verdict(True, Basis.FLOOR)
+
+#: The labels of every verdict :func:`decide` can reach: it recomputes only when forced or on
+#: the estimate.
+VERDICT_LABELS: tuple[tuple[str, str], ...] = (
+    *(("load", basis.value) for basis in Basis),
+    ("recompute", Basis.FORCED.value),
+    ("recompute", Basis.ESTIMATE.value),
+)
 
 
 def decide(

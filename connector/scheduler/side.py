@@ -196,8 +196,7 @@ class SchedulerSide:
             min_samples=self.load_decision_min_samples,
             recomputed_in_a_row=self._recomputed_in_a_row,
         )
-        key = ("load" if verdict.load else "recompute", verdict.basis.value)
-        self._decisions[key] = self._decisions.get(key, 0) + 1
+        self._decisions[verdict.labels] = self._decisions.get(verdict.labels, 0) + 1
         if verdict.load:
             self._recomputed_in_a_row = 0
         else:

@@ -26,9 +26,11 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvpool.connector.contract import metric_names as m
 from kvpool.connector.contract.keys import KeySpace
+from kvpool.connector.contract.layout import GroupKind, KVGroup, KVLayout, fingerprint
 from kvpool.connector.local.pool import LOOPBACK, free_port
 from kvpool.connector.metadata import GroupTransfer, PoolConnectorMetadata, RequestLoad, RequestSave
 from kvpool.connector.observability import tracing
@@ -38,7 +40,11 @@ from kvpool.connector.observability.vllm_metrics import (
     PoolPromMetrics,
     parse_key,
     records_to_data,
+    series_key,
+    zero_series,
 )
+from kvpool.connector.pool_client import FAILURE_OUTCOMES
+from kvpool.connector.scheduler.load_decision import VERDICT_LABELS
 from kvpool.connector.worker.side import WorkerSide
 from testing.engine import (
     EngineOptions,
@@ -154,6 +160,82 @@ def test_payload_aggregates_and_becomes_series() -> None:
     assert value("vllm:kvpool_transfer_size_bytes_sum", operation="load") == 10 * 1024
 
 
+def _exposition(vllm_config: Any, data: dict[str, Any] | None = None) -> dict[tuple[str, frozenset], float]:
+    """What ``/metrics`` shows of our series for two engines whose connector just started
+    (its first stats, ``data``, observed for engine 0): (sample name, labels) -> value."""
+    registry = CollectorRegistry()
+    types = {cls: functools.partial(cls, registry=registry) for cls in (Counter, Gauge, Histogram)}
+    prom = PoolPromMetrics(vllm_config, types, ["model_name", "engine"], {0: ["m", "0"], 1: ["m", "1"]})
+    if data is not None:
+        prom.observe(data, 0)
+    text = prometheus_client.generate_latest(registry).decode()
+    return {
+        (sample.name, frozenset(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name.startswith("vllm:kvpool_") and not sample.name.endswith("_created")
+    }
+
+
+def _zero_series_expected(engine: str, group_kinds: tuple[str, ...]) -> set[tuple[str, frozenset]]:
+    """The counter series a connector exports at 0 from the start, for one engine."""
+    vllm = {"model_name": "m", "engine": engine}
+    every = [spec.exported for spec in m.ALL if spec.kind is m.Kind.COUNTER and not spec.labels]
+    out = {(name, frozenset(vllm.items())) for name in every}
+
+    def add(spec: m.MetricSpec, **labels: object) -> None:
+        out.add((spec.exported, frozenset({**vllm, **{k: str(v) for k, v in labels.items()}}.items())))
+
+    for reason in FAILURE_OUTCOMES:
+        add(m.FAILURES, group="all", group_kind="all", operation="lookup", reason=reason.value)
+    for decision, basis in VERDICT_LABELS:
+        add(m.LOAD_DECISIONS, decision=decision, basis=basis)
+    for g, kind in enumerate(group_kinds):
+        for spec in (m.GROUP_HIT_TOKENS, m.PRESENT_BLOCKS, m.HIT_BLOCKS):
+            add(spec, group=g, group_kind=kind)
+        for op in ("load", "save"):
+            for spec in (m.TRANSFER_BLOCKS, m.TRANSFER_BYTES, m.TRANSFER_KEYS, m.MASKED_BLOCKS):
+                add(spec, group=g, group_kind=kind, operation=op)
+            for reason in FAILURE_OUTCOMES:
+                add(m.FAILURES, group=g, group_kind=kind, operation=op, reason=reason.value)
+        add(m.REMOVED_OBJECTS, group=g, group_kind=kind, reason="corrupt")
+    return out
+
+
+def test_a_started_connector_exports_its_known_counters_at_zero() -> None:
+    """Before any event, ``/metrics`` holds every counter series whose labels are known up front
+    at 0, for every engine: every failure reason of a lookup, every load decision, and per
+    KV-cache group of the layout the settings declare its hits, transfers and failures by
+    reason. No gauge (0 would say out of the pool), no histogram, no layout mismatch."""
+    layout = KVLayout(
+        model="m",
+        groups=[
+            KVGroup(kind=GroupKind.FULL, block_size=32),
+            KVGroup(kind=GroupKind.SLIDING_WINDOW, block_size=32, sliding_window=64),
+        ],
+    )
+    extra = {
+        "master_server_address": "127.0.0.1:50051",
+        "declared_layout": layout.model_dump(mode="json"),
+        "declared_layout_fingerprint": fingerprint(layout),
+    }
+    declared = SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra))
+    series = _exposition(declared)
+    kinds = ("full", "sliding_window")
+    expected = _zero_series_expected("0", kinds) | _zero_series_expected("1", kinds)
+    assert set(series) == expected
+    assert set(series.values()) == {0.0}
+
+    # Without a declared layout the groups are vLLM's to build: none until the scheduler's
+    # first stats, which carry them at 0.
+    undeclared = SimpleNamespace(kv_transfer_config=None)
+    assert set(_exposition(undeclared)) == _zero_series_expected("0", ()) | _zero_series_expected("1", ())
+    first = PoolConnectorStats(data={"counters": dict.fromkeys(zero_series(kinds), 0.0)})
+    series = _exposition(undeclared, first.data)
+    assert set(series) == _zero_series_expected("0", kinds) | _zero_series_expected("1", ())
+    assert set(series.values()) == {0.0}
+
+
 def test_every_metric_name_is_prometheus_valid() -> None:
     names = [spec.exported for spec in m.ALL]
     assert len(set(names)) == len(names)
@@ -240,6 +322,27 @@ def test_lookup_span_joins_the_request_trace(spans, pool_settings, tmp_path_fact
     assert lookup.attributes["kvpool.hit_tokens"] == 0
 
 
+def test_the_schedulers_first_stats_carry_its_groups_at_zero(pool_settings, tmp_path_factory) -> None:
+    """A scheduler-side connector whose settings declare no layout: its first stats (the first
+    step's, before any request) hold the zeros of the groups vLLM built, once."""
+    from testing.kv_cache import GroupDesc
+    from testing.scheduler import local_pool_transfer, make_scheduler
+
+    model = build_gemma3(tmp_path_factory.mktemp("gemma3-zeros"))
+    groups = [GroupDesc("full", 32), GroupDesc("sliding_window", 32, window=64)]
+    scheduler = make_scheduler(model, groups, local_pool_transfer(pool_settings))
+    try:
+        first = scheduler.connector.get_kv_connector_stats()
+        later = scheduler.connector.get_kv_connector_stats()
+    finally:
+        scheduler.shutdown()
+    counters = first.data["counters"]
+    assert counters == dict.fromkeys(zero_series(("full", "sliding_window")), 0.0)
+    window = {"group": 1, "group_kind": "sliding_window"}
+    assert series_key(m.FAILURES, **window, operation="save", reason="timeout") in counters
+    assert later is None or not later.data.get("counters")
+
+
 # --- a real engine: counters equal ground truth, and Prometheus agrees ------------------
 
 
@@ -290,7 +393,7 @@ def _check_counters(series: dict, result: Any, kinds: list[str], per_block: list
 
     def value(name: str, **labels: object) -> float:
         key = (name, tuple(sorted((k, str(v)) for k, v in labels.items())))
-        return series[key].value if key in series else 0.0  # a zero counter has no series yet
+        return series[key].value
 
     assert value("vllm:kvpool_lookups") == 1
     assert value("vllm:kvpool_lookup_query_tokens") == len(P2)
@@ -305,7 +408,8 @@ def _check_counters(series: dict, result: Any, kinds: list[str], per_block: list
         assert value("vllm:kvpool_masked_blocks", operation="load", **group) == 9 - loaded[g]
         assert value("vllm:kvpool_transfer_blocks", operation="save", **group) == 1
         assert value("vllm:kvpool_transfer_bytes", operation="save", **group) == per_block[g]
-    assert not [k for k in series if k[0] == "vllm:kvpool_failures"]
+    failures = {k: s.value for k, s in series.items() if k[0] == "vllm:kvpool_failures"}
+    assert failures and set(failures.values()) == {0.0}, "every reason's series, none counted"
 
 
 def _check_prometheus(kinds: list[str], transfers: list[TransferRecord]) -> None:

@@ -21,6 +21,7 @@ from kvpool.connector.observability.vllm_metrics import (
 )
 from kvpool.connector.scheduler.load_decision import (
     PROBE_EVERY,
+    VERDICT_LABELS,
     Basis,
     LoadPolicy,
     Rates,
@@ -100,6 +101,27 @@ def test_a_long_run_of_recomputes_probes_the_link_once() -> None:
     assert not auto(hit_tokens=1000, hit_bytes=100 * MIB, recomputed_in_a_row=PROBE_EVERY - 1).load
     probe = auto(hit_tokens=1000, hit_bytes=100 * MIB, recomputed_in_a_row=PROBE_EVERY)
     assert probe.load and probe.basis is Basis.PROBE
+
+
+def test_every_verdict_decide_reaches_is_one_exported_at_zero_from_the_start() -> None:
+    """``VERDICT_LABELS`` (the load decisions exported at 0 before the first) are exactly the
+    verdicts ``decide`` reaches."""
+    reached = {
+        decide(
+            policy,
+            hit_tokens=1000,
+            hit_bytes=hit_bytes,
+            rates=rates,
+            margin=0.1,
+            min_samples=4,
+            recomputed_in_a_row=row,
+        ).labels
+        for policy in LoadPolicy
+        for hit_bytes in (None, 1, 100 * MIB)
+        for rates in (Rates(), RATES)
+        for row in (0, PROBE_EVERY)
+    }
+    assert reached == set(VERDICT_LABELS) and len(VERDICT_LABELS) == len(reached)
 
 
 def test_load_policy_is_validated_by_name() -> None:

@@ -128,7 +128,7 @@ def test_the_same_hit_loads_when_loading_is_faster(model_dir, pool_settings, poo
         assert request.num_computed_tokens == BLOCKS * 32
         got = counters(scheduler)
         assert got[series_key(m.LOAD_DECISIONS, decision="load", basis="estimate")] == 1
-        assert series_key(m.LOAD_SKIPPED_TOKENS) not in got
+        assert got.get(series_key(m.LOAD_SKIPPED_TOKENS)) in (None, 0.0), "nothing recomputed"
         gauges = scheduler.connector.get_kv_connector_stats()
         assert gauges is None, "rates unchanged since the last export: nothing new"
     finally:
