@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dashboards import external as ext
-from dashboards.conventions import MASTER_JOB, MODEL, NAMESPACE, OPERATOR_JOB, POOL
+from dashboards.conventions import MASTER_JOB, MODEL, NAMESPACE, OPERATOR_JOB, OPERATOR_RELEASE, POOL
 from dashboards.promql import by
 from kvpool.connector.contract import metric_names as m
 from kvpool.connector.pool_client import Outcome
@@ -269,6 +269,7 @@ def pool_alerts() -> list[Alert]:
 
 
 def operator_alerts() -> list[Alert]:
+    operator_up = f'{ext.UP}{{job="{OPERATOR_JOB}"}}'
     return [
         Alert(
             "KVPoolConfigInvalid",
@@ -313,12 +314,15 @@ def operator_alerts() -> list[Alert]:
         ),
         Alert(
             "KVPoolOperatorDown",
-            f'absent({ext.UP}{{job="{OPERATOR_JOB}"}} == 1)',
+            # Per install: one release down while another serves is down all the same (its
+            # replicas are one install: one of them up reconciles). None scraped at all: absent.
+            f"max{by(OPERATOR_RELEASE)} ({operator_up}) == 0\nor\nabsent({operator_up})",
             "5m",
             "warning",
-            "The kvpool operator is down",
-            "Prometheus reaches no kvpool operator: pools are not reconciled and the operator's "
-            "alerts (ConfigValid, rollouts) cannot fire.",
+            "A kvpool operator is down",
+            "Prometheus reaches no replica of the kvpool operator {{ $labels.service }} in namespace "
+            "{{ $labels.namespace }} (both empty: no operator target at all): the pools it watches "
+            "are not reconciled and its alerts (ConfigValid, rollouts) cannot fire.",
         ),
     ]
 

@@ -6,6 +6,9 @@ The chart's monitoring objects must produce exactly these labels:
 * ``pool`` — the ``MooncakeKVPool`` a pod belongs to, copied from the pod label
   ``kvpool.mooncake.io/pool`` (the operator sets it on master, store and consumer pods);
 * ``job`` — :data:`MASTER_JOB` for Mooncake master targets, :data:`OPERATOR_JOB` for the operator;
+* ``namespace`` and ``service`` on the operator's targets tell its installs apart
+  (:data:`OPERATOR_RELEASE`): the Prometheus Operator adds ``service``, the chart's Service of a
+  release, so several releases (each watching its own namespaces) are each seen down;
 * vLLM targets get the scrape rule ``kvpool.connector.contract.metric_names.VLLM_NAME_RELABEL``, so the
   dashboards see vLLM's canonical ``vllm:`` names;
 * the operator's own ``namespace``/``pool`` labels (on its per-pool gauges) must survive the scrape
@@ -27,6 +30,7 @@ MODEL, ENGINE = VLLM_LABELS  # vLLM's own labels: model_name, engine
 
 MASTER_JOB = "mooncake-master"
 OPERATOR_JOB = "kvpool-operator"
+OPERATOR_RELEASE = (NAMESPACE, "service")  # one operator install (its replicas share both)
 
 ALL_VALUE = ".*"
 

@@ -66,6 +66,9 @@ def cases() -> list[Case]:
     master = {"job": MASTER_JOB, "namespace": NS}
     op = {"job": OPERATOR_JOB, "instance": "operator:9090"}
     valid_false = {"condition": "ConfigValid", "status": "False", **op}
+    release_a = {"job": OPERATOR_JOB, "namespace": "ops-a", "service": "kvpool-a"}
+    release_b = {"job": OPERATOR_JOB, "namespace": "ops-b", "service": "kvpool-b"}
+    release_c = {"job": OPERATOR_JOB, "namespace": "ops-c", "service": "kvpool-c"}
     return [
         Case(
             "KVPoolGroupHitRateCollapse",
@@ -368,8 +371,34 @@ def cases() -> list[Case]:
             },
             {"2m": [], "8m": [Firing({"namespace": NS, "pool": "a"}, "1")]},
         ),
-        Case("KVPoolOperatorDown", {series(external.UP, **op): "0x10"}, {"6m": [Firing({})]}),
-        Case("KVPoolOperatorDown", {series(external.UP, **op): "1x10"}, {"6m": []}),
+        Case(
+            "KVPoolOperatorDown",
+            {
+                # two releases, each its own namespace and Service: b's operator is down
+                series(external.UP, **release_a, instance="10.0.0.1:8080"): "1x10",
+                series(external.UP, **release_b, instance="10.0.0.2:8080"): "0x10",
+                # c runs two replicas (leader election): one down, the other reconciles
+                series(external.UP, **release_c, instance="10.0.0.3:8080"): "0x10",
+                series(external.UP, **release_c, instance="10.0.0.4:8080"): "1x10",
+            },
+            {"3m": [], "6m": [Firing({"namespace": "ops-b", "service": "kvpool-b"})]},
+        ),
+        Case(
+            "KVPoolOperatorDown",
+            {series(external.UP, **release_a, instance="10.0.0.1:8080"): "0x10"},
+            {"6m": [Firing({"namespace": "ops-a", "service": "kvpool-a"})]},
+        ),
+        # no operator target at all
+        Case(
+            "KVPoolOperatorDown",
+            {series(external.UP, **master, pool="a", instance="m"): "1x10"},
+            {"6m": [Firing({"job": OPERATOR_JOB})]},
+        ),
+        Case(
+            "KVPoolOperatorDown",
+            {series(external.UP, **release_a, instance="10.0.0.1:8080"): "1x10"},
+            {"6m": []},
+        ),
     ]
 
 
