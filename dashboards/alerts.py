@@ -12,6 +12,11 @@ from kvpool.connector.contract import metric_names as m
 from kvpool.connector.pool_client import Outcome
 from kvpool.operator import metric_names as o
 
+# Each alert's runbook: its section of docs/runbooks.md, anchored by its name in lower case (as
+# GitHub anchors a heading). The one place that names where the repository's docs are read.
+RUNBOOKS_URL = "https://github.com/kvcache-ai/mooncake-kvpool/blob/main/docs/runbooks.md"
+RUNBOOKS_DOC = "docs/runbooks.md"  # in the repository
+
 PER_POOL = [NAMESPACE, POOL]
 PER_MODEL = [NAMESPACE, POOL, MODEL]
 PER_GROUP = [NAMESPACE, POOL, MODEL, "group", "group_kind"]
@@ -46,13 +51,21 @@ class Alert:
     description: str
     extra_labels: dict[str, str] = field(default_factory=dict)
 
+    @property
+    def runbook_url(self) -> str:
+        return f"{RUNBOOKS_URL}#{self.name.lower()}"
+
     def rule(self) -> dict[str, Any]:
         return {
             "alert": self.name,
             "expr": self.expr.strip() + "\n",
             "for": self.duration,
             "labels": {"severity": self.severity, **self.extra_labels},
-            "annotations": {"summary": self.summary, "description": self.description},
+            "annotations": {
+                "summary": self.summary,
+                "description": self.description,
+                "runbook_url": self.runbook_url,
+            },
         }
 
 
