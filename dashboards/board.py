@@ -15,6 +15,7 @@ from grafana_foundation_sdk.models.dashboard import (
     DashboardCursorSync,
     DashboardLinkType,
     DataSourceRef,
+    DynamicConfigValue,
     ValueMap,
     ValueMappingResult,
     VariableOption,
@@ -29,10 +30,11 @@ DATASOURCE = DataSourceRef(type_val="prometheus", uid=f"${{{VAR_DATASOURCE}}}")
 
 @dataclass(frozen=True)
 class Target:
-    """One PromQL query of a panel and its legend."""
+    """One PromQL query of a panel and its legend; ``unit``: its own, where it is not the panel's."""
 
     expr: str
     legend: str = ""
+    unit: str = ""
 
 
 @dataclass(frozen=True)
@@ -113,6 +115,10 @@ class Board:
             )
             query = query.instant() if instant else query.range()
             panel.with_target(query)
+            if target.unit:
+                panel.override_by_query(
+                    chr(ord("A") + i), [DynamicConfigValue(id_val="unit", value=target.unit)]
+                )
 
     def timeseries(
         self,

@@ -271,13 +271,15 @@ def build() -> Board:
     )
     board.timeseries(
         "Rates the decision uses",
-        "Load rate (bytes the workers loaded over their load time, per transport) and prefill rate "
-        "(tokens the engine's prefilling steps computed over their wall time), learned online; a "
-        "hit loads when its bytes over the first beat its tokens over the second by load_margin.",
+        "Load rate (bytes the workers loaded over their load time, per transport; bytes/s) and "
+        "prefill rate (tokens the engine's prefilling steps computed over their wall time; "
+        "tokens/s), learned online; a hit loads when its bytes over the first beat its tokens "
+        "over the second by load_margin.",
         [
             Target(
                 f"max{by([MODEL, ENGINE, 'transport'])} ({m.LOAD_RATE.exported}{SEL})",
-                "{{model_name}} engine {{engine}} load over {{transport}} (bytes/s)",
+                "{{model_name}} engine {{engine}} load over {{transport}}",
+                unit="binBps",
             ),
             Target(
                 f"max{by([MODEL, ENGINE])} ({m.PREFILL_RATE.exported}{SEL})",
