@@ -13,8 +13,8 @@ from kvpool.connector.pool_client import Outcome
 from kvpool.operator import metric_names as o
 
 # Each alert's runbook: its section of docs/runbooks.md, anchored by its name in lower case (as
-# GitHub anchors a heading). The one place that names where the repository's docs are read.
-RUNBOOKS_URL = "https://github.com/kvcache-ai/mooncake-kvpool/blob/main/docs/runbooks.md"
+# GitHub anchors a heading). Where that document is served is the installer's: the chart adds
+# ``runbook_url`` (``monitoring.prometheusRule.runbookBaseUrl`` + ``#`` + the anchor).
 RUNBOOKS_DOC = "docs/runbooks.md"  # in the repository
 
 PER_POOL = [NAMESPACE, POOL]
@@ -52,8 +52,9 @@ class Alert:
     extra_labels: dict[str, str] = field(default_factory=dict)
 
     @property
-    def runbook_url(self) -> str:
-        return f"{RUNBOOKS_URL}#{self.name.lower()}"
+    def runbook_anchor(self) -> str:
+        """The alert's section of ``RUNBOOKS_DOC``."""
+        return self.name.lower()
 
     def rule(self) -> dict[str, Any]:
         return {
@@ -64,7 +65,6 @@ class Alert:
             "annotations": {
                 "summary": self.summary,
                 "description": self.description,
-                "runbook_url": self.runbook_url,
             },
         }
 

@@ -108,6 +108,11 @@ BAD_VALUES = [
         id="webhook-without-tls",
     ),
     pytest.param(["monitoring.dashboards.labels.grafana_dashboard=1"], "grafana_dashboard", id="label-type"),
+    pytest.param(
+        ["monitoring.prometheusRule.runbookBaseUrl=docs/runbooks.md"],
+        "/monitoring/prometheusRule/runbookBaseUrl",
+        id="runbook-not-a-url",
+    ),
 ]
 
 
