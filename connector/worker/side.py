@@ -918,39 +918,53 @@ class WorkerSide:
                 invalid = GroupResult(attempted=True)
                 invalid.fail(transfer.block_ids, Outcome.OTHER)
                 staged[transfer.group_id] = StagedGroup(invalid, None)
+        # Every group's copies first, the blocks released after the last: on the device path a
+        # checksum waits for this thread's stream (behind the step's forward), so none is taken
+        # before the release, or the next step's barrier would wait for this step's forward.
+        copied: list[tuple[GroupTransfer, GroupCopier, StagingSlot, list[int] | None, float]] = []
         offset = 0
-        for index, (transfer, copier, nbytes) in enumerate(zip(groups, copiers, sizes, strict=True)):
+        for transfer, copier, nbytes in zip(groups, copiers, sizes, strict=True):
             assert copier is not None
-            started = time.perf_counter()
-            result = GroupResult(attempted=True)
             part = slot.part(offset, nbytes)
             offset += nbytes
             if transfer.group_id not in valid:
                 continue
-            try:
-                if not job.begin_touch():  # given up at its deadline: nothing more is copied
-                    for rest in groups[index:]:
+            started = time.perf_counter()
+            if not job.begin_touch():  # given up at its deadline: nothing more is copied or written
+                for rest in groups:
+                    if rest.group_id not in staged:
                         failed = GroupResult(attempted=True)
                         failed.fail(rest.block_ids, Outcome.TIMEOUT)
                         staged[rest.group_id] = StagedGroup(failed, None)
-                    return staged
-                try:
-                    if copier.use_memmove:
-                        checks = copier.stage(part, transfer.block_ids)
-                    else:  # queued on this thread's stream; released before the device ran it
-                        copier.from_blocks(part, transfer.block_ids, synchronize=False)
-                        self._note_blocks_read(job)
-                finally:
-                    job.end_touch(last=transfer.group_id == valid[-1])
+                return staged
+            try:
+                checks = None
+                if copier.use_memmove:  # each CRC right after its copy, from the core's cache
+                    checks = copier.stage(part, transfer.block_ids)
+                else:  # queued on this thread's stream; released before the device ran it
+                    copier.from_blocks(part, transfer.block_ids, synchronize=False)
+                    self._note_blocks_read(job)
+                copied.append((transfer, copier, part, checks, time.perf_counter() - started))
+            except Exception:  # never let a transfer bug reach the forward pass
+                logger.exception("KVPoolConnector save failed to stage group %d", transfer.group_id)
+                failed = GroupResult(attempted=True)
+                failed.fail(transfer.block_ids, Outcome.OTHER)
+                staged[transfer.group_id] = StagedGroup(failed, None)
+            finally:
+                job.end_touch(last=transfer.group_id == valid[-1])
+        for transfer, copier, part, checks, seconds in copied:
+            started = time.perf_counter()
+            result = GroupResult(attempted=True)
+            try:
                 size = copier.object_bytes
-                if not copier.use_memmove:  # taken where the bytes are; waits for this thread's stream
+                if checks is None:  # taken where the bytes are; waits for this thread's stream
                     checks = part.payload_word_sums(range(len(transfer.block_ids)), size)
                 identities = [self._identity(transfer, i, copier) for i in range(len(transfer.block_ids))]
                 part.write_headers(
                     [pack_header(h, c, copier.checksum) for h, c in zip(identities, checks, strict=True)],
                     size,
                 )
-                staged[transfer.group_id] = StagedGroup(result, part, time.perf_counter() - started)
+                staged[transfer.group_id] = StagedGroup(result, part, seconds + time.perf_counter() - started)
             except Exception:  # never let a transfer bug reach the forward pass
                 logger.exception("KVPoolConnector save failed to stage group %d", transfer.group_id)
                 result.fail(transfer.block_ids, Outcome.OTHER)

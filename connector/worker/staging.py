@@ -98,9 +98,7 @@ class GroupCopier:
             for i, block in enumerate(block_ids):
                 self._block_into_object(block, slot.ptr + i * self.object_bytes)
             return
-        import torch
-
-        index = torch.tensor(list(block_ids), dtype=torch.long, device=slot.tensor.device)
+        index = device_index(block_ids, slot.tensor.device)
         objects = slot.objects(len(block_ids), self.object_bytes)
         for run, view in zip(self.runs, self._block_views()):
             objects[:, run.offset : run.offset + run.size].copy_(view.index_select(0, index))
@@ -136,11 +134,9 @@ class GroupCopier:
             for i, block in pairs:
                 self._object_into_block(slot.ptr + i * self.object_bytes, block)
             return
-        import torch
-
         device = slot.tensor.device
-        rows = torch.tensor([i for i, _ in pairs], dtype=torch.long, device=device)
-        index = torch.tensor([b for _, b in pairs], dtype=torch.long, device=device)
+        rows = device_index([i for i, _ in pairs], device)
+        index = device_index([b for _, b in pairs], device)
         objects = slot.objects(max(i for i, _ in pairs) + 1, self.object_bytes).index_select(0, rows)
         for run, view in zip(self.runs, self._block_views()):
             view.index_copy_(0, index, objects[:, run.offset : run.offset + run.size])
@@ -234,6 +230,19 @@ class GroupCopier:
                 views.append(flat.as_strided((run.num_blocks, run.size), (run.block_stride, 1), start))
             self._views = views
         return self._views
+
+
+def device_index(values: Sequence[int], device: Any) -> Any:
+    """``values`` as an index tensor on ``device``, queued on the current stream: built in
+    (pinned) host memory and copied without waiting. ``torch.tensor(..., device=...)`` would
+    copy from pageable memory and wait for the stream, which on a save's stream is waiting
+    for the step's forward: the host would wait for the device."""
+    import torch
+
+    host = torch.tensor(list(values), dtype=torch.long)
+    if torch.device(device).type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 class StagingSlot:
@@ -341,10 +350,7 @@ class StagingSlot:
         count = max(indices) + 1
         objects = self.objects(count, object_bytes)
         if list(indices) != list(range(count)):
-            import torch
-
-            rows = torch.tensor(list(indices), dtype=torch.long, device=self.tensor.device)
-            objects = objects.index_select(0, rows)
+            objects = objects.index_select(0, device_index(indices, self.tensor.device))
         return objects[:, HEADER_BYTES:]
 
     def synchronize(self) -> None:

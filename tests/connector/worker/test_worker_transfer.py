@@ -427,3 +427,49 @@ def test_staging_is_allocated_and_registered_with_the_kv_caches(
         )
     finally:
         w.shutdown()
+
+
+def test_on_the_device_path_every_group_is_copied_before_any_checksum(
+    pool_client, cache_prefix, monkeypatch
+) -> None:
+    """On an accelerator a staged group's checksum waits for the transfer stream, and so for
+    the step's forward queued before the copies: a save takes none before it has released the
+    step's blocks, or the next step's barrier waits for this step's forward (CPU tensors on
+    the device path: the order is what is checked, and the round trip)."""
+    from kvpool.connector.worker.staging import StagingSlot
+    from testing.worker import unreleased_saves
+
+    w = WorkerSide(
+        client=pool_client,
+        keyspace=KeySpace(cache_prefix, "fp"),
+        tp_rank=0,
+        pp_rank=0,
+        group_layers=GROUP_LAYERS,
+        num_blocks=NUM_BLOCKS,
+        stats=StatsCollector(group_kinds=("full", "sliding_window")),
+        device_path=True,
+    )
+    caches = make_caches()
+    w.register_kv_caches(caches)
+    held_at_sums: list[int] = []
+    sums = StagingSlot.payload_word_sums
+
+    def payload_word_sums(slot, indices, object_bytes):
+        held_at_sums.append(sum(1 for job in unreleased_saves(w) if not job.blocks_released))
+        return sums(slot, indices, object_bytes)
+
+    monkeypatch.setattr(StagingSlot, "payload_word_sums", payload_word_sums)
+    try:
+        save = RequestSave("r1", [GroupTransfer(0, ["a", "b"], [1, 2]), GroupTransfer(1, ["c"], [3])])
+        w.start_saves(PoolConnectorMetadata(saves=[save]))
+        w.wait_for_saves()
+        assert held_at_sums[:2] == [0, 0], held_at_sums  # both groups' sums after the release
+        expected = [caches[n][:, b].clone() for n, b in (("l0", 1), ("l2", 2), ("l1", 3), ("l3", 3))]
+        for tensor in {id(t): t for t in caches.values()}.values():
+            tensor.zero_()
+        load = RequestLoad("r2", [GroupTransfer(0, ["a", "b"], [1, 2]), GroupTransfer(1, ["c"], [3])], 96)
+        assert run_loads(w, [load]) == ({"r2"}, set())
+        got = [caches[n][:, b] for n, b in (("l0", 1), ("l2", 2), ("l1", 3), ("l3", 3))]
+        assert all(torch.equal(g, e) for g, e in zip(got, expected, strict=True))
+    finally:
+        w.shutdown()
