@@ -14,7 +14,7 @@ from aiohttp import web
 from kvpool.operator import names
 from kvpool.operator.metric_names import POOL_INFO
 from kvpool.operator.names import NETWORK_POLICIES, SERVICES
-from testing.kube_api import DEPLOYMENTS_PATH, NAMESPACE, Cluster, eventually
+from testing.kube_api import DEPLOYMENTS_PATH, NAMESPACE, TENANT_NAMESPACE, Cluster, eventually
 from testing.operator_objects import Operator, converge, kv_flags, pool_manifest, pool_spec, vllm_deployment
 
 pytestmark = pytest.mark.asyncio
@@ -84,15 +84,15 @@ async def test_an_external_pool_never_points_the_operator_at_another_namespaces_
     await site.start()
     port = runner.addresses[0][1]
     try:
-        other = pool_manifest("shared")
-        other["metadata"]["namespace"] = "llm"
+        other = pool_manifest("shared")  # another team's, in a namespace the operator watches
+        other["metadata"]["namespace"] = TENANT_NAMESPACE
         await cluster.create(other)
         master_pod = {
             "apiVersion": "v1",
             "kind": "Pod",
             "metadata": {
                 "name": "shared-master-0",
-                "namespace": "llm",
+                "namespace": TENANT_NAMESPACE,
                 "labels": {names.LABEL_POOL: "shared", names.LABEL_COMPONENT: names.MASTER},
             },
             "spec": {"containers": [{"name": "master", "image": "mooncake"}]},
@@ -120,7 +120,8 @@ async def test_an_external_pool_never_points_the_operator_at_another_namespaces_
         assert kv_flags(cluster.get(DEPLOYMENTS_PATH, "llm")) == []
 
         # Negative control: once that pool's master is elsewhere, the endpoint is asked.
-        response = await cluster.api.delete(f"/api/v1/namespaces/llm/pods/{master_pod['metadata']['name']}")
+        pod_path = f"/api/v1/namespaces/{TENANT_NAMESPACE}/pods/{master_pod['metadata']['name']}"
+        response = await cluster.api.delete(pod_path)
         assert response.status == 200, await response.text()
         await eventually(lambda: asked, what="the endpoint asked")
         await eventually(lambda: "answered HTTP 404" in master_ready()["message"], what="its answer")
