@@ -29,7 +29,7 @@ import kopf
 from kubernetes_asyncio.client import ApiClient, Configuration
 
 from kvpool.operator import names
-from kvpool.operator.consumers import Refusal
+from kvpool.operator.consumers import Refusal, config_hash_of
 from kvpool.operator.election import LeaseElector, LeaseLost, LeaseOptions
 from kvpool.operator.grants import NAMESPACE_NOT_ALLOWED, POOL_NOT_FOUND, namespace_refusal, read_grant
 from kvpool.operator.kube import USER_AGENT, ApiError, KubeClient, connection_info, load_configuration
@@ -39,7 +39,10 @@ from kvpool.operator.names import DEPLOYMENTS, GRANTS, PODS, POOLS
 from kvpool.operator.pod_injection import (
     DEPLOYMENT_PATCH,
     POD_ADMISSION,
+    POOL_NOT_READY,
     admit_pod,
+    owning_deployment,
+    pod_config_hashes,
     pool_namespace_of_pod,
 )
 from kvpool.operator.policy import OperatorPolicy
@@ -385,9 +388,46 @@ def register_admission(registry: kopf.OperatorRegistry, options: OperatorOptions
         answer = admit_pod(
             dict(body), namespace, pool, options.policy, grants, pool_namespace, namespace_grants
         )
+        if isinstance(answer, Refusal) and answer.rule == POOL_NOT_READY:
+            # A Deployment rolled onto the pool while it served keeps getting its settings.
+            running = await running_settings(kube, body, namespace, pool_name)
+            if running is not None:
+                answer = admit_pod(
+                    dict(body),
+                    namespace,
+                    pool,
+                    options.policy,
+                    grants,
+                    pool_namespace,
+                    namespace_grants,
+                    running=running[0],
+                    pod_hashes=running[1],
+                )
         if isinstance(answer, Refusal):
             raise kopf.AdmissionError(str(answer), code=403)
         patch.update(answer.patch)
+
+
+async def running_settings(
+    kube: KubeClient, pod: Mapping[str, Any], namespace: str, pool: str
+) -> tuple[dict[str, Any], list[str]] | None:
+    """The Pod's Deployment and the settings its injected Pods run (their config hashes,
+    read only when its template names none); None when it cannot be read in time."""
+    deployment_name = owning_deployment(pod)
+    if deployment_name is None:
+        return None
+    try:
+        async with asyncio.timeout(POOL_LOOKUP_TIMEOUT):
+            deployment = await kube.get(DEPLOYMENTS, namespace, deployment_name)
+            if deployment is None:
+                return None
+            hashes: list[str] = []
+            if config_hash_of(deployment) is None:
+                pods = await kube.list(PODS, namespace, label_selector=f"{names.LABEL_POOL}={pool}")
+                hashes = pod_config_hashes(pods, deployment_name)
+    except RETRYABLE:
+        return None  # the refusal stands: the ReplicaSet controller retries
+    return deployment, hashes
 
 
 def admission_registry(

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,6 +109,9 @@ def as_template(pod: Mapping[str, Any], namespace: str, deployment: str) -> dict
     }
 
 
+POOL_NOT_READY = "pool-not-ready"
+
+
 def pool_refusal(where: str, namespace: str, name: str, pool: Mapping[str, Any] | None) -> Refusal | None:
     """Why ``pool`` cannot serve a new consumer Pod now: gone, being deleted, or not serving
     its current spec (not ready, paused with a newer spec, or some child not its own)."""
@@ -131,7 +134,7 @@ def pool_refusal(where: str, namespace: str, name: str, pool: Mapping[str, Any] 
     if status.get("observedGeneration") != meta.get("generation"):
         why = f"{names.ANNOTATION_PAUSED}=true: remove it" if paused(pool) else waiting
         return Refusal(
-            "pool-not-ready",
+            POOL_NOT_READY,
             f"{where}: pool {namespace}/{name} has not applied its current spec "
             f"(generation {meta.get('generation')}, observed {status.get('observedGeneration')}): {why}",
         )
@@ -139,7 +142,7 @@ def pool_refusal(where: str, namespace: str, name: str, pool: Mapping[str, Any] 
         item = condition_of(status, kind) or {}
         if item.get("status") != "True":
             return Refusal(
-                "pool-not-ready",
+                POOL_NOT_READY,
                 f"{where}: pool {namespace}/{name} does not serve ({kind}="
                 f"{item.get('status', 'Unknown')}: {item.get('message', 'no status yet')}): {waiting}",
             )
@@ -265,6 +268,8 @@ def admit_pod(
     grants: Sequence[Grant] = (),
     pool_namespace: str = "",
     namespace_grants: Sequence[Grant] = (),
+    running: Mapping[str, Any] | None = None,
+    pod_hashes: Sequence[str] = (),
 ) -> PodInjection | Refusal:
     """The patch a new Pod with the opt-in label gets from ``pool`` (the one its labels name,
     in ``pool_namespace``, default the Pod's ``namespace``; None if there is none; ``grants``:
@@ -272,10 +277,16 @@ def admit_pod(
     another namespace than its pool's is injected only as a consumer a grant of its namespace
     lists, one the pool accepts, with that grant's settings, as Deployment patching would.
     ``namespace_grants``: the grants of the Pod's namespace, read where its labels name a pool
-    of its own namespace that does not exist (to tell a grant's consumer what consent it lacks)."""
+    of its own namespace that does not exist (to tell a grant's consumer what consent it lacks).
+    ``running``: the Pod's Deployment as the API holds it, and ``pod_hashes`` the settings its
+    injected Pods run (``pod_config_hashes``), read where the pool does not serve now: a
+    Deployment already running the pool's current settings (rolled onto it while it served)
+    gets them in its new Pods too, whose connectors join the pool once it serves again, as
+    under Deployment patching; any other is refused until the pool serves."""
     meta = pod.get("metadata") or {}
     name = str((meta.get("labels") or {}).get(names.LABEL_ALLOW_POOL, ""))
     pool_namespace = pool_namespace or namespace
+    policy = policy or OperatorPolicy()
     deployment = owning_deployment(pod)
     if deployment is None:
         shown = meta.get("name") or meta.get("generateName") or ""
@@ -294,11 +305,16 @@ def admit_pod(
             if pool is None and pool_namespace == namespace
             else None
         )
-        or pool_refusal(where, pool_namespace, name, pool)
+        or _unless_running(
+            pool_refusal(where, pool_namespace, name, pool),
+            running,
+            pod_hashes,
+            lambda: consumer_of(
+                where, pool_namespace, name, pool or {}, deployment, policy, grants, namespace
+            ),
+        )
         or (
-            consumer_of(
-                where, pool_namespace, name, pool, deployment, policy or OperatorPolicy(), grants, namespace
-            )
+            consumer_of(where, pool_namespace, name, pool, deployment, policy, grants, namespace)
             if pool
             else None
         )
@@ -319,6 +335,22 @@ def admit_pod(
     ):
         return PodInjection({}, record)  # injected already (a reinvocation, a copied manifest)
     return PodInjection(diff(pod, new), record)
+
+
+def _unless_running(
+    refused: Refusal | None,
+    running: Mapping[str, Any] | None,
+    pod_hashes: Sequence[str],
+    injection: Callable[[], Injection | Refusal],
+) -> Refusal | None:
+    """``refused``, but None for a pool that does not serve now (``pool-not-ready``) when the
+    Deployment ``running`` runs the settings it would inject already."""
+    if refused is None or refused.rule != POOL_NOT_READY or running is None:
+        return refused
+    found = injection()
+    if isinstance(found, Injection) and carries_settings(running, found, list(pod_hashes)):
+        return None
+    return refused
 
 
 def _same_injection(raw: str, record: Mapping[str, Any]) -> bool:

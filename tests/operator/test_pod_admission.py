@@ -448,3 +448,37 @@ async def test_grant_consumers_in_another_namespace_roll_out_one_after_the_other
     for request in cluster.requests(start):
         permission = request_permission(request.method, str(request.url))
         assert permission is None or allowed(permission, RULES + LEASE_RULES), request.url
+
+
+@pytest.mark.parametrize("operator_config", [POD_ADMISSION_CONFIG])
+async def test_a_consumer_running_the_settings_gets_them_in_new_pods_while_the_pool_is_down(
+    cluster: Cluster, operator: Operator
+) -> None:
+    """A Pod created while the pool does not serve (a scale-up during a store rollout, a node
+    drain) of a Deployment already running the pool's settings gets them, as its siblings run
+    them and as Deployment patching would: refusing it would cost the consumer its Pod."""
+    url = f"{operator.webhook_url}/{INJECT_ID}"
+    deployment = opted_in()
+    await cluster.create(deployment)
+    await cluster.create(pool_manifest())
+    await serving(cluster)
+    first = await start_pod(cluster, url, deployment, "aaa")
+
+    await cluster.patch_pool("pool", {"spec": {"store": {"replicas": 3}}})  # no controller plays
+    await eventually(
+        lambda: (
+            cluster.condition("pool", "StoreReady").get("status") == "False"
+            and cluster.pool_status("pool").get("observedGeneration") == 2
+        ),
+        what="the pool does not serve",
+    )
+    second = await start_pod(cluster, url, deployment, "bbb")
+    assert second["spec"] == first["spec"]
+    record = json.loads(second["metadata"]["annotations"][names.ANNOTATION_INJECTED])
+    assert record == json.loads(first["metadata"]["annotations"][names.ANNOTATION_INJECTED])
+
+    # A Deployment that never ran them waits for the pool (its Pods refused, as before).
+    other = opted_in("chat")
+    await cluster.create(other)
+    refused = await review(url, replica_set_pod(other))
+    assert refused["allowed"] is False and "[pool-not-ready]" in refused["status"]["message"]

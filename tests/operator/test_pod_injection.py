@@ -143,6 +143,35 @@ def test_a_pool_that_cannot_serve_refuses_the_pod_naming_rule_and_fix(
     assert f"[{rule}]" in str(refusal) and f"Deployment {NAMESPACE}/llm" in str(refusal)
 
 
+def test_a_deployment_already_running_the_settings_keeps_getting_them_while_the_pool_is_down() -> None:
+    """A Deployment rolled onto the pool while it served (its template or its Pods carry the
+    current settings) gets them in a Pod created while the pool does not serve (a node drain,
+    a scale-up during a master restart): its connector joins once the pool serves, as with
+    Deployment patching. One that never ran them, or ran others, waits for the pool."""
+    injection = the_injection()
+    pod = replica_set_pod(opted_in())
+    down = not_ready("MasterReady")
+    expected = admit(pod).patch  # what a serving pool gives it
+
+    restarted = opted_in()
+    restarted["spec"]["template"]["metadata"]["annotations"] = {
+        names.ANNOTATION_CONFIG_HASH: injection.config_hash
+    }
+    answer = admit_pod(pod, NAMESPACE, down, running=restarted)
+    assert isinstance(answer, PodInjection) and answer.patch == expected
+    from_git = opted_in()  # no restart annotation: its injected Pods say what it runs
+    answer = admit_pod(pod, NAMESPACE, down, running=from_git, pod_hashes=[injection.config_hash])
+    assert isinstance(answer, PodInjection) and answer.patch == expected
+
+    for running, hashes in [(from_git, []), (from_git, ["older"]), (None, [injection.config_hash])]:
+        answer = admit_pod(pod, NAMESPACE, down, running=running, pod_hashes=hashes)
+        assert isinstance(answer, Refusal) and answer.rule == "pool-not-ready", (running, hashes)
+    # Only a pool that does not serve now: gone, being deleted or held back still refuses.
+    deleting = serving_pool() | {"metadata": {"name": "pool", "deletionTimestamp": "2024-01-01T00:00:00Z"}}
+    answer = admit_pod(pod, NAMESPACE, deleting, running=restarted)
+    assert isinstance(answer, Refusal) and answer.rule == "pool-deleting"
+
+
 def test_a_paused_pool_with_a_newer_spec_says_unpause() -> None:
     pool = serving_pool(generation=2)
     pool["status"]["observedGeneration"] = 1
