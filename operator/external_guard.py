@@ -68,8 +68,9 @@ def _cluster_ips(service: Mapping[str, object] | None) -> set[IPAddress]:
 class Vetted:
     """Endpoints checked: the addresses each host may be asked at, or why none is asked."""
 
-    addresses: Mapping[str, tuple[ResolveResult, ...]] = field(default_factory=dict)
+    addresses: Mapping[tuple[str, int], tuple[ResolveResult, ...]] = field(default_factory=dict)
     problem: str | None = None
+    reason: str = "Unreachable"  # or EndpointRefused: it leads to another namespace's pool
 
 
 def _host_port(endpoint: str) -> tuple[str, int]:
@@ -77,52 +78,69 @@ def _host_port(endpoint: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def host_key(host: str) -> str:
+    """A host as the HTTP client asks its resolver for it (case and a final dot aside)."""
+    return host.strip("[]").rstrip(".").lower()
+
+
+def _leads_to(address: IPAddress, elsewhere: Elsewhere) -> bool:
+    """Whether ``address`` is one of ``elsewhere``'s, an IPv4 one written as IPv6 too
+    (``::ffff:a.b.c.d`` reaches ``a.b.c.d`` on a dual-stack socket)."""
+    mapped = address.ipv4_mapped if isinstance(address, ipaddress.IPv6Address) else None
+    return address in elsewhere or (mapped is not None and mapped in elsewhere)
+
+
 async def vet_endpoints(
     endpoints: Sequence[str], elsewhere: Elsewhere, timeout: float, *, field_name: str
 ) -> Vetted:
-    """Resolve each ``host:port`` once (within ``timeout``) and refuse all of them when any
+    """Resolve each ``host:port`` once (all within ``timeout``) and refuse all of them when any
     address leads to another namespace's pool: the message names the field, never that pool."""
     loop = asyncio.get_running_loop()
-    addresses: dict[str, tuple[ResolveResult, ...]] = {}
-    for index, endpoint in enumerate(endpoints):
-        host, port = _host_port(endpoint)
-        try:
-            async with asyncio.timeout(timeout):
-                infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        except (OSError, TimeoutError) as exc:
-            return Vetted(problem=f"{field_name}[{index}] {endpoint!r} does not resolve: {exc or 'timeout'}")
-        results = []
-        for family, _, proto, _, sockaddr in infos:
-            address = ipaddress.ip_address(str(sockaddr[0]).split("%")[0])
-            if address in elsewhere:
-                return Vetted(
-                    problem=f"{field_name}[{index}] {endpoint!r} reaches a pool this operator runs in "
-                    "another namespace: not asked (name the external master's own address)"
-                )
-            results.append(
-                ResolveResult(
-                    hostname=host,
-                    host=str(address),
-                    port=port,
-                    family=family,
-                    proto=proto,
-                    flags=socket.AI_NUMERICHOST | socket.AI_NUMERICSERV,
-                )
-            )
-        addresses[host] = tuple(results)
+    addresses: dict[tuple[str, int], tuple[ResolveResult, ...]] = {}
+    try:
+        async with asyncio.timeout(timeout):
+            for index, endpoint in enumerate(endpoints):
+                where = f"{field_name}[{index}] {endpoint!r}"
+                host, port = _host_port(endpoint)
+                try:
+                    infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+                except (OSError, ValueError) as exc:  # ValueError: a name IDNA refuses
+                    return Vetted(problem=f"{where} does not resolve: {exc}")
+                results = []
+                for family, _, proto, _, sockaddr in infos:
+                    address = ipaddress.ip_address(str(sockaddr[0]).split("%")[0])
+                    if _leads_to(address, elsewhere):
+                        return Vetted(
+                            problem=f"{where} reaches a pool this operator runs in another namespace: "
+                            "not asked (name the external master's own address)",
+                            reason="EndpointRefused",
+                        )
+                    results.append(
+                        ResolveResult(
+                            hostname=host,
+                            host=str(address),
+                            port=port,
+                            family=family,
+                            proto=proto,
+                            flags=socket.AI_NUMERICHOST | socket.AI_NUMERICSERV,
+                        )
+                    )
+                addresses[(host_key(host), port)] = tuple(results)
+    except TimeoutError:
+        return Vetted(problem=f"{field_name}: not resolved within {timeout:g} s: not asked")
     return Vetted(addresses=addresses)
 
 
 class PinnedResolver(AbstractResolver):
     """Answers only the hosts :func:`vet_endpoints` checked, with the addresses it checked."""
 
-    def __init__(self, addresses: Mapping[str, Sequence[ResolveResult]]):
+    def __init__(self, addresses: Mapping[tuple[str, int], Sequence[ResolveResult]]):
         self._addresses = addresses
 
     async def resolve(
         self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET
     ) -> list[ResolveResult]:
-        found = [r for r in self._addresses.get(host.strip("[]"), ()) if r["port"] == port]
+        found = list(self._addresses.get((host_key(host), port), ()))
         if not found:
             raise OSError(f"{host}:{port} was not checked: not asked")
         return found

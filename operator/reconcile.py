@@ -1051,23 +1051,27 @@ class Reconciler:
 
     async def poll_external(self, plan: Plan, now: str) -> Observation:
         """An external pool's master, asked only at addresses that lead to no pool this
-        operator runs in another namespace (``external_guard``)."""
+        operator runs in another namespace (``external_guard``), all within ``observe_timeout``."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.observe_timeout
         try:
-            elsewhere = await pools_elsewhere(self.kube, plan.namespace, self.policy.watched_namespaces)
-        except ApiError as exc:
-            problem = f"the pools this operator runs could not be read ({exc}): not asked"
+            async with asyncio.timeout_at(deadline):
+                elsewhere = await pools_elsewhere(self.kube, plan.namespace, self.policy.watched_namespaces)
+        except (ApiError, TimeoutError) as exc:
+            problem = f"the pools this operator runs could not be read ({exc or 'timeout'}): not asked"
             return Observation(now, problem=problem, reason="Unreachable")
         vetted = await vet_endpoints(
             plan.metrics_endpoints,
             elsewhere,
-            self.observe_timeout,
+            max(0.0, deadline - loop.time()),
             field_name="spec.external.metricsEndpoints",
         )
         if vetted.problem is not None:
-            return Observation(now, problem=vetted.problem, reason="EndpointRefused")
+            return Observation(now, problem=vetted.problem, reason=vetted.reason)
         bases = [f"http://{endpoint}" for endpoint in plan.metrics_endpoints]
         resolver = PinnedResolver(vetted.addresses)
-        return await poll_master(bases, now=now, timeout=self.observe_timeout, resolver=resolver)
+        left = max(0.1, deadline - loop.time())
+        return await poll_master(bases, now=now, timeout=left, resolver=resolver)
 
     async def poll_hits(self, plan: Plan) -> dict[str, Any] | None:
         """``status.hits`` from the consumers' own ``/metrics`` (None: no consumer pod is ready):

@@ -154,6 +154,8 @@ def _refused_host(host: str) -> str | None:
         address = ipaddress.ip_address(host.strip("[]"))
     except ValueError:
         return None
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped  # ::ffff:a.b.c.d reaches a.b.c.d
     if address.is_loopback or address.is_unspecified:
         return "a loopback or unspecified address (the operator's own pod)"
     if address.is_link_local or address.is_multicast:
