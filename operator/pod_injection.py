@@ -203,6 +203,40 @@ def consumer_of(
     )
 
 
+def grant_membership(
+    where: str,
+    namespace: str,
+    pool_namespace: str,
+    name: str,
+    pool: Mapping[str, Any],
+    deployment: str,
+    grants: Sequence[Grant],
+) -> Refusal | None:
+    """For a Pod of another namespace than its pool's, before anything about the pool is said:
+    refused, naming nothing of the pool's state, unless the pool takes grants from the Pod's
+    namespace and a grant there lists its Deployment (a namespace the pool does not list
+    learns nothing of it from its refusals)."""
+    tenancy = ((pool.get("spec") or {}).get("tenancy")) or {}
+    listed = bool(tenancy.get("enabled")) and namespace in (tenancy.get("grantNamespaces") or [])
+    if listed and any(
+        g.namespace == namespace
+        and g.spec is not None
+        and g.spec.pool == name
+        and pool_namespace_of(g) == pool_namespace
+        and any(c.name == deployment for c in g.spec.consumers)
+        for g in grants
+    ):
+        return None
+    return Refusal(
+        "not-a-consumer",
+        f"{where} carries {names.LABEL_ALLOW_POOL}={name} and {names.LABEL_ALLOW_POOL_NAMESPACE}="
+        f"{pool_namespace}, but no grant of namespace {namespace} that pool {pool_namespace}/{name} "
+        f"takes lists it: add it to the spec.consumers of a MooncakeKVPoolGrant of namespace "
+        f"{namespace} naming the pool (the pool's admin lists the namespace in its "
+        "spec.tenancy.grantNamespaces), or remove the labels",
+    )
+
+
 def grant_hint(
     where: str, namespace: str, name: str, deployment: str, namespace_grants: Sequence[Grant]
 ) -> Refusal | None:
@@ -300,6 +334,11 @@ def admit_pod(
     where = f"Deployment {namespace}/{deployment}"
     found = (
         refusal(view, name, on=ON_TEMPLATE, pool_namespace=pool_namespace)
+        or (
+            grant_membership(where, namespace, pool_namespace, name, pool, deployment, grants)
+            if pool is not None and pool_namespace != namespace
+            else None
+        )
         or (
             grant_hint(where, namespace, name, deployment, namespace_grants)
             if pool is None and pool_namespace == namespace

@@ -469,6 +469,18 @@ def test_a_grants_consumer_pod_is_admitted_only_as_the_grant_lists_it_to_a_pool_
     unlisted["tenancy"]["grantNamespaces"] = []
     found = refused(tenant_pod("chat", ALLOW), serving_pool(unlisted))
     assert found.rule == "not-a-consumer" and "spec.tenancy.grantNamespaces" in found.message
+    # ... and learns nothing of the pool's state from the refusal (not ready, invalid, ...).
+    down = serving_pool(unlisted)
+    for item in down["status"]["conditions"]:
+        if item["type"] == "MasterReady":
+            item.update(status="False", message="secret-master-state")
+    found = refused(tenant_pod("chat", ALLOW), down)
+    assert found.rule == "not-a-consumer" and "secret-master-state" not in found.message
+    broken = granted_spec()
+    broken["tenancy"]["grantNamespaces"] = []
+    broken["store"]["replicas"] = -1
+    found = refused(tenant_pod("chat", ALLOW), serving_pool(broken))
+    assert found.rule == "not-a-consumer", found
     # A Deployment the grant does not list, and the pool's own consumer's name in the grant's namespace.
     for name in ("stranger", "llm-0"):
         found = refused(tenant_pod(name, ALLOW), pool)
