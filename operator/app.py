@@ -72,7 +72,9 @@ def grant_pool(body: Mapping[str, Any]) -> str | None:
 VALIDATE_ID = "validate-pool"
 INJECT_ID = "inject-pod"
 # The webhook's read of the pool a new Pod names: well within the API server's call timeout.
-POOL_LOOKUP_TIMEOUT = 5.0
+# Every read a Pod's admission makes, together: an answer within it, below the webhook's
+# timeoutSeconds (the chart's default 10), so a refusal always names its rule.
+ADMISSION_DEADLINE = 8.0
 RETRYABLE = (ApiError, aiohttp.ClientError, asyncio.TimeoutError)
 
 
@@ -357,11 +359,22 @@ def register_admission(registry: kopf.OperatorRegistry, options: OperatorOptions
         # A grant's consumer in another namespace names its pool's (allow-pool-namespace).
         pool_namespace = pool_namespace_of_pod(body, namespace)
         if options.namespaces and pool_namespace not in options.namespaces:
-            return  # a pool another operator serves: its webhook answers for the Pod
+            raise kopf.AdmissionError(
+                f"Pod {namespace}/{meta.get('generateName') or meta.get('name') or ''} names pool "
+                f"{pool_namespace}/{pool_name} ({names.LABEL_ALLOW_POOL_NAMESPACE}), in a namespace "
+                "this operator does not watch: no pool of it can take the Pod's settings: fix the "
+                "label, or have the namespace watched [namespace-not-watched]",
+                code=403,
+            )
+        deadline = asyncio.get_running_loop().time() + ADMISSION_DEADLINE
+
+        def left() -> float:
+            return max(0.0, deadline - asyncio.get_running_loop().time())
+
         # A fresh read of the pool (never an index that may lag a spec change or a status
         # that just turned Ready): Pods are created rarely, and one GET is cheap.
         try:
-            pool = await asyncio.wait_for(kube.get(POOLS, pool_namespace, pool_name), POOL_LOOKUP_TIMEOUT)
+            pool = await asyncio.wait_for(kube.get(POOLS, pool_namespace, pool_name), left())
         except RETRYABLE as exc:
             raise kopf.AdmissionError(
                 f"pool {pool_namespace}/{pool_name} could not be read ({exc or type(exc).__name__}): "
@@ -369,7 +382,7 @@ def register_admission(registry: kopf.OperatorRegistry, options: OperatorOptions
                 code=503,
             ) from exc
         try:
-            grants = await asyncio.wait_for(read_grants(kube, pool), POOL_LOOKUP_TIMEOUT) if pool else []
+            grants = await asyncio.wait_for(read_grants(kube, pool), left()) if pool else []
         except RETRYABLE as exc:
             raise kopf.AdmissionError(
                 f"the grants of pool {pool_namespace}/{pool_name} could not be read "
@@ -383,14 +396,14 @@ def register_admission(registry: kopf.OperatorRegistry, options: OperatorOptions
         namespace_grants = []
         if pool is None and pool_namespace == namespace:
             with contextlib.suppress(*RETRYABLE):
-                found = await asyncio.wait_for(kube.list(GRANTS, namespace), POOL_LOOKUP_TIMEOUT)
+                found = await asyncio.wait_for(kube.list(GRANTS, namespace), left())
                 namespace_grants = [read_grant(obj) for obj in found]
         answer = admit_pod(
             dict(body), namespace, pool, options.policy, grants, pool_namespace, namespace_grants
         )
         if isinstance(answer, Refusal) and answer.rule == POOL_NOT_READY:
             # A Deployment rolled onto the pool while it served keeps getting its settings.
-            running = await running_settings(kube, body, namespace, pool_name)
+            running = await running_settings(kube, body, namespace, pool_name, left())
             if running is not None:
                 answer = admit_pod(
                     dict(body),
@@ -409,15 +422,15 @@ def register_admission(registry: kopf.OperatorRegistry, options: OperatorOptions
 
 
 async def running_settings(
-    kube: KubeClient, pod: Mapping[str, Any], namespace: str, pool: str
+    kube: KubeClient, pod: Mapping[str, Any], namespace: str, pool: str, timeout: float
 ) -> tuple[dict[str, Any], list[str]] | None:
     """The Pod's Deployment and the settings its injected Pods run (their config hashes,
-    read only when its template names none); None when it cannot be read in time."""
+    read only when its template names none); None when it cannot be read within ``timeout``."""
     deployment_name = owning_deployment(pod)
     if deployment_name is None:
         return None
     try:
-        async with asyncio.timeout(POOL_LOOKUP_TIMEOUT):
+        async with asyncio.timeout(timeout):
             deployment = await kube.get(DEPLOYMENTS, namespace, deployment_name)
             if deployment is None:
                 return None

@@ -482,3 +482,20 @@ async def test_a_consumer_running_the_settings_gets_them_in_new_pods_while_the_p
     await cluster.create(other)
     refused = await review(url, replica_set_pod(other))
     assert refused["allowed"] is False and "[pool-not-ready]" in refused["status"]["message"]
+
+
+@pytest.mark.parametrize(
+    "operator_config", [{**POD_ADMISSION_CONFIG, "namespaces": (NAMESPACE, TENANT_NAMESPACE)}]
+)
+async def test_a_pod_naming_a_pool_in_a_namespace_not_watched_is_refused(
+    cluster: Cluster, operator: Operator
+) -> None:
+    """No webhook answers for a pool in a namespace this operator does not watch (another
+    operator's webhook sees only its own namespaces' Pods): the Pod is refused, naming the
+    label, never admitted without the settings it opted into."""
+    url = f"{operator.webhook_url}/{INJECT_ID}"
+    deployment = opted_in()
+    deployment["spec"]["template"]["metadata"]["labels"][names.LABEL_ALLOW_POOL_NAMESPACE] = "elsewhere"
+    answer = await review(url, replica_set_pod(deployment))
+    assert answer["allowed"] is False and "[namespace-not-watched]" in answer["status"]["message"]
+    assert names.LABEL_ALLOW_POOL_NAMESPACE in answer["status"]["message"]
