@@ -39,18 +39,23 @@ def make_caches() -> dict[str, torch.Tensor]:
 GROUP_LAYERS = [["l0", "l2"], ["l1", "l3"]]
 
 
-@pytest.fixture
-def worker(pool_client, cache_prefix):
-    stats = StatsCollector(group_kinds=("full", "sliding_window"))
-    w = WorkerSide(
+def two_group_worker(pool_client, cache_prefix, **options) -> WorkerSide:
+    """A worker of ``GROUP_LAYERS`` (a full and a window group), its caches not registered."""
+    return WorkerSide(
         client=pool_client,
         keyspace=KeySpace(cache_prefix, "fp"),
         tp_rank=0,
         pp_rank=0,
         group_layers=GROUP_LAYERS,
         num_blocks=NUM_BLOCKS,
-        stats=stats,
+        stats=StatsCollector(group_kinds=("full", "sliding_window")),
+        **options,
     )
+
+
+@pytest.fixture
+def worker(pool_client, cache_prefix):
+    w = two_group_worker(pool_client, cache_prefix)
     caches = make_caches()
     w.register_kv_caches(caches)
     yield w, caches
@@ -439,16 +444,7 @@ def test_on_the_device_path_every_group_is_copied_before_any_checksum(
     from kvpool.connector.worker.staging import StagingSlot
     from testing.worker import unreleased_saves
 
-    w = WorkerSide(
-        client=pool_client,
-        keyspace=KeySpace(cache_prefix, "fp"),
-        tp_rank=0,
-        pp_rank=0,
-        group_layers=GROUP_LAYERS,
-        num_blocks=NUM_BLOCKS,
-        stats=StatsCollector(group_kinds=("full", "sliding_window")),
-        device_path=True,
-    )
+    w = two_group_worker(pool_client, cache_prefix, device_path=True)
     caches = make_caches()
     w.register_kv_caches(caches)
     held_at_sums: list[int] = []
