@@ -511,6 +511,7 @@ async def run(
             options.master_health_url,
             injection_mode=options.injection_mode,
             observe_timeout=options.observe_timeout,
+            addresses_ttl=options.observe_interval,
         )
         stopped = asyncio.Event()
         stack.enter_context(_forward(stop_flag, stopped))

@@ -25,29 +25,45 @@ from kvpool.operator.kube import KubeClient
 from kvpool.operator.leader import IPAddress, pod_ips
 from kvpool.operator.names import PODS, POOLS, SERVICES
 
+# Where each address of a pool this operator runs leads: (namespace, pool).
+PoolAddresses = Mapping[IPAddress, tuple[str, str]]
 # Where each address of another namespace's pool leads: "namespace/pool".
 Elsewhere = Mapping[IPAddress, str]
 
 
-async def pools_elsewhere(kube: KubeClient, namespace: str, watched: Sequence[str]) -> dict[IPAddress, str]:
-    """The addresses of the masters and stores this operator runs outside ``namespace``
-    (their Service's cluster IPs and their pods' IPs), within what it watches (``watched``
-    empty: every namespace). Raises :class:`ApiError` when one cannot be read."""
-    scopes: list[str | None] = [n for n in watched if n != namespace] if watched else [None]
-    found: dict[IPAddress, str] = {}
+async def pool_addresses(kube: KubeClient, watched: Sequence[str]) -> dict[IPAddress, tuple[str, str]]:
+    """The addresses of the masters and stores this operator runs (their master Service's
+    cluster IPs and their pods' IPs), within what it watches (``watched`` empty: every
+    namespace): per namespace one list of pools and one of each component's pods, and one
+    read of each master Service. Raises :class:`ApiError` when one cannot be read."""
+    scopes: list[str | None] = list(watched) if watched else [None]
+    found: dict[IPAddress, tuple[str, str]] = {}
     for scope in scopes:
+        pools = set()
         for pool in await kube.list(POOLS, scope):
             meta = pool.get("metadata") or {}
             where, name = str(meta.get("namespace") or ""), str(meta.get("name") or "")
-            if where == namespace or not name:
-                continue
+            if name:
+                pools.add((where, name))
+        for where, name in sorted(pools):
             service = await kube.get(SERVICES, where, names.master_name(name))
-            addresses = set(_cluster_ips(service))
-            for component in (names.MASTER, names.STORE):
-                pods = await kube.list(PODS, where, label_selector=names.label_selector(name, component))
-                addresses |= pod_ips(pods)
-            found.update(dict.fromkeys(addresses, f"{where}/{name}"))
+            found.update(dict.fromkeys(_cluster_ips(service), (where, name)))
+        for component in (names.MASTER, names.STORE):
+            selector = f"{names.LABEL_POOL},{names.LABEL_COMPONENT}={component}"
+            for pod in await kube.list(PODS, scope, label_selector=selector):
+                meta = pod.get("metadata") or {}
+                owner = (
+                    str(meta.get("namespace") or ""),
+                    str((meta.get("labels") or {}).get(names.LABEL_POOL)),
+                )
+                if owner in pools:
+                    found.update(dict.fromkeys(pod_ips([pod]), owner))
     return found
+
+
+def elsewhere_of(addresses: PoolAddresses, namespace: str) -> dict[IPAddress, str]:
+    """Of ``addresses``, those of pools in other namespaces than ``namespace``."""
+    return {ip: f"{ns}/{pool}" for ip, (ns, pool) in addresses.items() if ns != namespace}
 
 
 def _cluster_ips(service: Mapping[str, object] | None) -> set[IPAddress]:

@@ -42,7 +42,13 @@ from kvpool.operator.consumers import (
 )
 from kvpool.operator.drain_jobs import DrainRefused, cancel_drain_job
 from kvpool.operator.drain_timer import advance, drain_base
-from kvpool.operator.external_guard import PinnedResolver, pools_elsewhere, vet_endpoints
+from kvpool.operator.external_guard import (
+    PinnedResolver,
+    PoolAddresses,
+    elsewhere_of,
+    pool_addresses,
+    vet_endpoints,
+)
 from kvpool.operator.grant_usage import grant_usage, with_changed_at
 from kvpool.operator.grants import (
     NAMESPACE_NOT_ALLOWED,
@@ -800,8 +806,12 @@ class Reconciler:
         leader_timeout: float = 3.0,
         injection_mode: str = DEPLOYMENT_PATCH,
         observe_timeout: float = 3.0,
+        addresses_ttl: float = 15.0,
     ):
         self.kube = kube
+        self.addresses_ttl = addresses_ttl
+        self._addresses: tuple[float, PoolAddresses] | None = None
+        self._addresses_lock = asyncio.Lock()
         self.injection_mode = injection_mode
         self.metrics = metrics
         self.policy = policy or OperatorPolicy()
@@ -1049,6 +1059,16 @@ class Reconciler:
         )
         return replace(observation, asked=self.poll_target(plan))
 
+    async def pool_addresses(self) -> PoolAddresses:
+        """The addresses of the pools this operator runs (``external_guard``), read at most once
+        per ``addresses_ttl`` for every external pool's poll together."""
+        async with self._addresses_lock:
+            now = asyncio.get_running_loop().time()
+            if self._addresses is None or now - self._addresses[0] >= self.addresses_ttl:
+                found = await pool_addresses(self.kube, self.policy.watched_namespaces)
+                self._addresses = (asyncio.get_running_loop().time(), found)
+            return self._addresses[1]
+
     async def poll_external(self, plan: Plan, now: str) -> Observation:
         """An external pool's master, asked only at addresses that lead to no pool this
         operator runs in another namespace (``external_guard``), all within ``observe_timeout``."""
@@ -1056,7 +1076,7 @@ class Reconciler:
         deadline = loop.time() + self.observe_timeout
         try:
             async with asyncio.timeout_at(deadline):
-                elsewhere = await pools_elsewhere(self.kube, plan.namespace, self.policy.watched_namespaces)
+                elsewhere = elsewhere_of(await self.pool_addresses(), plan.namespace)
         except (ApiError, TimeoutError) as exc:
             problem = f"the pools this operator runs could not be read ({exc or 'timeout'}): not asked"
             return Observation(now, problem=problem, reason="Unreachable")
