@@ -37,7 +37,7 @@ from kvpool.operator.consumers import (
     injection_refusal,
     refusal,
 )
-from kvpool.operator.grants import Grant, namespace_refusal, pool_namespace_of
+from kvpool.operator.grants import Grant, pool_namespace_of
 from kvpool.operator.merge_patch import diff
 from kvpool.operator.plan import build_plan
 from kvpool.operator.policy import OperatorPolicy
@@ -186,20 +186,12 @@ def consumer_of(
             f"{where} carries {names.LABEL_ALLOW_POOL}={name} but pool {namespace}/{name} does not list it: "
             f"add it to the pool's spec.consumers (with its layout), or remove the label",
         )
-    grant_namespaces = ((pool.get("spec") or {}).get("tenancy") or {}).get("grantNamespaces") or []
-    unlisted = None if plan.tenancy is not None else f"pool {namespace}/{name} has tenancy off"
-    unlisted = unlisted or namespace_refusal(consumer_namespace, namespace, name, grant_namespaces)
-    why = (
-        f"{unlisted}, so no grant of namespace {consumer_namespace} counts"
-        if unlisted
-        else f"no grant of namespace {consumer_namespace} that the pool accepts lists it"
-    )
+    # Another namespace's: ``grant_membership`` found a grant listing it, which the pool did not take.
     return Refusal(
         "not-a-consumer",
         f"{where} carries {names.LABEL_ALLOW_POOL}={name} and "
         f"{names.LABEL_ALLOW_POOL_NAMESPACE}={namespace} but pool {namespace}/{name} does not take "
-        f"it as a consumer ({why}): add it to the spec.consumers of a MooncakeKVPoolGrant of "
-        f"namespace {consumer_namespace} naming the pool (with its layout), or remove the labels",
+        f"the grant of namespace {consumer_namespace} that lists it: its status says why",
     )
 
 
