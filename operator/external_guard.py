@@ -22,7 +22,7 @@ from aiohttp.abc import AbstractResolver, ResolveResult
 
 from kvpool.operator import names
 from kvpool.operator.kube import KubeClient
-from kvpool.operator.leader import IPAddress, pod_ips
+from kvpool.operator.leader import IPAddress, pod_ips, unmapped
 from kvpool.operator.names import PODS, POOLS, SERVICES
 
 # Where each address of a pool this operator runs leads: (namespace, pool).
@@ -99,13 +99,6 @@ def host_key(host: str) -> str:
     return host.strip("[]").rstrip(".").lower()
 
 
-def _leads_to(address: IPAddress, elsewhere: Elsewhere) -> bool:
-    """Whether ``address`` is one of ``elsewhere``'s, an IPv4 one written as IPv6 too
-    (``::ffff:a.b.c.d`` reaches ``a.b.c.d`` on a dual-stack socket)."""
-    mapped = address.ipv4_mapped if isinstance(address, ipaddress.IPv6Address) else None
-    return address in elsewhere or (mapped is not None and mapped in elsewhere)
-
-
 async def vet_endpoints(
     endpoints: Sequence[str], elsewhere: Elsewhere, timeout: float, *, field_name: str
 ) -> Vetted:
@@ -125,7 +118,7 @@ async def vet_endpoints(
                 results = []
                 for family, _, proto, _, sockaddr in infos:
                     address = ipaddress.ip_address(str(sockaddr[0]).split("%")[0])
-                    if _leads_to(address, elsewhere):
+                    if address in elsewhere or unmapped(address) in elsewhere:
                         return Vetted(
                             problem=f"{where} reaches a pool this operator runs in another namespace: "
                             "not asked (name the external master's own address)",

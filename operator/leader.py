@@ -61,6 +61,14 @@ def master_pods_selector(pool: str) -> str:
     return f"{names.LABEL_POOL}={pool},{names.LABEL_COMPONENT}={names.MASTER}"
 
 
+def unmapped(address: IPAddress) -> IPAddress:
+    """``address`` as the host it reaches: an IPv4 one written as IPv6 (``::ffff:a.b.c.d``,
+    which a dual-stack socket connects to ``a.b.c.d``) as IPv4."""
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped
+    return address
+
+
 def pod_ips(pods: Iterable[Mapping[str, Any]]) -> frozenset[IPAddress]:
     """Every IP address of ``pods`` (``status.podIP`` and ``status.podIPs``); others skipped."""
     found: set[IPAddress] = set()

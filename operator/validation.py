@@ -19,6 +19,7 @@ from kvpool.operator import names
 from kvpool.operator.components import STORE_MEMORY_OVERHEAD, store_memory_limit
 from kvpool.operator.connector_settings import pool_connector_settings, spec_field_of
 from kvpool.operator.disk_tier import check_disk_tier
+from kvpool.operator.leader import unmapped
 from kvpool.operator.policy import OperatorPolicy, policy_problems
 from kvpool.operator.spec import (
     TRANSFER_PORT_MAX,
@@ -151,11 +152,9 @@ def _refused_host(host: str) -> str | None:
     """Why the operator will not ask ``host``: an IP literal of its own pod or of a node's
     metadata service; None for any other address (a name is resolved by the cluster's DNS)."""
     try:
-        address = ipaddress.ip_address(host.strip("[]"))
+        address = unmapped(ipaddress.ip_address(host.strip("[]")))
     except ValueError:
         return None
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped  # ::ffff:a.b.c.d reaches a.b.c.d
     if address.is_loopback or address.is_unspecified:
         return "a loopback or unspecified address (the operator's own pod)"
     if address.is_link_local or address.is_multicast:
