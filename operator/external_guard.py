@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import socket
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from aiohttp.abc import AbstractResolver, ResolveResult
@@ -27,8 +27,8 @@ from kvpool.operator.names import PODS, POOLS, SERVICES
 
 # Where each address of a pool this operator runs leads: (namespace, pool).
 PoolAddresses = Mapping[IPAddress, tuple[str, str]]
-# Where each address of another namespace's pool leads: "namespace/pool".
-Elsewhere = Mapping[IPAddress, str]
+# The addresses of the pools in other namespaces than an external pool's.
+Elsewhere = Collection[IPAddress]
 
 
 async def pool_addresses(kube: KubeClient, watched: Sequence[str]) -> dict[IPAddress, tuple[str, str]]:
@@ -61,9 +61,9 @@ async def pool_addresses(kube: KubeClient, watched: Sequence[str]) -> dict[IPAdd
     return found
 
 
-def elsewhere_of(addresses: PoolAddresses, namespace: str) -> dict[IPAddress, str]:
+def elsewhere_of(addresses: PoolAddresses, namespace: str) -> frozenset[IPAddress]:
     """Of ``addresses``, those of pools in other namespaces than ``namespace``."""
-    return {ip: f"{ns}/{pool}" for ip, (ns, pool) in addresses.items() if ns != namespace}
+    return frozenset(ip for ip, (ns, _) in addresses.items() if ns != namespace)
 
 
 def _cluster_ips(service: Mapping[str, object] | None) -> set[IPAddress]:

@@ -11,7 +11,7 @@ import pytest
 from kvpool.operator.external_guard import PinnedResolver, Vetted, vet_endpoints
 from kvpool.operator.validation import _refused_host
 
-ELSEWHERE = {ipaddress.ip_address("127.0.0.1"): "team-b/shared"}
+ELSEWHERE = {ipaddress.ip_address("127.0.0.1")}  # a pool of team-b
 FIELD = "spec.external.metricsEndpoints"
 
 
