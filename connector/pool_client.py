@@ -916,7 +916,9 @@ def open_client(
     ``global_segment_size`` overrides the memory the client contributes (0: none);
     ``attach_later``: see :class:`PoolClient`.
     """
-    configure_client_process(settings.tcp_bind_address, store_timeout_s=settings.store_timeout_s)
+    configure_client_process(
+        settings.tcp_bind_address, store_timeout_s=settings.store_timeout_s, cluster_id=settings.cluster_id
+    )
     return PoolClient(settings, global_segment_size=global_segment_size, attach_later=attach_later)
 
 
@@ -927,6 +929,7 @@ _shared: dict[tuple[str, ...], _Shared] = {}
 def _identity(settings: ConnectorSettings) -> tuple[str, ...]:
     return (
         settings.master_server_address,
+        settings.cluster_id,
         settings.metadata_server,
         settings.protocol,
         settings.local_hostname,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvpool.connector.contract import tenant_policy
+from kvpool.connector.contract import mooncake_env, tenant_policy
 from kvpool.operator import names
 from kvpool.operator.disk_tier import OFFLOAD_FLAG, master_tier_args, tier_env, tier_mount, tier_volume
 from kvpool.operator.spec import ComputeResources, PoolSpec, Toleration, format_bytes, parse_quantity
@@ -193,8 +193,19 @@ def master_address(pool: str, namespace: str, spec: PoolSpec) -> str:
     return f"{names.master_name(pool)}.{namespace}.svc:{spec.master.rpc_port}"
 
 
-def master_args(spec: PoolSpec) -> list[str]:
-    """``mooncake_master`` flags for the spec."""
+def ha_cluster_id(pool: str, namespace: str, spec: PoolSpec) -> str:
+    """The Mooncake cluster id of the pool's HA masters ("" for a single master): it names
+    their leader election in etcd, so pools sharing an etcd never elect each other's masters.
+    ``spec.master.ha.clusterId``, else ``<namespace>.<pool>``; an external pool's own."""
+    if spec.external is not None:
+        return spec.external.cluster_id
+    if not spec.master.ha.enabled:
+        return ""
+    return spec.master.ha.cluster_id or f"{namespace}.{pool}"
+
+
+def master_args(spec: PoolSpec, cluster_id: str = "") -> list[str]:
+    """``mooncake_master`` flags for the spec (``cluster_id``: :func:`ha_cluster_id`)."""
     master = spec.master
     args = [
         f"--rpc_port={master.rpc_port}",
@@ -210,6 +221,8 @@ def master_args(spec: PoolSpec) -> list[str]:
             "--etcd_endpoints=" + ETCD_ENDPOINT_SEPARATOR.join(master.ha.etcd_endpoints),
             f"--rpc_address=$({POD_IP_ENV})",
         ]
+        if cluster_id:
+            args.append(f"--cluster_id={cluster_id}")
     if spec.tenancy.enabled:
         args += tenant_policy.master_args(f"{names.TENANTS_MOUNT_PATH}/{tenant_policy.POLICY_FILE}")
     return args + master_tier_args(spec) + list(master.extra_args)
@@ -231,7 +244,7 @@ def master_deployment(pool: str, namespace: str, spec: PoolSpec) -> dict[str, An
     master = spec.master
     container: dict[str, Any] = {
         "command": ["mooncake_master"],
-        "args": master_args(spec),
+        "args": master_args(spec, ha_cluster_id(pool, namespace, spec)),
         "ports": [
             {"name": "rpc", "containerPort": master.rpc_port, "protocol": "TCP"},
             {"name": "metrics", "containerPort": master.metrics_port, "protocol": "TCP"},
@@ -325,6 +338,11 @@ def store_args(spec: PoolSpec, master_address: str, metadata_server: str) -> lis
     return args + list(store.extra_args)
 
 
+def cluster_id_env(cluster_id: str) -> list[dict[str, str]]:
+    """The env entry under which a Mooncake client finds its HA pool's leader (none without one)."""
+    return [{"name": mooncake_env.CLUSTER_ID, "value": cluster_id}] if cluster_id else []
+
+
 def drains_on_scale_down(spec: PoolSpec) -> bool:
     """Whether a scale-down of the spec's store pods drains them first (``store_drain``)."""
     return spec.store.mode == "standalone" and spec.store.drain_timeout_seconds > 0
@@ -370,6 +388,7 @@ def store_deployment(
         pod_scheduling=scheduling(store.node_selector, store.tolerations, store.priority_class_name, spread),
         add_capabilities=STORE_RDMA_CAPABILITIES if store.protocol == "rdma" else None,
         env=[
+            *cluster_id_env(ha_cluster_id(pool, namespace, spec)),
             *(probe_env(pool, namespace, spec.master.metrics_port, store.port) if drains else []),
             *(tier_env(tier) if tier else []),
         ],

@@ -12,7 +12,7 @@ from typing import Any
 from kvpool.connector.contract.layout import KVLayout, fingerprint
 from kvpool.connector.contract.settings import ConnectorSettings
 from kvpool.operator import names
-from kvpool.operator.components import POD_IP_ENV, master_address
+from kvpool.operator.components import POD_IP_ENV, ha_cluster_id, master_address
 from kvpool.operator.spec import PoolSpec
 
 CONFIG_PATH = f"{names.CONNECTOR_MOUNT_PATH}/{names.MOONCAKE_CONFIG_FILE}"
@@ -23,6 +23,7 @@ PYTHONHASHSEED = "0"
 # Where each contract field comes from in the pool spec (for error messages).
 SPEC_FIELDS = {
     "master_server_address": "spec.master",
+    "cluster_id": "spec.master.ha.clusterId",
     "protocol": "spec.store.protocol",
     "device_name": "spec.store.rdmaDevices",
     "global_segment_size": "spec.store.segmentSize",
@@ -40,6 +41,7 @@ def pool_connector_settings(pool: str, namespace: str, spec: PoolSpec) -> Connec
     data: dict[str, Any] = dict(spec.connector.model_dump())
     data.update(
         master_server_address=master_address(pool, namespace, spec),
+        cluster_id=ha_cluster_id(pool, namespace, spec),
         protocol=spec.store.protocol,
         device_name=",".join(spec.store.rdma_devices),
         global_segment_size=spec.store.segment_size if spec.store.mode == "embedded" else 0,

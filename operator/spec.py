@@ -25,7 +25,7 @@ from pydantic import (
 from pydantic.alias_generators import to_camel
 
 from kvpool.connector.contract.layout import KVLayout
-from kvpool.connector.contract.settings import ConnectorSettings, parse_size
+from kvpool.connector.contract.settings import CLUSTER_ID_PATTERN, ConnectorSettings, parse_size
 
 # Kubernetes quantities: decimal and binary suffixes.
 _SUFFIXES: dict[str, Decimal] = {
@@ -191,6 +191,13 @@ class HASpec(_Model):
         default_factory=dict,
         description="Labels of the etcd pods, when they run in the pool's namespace: a NetworkPolicy "
         "then lets only this pool's pods (and the etcd members) reach them.",
+    )
+    cluster_id: str = Field(
+        default="",
+        pattern=CLUSTER_ID_PATTERN,
+        description="The masters' Mooncake cluster id (--cluster_id), which names their leader "
+        "election in etcd; stores and consumers are given it. Empty: <namespace>.<pool name>. "
+        "Every pool sharing an etcd needs its own (set it when pools of several clusters share one).",
     )
 
 
@@ -403,6 +410,12 @@ class ExternalSpec(_Model):
     master_server_address: MasterServerAddress = Field(
         description="What consumers put in master_server_address: host:port of the master's RPC "
         "port, or etcd://host:port[,host:port...] for HA masters."
+    )
+    cluster_id: str = Field(
+        default="",
+        pattern=CLUSTER_ID_PATTERN,
+        description="With an etcd:// address: the Mooncake cluster id of those masters (their "
+        "--cluster_id), under which consumers find the leader. Empty: Mooncake's default.",
     )
     metrics_endpoints: list[Endpoint] = Field(
         default_factory=list,

@@ -197,6 +197,15 @@ def check_external(spec: PoolSpec, raw: Mapping[str, Any]) -> list[Problem]:
         (f"spec.external.metricsEndpoints[{i}]", endpoint)
         for i, endpoint in enumerate(spec.external.metrics_endpoints)
     ]
+    if spec.external.cluster_id and not spec.external.master_server_address.startswith("etcd://"):
+        problems.append(
+            _problem(
+                "spec.external.clusterId",
+                "cluster-id-needs-etcd",
+                "a cluster id names an HA pool's leader election in etcd: it needs an etcd:// "
+                "masterServerAddress",
+            )
+        )
     for where, address in addresses:
         hosts = address.removeprefix("etcd://").replace(";", ",").split(",")
         for host in hosts:

@@ -27,6 +27,10 @@ RPC_TIMEOUT_MS = "MC_RPC_TIMEOUT_MS"
 #: transfer's connection is dropped and the transfer fails (Mooncake's default: 30 s each).
 TCP_PROGRESS_TIMEOUT_SEC = "MC_TCP_PROGRESS_TIMEOUT_SEC"
 TCP_STATUS_TIMEOUT_SEC = "MC_TCP_STATUS_TIMEOUT_SEC"
+#: The cluster id of an HA pool's masters, which names their leader election in etcd
+#: (``mooncake-store/<id>/master_view``); a client finds its leader under it. The masters
+#: take it as ``--cluster_id``. Mooncake's default when unset: ``mooncake_cluster``.
+CLUSTER_ID = "MC_STORE_CLUSTER_ID"
 #: Mooncake's log level (glog severities: INFO, WARNING, ERROR).
 LOG_LEVEL = "MC_LOG_LEVEL"
 #: The address vLLM's in-tree Mooncake connector serves on.
@@ -40,9 +44,13 @@ CLIENT_SETUP_RETRIES = "3"
 ERRORS_ONLY = "ERROR"
 
 
-def client_env(bind_address: str) -> dict[str, str]:
-    """The variables of a Mooncake client process, for the environment a child starts with."""
-    return {SETUP_RETRIES: CLIENT_SETUP_RETRIES, TCP_BIND_ADDRESS: bind_address}
+def client_env(bind_address: str, cluster_id: str = "") -> dict[str, str]:
+    """The variables of a Mooncake client process, for the environment a child starts with
+    (``cluster_id``: an HA pool's, when it has one)."""
+    env = {SETUP_RETRIES: CLIENT_SETUP_RETRIES, TCP_BIND_ADDRESS: bind_address}
+    if cluster_id:
+        env[CLUSTER_ID] = cluster_id
+    return env
 
 
 def store_timeout_env(store_timeout_s: int) -> dict[str, str]:
@@ -64,15 +72,18 @@ def configure_client_process(
     environ: MutableMapping[str, str] | None = None,
     *,
     store_timeout_s: int | None = None,
+    cluster_id: str = "",
 ) -> None:
     """Set this process's Mooncake client variables; call it before a Mooncake client is set up.
 
     A setup-retry count already set is kept. The bind address (and, when given,
-    the timeouts of :func:`store_timeout_env`) are always set: they are
-    connector settings, and Mooncake reads them when a client is set up.
+    the timeouts of :func:`store_timeout_env` and the HA cluster id) are always set: they
+    are connector settings, and Mooncake reads them when a client is set up.
     """
     target = os.environ if environ is None else environ
     target.setdefault(SETUP_RETRIES, CLIENT_SETUP_RETRIES)
     target[TCP_BIND_ADDRESS] = bind_address
+    if cluster_id:
+        target[CLUSTER_ID] = cluster_id
     if store_timeout_s is not None:
         target.update(store_timeout_env(store_timeout_s))

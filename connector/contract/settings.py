@@ -101,6 +101,10 @@ class SettingsError(ValueError):
         super().__init__(f"invalid KVPoolConnector settings:\n{lines}")
 
 
+#: Mooncake cluster ids name etcd keys (``mooncake-store/<id>/master_view``); empty: its default.
+CLUSTER_ID_PATTERN = r"^([A-Za-z0-9_.-]{1,128})?$"
+
+
 class ConnectorSettings(BaseModel):
     """Everything the connector needs to reach the pool and how to use it."""
 
@@ -124,6 +128,14 @@ class ConnectorSettings(BaseModel):
         default=0, description="Memory this process contributes to the pool (0 = none)."
     )
     local_buffer_size: Size = Field(default=64 << 20, description="Client-side transfer buffer.")
+    cluster_id: str = Field(
+        default="",
+        pattern=CLUSTER_ID_PATTERN,
+        description="HA pools (an etcd:// master address): the Mooncake cluster id of the pool's "
+        "masters (their --cluster_id; MC_STORE_CLUSTER_ID in this client's process), which names "
+        "their leader election in etcd. Pools that share an etcd need different ids. Empty: "
+        "Mooncake's default.",
+    )
     # Connector options.
     cache_prefix: str = Field(
         default="kvpool", pattern=r"^[A-Za-z0-9_.-]{1,64}$", description="Namespace of every key."

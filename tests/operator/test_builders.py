@@ -90,6 +90,32 @@ def test_ha_master_uses_etcd_and_rolls() -> None:
     assert kv["kv_connector_extra_config"]["master_server_address"] == plan.master_address
 
 
+@pytest.mark.parametrize(
+    ("ha", "cluster_id"), [({}, "team-a.pool"), ({"clusterId": "fleet-1.pool"}, "fleet-1.pool")]
+)
+def test_an_ha_pool_names_its_election_for_masters_stores_and_consumers(
+    ha: dict[str, Any], cluster_id: str
+) -> None:
+    """Mooncake keeps an HA election under its cluster id: every part of the pool gets the pool's own."""
+    raw = pool_spec(master={"replicas": 2, "ha": {"enabled": True, "etcdEndpoints": ["etcd-0:2379"], **ha}})
+    plan = build_plan("pool", NS, raw)
+    assert plan.problems == []
+    objs = {f"{c['kind']}/{c['metadata']['name']}": c for c in plan.children}
+    assert f"--cluster_id={cluster_id}" in container(objs["Deployment/pool-master"])["args"]
+    store_env = container(objs["Deployment/pool-store"])["env"]
+    assert {"name": "MC_STORE_CLUSTER_ID", "value": cluster_id} in store_env
+    kv = json.loads(plan.consumers[0].kv_transfer_config)
+    assert kv["kv_connector_extra_config"]["cluster_id"] == cluster_id
+
+
+def test_a_single_master_pool_names_no_cluster() -> None:
+    plan = build_plan("pool", NS, pool_spec())
+    objs = {f"{c['kind']}/{c['metadata']['name']}": c for c in plan.children}
+    assert not any(a.startswith("--cluster_id") for a in container(objs["Deployment/pool-master"])["args"])
+    assert all(e["name"] != "MC_STORE_CLUSTER_ID" for e in container(objs["Deployment/pool-store"])["env"])
+    assert "cluster_id" not in json.loads(plan.consumers[0].kv_transfer_config)["kv_connector_extra_config"]
+
+
 def test_master_service_exposes_rpc_and_metrics() -> None:
     service = children(pool_spec())["Service/pool-master"]
     assert service["spec"]["selector"] == names.selector("pool", "master")

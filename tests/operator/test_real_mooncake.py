@@ -369,6 +369,90 @@ async def test_an_ha_pool_runs_as_rendered_and_is_ready_once_a_leader_serves(
     assert survivor in new_leader
 
 
+def rendered_env(plan: Plan, deployment: str) -> dict[str, str]:
+    """The literal env entries of the Deployment's container."""
+    (child,) = [c for c in plan.children if c["kind"] == "Deployment" and c["metadata"]["name"] == deployment]
+    (container,) = child["spec"]["template"]["spec"]["containers"]
+    return {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
+
+
+def consumer_settings(plan: Plan, host: str) -> dict[str, Any]:
+    """The connector settings the pool's ConfigMap gives a consumer pod at ``host``."""
+    (configmap,) = [
+        c
+        for c in plan.children
+        if c["kind"] == "ConfigMap" and c["metadata"]["name"] == names.connector_configmap_name(plan.pool)
+    ]
+    extra = json.loads(configmap["data"][names.KV_TRANSFER_CONFIG_FILE])["kv_connector_extra_config"]
+    return {**extra, "local_hostname": host, "bind_address": host}
+
+
+CONSUMER_PROBE = """
+import json, sys
+from kvpool.connector.contract.settings import ConnectorSettings
+from kvpool.connector.pool_client import open_client
+from testing.pool_store import put_bytes, raw_store
+client = open_client(ConnectorSettings.parse(json.loads(sys.argv[1])), global_segment_size=0)
+try:
+    if sys.argv[2] == "put":
+        print(put_bytes(client, "kvpool-ha-probe", b"x" * 4096))
+    print(raw_store(client).is_exist("kvpool-ha-probe"))
+finally:
+    client.close()
+"""
+
+
+def consumer_probe(settings: dict[str, Any], action: str) -> subprocess.CompletedProcess[str]:
+    """The connector's own client, in a process of its own (Mooncake joins one etcd and one
+    cluster id per process), given ``settings``: ``put`` a probe object (prints its code), then
+    print whether it exists."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    return subprocess.run(
+        [sys.executable, "-c", CONSUMER_PROBE, json.dumps(settings), action],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.asyncio
+async def test_ha_pools_sharing_an_etcd_each_elect_their_own_leader(
+    etcd: EtcdCluster, processes: Processes
+) -> None:
+    """Mooncake keeps an HA election under its cluster id: two pools on one etcd, each
+    started as rendered, each lead (with one id between them only one would), a pool's store
+    mounts on its own leader, and its consumers' settings reach that leader, not the other's."""
+    rpc_port, metrics_port = free_port(), free_port()
+    hosts = {"pool-a": MASTER_HOSTS[0], "pool-b": MASTER_HOSTS[1]}
+    plans = {}
+    for pool, host in hosts.items():
+        plans[pool] = build_plan(pool, NAMESPACE, ha_spec(etcd.endpoints, rpc_port, metrics_port))
+        assert plans[pool].valid, plans[pool].problems
+        loopback = [f"--metrics_host={host}", f"--http_metadata_server_host={host}", "--rpc_thread_num=2"]
+        processes.start(f"master-{pool}", rendered(plans[pool], f"{pool}-master", host) + loopback)
+    for host in hosts.values():
+        leader = await serving_leader(metrics_port, hosts=(host,))
+        assert leader.split()[3].startswith(f"{host}:")
+
+    store_env = {**os.environ, **client_env(STORE_HOST), **rendered_env(plans["pool-a"], "pool-a-store")}
+    processes.start("store", rendered(plans["pool-a"], "pool-a-store", STORE_HOST), store_env)
+    await eventually(
+        lambda: capacity(hosts["pool-a"], metrics_port) >= SEGMENT, timeout=60, what="pool-a's store mounted"
+    )
+    assert capacity(hosts["pool-b"], metrics_port) == 0
+
+    consumer = {pool: consumer_settings(plan, "127.0.0.5") for pool, plan in plans.items()}
+    assert consumer["pool-a"]["cluster_id"] != consumer["pool-b"]["cluster_id"]
+    put = await asyncio.to_thread(consumer_probe, consumer["pool-a"], "put")
+    assert put.returncode == 0, put.stdout[-1000:] + put.stderr[-3000:]
+    assert put.stdout.split()[-2:] == ["0", "1"]  # stored, and pool-a's leader has it
+    other = await asyncio.to_thread(consumer_probe, consumer["pool-b"], "exists")
+    assert other.returncode == 0, other.stderr[-3000:]
+    assert other.stdout.split()[-1] == "0"  # pool-b's leader has not
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.asyncio
 async def test_mooncake_takes_semicolons_between_etcd_endpoints_too(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -296,3 +297,17 @@ def test_a_pool_that_runs_its_master_needs_an_image_and_the_policy_may_forbid_ex
     assert [(p.field, p.rule) for p in forbidden.problems] == [("spec.external", "external-pools-forbidden")]
     # Nothing was planned: an invalid spec changes nothing.
     assert forbidden.children == [] and forbidden.absent == []
+
+
+def test_an_external_cluster_id_needs_an_etcd_address() -> None:
+    assert problems(external_spec(clusterId="shared.pool")) == [
+        ("spec.external.clusterId", "cluster-id-needs-etcd")
+    ]
+    plan = build_plan(
+        "pool",
+        "ns",
+        external_spec(masterServerAddress="etcd://etcd.shared.svc:2379", clusterId="shared.pool"),
+    )
+    assert plan.problems == []
+    kv = json.loads(plan.consumers[0].kv_transfer_config)
+    assert kv["kv_connector_extra_config"]["cluster_id"] == "shared.pool"

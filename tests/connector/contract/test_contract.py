@@ -163,6 +163,18 @@ def test_a_client_process_gets_the_mooncake_environment() -> None:
     mooncake_env.configure_client_process("127.0.0.1", timed, store_timeout_s=7)
     assert timed["MC_RPC_TIMEOUT_MS"] == "7000"
     assert timed["MC_TCP_PROGRESS_TIMEOUT_SEC"] == timed["MC_TCP_STATUS_TIMEOUT_SEC"] == "7"
+    clustered: dict[str, str] = {}
+    mooncake_env.configure_client_process("127.0.0.1", clustered, cluster_id="team-a.pool")
+    assert clustered["MC_STORE_CLUSTER_ID"] == "team-a.pool"
+    assert mooncake_env.client_env("127.0.0.1", "team-a.pool") == clustered
+
+
+@pytest.mark.parametrize("cluster_id", ["team a", "a/b", "x" * 129, "pool\n"])
+def test_a_cluster_id_names_an_etcd_key_or_is_refused(cluster_id: str) -> None:
+    with pytest.raises(SettingsError, match="cluster_id"):
+        ConnectorSettings.parse({"master_server_address": "etcd://e:2379", "cluster_id": cluster_id})
+    ok = ConnectorSettings.parse({"master_server_address": "etcd://e:2379", "cluster_id": "team-a.pool_1"})
+    assert ok.cluster_id == "team-a.pool_1"
 
 
 def test_extra_config_overrides_config_file(tmp_path) -> None:
