@@ -140,6 +140,17 @@ def check_store(spec: PoolSpec) -> list[Problem]:
                 f"set at least {format_bytes(needed)}",
             )
         )
+    request = spec.store.resources.requests.get("memory")
+    if limit is None and request is not None and parse_quantity(request) > needed:
+        problems.append(
+            _problem(
+                "spec.store.resources.requests.memory",
+                "request-over-limit",
+                f"request {request} is above the memory limit the operator sets without one "
+                f"({format_bytes(needed)}: the segment plus the client's overhead): set "
+                "spec.store.resources.limits.memory too, or request less",
+            )
+        )
     return problems + check_disk_tier(spec)
 
 

@@ -179,6 +179,22 @@ def test_a_request_above_its_limit_is_refused() -> None:
     assert ("spec.master.resources.requests.memory", "request-over-limit") in problems(raw)
 
 
+def test_a_store_request_above_the_limit_the_operator_sets_is_refused() -> None:
+    """Without a memory limit the store gets segment + overhead as its limit: a larger request
+    would be a Deployment the API server refuses on every write, so the spec is refused first."""
+    raw = pool_spec(store={"segmentSize": "1GB", "resources": {"requests": {"memory": "8Gi"}}})
+    (problem,) = build_plan("pool", "ns", raw).problems
+    assert (problem.field, problem.rule) == ("spec.store.resources.requests.memory", "request-over-limit")
+    assert "1536Mi" in str(problem) and "limits.memory" in str(problem)
+    fits = {"segmentSize": "1GB", "resources": {"requests": {"memory": "1536Mi"}}}
+    assert problems(pool_spec(store=fits)) == []
+    with_limit = {
+        "segmentSize": "1GB",
+        "resources": {"requests": {"memory": "8Gi"}, "limits": {"memory": "8Gi"}},
+    }
+    assert problems(pool_spec(store=with_limit)) == []
+
+
 def test_the_operators_policy_caps_images_and_replicas() -> None:
     from kvpool.operator.policy import OperatorPolicy
 
