@@ -3,6 +3,7 @@ operator's own CLI serves (its flags parsed by the operator's own parser)."""
 
 from __future__ import annotations
 
+import re
 from importlib import metadata
 from typing import Any
 from urllib.parse import urlsplit
@@ -130,11 +131,11 @@ def test_the_webhook_with_cert_manager(helm: Helm) -> None:
     )
     (volume,) = [v for v in pod["volumes"] if v["name"] == "webhook-tls"]
 
-    certificate = one(objects, "Certificate")
-    assert certificate["spec"]["secretName"] == volume["secret"]["secretName"]
-    issuer = one(objects, "Issuer")
-    assert certificate["spec"]["issuerRef"]["name"] == issuer["metadata"]["name"]
-    assert issuer["spec"] == {"selfSigned": {}}
+    (certificate,) = [
+        c
+        for c in of_kind(objects, "Certificate")
+        if c["spec"]["secretName"] == volume["secret"]["secretName"]
+    ]
 
     service = one(objects, "Service")
     assert {"name": "webhook", "port": 443, "targetPort": "webhook", "protocol": "TCP"} in service["spec"][
@@ -144,8 +145,6 @@ def test_the_webhook_with_cert_manager(helm: Helm) -> None:
     assert dns in certificate["spec"]["dnsNames"] and hook.host == dns
 
     configuration = one(objects, "ValidatingWebhookConfiguration")
-    namespace, name = configuration["metadata"]["annotations"]["cert-manager.io/inject-ca-from"].split("/")
-    assert (namespace, name) == (certificate["metadata"]["namespace"], certificate["metadata"]["name"])
     (webhook,) = configuration["webhooks"]
     assert webhook["clientConfig"]["service"] == {
         "name": service["metadata"]["name"],
@@ -165,6 +164,89 @@ def test_the_webhook_with_cert_manager(helm: Helm) -> None:
         {"key": "kubernetes.io/metadata.name", "operator": "In", "values": [NAMESPACE]}
     ]
     assert webhook["sideEffects"] == "None" and webhook["failurePolicy"] == "Fail"
+
+
+INJECT_CA_FROM = "cert-manager.io/inject-ca-from"
+WEBHOOK_CONFIGURATIONS = ("ValidatingWebhookConfiguration", "MutatingWebhookConfiguration")
+
+
+def seconds(duration: str) -> float:
+    """A Go duration of the chart's values (e.g. ``8760h``, ``1h30m``) in seconds."""
+    units = {"h": 3600, "m": 60, "s": 1, "ms": 0.001}
+    parts = re.findall(r"([0-9]+)(ms|s|m|h)", duration)
+    assert parts and "".join(n + u for n, u in parts) == duration, duration
+    return sum(int(number) * units[unit] for number, unit in parts)
+
+
+def injected_from(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    """The one Certificate whose CA cert-manager injects into both webhook configurations."""
+    named = set()
+    for kind in WEBHOOK_CONFIGURATIONS:
+        namespace, name = one(objects, kind)["metadata"]["annotations"][INJECT_CA_FROM].split("/")
+        assert namespace == NAMESPACE
+        named.add(name)
+    (name,) = named
+    return one(objects, "Certificate", name)
+
+
+def test_the_webhook_trusts_a_ca_that_outlives_serving_certificate_renewals(helm: Helm) -> None:
+    """cert-manager writes a renewed serving certificate into its Secret; the operator serves the
+    old one until the kubelet updates the mounted Secret and kopf reloads it (a minute or two).
+    The caBundle must be a CA that signed both, never the serving certificate itself: injected
+    from it, a renewal made the API server refuse the old certificate, and with failurePolicy
+    Fail every pool change and opted-in Pod, until the reload."""
+    objects = webhook_case(helm, "webhook-cert-manager-values.yaml")
+    pod, _ = operator_container(objects)
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "webhook-tls"]
+    mounted = volume["secret"]["secretName"]
+
+    ca = injected_from(objects)
+    assert ca["spec"]["isCA"] is True
+    assert ca["spec"]["secretName"] != mounted
+    (serving,) = [c for c in of_kind(objects, "Certificate") if c["spec"]["secretName"] == mounted]
+    assert serving["metadata"]["name"] != ca["metadata"]["name"] and not serving["spec"].get("isCA")
+
+    # self-signed Issuer -> CA Certificate -> CA Issuer -> serving Certificate
+    issuers = {i["metadata"]["name"]: i for i in of_kind(objects, "Issuer")}
+    assert serving["spec"]["issuerRef"]["kind"] == "Issuer"
+    assert issuers[serving["spec"]["issuerRef"]["name"]]["spec"] == {
+        "ca": {"secretName": ca["spec"]["secretName"]}
+    }
+    assert ca["spec"]["issuerRef"]["kind"] == "Issuer"
+    assert issuers[ca["spec"]["issuerRef"]["name"]]["spec"] == {"selfSigned": {}}
+    assert len(issuers) == 2
+    # The CA lives longer than the certificates it signs and keeps its key when renewed, so
+    # they stay valid against the renewed CA.
+    assert seconds(ca["spec"]["duration"]) > seconds(serving["spec"]["duration"])
+    assert ca["spec"]["privateKey"]["rotationPolicy"] == "Never"
+    assert ca["spec"]["commonName"]
+
+
+def test_a_ca_that_would_not_outlive_its_certificates_fails_the_render(helm: Helm) -> None:
+    sets = ["webhook.enabled=true", "webhook.certManager.duration=2160h"]
+    for ca_duration in ("2160h", "90m", "2159h59m59s"):
+        with pytest.raises(AssertionError, match=r"webhook.certManager.caDuration \(.*\) must be longer"):
+            helm.template(sets=[*sets, f"webhook.certManager.caDuration={ca_duration}"])
+    objects = helm.template(sets=[*sets, "webhook.certManager.caDuration=2160h0m1s"])
+    assert injected_from(objects)["spec"]["duration"] == "2160h0m1s"
+
+
+def test_the_webhook_with_an_issuer_of_your_own(helm: Helm) -> None:
+    """An issuerRef of your own (a CA or Vault issuer) signs the serving certificate; its Secret's
+    ca.crt is then that issuer's CA, injected from the serving Certificate. The chart makes no
+    issuer of its own, and its CA's duration is not asked about."""
+    objects = helm.template(
+        sets=[
+            "webhook.enabled=true",
+            "webhook.certManager.issuerRef.name=corp-ca",
+            "webhook.certManager.issuerRef.kind=ClusterIssuer",
+            "webhook.certManager.caDuration=1h",
+        ]
+    )
+    assert of_kind(objects, "Issuer") == []
+    serving = one(objects, "Certificate")
+    assert serving["spec"]["issuerRef"] == {"name": "corp-ca", "kind": "ClusterIssuer"}
+    assert injected_from(objects) == serving
 
 
 def test_the_webhook_with_a_certificate_of_your_own(helm: Helm) -> None:

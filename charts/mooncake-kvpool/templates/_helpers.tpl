@@ -97,6 +97,33 @@ app.kubernetes.io/managed-by: {{ $root.Release.Service }}
 {{- end }}
 {{- end }}
 
+{{/* The chart's webhook CA: its Certificate, Secret and Issuer share this name. */}}
+{{- define "kvpool.webhookCAName" -}}
+{{- printf "%s-webhook-ca" (include "kvpool.fullname" .) }}
+{{- end }}
+
+{{/* The Certificate whose CA cert-manager injects into the webhook configurations: the
+chart's CA (never the serving certificate, which is renewed more often), or with an issuerRef
+of your own the serving Certificate (its Secret's ca.crt: the issuer's CA). */}}
+{{- define "kvpool.webhookCAFrom" -}}
+{{- if .Values.webhook.certManager.issuerRef }}
+{{- printf "%s-webhook" (include "kvpool.fullname" .) }}
+{{- else }}
+{{- include "kvpool.webhookCAName" . }}
+{{- end }}
+{{- end }}
+
+{{/* Whole seconds in a Go duration such as "8760h" or "1h30m" (the schema's pattern). */}}
+{{- define "kvpool.durationSeconds" -}}
+{{- $ms := 0 }}
+{{- $units := dict "h" 3600000 "m" 60000 "s" 1000 "ms" 1 }}
+{{- range regexFindAll "[0-9]+(ms|s|m|h)" . -1 }}
+{{- $number := regexFind "^[0-9]+" . }}
+{{- $ms = add $ms (mul ($number | int64) (get $units (trimPrefix $number .))) }}
+{{- end }}
+{{- div $ms 1000 }}
+{{- end }}
+
 {{/* Where a monitor looks for pool objects: every namespace, or the watched ones. */}}
 {{- define "kvpool.monitorNamespaceSelector" -}}
 {{- if .Values.clusterWide }}
