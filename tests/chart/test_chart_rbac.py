@@ -142,6 +142,66 @@ def test_rbac_and_account_can_be_left_out(helm: Helm) -> None:
     assert one(objects, "Deployment")["spec"]["template"]["spec"]["serviceAccountName"] == "ops"
 
 
+DEFAULT_ACCOUNT_REFUSALS = [
+    pytest.param(
+        ["serviceAccount.create=false"],
+        "serviceAccount.create=false needs serviceAccount.name",
+        id="not-created-no-name",
+    ),
+    pytest.param(
+        ["serviceAccount.create=false", "clusterWide=true"],
+        "serviceAccount.create=false needs serviceAccount.name",
+        id="not-created-no-name-cluster-wide",
+    ),
+    pytest.param(
+        ["serviceAccount.create=false", "serviceAccount.name=default"],
+        "serviceAccount.name must not be default while rbac.create is true",
+        id="not-created-named-default",
+    ),
+    pytest.param(
+        ["serviceAccount.name=default"],
+        "serviceAccount.name must not be default while rbac.create is true",
+        id="created-named-default",
+    ),
+]
+
+
+@pytest.mark.parametrize(("sets", "message"), DEFAULT_ACCOUNT_REFUSALS)
+def test_the_operators_rights_are_never_bound_to_the_default_account(
+    helm: Helm, sets: list[str], message: str
+) -> None:
+    """Every Pod of a namespace that names no ServiceAccount runs as its ``default`` one:
+    bound to it, the operator's rights (create, patch and delete Deployments; everywhere with
+    clusterWide) would be every such Pod's. The render fails, naming the value to set."""
+    with pytest.raises(AssertionError, match=re.escape(message)) as refused:
+        helm.template(sets=sets)
+    assert "default ServiceAccount" in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    "sets",
+    [
+        pytest.param([], id="namespaced"),
+        pytest.param(["clusterWide=true"], id="cluster-wide"),
+        pytest.param(["webhook.enabled=true"], id="leader-election"),
+    ],
+)
+def test_an_account_of_your_own_is_the_one_bound(helm: Helm, sets: list[str]) -> None:
+    objects = helm.template(sets=[*sets, "serviceAccount.create=false", "serviceAccount.name=kvpool-ops"])
+    assert of_kind(objects, "ServiceAccount") == []
+    bindings = of_kind(objects, "RoleBinding") + of_kind(objects, "ClusterRoleBinding")
+    assert bindings
+    for binding in bindings:
+        assert binding["subjects"] == [
+            {"kind": "ServiceAccount", "name": "kvpool-ops", "namespace": NAMESPACE}
+        ]
+    assert one(objects, "Deployment")["spec"]["template"]["spec"]["serviceAccountName"] == "kvpool-ops"
+    # Without rbac.create the chart binds nothing: the account, default or not, is yours to grant.
+    unbound = helm.template(sets=[*sets, "serviceAccount.create=false", "rbac.create=false"])
+    assert of_kind(unbound, "RoleBinding") == of_kind(unbound, "ClusterRoleBinding") == []
+    assert one(unbound, "Deployment")["spec"]["template"]["spec"]["serviceAccountName"] == "default"
+
+
 def test_the_proof_bites(cluster_objects: list[dict[str, Any]], recordings: dict[str, Recording]) -> None:
     granted = rendered_grants(cluster_objects)
     fewer = {g for g in granted if (g.resource, g.verb) != ("deployments", "patch")}

@@ -40,12 +40,24 @@ app.kubernetes.io/version: {{ $root.Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ $root.Release.Service }}
 {{- end }}
 
+{{/* The operator's ServiceAccount. Never the namespace's "default" one when the chart binds
+the operator's rights: every Pod of the namespace that names no account runs as it. */}}
 {{- define "kvpool.serviceAccountName" -}}
-{{- if .Values.serviceAccount.create }}
-{{- default (include "kvpool.fullname" .) .Values.serviceAccount.name }}
-{{- else }}
-{{- default "default" .Values.serviceAccount.name }}
+{{- $name := .Values.serviceAccount.name }}
+{{- if and (not $name) .Values.serviceAccount.create }}
+{{- $name = include "kvpool.fullname" . }}
+{{- else if not $name }}
+{{- $name = "default" }}
 {{- end }}
+{{- if and .Values.rbac.create (eq $name "default") }}
+{{- $rights := "create, patch and delete Deployments, Services, ConfigMaps and NetworkPolicies; in every namespace with clusterWide=true" }}
+{{- if .Values.serviceAccount.name }}
+{{- fail (printf "serviceAccount.name must not be default while rbac.create is true: the bindings would give the operator's rights (%s) to every Pod running as the namespace's default ServiceAccount; name an account of the operator's own, or leave it empty with serviceAccount.create=true" $rights) }}
+{{- else }}
+{{- fail (printf "serviceAccount.create=false needs serviceAccount.name, an existing ServiceAccount of the operator's own: with no name the operator would run as the namespace's default ServiceAccount, and rbac.create=true would give its rights (%s) to every Pod running as it" $rights) }}
+{{- end }}
+{{- end }}
+{{- $name }}
 {{- end }}
 
 {{- define "kvpool.image" -}}
