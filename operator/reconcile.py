@@ -906,7 +906,10 @@ class Reconciler:
                 status = invalid_status(plan.problems, old, pool["metadata"].get("generation"), utcnow())
             # After the policy is applied: a grant says what the master was told.
             await write_grant_statuses(self.kube, name, grants, plan, utcnow(), observation, status)
-            status = await with_grants_elsewhere(self.kube, pool, status, plan, utcnow())
+            if plan.valid:
+                status = await with_grants_elsewhere(self.kube, pool, status, plan, utcnow())
+            elif GRANTS_ELSEWHERE in old:  # an invalid spec changes nothing it served elsewhere
+                status = {**status, GRANTS_ELSEWHERE: old[GRANTS_ELSEWHERE]}
         if status != old:
             await self.kube.patch(POOLS, namespace, name, {"status": diff(old, status)}, subresource="status")
             announce(old, status, notify)

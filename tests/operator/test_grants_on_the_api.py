@@ -278,6 +278,35 @@ async def test_a_grants_consumers_in_its_namespace_are_rolled_and_released_with_
     )
 
 
+async def test_an_invalid_spec_leaves_what_the_pool_wrote_in_other_namespaces(
+    cluster: Cluster, operator: Operator
+) -> None:
+    """An invalid spec changes nothing: the grant's consumers in another namespace keep their
+    ConfigMap (a restarted pod mounts it) and the pool keeps naming the grant it serves."""
+    tenant = TENANT_NAMESPACE
+    await create_shared_pool(cluster, tenant_deployment(tenant, "chat"))
+
+    def chat_rolled_out() -> bool:
+        cluster.settle()
+        consumers = cluster.pool_status("pool").get("consumers") or []
+        return any(c["name"] == f"{tenant}/chat" and c.get("rolledOut") for c in consumers)
+
+    await eventually(chat_rolled_out, what="team-b/chat rolled out")
+    assert cluster.pool_status("pool").get("grantsFromOtherNamespaces") == [f"{tenant}/llm"]
+    chat_flags = kv_flags(cluster.get(DEPLOYMENTS_PATH, "chat", tenant))
+    served = cluster.get(CONFIGMAPS_PATH, "pool-llm-connector", tenant)
+    assert chat_flags and served is not None
+
+    await cluster.patch_pool("pool", {"spec": {"master": {"replicas": 2}}})  # no HA: one master
+    await eventually(
+        lambda: cluster.condition("pool", "ConfigValid").get("status") == "False", what="the spec refused"
+    )
+    await cluster.quiet("pool")
+    assert cluster.get(CONFIGMAPS_PATH, "pool-llm-connector", tenant) == served
+    assert kv_flags(cluster.get(DEPLOYMENTS_PATH, "chat", tenant)) == chat_flags
+    assert cluster.pool_status("pool").get("grantsFromOtherNamespaces") == [f"{tenant}/llm"]
+
+
 async def test_deleting_the_pool_releases_the_grants_consumers_and_keeps_the_grant(
     cluster: Cluster, operator: Operator
 ) -> None:
