@@ -35,6 +35,7 @@ class Progress:
     observed: bool = False  # the controller saw this generation
     available: int = 0
     stalled: bool = False  # the controller gave up: its progress deadline passed
+    old: int = 0  # pods of an older template still running
 
 
 def stall_of(deployment: Mapping[str, Any]) -> str | None:
@@ -65,7 +66,7 @@ def deployment_progress(deployment: Mapping[str, Any] | None) -> Progress:
     old = status.get("replicas", updated) - updated
     if old > 0:
         return Progress(
-            False, f"{old} old replica(s) still running beside {updated} updated", True, available
+            False, f"{old} old replica(s) still running beside {updated} updated", True, available, old=old
         )
     if updated == available == desired:
         return Progress(True, f"{available}/{desired} replicas updated and available", True, available)
@@ -122,19 +123,22 @@ def merge_conditions(
 
 def phase_of(conditions: Sequence[Condition], external: bool = False) -> str:
     """``Invalid`` > ``Conflict`` > ``Error`` (the master should serve, by its Deployment or as
-    an external pool, and its own answer says it does not) > ``Degraded`` (ready, with fewer
-    stores than declared) > ``Ready`` > ``Progressing``."""
+    an external pool, or every HA master runs and none leads, and its own answer says it does
+    not) > ``Degraded`` (ready, with fewer stores than declared) > ``Ready`` > ``Progressing``."""
     by_type = {c.type: c.status for c in conditions}
+    reasons = {c.type: c.reason for c in conditions}
     if by_type.get("ConfigValid") == "False":
         return "Invalid"
     if by_type.get(CONFLICT) == "True":
         return "Conflict"
-    if by_type.get(OBSERVED) == "False" and (external or by_type.get("MasterReady") == "True"):
+    should_serve = (
+        external or by_type.get("MasterReady") == "True" or reasons.get("MasterReady") == "NoLeader"
+    )
+    if by_type.get(OBSERVED) == "False" and should_serve:
         return "Error"
     if all(by_type.get(kind) == "True" for kind in READY_CONDITIONS):
         return "Degraded" if by_type.get(DEGRADED) == "True" else "Ready"
     # A store down while others serve; not a pool whose stores are still starting (none mounted).
-    reasons = {c.type: c.reason for c in conditions}
     if by_type.get(DEGRADED) == "True" and reasons.get(DEGRADED) == "StoreDown":
         return "Degraded"
     return "Progressing"
@@ -251,8 +255,12 @@ def master_condition(
     unprotected: bool = False,
 ) -> Condition:
     """``MasterReady``: a leader serves. A single master serves once its Deployment is rolled
-    out; an HA pool needs its masters' own word that the leader serves. ``unprotected``: the
-    master is kept at 0 replicas, its NetworkPolicy cannot be applied."""
+    out; an HA pool needs its masters' own word that the leader serves, and no master of an
+    older template left (the leader may be one, without flags the consumers' new settings
+    need; one updated master not yet available does not hold it back). Without a leader:
+    ``NoLeader`` once every master runs and is available (the pool should serve: an
+    ``Error``), else ``Progressing``. ``unprotected``: the master is kept at 0 replicas, its
+    NetworkPolicy cannot be applied."""
     if unprotected:
         return condition("MasterReady", False, "NotProtected", NOT_PROTECTED)
     if blocked:
@@ -266,7 +274,15 @@ def master_condition(
         return condition("MasterReady", False, "Progressing", progress.message)
     if leader is None or not leader.serves:
         message = leader.message if leader is not None else "the leader was not asked"
-        return condition("MasterReady", False, "NoLeader", f"{message}; masters: {progress.message}")
+        reason = "NoLeader" if progress.done else "Progressing"
+        return condition("MasterReady", False, reason, f"{message}; masters: {progress.message}")
+    if progress.old:
+        return condition(
+            "MasterReady",
+            False,
+            "MastersRolling",
+            f"{leader.message}, but masters of the previous template still run: {progress.message}",
+        )
     return condition("MasterReady", True, "LeaderServes", f"{leader.message}; masters: {progress.message}")
 
 

@@ -146,11 +146,56 @@ def test_ha_master_ready_means_a_leader_serves() -> None:
     warming = ready(LeaderView(False, "the leader at 10.0.0.7:50051 does not serve yet (leader_warmup)"))
     assert (warming["status"], warming["reason"]) == ("False", "NoLeader")
     assert "leader_warmup" in warming["message"]
-    # A leader serves while one master of three rolls: ready (masters roll one at a time).
-    one_rolling = deployment(replicas=3, updated=1, available=2)
-    rolling = ready(LeaderView(True, "the leader at x serves"), one_rolling)
-    assert rolling["status"] == "True" and "1 updated, 2 available of 3" in rolling["message"]
+    # Every master of the current template, one not yet available: ready.
+    one_starting = deployment(replicas=3, updated=3, available=2)
+    starting = ready(LeaderView(True, "the leader at x serves"), one_starting)
+    assert starting["status"] == "True" and "3 updated, 2 available of 3" in starting["message"]
     assert ready(LeaderView(True, "x"), deployment(observed=1))["reason"] == "Progressing"
+    # Masters of the previous template still run: the leader may be one of them, without the
+    # flags the consumers' new settings need, and it is to be replaced: not ready.
+    one_rolled = deployment(replicas=3, updated=1, available=3)
+    one_rolled["status"]["replicas"] = 3
+    rolling = ready(LeaderView(True, "the leader at x serves"), one_rolled)
+    assert (rolling["status"], rolling["reason"]) == ("False", "MastersRolling")
+    assert "2 old replica(s)" in rolling["message"]
+    # No leader while the masters are still starting: progressing, not a fault.
+    early = ready(LeaderView(False, "no leader yet"), deployment(replicas=3, updated=3, available=1))
+    assert (early["status"], early["reason"]) == ("False", "Progressing")
+
+
+def test_an_ha_pool_whose_masters_run_and_none_leads_is_an_error() -> None:
+    """etcd lost quorum, say: every master runs and answers, none leads: ``Error`` (it said
+    ``Progressing``, so ``KVPoolError`` never fired), but not while the masters start."""
+    from kvpool.operator.capacity import apply_observation
+    from kvpool.operator.leader import LeaderView
+    from kvpool.operator.observation import Observation
+
+    def status_of(master: dict[str, Any]) -> dict[str, Any]:
+        return valid_status(
+            master_address="etcd://e:2379",
+            master=master,
+            store=deployment(),
+            embedded=False,
+            consumers=[],
+            old={},
+            generation=1,
+            now="t",
+            ha=True,
+            leader=LeaderView(False, "no master leads"),
+        )
+
+    poll = Observation(at="t", problem="no master leads", reason="NoLeader")
+    running = status_of(deployment(replicas=3, updated=3, available=3))
+    observed = apply_observation(running, running, poll, asked=True, external=False, expected=2, now="t")
+    assert observed["phase"] == "Error"
+    # The next pass (its status, then the same poll's) keeps it.
+    again = apply_observation(running, observed, poll, asked=True, external=False, expected=2, now="t2")
+    assert again["phase"] == "Error"
+    starting = status_of(deployment(replicas=3, updated=3, available=1))
+    assert (
+        apply_observation(starting, starting, poll, asked=True, external=False, expected=2, now="t")["phase"]
+        == "Progressing"
+    )
 
 
 def test_conflicts_name_each_object_and_block_ready() -> None:
