@@ -223,6 +223,8 @@ def master_args(spec: PoolSpec, cluster_id: str = "") -> list[str]:
         ]
         if cluster_id:
             args.append(f"--cluster_id={cluster_id}")
+        if master.ha.replicate_index:
+            args.append("--enable_oplog=true")
     if spec.tenancy.enabled:
         args += tenant_policy.master_args(f"{names.TENANTS_MOUNT_PATH}/{tenant_policy.POLICY_FILE}")
     return args + master_tier_args(spec) + list(master.extra_args)

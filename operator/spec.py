@@ -192,6 +192,12 @@ class HASpec(_Model):
         description="Labels of the etcd pods, when they run in the pool's namespace: a NetworkPolicy "
         "then lets only this pool's pods (and the etcd members) reach them.",
     )
+    replicate_index: bool = Field(
+        default=True,
+        description="The leader writes every change of the pool's index to etcd (Mooncake's "
+        "OpLog, --enable_oplog) and the standbys replay it, so a failover keeps the pool's "
+        "objects. Off: etcd only elects, and a new leader starts with an empty pool.",
+    )
     cluster_id: str = Field(
         default="",
         pattern=CLUSTER_ID_PATTERN,

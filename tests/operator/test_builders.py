@@ -85,6 +85,7 @@ def test_ha_master_uses_etcd_and_rolls() -> None:
     assert "--ha_backend_type=etcd" in args
     assert "--etcd_endpoints=etcd-0:2379,etcd-1:2379" in args
     assert "--rpc_address=$(POD_IP)" in args
+    assert "--enable_oplog=true" in args  # standbys replay the leader's index
     assert plan.master_address == "etcd://etcd-0:2379,etcd-1:2379"
     kv = json.loads(plan.consumers[0].kv_transfer_config)
     assert kv["kv_connector_extra_config"]["master_server_address"] == plan.master_address
@@ -106,6 +107,14 @@ def test_an_ha_pool_names_its_election_for_masters_stores_and_consumers(
     assert {"name": "MC_STORE_CLUSTER_ID", "value": cluster_id} in store_env
     kv = json.loads(plan.consumers[0].kv_transfer_config)
     assert kv["kv_connector_extra_config"]["cluster_id"] == cluster_id
+
+
+def test_an_ha_pool_may_elect_through_etcd_only() -> None:
+    raw = pool_spec(
+        master={"replicas": 2, "ha": {"enabled": True, "etcdEndpoints": ["e:2379"], "replicateIndex": False}}
+    )
+    args = container(children(raw)["Deployment/pool-master"])["args"]
+    assert "--enable_ha=true" in args and not any(a.startswith("--enable_oplog") for a in args)
 
 
 def test_a_single_master_pool_names_no_cluster() -> None:

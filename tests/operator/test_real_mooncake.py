@@ -265,8 +265,15 @@ def start_masters(processes: Processes, plan: Plan) -> None:
         processes.start(f"master-{host}", rendered(plan, "pool-master", host) + loopback)
 
 
+def rendered_env(plan: Plan, deployment: str) -> dict[str, str]:
+    """The literal env entries of the Deployment's container."""
+    (child,) = [c for c in plan.children if c["kind"] == "Deployment" and c["metadata"]["name"] == deployment]
+    (container,) = child["spec"]["template"]["spec"]["containers"]
+    return {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
+
+
 def start_store(processes: Processes, plan: Plan) -> None:
-    env = {**os.environ, **client_env(STORE_HOST)}
+    env = {**os.environ, **client_env(STORE_HOST), **rendered_env(plan, "pool-store")}
     processes.start("store", rendered(plan, "pool-store", STORE_HOST), env)
 
 
@@ -307,7 +314,7 @@ def capacity(host: str, metrics_port: int) -> float:
     return 0.0
 
 
-def client_reaches_the_leader(master_address: str) -> subprocess.CompletedProcess[str]:
+def client_reaches_the_leader(master_address: str, cluster_id: str) -> subprocess.CompletedProcess[str]:
     """A Mooncake client given ``master_server_address`` sets up and asks the leader about a key.
 
     Metadata only: two runs at once on this machine may race for the same transfer port
@@ -320,7 +327,7 @@ def client_reaches_the_leader(master_address: str) -> subprocess.CompletedProces
         f"assert {setup} == 0, 'setup failed'\n"
         "assert s.is_exist('kvpool-ha-probe') == 0, 'the leader did not answer'\n"
     )
-    env = {**os.environ, **client_env("127.0.0.5")}
+    env = {**os.environ, **client_env("127.0.0.5", cluster_id)}
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
 
 
@@ -359,21 +366,23 @@ async def test_an_ha_pool_runs_as_rendered_and_is_ready_once_a_leader_serves(
         timeout=60,
         what="the store's segment mounted",
     )
-    result = await asyncio.to_thread(client_reaches_the_leader, plan.master_address)
+    settings = consumer_settings(plan, "127.0.0.5")
+    result = await asyncio.to_thread(client_reaches_the_leader, plan.master_address, settings["cluster_id"])
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:] + processes.log("store")
+    # A consumer, with the settings the pool's ConfigMap gives it, stores an object.
+    put = await asyncio.to_thread(consumer_probe, settings, "put")
+    assert put.returncode == 0, put.stdout[-1000:] + put.stderr[-3000:]
+    assert put.stdout.split()[-2:] == ["0", "1"]
 
     # The leader dies: the standby takes over, and the check finds it.
     processes.stop(f"master-{leading_host}")
     survivor = next(h for h in MASTER_HOSTS if h != leading_host)
     new_leader = await serving_leader(metrics_port, hosts=(survivor,))
     assert survivor in new_leader
-
-
-def rendered_env(plan: Plan, deployment: str) -> dict[str, str]:
-    """The literal env entries of the Deployment's container."""
-    (child,) = [c for c in plan.children if c["kind"] == "Deployment" and c["metadata"]["name"] == deployment]
-    (container,) = child["spec"]["template"]["spec"]["containers"]
-    return {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
+    # It replayed the leader's index (the OpLog): the object is still there, with its bytes.
+    kept = await asyncio.to_thread(consumer_probe, settings, "read")
+    assert kept.returncode == 0, kept.stdout[-1000:] + kept.stderr[-3000:] + processes.log("store")
+    assert kept.stdout.split()[-2:] == ["1", "4096"]
 
 
 def consumer_settings(plan: Plan, host: str) -> dict[str, Any]:
@@ -397,6 +406,9 @@ try:
     if sys.argv[2] == "put":
         print(put_bytes(client, "kvpool-ha-probe", b"x" * 4096))
     print(raw_store(client).is_exist("kvpool-ha-probe"))
+    if sys.argv[2] == "read":
+        value = raw_store(client).get("kvpool-ha-probe")
+        print(len(value) if value == b"x" * len(value) else -1)
 finally:
     client.close()
 """
@@ -405,7 +417,7 @@ finally:
 def consumer_probe(settings: dict[str, Any], action: str) -> subprocess.CompletedProcess[str]:
     """The connector's own client, in a process of its own (Mooncake joins one etcd and one
     cluster id per process), given ``settings``: ``put`` a probe object (prints its code), then
-    print whether it exists."""
+    print whether it exists; ``read`` also prints its length (-1 if not the bytes put)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     return subprocess.run(
         [sys.executable, "-c", CONSUMER_PROBE, json.dumps(settings), action],
@@ -468,7 +480,8 @@ async def test_mooncake_takes_semicolons_between_etcd_endpoints_too(
     assert f"--etcd_endpoints={joined}" in args
     processes.start("master", [*args, f"--metrics_host={host}", f"--http_metadata_server_host={host}"])
     await serving_leader(metrics_port, hosts=(host,))
-    result = await asyncio.to_thread(client_reaches_the_leader, f"etcd://{joined}")
+    cluster_id = consumer_settings(plan, "127.0.0.5")["cluster_id"]
+    result = await asyncio.to_thread(client_reaches_the_leader, f"etcd://{joined}", cluster_id)
     assert result.returncode == 0, result.stderr[-3000:]
 
 
