@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -87,6 +88,22 @@ def parse_size(value: Any) -> int:
     )
 
 
+def _address(value: str) -> str:
+    """An address handed to Mooncake as it is: not empty, no whitespace anywhere."""
+    if not value.strip():
+        raise ValueError("an address cannot be empty or blank")
+    if any(c.isspace() for c in value):
+        raise ValueError(f"{value[:70]!r} is not an address: it holds whitespace")
+    return value
+
+
+def _address_or_empty(value: str) -> str:
+    return _address(value) if value else value
+
+
+Address = Annotated[str, AfterValidator(_address)]
+AddressOrEmpty = Annotated[str, AfterValidator(_address_or_empty)]
+
 MAX_SIZE = 2**63 - 1  # Mooncake takes sizes as 64-bit integers
 
 Size = Annotated[int, BeforeValidator(parse_size), Field(ge=0, le=MAX_SIZE)]
@@ -116,11 +133,11 @@ class ConnectorSettings(BaseModel):
         pattern=r"\S",
         description="host:port of the Mooncake master, or etcd://host:port[,...] for HA.",
     )
-    metadata_server: str = Field(default="P2PHANDSHAKE", description="Transfer-engine metadata server.")
+    metadata_server: Address = Field(default="P2PHANDSHAKE", description="Transfer-engine metadata server.")
     protocol: Literal["tcp", "rdma"] = "tcp"
     device_name: str = Field(default="", description="RDMA device(s), required for rdma.")
-    local_hostname: str = Field(default="127.0.0.1", description="Address this client serves on.")
-    bind_address: str = Field(
+    local_hostname: Address = Field(default="127.0.0.1", description="Address this client serves on.")
+    bind_address: AddressOrEmpty = Field(
         default="",
         description="MC_TCP_BIND_ADDRESS of this client's process (empty: local_hostname).",
     )

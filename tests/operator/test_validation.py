@@ -9,6 +9,7 @@ import pytest
 
 from kvpool.connector.contract.layout import KVLayout, check
 from kvpool.operator.plan import build_plan
+from kvpool.operator.status import condition_of, invalid_status
 from kvpool.operator.validation import admission_problems
 from testing.operator_objects import full_group, layout, pool_manifest, pool_spec
 
@@ -149,6 +150,27 @@ def test_the_webhook_uses_the_same_messages() -> None:
     message = admission_problems(pool_manifest(spec=raw))
     assert message == str(build_plan("pool", "team-a", raw).problems[0])
     assert admission_problems(pool_manifest()) is None
+
+
+@pytest.mark.parametrize(
+    ("connector", "field"),
+    [
+        ({"metadata_server": ""}, "spec.connector.metadata_server"),
+        ({"metadata_server": "   "}, "spec.connector.metadata_server"),
+    ],
+)
+def test_connector_settings_the_contract_refuses_leave_the_pool_invalid(
+    connector: dict[str, Any], field: str
+) -> None:
+    """No store pod gets ``--metadata_server=``: the spec is ConfigValid=False, naming the field."""
+    raw = pool_spec(connector=connector)
+    plan = build_plan("pool", "ns", raw)
+    assert [p.field for p in plan.problems] == [field]
+    assert plan.children == [] and plan.consumers == []
+    status = invalid_status(plan.problems, {}, 1, "t1")
+    valid = condition_of(status, "ConfigValid")
+    assert valid["status"] == "False" and field in valid["message"]
+    assert admission_problems(pool_manifest(spec=raw)) == str(plan.problems[0])
 
 
 def test_webhook_lets_metadata_updates_and_deletions_through() -> None:
