@@ -14,7 +14,6 @@ import json
 import os
 import re
 from collections.abc import Mapping
-from decimal import Decimal
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -33,6 +32,7 @@ from kvpool.connector.contract.errors import error_message
 from kvpool.connector.contract.intree_config import IntreeConfigError, explain, from_config_file
 from kvpool.connector.contract.layout import KVLayout, fingerprint
 from kvpool.connector.contract.mooncake_env import CONFIG_PATH_ENV
+from kvpool.connector.contract.sizes import MAX_SIZE, parse_size
 
 MAX_BATCH_KEYS = 1000
 MAX_TIMEOUT_S = 3600.0
@@ -42,22 +42,6 @@ MAX_TRANSFER_TIMEOUT_S = 30.0
 CONNECTOR_NAME = "KVPoolConnector"
 CONNECTOR_MODULE = "kvpool.connector"
 
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1 << 10,
-    "kb": 1 << 10,
-    "kib": 1 << 10,
-    "m": 1 << 20,
-    "mb": 1 << 20,
-    "mib": 1 << 20,
-    "g": 1 << 30,
-    "gb": 1 << 30,
-    "gib": 1 << 30,
-    "t": 1 << 40,
-    "tb": 1 << 40,
-    "tib": 1 << 40,
-}
 # A tenant names a Mooncake tenant and prefixes keys: a DNS label, as a Kubernetes name
 # is (Mooncake itself takes any printable string that does not start with '_').
 _TENANT_RE = re.compile(r"^[a-z0-9]([a-z0-9.-]{0,61}[a-z0-9])?$")
@@ -65,27 +49,13 @@ TENANT_RULE = (
     "1-63 lowercase letters, digits, '.' or '-', starting and ending with a letter or digit "
     "(empty: no tenant)"
 )
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
-def parse_size(value: Any) -> int:
-    """Bytes from an int or a string such as ``"4GB"``, ``"512 MiB"``, ``"1024"``.
-
-    Units are binary (1 GB = 2**30 bytes), as in Mooncake's own config.
-    """
+def _not_a_bool(value: Any) -> Any:
+    """Refuse ``true``/``false`` where a number is due (pydantic would read them as 1 and 0)."""
     if isinstance(value, bool):
-        raise ValueError("a size must be a number of bytes or a string like '4GB'")
-    if isinstance(value, int):
-        return value
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    if isinstance(value, str) and len(value) <= 64:
-        match = _SIZE_RE.match(value)
-        if match and match.group(2).lower() in _UNITS:
-            return int(Decimal(match.group(1)) * _UNITS[match.group(2).lower()])
-    raise ValueError(
-        f"{value[:40] if isinstance(value, str) else value!r} is not a size: use bytes or a string like '4GB'"
-    )
+        raise ValueError(f"{str(value).lower()} is a boolean, not a number")
+    return value
 
 
 def _address(value: str) -> str:
@@ -101,10 +71,11 @@ def _address_or_empty(value: str) -> str:
     return _address(value) if value else value
 
 
+Int = Annotated[int, BeforeValidator(_not_a_bool)]
+Float = Annotated[float, BeforeValidator(_not_a_bool)]
 Address = Annotated[str, AfterValidator(_address)]
 AddressOrEmpty = Annotated[str, AfterValidator(_address_or_empty)]
 
-MAX_SIZE = 2**63 - 1  # Mooncake takes sizes as 64-bit integers
 
 Size = Annotated[int, BeforeValidator(parse_size), Field(ge=0, le=MAX_SIZE)]
 
@@ -168,38 +139,38 @@ class ConnectorSettings(BaseModel):
         default=False,
         description="Also save blocks completed while decoding (off: a request saves its prompt's blocks).",
     )
-    batch_size: int = Field(default=256, ge=1, le=MAX_BATCH_KEYS, description="Keys per Mooncake batch call.")
+    batch_size: Int = Field(default=256, ge=1, le=MAX_BATCH_KEYS, description="Keys per Mooncake batch call.")
     model_id: str = Field(
         default="", description="Model identity for the layout fingerprint (default: vLLM's)."
     )
     # Deadlines: no wait on the pool is unbounded.
-    lookup_timeout_s: float = Field(
+    lookup_timeout_s: Float = Field(
         default=1.0, gt=0, le=MAX_TIMEOUT_S, description="Longest a lookup waits; past it, a miss."
     )
-    lookup_budget_ms: float = Field(
+    lookup_budget_ms: Float = Field(
         default=5.0,
         ge=0,
         le=1000,
         description="Longest one scheduler step waits for its new requests' lookups before it "
         "defers the rest a step (0: always defer; a late answer is taken the next step).",
     )
-    load_timeout_s: float = Field(
+    load_timeout_s: Float = Field(
         default=5.0,
         gt=0,
         le=MAX_TRANSFER_TIMEOUT_S,
         description="Longest a load waits for its next batch; past it, the load fails and the "
         "request recomputes.",
     )
-    save_timeout_s: float = Field(
+    save_timeout_s: Float = Field(
         default=5.0,
         gt=0,
         le=MAX_TRANSFER_TIMEOUT_S,
         description="Longest a save may take to publish; past it, it is abandoned and publishes nothing.",
     )
-    shutdown_timeout_s: float = Field(
+    shutdown_timeout_s: Float = Field(
         default=10.0, gt=0, le=MAX_TIMEOUT_S, description="Longest shutdown waits for saves in flight."
     )
-    store_timeout_s: int = Field(
+    store_timeout_s: Int = Field(
         default=10,
         ge=1,
         le=int(MAX_TIMEOUT_S),
@@ -212,7 +183,7 @@ class ConnectorSettings(BaseModel):
         description="Registered buffer per transfer thread that blocks move through (bytes a call).",
     )
     # How a worker moves blocks (defaults measured on a 2-core CPU node: benchmarks.transfer).
-    transfer_threads: int = Field(
+    transfer_threads: Int = Field(
         default=4,
         ge=1,
         le=64,
@@ -236,7 +207,7 @@ class ConnectorSettings(BaseModel):
         "Their block hashes are not collision resistant: a crafted prompt could place its KV under "
         "another prompt's key for every engine of the pool. Off: such an engine does not start.",
     )
-    idle_step_wait_s: float = Field(
+    idle_step_wait_s: Float = Field(
         default=0.005,
         gt=0,
         le=1.0,
@@ -248,14 +219,14 @@ class ConnectorSettings(BaseModel):
         description="auto: load a hit only when loading it is estimated faster than recomputing it; "
         "always: load every hit; never: recompute every hit (nothing is looked up).",
     )
-    load_margin: float = Field(
+    load_margin: Float = Field(
         default=0.1,
         ge=0,
         le=100,
         description="auto: a hit loads only when its estimated load time x (1 + margin) is at most "
         "its estimated recompute time.",
     )
-    load_decision_min_samples: int = Field(
+    load_decision_min_samples: Int = Field(
         default=4,
         ge=1,
         le=100_000,

@@ -157,6 +157,9 @@ def test_the_webhook_uses_the_same_messages() -> None:
     [
         ({"metadata_server": ""}, "spec.connector.metadata_server"),
         ({"metadata_server": "   "}, "spec.connector.metadata_server"),
+        ({"batch_size": True}, "spec.connector.batch_size"),
+        ({"idle_step_wait_s": True}, "spec.connector.idle_step_wait_s"),
+        ({"load_batch_bytes": "0.5"}, "spec.connector.load_batch_bytes"),
     ],
 )
 def test_connector_settings_the_contract_refuses_leave_the_pool_invalid(

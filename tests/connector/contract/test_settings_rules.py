@@ -8,9 +8,13 @@ from typing import Any
 
 import pytest
 
-from kvpool.connector.contract.settings import ConnectorSettings, SettingsError
+from kvpool.connector.contract.settings import ConnectorSettings, SettingsError, parse_size
 
 BASE = {"master_server_address": "m:1"}
+#: Every setting read as a number (byte sizes included).
+NUMERIC_FIELDS = sorted(
+    name for name, info in ConnectorSettings.model_fields.items() if info.annotation in (int, float)
+)
 
 
 def problems_of(**settings: Any) -> dict[str, str]:
@@ -41,3 +45,41 @@ def test_bind_address_may_be_empty_but_not_blank() -> None:
         {**BASE, "metadata_server": "etcd://10.0.0.2:2379", "local_hostname": "10.0.0.7"}
     )
     assert settings.mooncake_config()["metadata_server"] == "etcd://10.0.0.2:2379"
+
+
+# --- numbers ----------------------------------------------------------------------------
+
+
+def test_every_numeric_setting_is_covered() -> None:
+    assert {"batch_size", "store_timeout_s", "lookup_budget_ms", "global_segment_size"} <= set(NUMERIC_FIELDS)
+
+
+@pytest.mark.parametrize("field", NUMERIC_FIELDS)
+@pytest.mark.parametrize("value", [True, False])
+def test_a_boolean_is_not_a_number(field: str, value: bool) -> None:
+    problems = problems_of(**{field: value})
+    assert list(problems) == [field]
+    assert str(value).lower() in problems[field]
+
+
+def test_numbers_still_read_as_before() -> None:
+    settings = ConnectorSettings.parse(
+        {**BASE, "batch_size": 128, "store_timeout_s": 7, "lookup_budget_ms": 0, "load_margin": 1}
+    )
+    assert (settings.batch_size, settings.store_timeout_s, settings.lookup_budget_ms) == (128, 7, 0.0)
+    assert settings.load_margin == 1.0
+
+
+@pytest.mark.parametrize("text", ["0.5", "1.5", "0.3KB", "1.0000000000000000000000000000001", 0.5])
+def test_a_size_that_is_not_whole_bytes_is_refused(text: object) -> None:
+    with pytest.raises(ValueError, match="whole number of bytes"):
+        parse_size(text)
+    assert list(problems_of(load_batch_bytes=text)) == ["load_batch_bytes"]
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("1.5GB", 3 << 29), ("0.5KB", 512), ("2.0", 2), ("1.25 MiB", 5 << 18), (3.0, 3)],
+)
+def test_a_fraction_that_makes_whole_bytes_is_taken(text: object, expected: int) -> None:
+    assert parse_size(text) == expected
