@@ -15,6 +15,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from kvpool.connector.contract.sizes import parse_size
+
 logger = logging.getLogger(__name__)
 
 #: The in-tree default segment of ``mode: embedded`` when the file names none (4 GiB).
@@ -81,9 +83,15 @@ def _read_mode(out: dict[str, Any], source: str, problems: dict[str, str]) -> No
     if mode not in MODES:
         problems["mode"] = f"{mode!r} is not an in-tree mode ({' or '.join(MODES)})"
         return
-    segment = out.get("global_segment_size")
+    given = out.get("global_segment_size")
+    try:
+        # The size as the settings read it: "0GB" is 0 bytes, as 0 and "0" are.
+        segment = None if given is None else parse_size(given)
+    except ValueError as exc:
+        problems["global_segment_size"] = str(exc)
+        return
     if mode == "standalone-store":
-        if segment not in (None, 0, "0"):
+        if segment not in (None, 0):
             problems["mode"] = (
                 "'standalone-store' needs global_segment_size 0 (the store processes hold the memory)"
             )
@@ -99,7 +107,7 @@ def _read_mode(out: dict[str, Any], source: str, problems: dict[str, str]) -> No
             source,
         )
         return
-    if segment in (0, "0"):
+    if segment == 0:
         problems["mode"] = "'embedded' needs a global_segment_size above 0 (each vLLM process contributes it)"
         return
     logger.info("%s: in-tree setting mode=embedded read: global_segment_size as given", source)

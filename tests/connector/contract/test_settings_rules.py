@@ -4,10 +4,13 @@ in-tree ``mode`` read against the segment size as it parses."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from kvpool.connector.contract.mooncake_env import CONFIG_PATH_ENV
 from kvpool.connector.contract.settings import ConnectorSettings, SettingsError, parse_size
 
 BASE = {"master_server_address": "m:1"}
@@ -83,3 +86,37 @@ def test_a_size_that_is_not_whole_bytes_is_refused(text: object) -> None:
 )
 def test_a_fraction_that_makes_whole_bytes_is_taken(text: object, expected: int) -> None:
     assert parse_size(text) == expected
+
+
+# --- in-tree mode -----------------------------------------------------------------------
+
+
+def from_file(tmp_path: Path, **data: object) -> ConnectorSettings:
+    path = tmp_path / "mooncake.json"
+    path.write_text(json.dumps({**BASE, **data}))
+    return ConnectorSettings.from_sources(None, {CONFIG_PATH_ENV: str(path)})
+
+
+@pytest.mark.parametrize("zero", [0, "0", "0GB", "0 MiB", 0.0])
+def test_intree_mode_reads_the_segment_as_parsed(tmp_path: Path, zero: object) -> None:
+    standalone = from_file(tmp_path, mode="standalone-store", global_segment_size=zero)
+    assert standalone.global_segment_size == 0
+    with pytest.raises(SettingsError) as err:
+        from_file(tmp_path, mode="embedded", global_segment_size=zero)
+    assert list(err.value.problems) == ["mode"]
+
+
+def test_intree_mode_with_a_segment(tmp_path: Path) -> None:
+    embedded = from_file(tmp_path, mode="embedded", global_segment_size="64MB")
+    assert embedded.global_segment_size == 64 << 20
+    with pytest.raises(SettingsError) as err:
+        from_file(tmp_path, mode="standalone-store", global_segment_size="64MB")
+    assert list(err.value.problems) == ["mode"]
+
+
+@pytest.mark.parametrize("mode", ["embedded", "standalone-store"])
+@pytest.mark.parametrize("segment", ["lots", True, "0.5"])
+def test_intree_mode_with_a_bad_segment_names_the_segment(tmp_path: Path, mode: str, segment: object) -> None:
+    with pytest.raises(SettingsError) as err:
+        from_file(tmp_path, mode=mode, global_segment_size=segment)
+    assert list(err.value.problems) == ["global_segment_size"]
