@@ -33,7 +33,7 @@ from kvpool.operator.components import MASTER_HEALTH_PATH
 # Where the operator asks a master first: the master Service's metrics port.
 SERVICE_HEALTH_URL = "http://{service}.{namespace}.svc:{port}" + MASTER_HEALTH_PATH
 # "<IPv4>:<port>" or "[<IPv6>]:<port>", nothing else.
-_ADDRESS = re.compile(r"^(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<v4>[0-9.]+)):(?P<port>[0-9]{1,5})$")
+_ADDRESS = re.compile(r"(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<v4>[0-9.]+)):(?P<port>[0-9]{1,5})")
 _EXCERPT = 64
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -92,7 +92,7 @@ def excerpt(value: object) -> str:
 def parse_leader_address(value: object) -> tuple[IPAddress, int]:
     """``leader_address`` as an IP and a port; ``AddressRefused`` for anything else
     (a hostname, a path, a query, user info, a port out of range)."""
-    match = _ADDRESS.match(value) if isinstance(value, str) else None
+    match = _ADDRESS.fullmatch(value) if isinstance(value, str) else None
     if match is None:
         raise AddressRefused(f"leader_address {excerpt(value)} is not an IP address and port")
     try:

@@ -27,7 +27,7 @@ SYSTEM_PRIORITY_PREFIX = "system-"
 DEFAULT_REGISTRY = "docker.io"
 # host[:port] and a path of lowercase components: what an allowed-registry entry may be.
 _REGISTRY_ENTRY = re.compile(
-    r"^(?P<host>[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?(:[0-9]{1,5})?)(?P<path>(/[a-z0-9]+([._-][a-z0-9]+)*)*)$"
+    r"(?P<host>[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?(:[0-9]{1,5})?)(?P<path>(/[a-z0-9]+([._-][a-z0-9]+)*)*)"
 )
 
 
@@ -59,7 +59,7 @@ def image_name(image: str) -> ImageName | None:
 def registry_entry(entry: str) -> ImageName:
     """An allowed-registry entry (``registry.internal``, ``registry.internal:5000/team``);
     ``ValueError`` when it is not one."""
-    match = _REGISTRY_ENTRY.match(entry)
+    match = _REGISTRY_ENTRY.fullmatch(entry)
     if match is None:
         raise ValueError(f"{entry!r} is not a registry host[:port] with an optional /path")
     return ImageName(match["host"].lower(), match["path"].lstrip("/"))

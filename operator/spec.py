@@ -47,7 +47,7 @@ _SUFFIXES: dict[str, Decimal] = {
     "Ei": Decimal(2) ** 60,
 }
 MAX_QUANTITY = Decimal(2**63)
-_QUANTITY_RE = re.compile(r"^([+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?)([a-zA-Z]*)$")
+_QUANTITY_RE = re.compile(r"([+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?)([a-zA-Z]*)")
 
 
 def parse_quantity(value: int | float | str) -> Decimal:
@@ -57,7 +57,7 @@ def parse_quantity(value: int | float | str) -> Decimal:
     if isinstance(value, int | float):
         number = Decimal(str(value))
     else:
-        match = _QUANTITY_RE.match(value.strip())
+        match = _QUANTITY_RE.fullmatch(value.strip())
         if not match or match.group(2) not in _SUFFIXES:
             raise ValueError(f"{value!r} is not a Kubernetes quantity (e.g. '8Gi', '500M')")
         try:

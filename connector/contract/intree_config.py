@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 INTREE_EMBEDDED_SEGMENT = 4 << 30
 INTREE_DEFAULT_TENANT = "default"
 MODES = ("embedded", "standalone-store")
-_PREFIX_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+_PREFIX_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 #: In-tree file keys with no meaning for this connector, and why.
 IGNORED_FILE_KEYS: dict[str, str] = {
@@ -119,7 +119,7 @@ def _read_tenant(out: dict[str, Any], source: str, problems: dict[str, str]) -> 
     if name in (None, "", INTREE_DEFAULT_TENANT):
         logger.info("%s: in-tree setting tenant_id ignored: the default tenant needs nothing", source)
         return
-    if not isinstance(name, str) or not _PREFIX_RE.match(name):
+    if not isinstance(name, str) or not _PREFIX_RE.fullmatch(name):
         problems["tenant_id"] = (
             f"{str(tenant)[:40]!r} cannot name a key namespace: 1-64 of letters, digits, '_', '.', '-'"
         )

@@ -44,11 +44,16 @@ CONNECTOR_MODULE = "kvpool.connector"
 
 # A tenant names a Mooncake tenant and prefixes keys: a DNS label, as a Kubernetes name
 # is (Mooncake itself takes any printable string that does not start with '_').
-_TENANT_RE = re.compile(r"^[a-z0-9]([a-z0-9.-]{0,61}[a-z0-9])?$")
+_TENANT_RE = re.compile(r"[a-z0-9]([a-z0-9.-]{0,61}[a-z0-9])?")
 TENANT_RULE = (
     "1-63 lowercase letters, digits, '.' or '-', starting and ending with a letter or digit "
     "(empty: no tenant)"
 )
+
+
+def is_tenant(name: str) -> bool:
+    """Whether ``name`` is a tenant (the whole of it: no trailing newline slips through)."""
+    return _TENANT_RE.fullmatch(name) is not None
 
 
 def _not_a_bool(value: Any) -> Any:
@@ -252,7 +257,7 @@ class ConnectorSettings(BaseModel):
     @field_validator("tenant")
     @classmethod
     def _tenant_rule(cls, value: str) -> str:
-        if value and not _TENANT_RE.match(value):
+        if value and not is_tenant(value):
             raise ValueError(f"{value[:70]!r} is not a tenant: {TENANT_RULE}")
         return value
 

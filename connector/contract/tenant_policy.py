@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from kvpool.connector.contract.settings import _TENANT_RE, TENANT_RULE
+from kvpool.connector.contract.settings import TENANT_RULE, is_tenant
 
 # Where a policy file's path goes on the master's command line.
 POLICY_FILE = "tenant_quotas.yaml"
@@ -19,7 +19,7 @@ def policy_yaml(quotas: Mapping[str, int]) -> str:
     """Mooncake's tenant quota policy (schema version 1) granting each tenant its bytes."""
     lines = ["version: 1", "tenants:" if quotas else "tenants: []"]
     for tenant, quota in quotas.items():
-        if not tenant or not _TENANT_RE.match(tenant):
+        if not is_tenant(tenant):
             raise ValueError(f"{tenant!r} is not a tenant: {TENANT_RULE}")
         if quota < 1:
             raise ValueError(f"tenant {tenant}: a quota is at least 1 byte")

@@ -155,6 +155,8 @@ def test_leader_addresses_parse_strictly() -> None:
         "fd00::3:50051",
         "[10.1.2.3]:80",
         "10.1.2.3:80 ",
+        "10.1.2.3:80\n",  # re.match with "$" took a trailing newline
+        "[fd00::3]:80\n",
         None,
         5,
     ):

@@ -102,7 +102,14 @@ def test_registries_have_path_boundaries(entry: str, image: str, admitted: bool)
 
 
 def test_a_registry_entry_must_be_a_registry() -> None:
-    for bad in ("registry.internal/x:1", "https://registry.internal", "", "registry.internal/X"):
+    for bad in (
+        "registry.internal/x:1",
+        "https://registry.internal",
+        "",
+        "registry.internal/X",
+        "registry.internal\n",
+        "registry.internal/team\n",
+    ):
         with pytest.raises(ValueError, match="is not a registry"):
             OperatorPolicy(allowed_registries=(bad,))
 

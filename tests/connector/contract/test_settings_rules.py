@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from kvpool.connector.contract.mooncake_env import CONFIG_PATH_ENV
-from kvpool.connector.contract.settings import ConnectorSettings, SettingsError, parse_size
+from kvpool.connector.contract.settings import ConnectorSettings, SettingsError, is_tenant, parse_size
+from kvpool.connector.contract.tenant_policy import policy_yaml
 
 BASE = {"master_server_address": "m:1"}
 #: Every setting read as a number (byte sizes included).
@@ -86,6 +87,29 @@ def test_a_size_that_is_not_whole_bytes_is_refused(text: object) -> None:
 )
 def test_a_fraction_that_makes_whole_bytes_is_taken(text: object, expected: int) -> None:
     assert parse_size(text) == expected
+
+
+# --- tenant -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tenant", ["team-a\n", "team-a\r\n", "\nteam-a"])
+def test_a_tenant_is_matched_whole(tenant: str) -> None:
+    assert not is_tenant(tenant)
+    assert list(problems_of(tenant=tenant)) == ["tenant"]
+    with pytest.raises(ValueError, match="is not a tenant"):
+        policy_yaml({tenant: 1 << 20})
+
+
+def test_a_good_tenant_still_passes() -> None:
+    assert is_tenant("team-a") and not is_tenant("")
+    assert ConnectorSettings.parse({**BASE, "tenant": "team-a"}).tenant == "team-a"
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("cache_prefix", "fleet\n"), ("declared_layout_fingerprint", "0123456789abcdef\n")]
+)
+def test_pattern_fields_are_matched_whole(field: str, value: str) -> None:
+    assert list(problems_of(**{field: value})) == [field]
 
 
 # --- in-tree mode -----------------------------------------------------------------------
