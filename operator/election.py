@@ -66,6 +66,7 @@ class LeaseElector:
         self.identity = options.holder
         self._clock = clock or asyncio.get_running_loop().time
         self._seen: tuple[str | None, float] = (None, 0.0)  # (resourceVersion, when it was seen)
+        self._renewed: float | None = None  # when the last successful attempt began
 
     def _observe(self, lease: dict[str, Any]) -> None:
         version = lease.get("metadata", {}).get("resourceVersion")
@@ -85,6 +86,13 @@ class LeaseElector:
 
     async def try_acquire(self) -> bool:
         """One attempt: whether this replica holds the Lease now."""
+        began = self._clock()
+        if await self._try_acquire():
+            self._renewed = began
+            return True
+        return False
+
+    async def _try_acquire(self) -> bool:
         namespace, name = self.options.namespace, self.options.name
         lease = await self.kube.get(LEASES, namespace, name)
         if lease is None:
@@ -124,41 +132,54 @@ class LeaseElector:
         """Wait until this replica holds the Lease (True) or ``stopped`` is set (False)."""
         while not stopped.is_set():
             try:
-                if await self.try_acquire():
+                async with asyncio.timeout(self.options.renew_deadline):
+                    acquired = await self.try_acquire()
+                if acquired:
                     logger.info("leader election: %s holds lease %s", self.identity, self.options.name)
                     return True
             except (TimeoutError, ApiError, OSError) as exc:
-                logger.warning("leader election: cannot reach the lease: %s", exc)
+                logger.warning("leader election: cannot reach the lease: %r", exc)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stopped.wait(), self.options.retry_period)
         return False
 
     async def hold(self) -> None:
-        """Renew the Lease until cancelled; raise ``LeaseLost`` when it cannot be renewed in time."""
-        renewed = self._clock()
+        """Renew the Lease until cancelled; raise ``LeaseLost`` when it cannot be renewed in time:
+        when another replica holds it, or no renewal succeeded within ``renew_deadline`` of the
+        last one (an attempt still under way then is cancelled)."""
+        name, limit = self.options.name, self.options.renew_deadline
         while True:
-            await asyncio.sleep(self.options.retry_period)
+            if self._renewed is None:
+                raise LeaseLost(f"lease {name} is not held")
+            deadline = self._renewed + limit
+            await asyncio.sleep(max(0.0, min(self.options.retry_period, deadline - self._clock())))
+            left = deadline - self._clock()
+            if left <= 0:
+                raise LeaseLost(f"lease {name} not renewed within {limit}s")
+            bound = asyncio.timeout(left)
             try:
-                if await self.try_acquire():
-                    renewed = self._clock()
-                    continue
-                raise LeaseLost(f"lease {self.options.name} is held by another replica")
+                async with bound:
+                    held = await self.try_acquire()
             except (TimeoutError, ApiError, OSError) as exc:
-                logger.warning("leader election: renewal failed: %s", exc)
-            if self._clock() - renewed > self.options.renew_deadline:
-                raise LeaseLost(f"lease {self.options.name} not renewed for {self.options.renew_deadline}s")
+                if bound.expired():
+                    raise LeaseLost(f"lease {name} not renewed within {limit}s (a call hung)") from None
+                logger.warning("leader election: renewal failed: %r", exc)
+                continue
+            if not held:
+                raise LeaseLost(f"lease {name} is held by another replica")
 
     async def release(self) -> None:
         """Give the Lease up (on a clean stop), so a standby takes over at once."""
         namespace, name = self.options.namespace, self.options.name
         try:
-            lease = await self.kube.get(LEASES, namespace, name)
-            if lease is None or (lease.get("spec") or {}).get("holderIdentity") != self.identity:
-                return
-            patch = {
-                "metadata": {"resourceVersion": lease["metadata"].get("resourceVersion")},
-                "spec": {"holderIdentity": None, "leaseDurationSeconds": 1, "renewTime": micro_time()},
-            }
-            await self.kube.patch(LEASES, namespace, name, patch)
+            async with asyncio.timeout(self.options.renew_deadline):
+                lease = await self.kube.get(LEASES, namespace, name)
+                if lease is None or (lease.get("spec") or {}).get("holderIdentity") != self.identity:
+                    return
+                patch = {
+                    "metadata": {"resourceVersion": lease["metadata"].get("resourceVersion")},
+                    "spec": {"holderIdentity": None, "leaseDurationSeconds": 1, "renewTime": micro_time()},
+                }
+                await self.kube.patch(LEASES, namespace, name, patch)
         except (TimeoutError, ApiError, OSError) as exc:
             logger.warning("leader election: cannot release the lease: %s", exc)

@@ -182,10 +182,52 @@ async def test_a_lease_its_holder_stopped_renewing_is_taken_over_after_its_durat
     assert leases.lease is not None and leases.lease["spec"]["holderIdentity"] == "b"
     assert leases.lease["spec"]["leaseTransitions"] == 1
     with pytest.raises(LeaseLost):
-        await a.hold()  # a, back, finds the lease taken and stops acting
+        await a.hold()  # a, back, renewed nothing within its deadline: it stops acting
     await b.release()
     assert "holderIdentity" not in leases.lease["spec"]
     assert await a.try_acquire()
+
+
+class HangingLeases(FakeLeases):
+    """A Lease store whose ``call`` (``get`` or ``patch``) never answers once ``hang`` is set, as
+    an API server that accepted the request and stalls; it counts the calls cancelled."""
+
+    def __init__(self, call: str) -> None:
+        super().__init__()
+        self.call, self.hang, self.cancelled = call, False, 0
+
+    async def _stall(self) -> None:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+
+    async def get(self, resource: Any, namespace: str, name: str) -> dict[str, Any] | None:
+        if self.hang and self.call == "get":
+            await self._stall()
+        return await super().get(resource, namespace, name)
+
+    async def patch(self, resource: Any, namespace: str, name: str, patch: dict[str, Any]) -> dict[str, Any]:
+        if self.hang and self.call == "patch":
+            await self._stall()
+        return await super().patch(resource, namespace, name, patch)
+
+
+@pytest.mark.parametrize("call", ["get", "patch"])
+async def test_a_renewal_that_hangs_loses_the_lease_before_a_standby_may_take_it(call: str) -> None:
+    """Each of a renewal's calls may take the client's whole request timeout (30 s), longer
+    than the Lease lasts: the holder gives up when its renew deadline passes, cancelling the
+    call, and stops acting before a standby may take the Lease over."""
+    leases = HangingLeases(call)
+    options = LeaseOptions("ns", identity="a", lease_duration=3.0, renew_deadline=1.0, retry_period=0.2)
+    elector = LeaseElector(leases, options)  # type: ignore[arg-type]
+    assert await elector.try_acquire()
+    leases.hang = True
+    with pytest.raises(LeaseLost, match="not renewed within"):
+        # A deadline, not a speed: the standby may take the Lease once its duration is over.
+        await asyncio.wait_for(elector.hold(), options.lease_duration)
+    assert leases.cancelled == 1
 
 
 async def test_the_cli_turns_leader_election_on() -> None:
