@@ -218,24 +218,59 @@ def spec_changed(old: Mapping[str, Any] | None, new: Mapping[str, Any]) -> bool:
     return old is None or old.get("spec") != new.get("spec")
 
 
+class Acting:
+    """The handlers that act (passes, the observation timer with its drain steps, teardowns),
+    each while it runs. When the Lease is lost, ``stop`` cancels those under way at once and
+    every later one is cancelled as it begins: kopf's own stop would let a timer's pass run on
+    for ``background.instant_exit_timeout`` (5 s), then any task for 5 s more, while a standby
+    may take the Lease over ``lease_duration - renew_deadline`` (5 s) after it was found lost.
+    A cancelled handler writes nothing more (kopf records no outcome of it)."""
+
+    def __init__(self) -> None:
+        self.stopped = False
+        self._running: set[asyncio.Task[Any]] = set()
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        """Around a handler's work: cancelled when the Lease is lost."""
+        task = asyncio.current_task()
+        if self.stopped or task is None:
+            raise asyncio.CancelledError("the lease is lost: this replica acts no more")
+        self._running.add(task)
+        try:
+            yield
+        finally:
+            self._running.discard(task)
+
+    def stop(self) -> None:
+        if not self.stopped:
+            logging.getLogger(__name__).error("the lease is lost: every handler under way is cancelled")
+        self.stopped = True
+        for task in list(self._running):
+            task.cancel()
+
+
 def make_registry(
     options: OperatorOptions,
     configuration: Configuration,
     reconciler: Reconciler,
     metrics: OperatorMetrics,
+    acting: Acting | None = None,
 ) -> kopf.OperatorRegistry:
-    """All handlers of one operator run."""
+    """All handlers of one operator run; those that act run within ``acting``."""
     registry = kopf.OperatorRegistry()
+    acting = acting or Acting()
     retry: dict[str, Any] = {"errors": kopf.ErrorsMode.TEMPORARY, "backoff": options.retry_delay}
 
     def temporary(trigger: str, exc: BaseException) -> kopf.TemporaryError:
         return kopf.TemporaryError(f"{trigger}: {exc}", delay=options.retry_delay)
 
     async def run(trigger: str, body: Mapping[str, Any]) -> None:
-        try:
-            await reconciler.reconcile(body, trigger, notifier(body))
-        except RETRYABLE as exc:
-            raise temporary(trigger, exc) from exc
+        with acting.running():
+            try:
+                await reconciler.reconcile(body, trigger, notifier(body))
+            except RETRYABLE as exc:
+                raise temporary(trigger, exc) from exc
 
     @kopf.on.login(registry=registry)
     async def login(**_: Any) -> kopf.ConnectionInfo:
@@ -273,13 +308,14 @@ def make_registry(
     )
     async def observe(body: kopf.Body, **_: Any) -> None:
         # The master's health and capacity: polled with a deadline, outside any pass.
-        try:
-            await reconciler.observe(body, notifier(body))
-        except RETRYABLE as exc:
-            meta = body.get("metadata", {})
-            logging.getLogger(__name__).warning(
-                "observing %s/%s: %s", meta.get("namespace"), meta.get("name"), exc
-            )
+        with acting.running():
+            try:
+                await reconciler.observe(body, notifier(body))
+            except RETRYABLE as exc:
+                meta = body.get("metadata", {})
+                logging.getLogger(__name__).warning(
+                    "observing %s/%s: %s", meta.get("namespace"), meta.get("name"), exc
+                )
 
     @kopf.on.event(*CHILDREN, registry=registry, id="child", when=lambda body, **_: pool_of(body) is not None)
     async def child(body: kopf.Body, **_: Any) -> None:
@@ -289,23 +325,28 @@ def make_registry(
         namespace, name = child_pool_namespace(body), pool_of(body)
         if name is None or reconciler.queued(namespace, name):
             return
-        pool = await reconciler.kube.get(POOLS, namespace, name)
-        if pool is not None and not pool.get("metadata", {}).get("deletionTimestamp"):
-            try:
-                await reconciler.reconcile(pool, "child", notifier(pool), coalesce=True)
-            except RETRYABLE as exc:
-                logging.getLogger(__name__).warning("pass after a change of %s/%s: %s", namespace, name, exc)
+        with acting.running():
+            pool = await reconciler.kube.get(POOLS, namespace, name)
+            if pool is not None and not pool.get("metadata", {}).get("deletionTimestamp"):
+                try:
+                    await reconciler.reconcile(pool, "child", notifier(pool), coalesce=True)
+                except RETRYABLE as exc:
+                    logging.getLogger(__name__).warning(
+                        "pass after a change of %s/%s: %s", namespace, name, exc
+                    )
 
     @kopf.on.event(*GRANT, registry=registry, id="grant", when=lambda body, **_: grant_pool(body) is not None)
     async def grant(body: kopf.Body, type: str | None = None, **_: Any) -> None:
-        await grant_changed(reconciler, body, type)
+        with acting.running():
+            await grant_changed(reconciler, body, type)
 
     @kopf.on.delete(*POOL, registry=registry, id="teardown", **retry)
     async def delete(body: kopf.Body, **_: Any) -> None:
-        try:
-            await reconciler.teardown(body, notifier(body))
-        except RETRYABLE as exc:
-            raise temporary("delete", exc) from exc
+        with acting.running():
+            try:
+                await reconciler.teardown(body, notifier(body))
+            except RETRYABLE as exc:
+                raise temporary("delete", exc) from exc
 
     register_admission(registry, options, reconciler.kube)
 
@@ -525,10 +566,11 @@ async def run(
                 if not await elector.acquire(stopped):
                     return
         holding = asyncio.create_task(elector.hold()) if elector is not None else None
-        lost = _on_done(holding, stopped)
+        acting = Acting()
+        lost = _on_done(holding, stopped, acting)
         try:
             await kopf.operator(
-                registry=make_registry(options, configuration, reconciler, metrics),
+                registry=make_registry(options, configuration, reconciler, metrics, acting),
                 settings=kopf_settings(options),
                 clusterwide=not options.namespaces,
                 namespaces=list(options.namespaces),
@@ -565,15 +607,20 @@ def _forward(source: threading.Event | asyncio.Event | None, target: asyncio.Eve
         task.cancel()
 
 
-def _on_done(task: asyncio.Task[None] | None, stopped: asyncio.Event) -> Callable[[], bool]:
-    """Stop the operator when the Lease is lost; whether it was."""
+def _on_done(task: asyncio.Task[None] | None, stopped: asyncio.Event, acting: Acting) -> Callable[[], bool]:
+    """Stop the operator when the Lease is lost (the handlers under way at once); whether it was."""
     if task is None:
         return lambda: False
-    task.add_done_callback(lambda _: stopped.set())
 
     def lost() -> bool:
         return task.done() and not task.cancelled() and isinstance(task.exception(), LeaseLost)
 
+    def done(_: asyncio.Task[None]) -> None:
+        if lost():
+            acting.stop()
+        stopped.set()
+
+    task.add_done_callback(done)
     return lost
 
 

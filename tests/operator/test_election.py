@@ -15,15 +15,18 @@ import kmock
 import pytest
 
 from kvpool.operator.app import OperatorOptions
-from kvpool.operator.election import LeaseElector, LeaseLost, LeaseOptions
+from kvpool.operator.election import LeaseElector, LeaseLost, LeaseOptions, micro_time
 from kvpool.operator.kube import ApiError
 from kvpool.operator.merge_patch import apply_merge_patch as merge_patch
 from kvpool.operator.names import POOLS
 from kvpool.operator.rbac import LEASE_RULES, RULES, allowed, request_permission
 from testing.kube_api import (
     DEPLOYMENTS_PATH,
+    NAMESPACE,
+    ApiServer,
     Cluster,
     OperatorThread,
+    by_operator,
     emulated_cluster,
     eventually,
     quick_options,
@@ -137,6 +140,81 @@ async def two_replicas(cluster: Cluster, tmp_path: Path) -> None:
     for request in cluster.requests():
         permission = request_permission(request.method, str(request.url))
         assert permission is None or allowed(permission, RULES + LEASE_RULES), request.url
+
+
+class GatedApiServer(ApiServer):
+    """The emulated API server that, once ``close_gate`` is called, keeps every request of the
+    operator's but those on its Lease waiting until the gate opens (an API server that stalls)."""
+
+    def close_gate(self) -> None:
+        self.__dict__["gate"] = asyncio.Event()
+
+    def open_gate(self) -> None:
+        if self.__dict__.get("gate") is not None:
+            self.__dict__["gate"].set()
+
+    @property
+    def waiting(self) -> int:
+        return int(self.__dict__.get("waiting", 0))
+
+    async def _handle(self, request: kmock.Request) -> Any:
+        gate: asyncio.Event | None = self.__dict__.get("gate")
+        leases = request.resource is not None and request.resource.plural == "leases"
+        if gate is not None and not gate.is_set() and by_operator(request) and not leases:
+            self.__dict__["waiting"] = self.waiting + 1
+            await gate.wait()
+        return await super()._handle(request)
+
+
+async def test_a_leader_that_loses_the_lease_stops_acting_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A leader that finds its Lease taken cancels every handler and timer under way at once: a
+    pass that waits on the API never goes on to write, though kopf's own stop would let it run
+    on for seconds (5 s for a timer's pass, 5 s more for any task), past the moment another
+    replica may act."""
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    async with emulated_cluster(GatedApiServer) as cluster:
+        api: GatedApiServer = cluster.api  # type: ignore[assignment]
+        leader = replica(cluster, tmp_path, "a")
+        duration = leader.options.leader_election.lease_duration  # type: ignore[union-attr]
+        leader.start()
+        try:
+            await eventually(lambda: lease_holder(cluster) == "a", what="a holds the lease", timeout=15)
+            await cluster.create(vllm_deployment())
+            await cluster.create(pool_manifest())
+            await converge(cluster, generation=1)
+            api.close_gate()
+            # A resync pass (every 0.5 s) waits on the API; once answered, it would put a hand
+            # edit back.
+            await eventually(lambda: api.waiting, what="a pass waits on the API", timeout=10)
+            store = f"/apis/apps/v1/namespaces/{NAMESPACE}/deployments/pool-store"
+            headers = {"Content-Type": "application/merge-patch+json"}
+            response = await cluster.api.patch(store, json={"spec": {"replicas": 0}}, headers=headers)
+            assert response.status == 200, await response.text()
+            # Another replica holds the Lease now (as after a renewal that hung past its deadline).
+            taken = cluster.mark()
+            lease = f"/apis/coordination.k8s.io/v1/namespaces/{LEASE_NAMESPACE}/leases/kvpool-operator"
+            spec = {"holderIdentity": "b", "renewTime": micro_time(), "leaseDurationSeconds": 3600}
+            response = await cluster.api.patch(lease, json={"spec": spec}, headers=headers)
+            assert response.status == 200, await response.text()
+            # It stops within the Lease's duration (the least a standby waits to take it over).
+            for _ in range(int(duration / 0.05)):
+                if not leader.alive:
+                    break
+                await asyncio.sleep(0.05)
+            stopped_in_time = not leader.alive
+            api.open_gate()  # the API answers again: a replica still acting would go on
+            await leader.stop()
+        finally:
+            api.open_gate()
+            if leader.alive:
+                await leader.stop()
+        assert isinstance(leader.error, LeaseLost), repr(leader.error)
+        # (A renewal sent as the Lease was taken is refused: it names the version it read.)
+        assert [r for r in cluster.writes(taken) if r.resource is None or r.resource.plural != "leases"] == []
+        assert cluster.get(DEPLOYMENTS_PATH, "pool-store")["spec"]["replicas"] == 0  # nobody put it back
+        assert stopped_in_time
 
 
 class FakeLeases:
