@@ -7,7 +7,8 @@ share handlers.
 
 The admission webhooks only read, so every replica answers them: the one that holds the
 Lease in its kopf run, each standby in a kopf run of the admission handlers alone (no
-watches, no writes) until it takes the Lease over.
+watches, no writes) until it takes the Lease over; both runs of a replica answer on one
+endpoint (``webhook_server``), open from the first run's start to the replica's stop.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ from kvpool.operator.reconcile import (
     utcnow,
 )
 from kvpool.operator.validation import admission_problems, admission_warnings
+from kvpool.operator.webhook_server import shared_webhook_server
 
 POOL = (POOLS.group, POOLS.version, POOLS.plural)
 CHILDREN = (DEPLOYMENTS.group, DEPLOYMENTS.version, DEPLOYMENTS.plural)
@@ -131,9 +133,25 @@ class OperatorOptions:
             object.__setattr__(self, "policy", watched)
 
 
-def kopf_settings(options: OperatorOptions, standby: bool = False) -> kopf.OperatorSettings:
+def webhook_server(hook: WebhookOptions) -> kopf.WebhookServer:
+    """kopf's webhook server for ``hook``."""
+    return kopf.WebhookServer(
+        addr=hook.addr,
+        port=hook.port,
+        host=hook.host,
+        certfile=hook.certfile,
+        pkeyfile=hook.pkeyfile,
+        insecure=hook.insecure,
+    )
+
+
+def kopf_settings(
+    options: OperatorOptions, standby: bool = False, server: kopf.WebhookServerProtocol | None = None
+) -> kopf.OperatorSettings:
     """kopf's settings: own annotations and finalizer, no cluster scanning, no peering. A
-    ``standby`` never writes the webhook configurations (only the Lease holder may)."""
+    ``standby`` never writes the webhook configurations (only the Lease holder may). The
+    webhooks are served by ``server`` (the replica's, for all its runs), else by a server of
+    this run's own."""
     settings = kopf.OperatorSettings()
     settings.persistence.finalizer = names.FINALIZER
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=names.PREFIX)
@@ -156,16 +174,8 @@ def kopf_settings(options: OperatorOptions, standby: bool = False) -> kopf.Opera
     settings.background.instant_exit_timeout = 5.0
     settings.queueing.error_delays = (1, 2, 5, 10)
     if options.webhook is not None:
-        hook = options.webhook
-        settings.admission.server = kopf.WebhookServer(
-            addr=hook.addr,
-            port=hook.port,
-            host=hook.host,
-            certfile=hook.certfile,
-            pkeyfile=hook.pkeyfile,
-            insecure=hook.insecure,
-        )
-        settings.admission.managed = None if standby else hook.managed
+        settings.admission.server = server or webhook_server(options.webhook)
+        settings.admission.managed = None if standby else options.webhook.managed
     return settings
 
 
@@ -500,10 +510,16 @@ def admission_registry(
 
 @contextlib.asynccontextmanager
 async def standby_admission(
-    options: OperatorOptions, configuration: Configuration, kube: KubeClient, stopped: asyncio.Event
+    options: OperatorOptions,
+    configuration: Configuration,
+    kube: KubeClient,
+    stopped: asyncio.Event,
+    server: kopf.WebhookServerProtocol | None = None,
 ) -> AsyncIterator[None]:
     """While a standby waits for the Lease, it answers the admission webhooks: kopf with the
-    admission handlers alone. A signal that stops it stops the replica (``stopped``)."""
+    admission handlers alone, on ``server`` (the replica's: it answers with these handlers until
+    the main run's take over, never closed between). A signal that stops it stops the replica
+    (``stopped``)."""
     if options.webhook is None:
         yield
         return
@@ -511,7 +527,7 @@ async def standby_admission(
     task = asyncio.create_task(
         kopf.operator(
             registry=admission_registry(configuration, options, kube),
-            settings=kopf_settings(options, standby=True),
+            settings=kopf_settings(options, standby=True, server=server),
             clusterwide=not options.namespaces,
             namespaces=list(options.namespaces),
             standalone=True,
@@ -556,12 +572,16 @@ async def run(
         )
         stopped = asyncio.Event()
         stack.enter_context(_forward(stop_flag, stopped))
+        # One webhook endpoint for the standby's run and the main one: open across the takeover.
+        webhooks = None
+        if options.webhook is not None:
+            webhooks = await stack.enter_async_context(shared_webhook_server(webhook_server(options.webhook)))
         elector = None
         if options.leader_election is not None:
             elector = LeaseElector(kube, options.leader_election)
             async with (
                 standby_liveness(options.liveness_endpoint),
-                standby_admission(options, configuration, kube, stopped),
+                standby_admission(options, configuration, kube, stopped, webhooks),
             ):
                 if not await elector.acquire(stopped):
                     return
@@ -571,7 +591,7 @@ async def run(
         try:
             await kopf.operator(
                 registry=make_registry(options, configuration, reconciler, metrics, acting),
-                settings=kopf_settings(options),
+                settings=kopf_settings(options, server=webhooks),
                 clusterwide=not options.namespaces,
                 namespaces=list(options.namespaces),
                 standalone=True,

@@ -4,11 +4,13 @@ consumer Deployment but for one restart annotation when the settings change."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import kmock
 import pytest
 import pytest_asyncio
@@ -201,17 +203,14 @@ async def own_cluster() -> AsyncIterator[Cluster]:
         yield cluster
 
 
-async def test_a_standby_answers_the_webhook_and_writes_nothing(
-    own_cluster: Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
-    cluster = own_cluster
-    # Another replica holds the Lease for the whole test: this one stays a standby.
+async def a_standby(cluster: Cluster, tmp_path: Path, lease_duration: float) -> tuple[OperatorThread, int]:
+    """A replica (not started) that finds the Lease held by another, for ``lease_duration``
+    seconds, and a serving pool with an opted-in consumer; the port of its webhook."""
     lease = {
         "apiVersion": "coordination.k8s.io/v1",
         "kind": "Lease",
         "metadata": {"name": "kvpool-operator", "namespace": LEASE_NAMESPACE},
-        "spec": {"holderIdentity": "elsewhere", "leaseDurationSeconds": 3600},
+        "spec": {"holderIdentity": "elsewhere", "leaseDurationSeconds": int(lease_duration)},
     }
     await cluster.create(lease)
     await cluster.create(opted_in())
@@ -222,17 +221,25 @@ async def test_a_standby_answers_the_webhook_and_writes_nothing(
         headers={"Content-Type": "application/merge-patch+json"},
     )
     assert response.status == 200, await response.text()
-
     port = free_port()
     options = OperatorOptions(
         **quick_options(
             write_kubeconfig(tmp_path / "kubeconfig", cluster.url),
-            leader_election=LeaseOptions(LEASE_NAMESPACE, identity="standby", lease_duration=3600.0),
+            leader_election=LeaseOptions(LEASE_NAMESPACE, identity="standby", lease_duration=lease_duration),
             webhook=WebhookOptions(port=port, addr="127.0.0.1", host="127.0.0.1", insecure=True),
             injection_mode=POD_ADMISSION,
         )
     )
-    standby = OperatorThread(options)
+    return OperatorThread(options), port
+
+
+async def test_a_standby_answers_the_webhook_and_writes_nothing(
+    own_cluster: Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    cluster = own_cluster
+    # Another replica holds the Lease for the whole test: this one stays a standby.
+    standby, port = await a_standby(cluster, tmp_path, lease_duration=3600.0)
     start = cluster.mark()
     standby.start()
     try:
@@ -250,6 +257,55 @@ async def test_a_standby_answers_the_webhook_and_writes_nothing(
     for request in cluster.requests(start):
         permission = request_permission(request.method, str(request.url))
         assert permission is None or allowed(permission, RULES + LEASE_RULES), request.url
+
+
+async def test_a_standby_that_takes_the_lease_over_answers_every_review_meanwhile(
+    own_cluster: Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The Lease's holder is gone (evicted; its webhook with it): the standby takes the Lease
+    over, and its webhook port never closes as its admission-only run makes way for its main
+    one (a refused connection, with failurePolicy Fail, refuses the Pod)."""
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    cluster = own_cluster
+    standby, port = await a_standby(cluster, tmp_path, lease_duration=3.0)  # never renewed
+    url = f"http://127.0.0.1:{port}/{INJECT_ID}"
+    review = pod_review(replica_set_pod(opted_in()))
+    # "answered" (allowed or refused: once it acts, its passes may leave the pool not Ready),
+    # or what went wrong.
+    answers: list[str] = []
+    start = cluster.mark()
+    standby.start()
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 60
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
+            # From the standby's first answer until a while after its main run watches pools.
+            acting_since = None
+            while acting_since is None or loop.time() < acting_since + 1.0:
+                assert loop.time() < deadline and standby.alive, (standby.error, answers[-5:])
+                try:
+                    async with session.post(url, json=review) as response:
+                        body = await response.json() if response.status == 200 else {}
+                        uid = (body.get("response") or {}).get("uid")
+                        answers.append("answered" if uid == "review-pod" else f"{response.status}: {body}")
+                except aiohttp.ClientError as exc:
+                    answers.append(repr(exc))
+                if acting_since is None and cluster.watching_pools(start):
+                    acting_since = loop.time()
+                await asyncio.sleep(0.01)
+        assert lease_holder_of(cluster) == "standby"
+    finally:
+        await standby.stop()
+    assert standby.error is None, repr(standby.error)
+    served = answers[answers.index("answered") :]
+    assert [answer for answer in served if answer != "answered"] == []
+
+
+def lease_holder_of(cluster: Cluster) -> str | None:
+    for (resource, namespace, name), obj in list(cluster.api.objects.items()):
+        if resource.plural == "leases" and (namespace, name) == (LEASE_NAMESPACE, "kvpool-operator"):
+            return None if obj.deleted else (obj.raw.get("spec") or {}).get("holderIdentity")
+    return None
 
 
 def test_the_cli_sets_the_mode_and_pod_admission_needs_the_webhook() -> None:
