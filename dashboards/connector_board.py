@@ -91,9 +91,10 @@ def build() -> Board:
     )
     board.stat(
         "Failed keys per second",
-        "Keys whose lookup, load or save failed, all kinds but in_flight (a save that found its key "
-        "being saved by another engine: its copy lands; 'Failed keys by kind' shows it).",
-        [Target(sum_rate(m.FAILURES.exported, _with(SEL, NOT_FAILED_MATCHER)))],
+        "Keys whose load or save failed, every rank's, all kinds but in_flight (a save that found "
+        "its key being saved by another engine: its copy lands). Failed lookups count one per "
+        "lookup, not per key, so they are left out; 'Failed keys by kind' shows both.",
+        [Target(sum_rate(m.FAILURES.exported, _with(SEL, TRANSFERS, NOT_FAILED_MATCHER)))],
         unit="short",
     )
 

@@ -176,3 +176,17 @@ def test_a_save_another_engine_is_making_is_no_failed_key(models) -> None:
         assert op == "NotRe" and "in_flight" in value.split("|"), query
     (by_kind,) = [q for q in queries if q.panel == "Failed keys by kind"]
     assert all("reason" not in s.matchers for s in selectors(substitute(by_kind.expr)))
+
+
+def test_failed_keys_leave_failed_lookups_out(models) -> None:
+    """A failed lookup counts one per lookup, not per key: the panels that count failed keys
+    read the loads' and saves' failures only (lookups are shown by kind)."""
+    queries = list(panel_queries(connector_board.UID, models[connector_board.UID]))
+    counted = [q for q in queries if q.panel in ("Failed keys per second", "Share of keys that failed")]
+    assert len(counted) == 2
+    for query in counted:
+        failures = [s for s in selectors(substitute(query.expr)) if s.metric == cm.FAILURES.exported]
+        assert failures, query
+        for selector in failures:
+            op, value = selector.matchers["operation"]
+            assert op == "Re" and set(value.split("|")) == {cm.LOAD, cm.SAVE}, query
