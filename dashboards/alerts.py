@@ -39,6 +39,12 @@ BENIGN_SAVE_REASONS = (Outcome.IN_FLIGHT, Outcome.FORWARD_FAILED, Outcome.STORE_
 STORE_FULL_SHARE = 0.01
 EVICTION_SPIKE = 3  # evictions three times the hour before ...
 EVICTION_SHARE = 0.05  # ... and more than 5% of the pool's keys in 5 minutes
+# An engine reports vllm:kvpool_in_pool when it steps, and vLLM steps an engine only while it
+# has requests: an idle engine that joined its pool keeps exporting 0 until its next request.
+# KVPoolEngineOutOfPool therefore fires only while the engine serves: vLLM counted prompt or
+# generation tokens for it within this window. Shorter than the alert's 10 minutes, so an engine
+# that went idle stops it pending before it fires.
+SERVING_WINDOW = "5m"
 
 
 @dataclass(frozen=True)
@@ -91,6 +97,12 @@ def _in_pool_rate(metric: str, sel: str, window: str) -> str:
         f"sum{by(PER_MODEL)} (\n  rate({metric}{sel}[{window}])\n"
         f"  unless on ({engine})\n  ({m.IN_POOL.exported} == 0)\n)"
     )
+
+
+def _serving(counter: str) -> str:
+    """The engines for which vLLM's ``counter`` (tokens its steps processed) moved within
+    ``SERVING_WINDOW``."""
+    return f"  sum{by(PER_ENGINE)} (increase({ext.total(counter)}[{SERVING_WINDOW}])) > 0"
 
 
 def _failed_share(failed: str, moved: str, tried: str) -> str:
@@ -182,7 +194,9 @@ def connector_alerts() -> list[Alert]:
             "KVPoolEngineOutOfPool",
             f"min{by(PER_ENGINE)} ({m.IN_POOL.exported}) == 0\n"
             f"unless on ({', '.join(PER_ENGINE)})\n"
-            f"sum{by(PER_ENGINE)} ({m.LAYOUT_MISMATCHES.exported}) > 0",
+            f"sum{by(PER_ENGINE)} ({m.LAYOUT_MISMATCHES.exported}) > 0\n"
+            f"and on ({', '.join(PER_ENGINE)})\n"
+            f"(\n{_serving(ext.VLLM_PROMPT_TOKENS)}\nor\n{_serving(ext.VLLM_GENERATION_TOKENS)}\n)",
             "10m",
             "warning",
             "An engine of {{ $labels.model_name }} serves without the KV pool",
@@ -190,7 +204,10 @@ def connector_alerts() -> list[Alert]:
             "{{ $labels.namespace }}/{{ $labels.pool }} has served without the pool for 10 minutes: "
             "its Mooncake master did not serve when the engine started, and the engine has not "
             "joined it since (it tries every 5 s; its log says why). Output stays correct; the engine "
-            "computes every prefix itself. Check that the master serves and that the engine reaches it.",
+            "computes every prefix itself. Check that the master serves and that the engine reaches it. "
+            "An engine reports whether it is in the pool only when it steps, so the alert holds only "
+            f"while the engine serves (vLLM counted tokens for it in the last {SERVING_WINDOW}): an idle "
+            "engine that joined since its last request still exports 0 and is left alone.",
         ),
     ]
 

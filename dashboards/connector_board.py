@@ -354,7 +354,8 @@ def build() -> Board:
         "Engines serving without the pool (one series per model): their Mooncake master did not "
         "serve when they started and they have not joined it yet (each tries every 5 s), or their "
         "declared layout differs (the panel beside). Their output is right; they only compute "
-        "every prefix themselves.",
+        "every prefix themselves. An engine sends this when it steps: one that joined while idle "
+        "shows out until its next request.",
         [Target(f"sum{by([MODEL])} (1 - {m.IN_POOL.exported}{SEL})", "{{model_name}}")],
     )
     board.stat(

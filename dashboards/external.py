@@ -73,12 +73,15 @@ VLLM_PREFIX_CACHE_QUERIES = "vllm:prefix_cache_queries"
 VLLM_PREFIX_CACHE_HITS = "vllm:prefix_cache_hits"
 VLLM_EXTERNAL_PREFIX_CACHE_QUERIES = "vllm:external_prefix_cache_queries"
 VLLM_EXTERNAL_PREFIX_CACHE_HITS = "vllm:external_prefix_cache_hits"
-VLLM_COUNTERS = (
+VLLM_COUNTERS = (  # those the dashboards show
     VLLM_PREFIX_CACHE_QUERIES,
     VLLM_PREFIX_CACHE_HITS,
     VLLM_EXTERNAL_PREFIX_CACHE_QUERIES,
     VLLM_EXTERNAL_PREFIX_CACHE_HITS,
 )
+# Tokens an engine's steps processed: they move only while it serves (an alert reads them).
+VLLM_PROMPT_TOKENS = "vllm:prompt_tokens"
+VLLM_GENERATION_TOKENS = "vllm:generation_tokens"
 
 
 def total(counter: str) -> str:

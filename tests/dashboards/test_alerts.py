@@ -34,6 +34,14 @@ def series(name: str, **labels: str) -> str:
     return f"{name}{{{inner}}}"
 
 
+def serving(labels: dict[str, str]) -> dict[str, str]:
+    """vLLM's token counters of an engine that serves throughout (steps every minute)."""
+    return {
+        series(external.total(external.VLLM_PROMPT_TOKENS), **labels): "0+100x30",
+        series(external.total(external.VLLM_GENERATION_TOKENS), **labels): "0+50x30",
+    }
+
+
 @dataclass
 class Firing:
     labels: dict[str, str]
@@ -69,6 +77,8 @@ def cases() -> list[Case]:
     release_a = {"job": OPERATOR_JOB, "namespace": "ops-a", "service": "kvpool-a"}
     release_b = {"job": OPERATOR_JOB, "namespace": "ops-b", "service": "kvpool-b"}
     release_c = {"job": OPERATOR_JOB, "namespace": "ops-c", "service": "kvpool-c"}
+    prompt_tokens = external.total(external.VLLM_PROMPT_TOKENS)
+    generation_tokens = external.total(external.VLLM_GENERATION_TOKENS)
     return [
         Case(
             "KVPoolGroupHitRateCollapse",
@@ -204,13 +214,36 @@ def cases() -> list[Case]:
         Case(
             "KVPoolEngineOutOfPool",
             {
-                series(cm.IN_POOL.exported, **hybrid): "0x30",  # never joined: fires
+                **serving(hybrid),
+                series(cm.IN_POOL.exported, **hybrid): "0x30",  # never joined, serving: fires
+                **serving({**hybrid, "engine": "1"}),
                 series(cm.IN_POOL.exported, **{**hybrid, "engine": "1"}): "0x5 1x25",  # joined
                 # out of the pool by its layout: KVPoolLayoutMismatch says so, not this alert
+                **serving({**hybrid, "engine": "2"}),
                 series(cm.IN_POOL.exported, **{**hybrid, "engine": "2"}): "0x30",
                 series(cm.LAYOUT_MISMATCHES.exported, **{**hybrid, "engine": "2"}, field="dtype"): "1x30",
+                # started while the master was down, served three minutes, then idle: it joined
+                # meanwhile, but with no step since it still exports 0 (the last value it sent)
+                series(prompt_tokens, **{**hybrid, "engine": "3"}): "0 100 200 300x27",
+                series(generation_tokens, **{**hybrid, "engine": "3"}): "0 10 20 30x27",
+                series(cm.IN_POOL.exported, **{**hybrid, "engine": "3"}): "0x30",
+                # out of the pool through long decodes that admit no new prompt: fires
+                series(prompt_tokens, **{**hybrid, "engine": "4"}): "0x30",
+                series(generation_tokens, **{**hybrid, "engine": "4"}): "0+50x30",
+                series(cm.IN_POOL.exported, **{**hybrid, "engine": "4"}): "0x30",
             },
-            {"5m": [], "20m": [Firing({**MODEL, "model_name": "m"}, "0")]},
+            {
+                "5m": [],
+                "9m": [],
+                "12m": [
+                    Firing({**MODEL, "model_name": "m"}, "0"),
+                    Firing({**MODEL, "model_name": "m", "engine": "4"}, "0"),
+                ],
+                "25m": [
+                    Firing({**MODEL, "model_name": "m"}, "0"),
+                    Firing({**MODEL, "model_name": "m", "engine": "4"}, "0"),
+                ],
+            },
         ),
         Case(
             "KVPoolMasterDown",
