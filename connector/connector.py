@@ -42,6 +42,7 @@ from kvpool.connector.observability.records import StatsCollector, TransferRecor
 from kvpool.connector.observability.vllm_metrics import (
     PoolConnectorStats,
     PoolPromMetrics,
+    TransferSizes,
     fingerprint_info_key,
     in_pool_gauge,
     merge_data,
@@ -241,6 +242,8 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         shards = group_shards(self.layout)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        # The scheduler joins every rank's bytes of a transfer into one observation.
+        self._transfer_sizes = TransferSizes(self.layout.tp_size * self.layout.pp_size)
         self._events = PoolEvents(False)
         self._reset: LayoutReset | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -363,6 +366,8 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         )
         # What vLLM recomputes, over every rank's failures: counted here, once.
         record_recovery(self.stats, len(failed_requests), len(failed_blocks))
+        # Each transfer's bytes over every rank: observed once the last rank's share is in.
+        self._transfer_sizes.add(connector_output.kv_connector_stats)
         # The step's wall time and the workers' transfers: the load decision's rates.
         self._sched().on_step_output(connector_output.kv_connector_stats)
         self._events.on_reports(getattr(connector_output, "kv_cache_events", None))
@@ -401,7 +406,9 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
             self._zeros_exported = True
             zeros = dict.fromkeys(zero_series([g.kind.value for g in self.layout.groups]), 0.0)
         decisions = None
+        sizes: dict[str, list[float]] = {}
         if self._scheduler is not None:
+            sizes = self._transfer_sizes.take()
             in_pool = self.layout_verdict.in_pool and bool(self._client.attached)
             if in_pool != self._in_pool_exported:
                 self._in_pool_exported = in_pool
@@ -409,11 +416,13 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
             # vLLM asks once per step output (scheduler side): the step is done.
             self._scheduler.on_step_done()
             decisions = self._scheduler.take_decision_data()
-        if not any((lookups, transfers, layout_counters, gauges, decisions, zeros)):
+        if not any((lookups, transfers, layout_counters, gauges, decisions, zeros, sizes)):
             return None
         data = add_counters(records_to_data(lookups, transfers), layout_counters)
         data["counters"] = {**zeros, **data["counters"]}
         data["gauges"] = gauges
+        if sizes:
+            data = merge_data(data, {"histograms": sizes})
         if decisions:
             data = merge_data(data, decisions)
         return PoolConnectorStats(data=data)

@@ -219,7 +219,7 @@ def build() -> Board:
     )
     board.timeseries(
         "Bytes per request p50 and p99",
-        "Bytes one request's load or save moved, all groups.",
+        "Bytes one request's load or save moved, all groups and every tensor and pipeline rank.",
         [
             Target(
                 quantile(q, m.TRANSFER_SIZE_BYTES.exported, SEL, ["operation"]),

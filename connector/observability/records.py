@@ -118,8 +118,12 @@ class TransferRecord:
     # The worker's rank in its engine (tensor and pipeline); None: not one rank's view. Every
     # rank moves the same blocks of a request, each its own keys: only rank 0 counts the blocks
     # (and their masks, latencies), every rank its bytes, keys moved and keys failed; the
-    # scheduler counts what vLLM recomputes.
+    # scheduler counts what vLLM recomputes, and each transfer's bytes over every rank (the
+    # request's bytes, ``vllm:kvpool_transfer_size_bytes``) once every rank reported it.
     rank: int | None = None
+    # vLLM's request id: how the scheduler joins the ranks' records of one transfer (never
+    # exported; records without one join in the order they arrive).
+    req_id: str = ""
 
 
 @dataclass

@@ -3,7 +3,9 @@
 Records become a plain, serialisable ``{"counters": {key: n}, "histograms":
 {key: [obs...]}, "gauges": {key: value}}`` payload (``key`` = metric name plus label pairs), which
 ``PoolConnectorStats`` aggregates across workers and steps and
-``PoolPromMetrics`` turns into series on vLLM's own ``/metrics``.
+``PoolPromMetrics`` turns into series on vLLM's own ``/metrics``. A worker's payload also carries
+its ranks' bytes of each transfer (``RANK_BYTES``), which the scheduler joins into one
+observation per transfer (``TransferSizes``) once every rank reported it.
 """
 
 from __future__ import annotations
@@ -26,6 +28,11 @@ from kvpool.connector.scheduler.load_decision import VERDICT_LABELS
 
 SEP = "|"
 MAX_OBSERVATIONS = 4096  # per histogram series and interval; beyond, the oldest go
+#: The payload part of the workers' bytes per transfer and rank: ``{"<operation>|<request id>":
+#: [[rank, bytes, attempted], ...]}``. No series exports it: the scheduler takes it out of the
+#: workers' payload (``TransferSizes``) before vLLM passes that on.
+RANK_BYTES = "rank_bytes"
+MAX_PENDING_TRANSFERS = 4096  # transfers some rank has not reported yet; beyond, the oldest go
 
 
 def series_key(spec: m.MetricSpec, **labels: object) -> str:
@@ -104,6 +111,7 @@ class _Payload:
     def __init__(self) -> None:
         self.counters: dict[str, float] = {}
         self.histograms: dict[str, list[float]] = {}
+        self.rank_bytes: dict[str, list[list[float]]] = {}
 
     def inc(self, spec: m.MetricSpec, value: float, **labels: object) -> None:
         if value:
@@ -114,7 +122,10 @@ class _Payload:
         self.histograms.setdefault(series_key(spec, **labels), []).extend(values)
 
     def data(self) -> dict[str, Any]:
-        return {"counters": self.counters, "histograms": self.histograms}
+        out: dict[str, Any] = {"counters": self.counters, "histograms": self.histograms}
+        if self.rank_bytes:
+            out[RANK_BYTES] = self.rank_bytes
+        return out
 
 
 #: Payload counters no series exports: the loads the load rate learns from, those that
@@ -147,6 +158,12 @@ def records_to_data(lookups: Iterable[LookupRecord], transfers: Iterable[Transfe
             out.inc(m.TRANSFER_KEYS, t.blocks[g], **labels)
             for reason, count in t.group_failures[g].items():
                 out.inc(m.FAILURES, count, reason=reason, **labels)
+        if t.rank is None:  # the whole engine's view: its bytes are the request's
+            if any(t.group_attempted):
+                out.observe(m.TRANSFER_SIZE_BYTES, float(sum(t.bytes)), operation=op)
+        else:  # one rank's share of the request's bytes: the scheduler adds up the ranks'
+            entry = [float(t.rank), float(sum(t.bytes)), 1.0 if any(t.group_attempted) else 0.0]
+            out.rank_bytes.setdefault(f"{op}{SEP}{t.req_id}", []).append(entry)
         if t.rank:  # another rank of the same blocks
             continue
         for g, kind in enumerate(t.group_kinds):
@@ -155,8 +172,6 @@ def records_to_data(lookups: Iterable[LookupRecord], transfers: Iterable[Transfe
             out.inc(m.MASKED_BLOCKS, t.masked[g], **labels)
             if t.group_attempted[g]:
                 out.observe(m.OPERATION_SECONDS, t.group_seconds[g], operation=op, group_kind=kind)
-        if any(t.group_attempted):
-            out.observe(m.TRANSFER_SIZE_BYTES, float(sum(t.bytes)), operation=op)
         if t.rank is None:  # a worker's view is partial: the scheduler counts the union
             out.inc(m.LOAD_ERROR_BLOCKS, t.load_error_blocks)
             out.inc(m.RECOMPUTED_REQUESTS, int(t.recomputed))
@@ -266,7 +281,7 @@ class PoolConnectorStats(KVConnectorStats):
         self.data = {"counters": {}, "histograms": {}, "gauges": {}}
 
     def is_empty(self) -> bool:
-        return not any(self.data.get(part) for part in ("counters", "histograms", "gauges"))
+        return not any(self.data.get(part) for part in ("counters", "histograms", "gauges", RANK_BYTES))
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         counters: dict[str, float] = dict(self.data.get("counters", {}))
@@ -278,7 +293,14 @@ class PoolConnectorStats(KVConnectorStats):
             merged.extend(values)
             del merged[:-MAX_OBSERVATIONS]
         gauges = {**self.data.get("gauges", {}), **other.data.get("gauges", {})}  # the latest value
-        return PoolConnectorStats(data={"counters": counters, "histograms": histograms, "gauges": gauges})
+        data: dict[str, Any] = {"counters": counters, "histograms": histograms, "gauges": gauges}
+        # The workers' ranks of each transfer, side by side (the scheduler joins them).
+        rank_bytes = {k: list(v) for k, v in self.data.get(RANK_BYTES, {}).items()}
+        for key, entries in other.data.get(RANK_BYTES, {}).items():
+            rank_bytes.setdefault(key, []).extend(entries)
+        if rank_bytes:
+            data[RANK_BYTES] = rank_bytes
+        return PoolConnectorStats(data=data)
 
     def counter(self, spec: m.MetricSpec) -> float:
         """Sum of one counter over all its label sets."""
@@ -294,6 +316,72 @@ class PoolConnectorStats(KVConnectorStats):
             "bytes_moved": int(self.counter(m.TRANSFER_BYTES)),
             "failures": int(self.counter(m.FAILURES)),
         }
+
+
+@dataclass
+class _Transfer:
+    """One transfer some rank has not reported yet: the ranks' bytes so far."""
+
+    shares: dict[int, float] = field(default_factory=dict)
+    attempted: bool = False  # whether any rank had blocks to move
+
+
+class TransferSizes:
+    """The scheduler's join of the workers' bytes per transfer: one observation of
+    ``vllm:kvpool_transfer_size_bytes`` per request's load or save, its bytes over every rank.
+
+    Each rank records its own share of a transfer, and the ranks' records reach the scheduler
+    in the same step's payload or in later ones (each rank's transfer ends on its own). So the
+    shares wait here, by operation and request, until all ``ranks`` reported: a request saved
+    in several steps has one transfer per step, and a rank's n-th record of it joins the other
+    ranks' n-th. At most ``limit`` transfers wait; beyond, the oldest is dropped unobserved (a
+    rank that never reports one: it stopped meanwhile).
+    """
+
+    def __init__(self, ranks: int, limit: int = MAX_PENDING_TRANSFERS):
+        self.ranks = max(1, ranks)
+        self.limit = limit
+        self._pending: dict[str, list[_Transfer]] = {}  # "<operation>|<request id>" -> in order
+        self._waiting = 0
+        self._done: dict[str, list[float]] = {}
+
+    def add(self, stats: KVConnectorStats | None) -> None:
+        """Take the workers' shares out of a step's worker payload (vLLM passes the rest on)."""
+        if stats is None or not isinstance(stats.data, dict):
+            return
+        for key, entries in stats.data.pop(RANK_BYTES, {}).items():
+            for rank, size, attempted in entries:
+                self._join(key, int(rank), size, bool(attempted))
+
+    def _join(self, key: str, rank: int, size: float, attempted: bool) -> None:
+        transfers = self._pending.setdefault(key, [])
+        transfer = next((t for t in transfers if rank not in t.shares), None)
+        if transfer is None:
+            transfer = _Transfer()
+            transfers.append(transfer)
+            self._waiting += 1
+        transfer.shares[rank] = size
+        transfer.attempted = transfer.attempted or attempted
+        if len(transfer.shares) >= self.ranks:
+            self._drop(key, transfer)
+            if transfer.attempted:
+                series = series_key(m.TRANSFER_SIZE_BYTES, operation=key.split(SEP, 1)[0])
+                self._done.setdefault(series, []).append(sum(transfer.shares.values()))
+        while self._waiting > self.limit:
+            oldest = next(iter(self._pending))
+            self._drop(oldest, self._pending[oldest][0])
+
+    def _drop(self, key: str, transfer: _Transfer) -> None:
+        transfers = self._pending[key]
+        transfers.remove(transfer)
+        self._waiting -= 1
+        if not transfers:
+            del self._pending[key]
+
+    def take(self) -> dict[str, list[float]]:
+        """The ``histograms`` part of the transfers every rank reported since the last call."""
+        done, self._done = self._done, {}
+        return done
 
 
 class PoolPromMetrics(KVConnectorPromMetrics):

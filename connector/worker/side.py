@@ -429,7 +429,7 @@ class WorkerSide:
             if stalled:
                 job.abandon()
                 results = [self._not_saved(g, _timed_out) for g in save.groups]
-                self._record("save", save.groups, results, time.perf_counter())
+                self._record("save", save.req_id, save.groups, results, time.perf_counter())
                 continue
             future = self._submit(job, save, save_after_forward)
             with self._lock:
@@ -448,7 +448,7 @@ class WorkerSide:
                 self._not_saved(g, partial(_failed, outcome=Outcome.FORWARD_FAILED)) for g in save.groups
             ]
             blocks += sum(len(g.block_ids) for g in save.groups)
-            self._record("save", save.groups, results, now)
+            self._record("save", save.req_id, save.groups, results, now)
         logger.warning(
             "KVPoolConnector: the step's forward raised; its %d save(s) of %d block(s) are not made",
             len(meta.saves),
@@ -590,6 +590,7 @@ class WorkerSide:
                         self._load_errors.update(failed)
                 self._record(
                     "load",
+                    load.req_id,
                     load.groups,
                     results,
                     started,
@@ -614,7 +615,13 @@ class WorkerSide:
             job.timeout_s,
         )
         self._record(
-            "load", load.groups, results, time.perf_counter(), 0 if by_request else len(failed), by_request
+            "load",
+            load.req_id,
+            load.groups,
+            results,
+            time.perf_counter(),
+            0 if by_request else len(failed),
+            by_request,
         )
 
     def _load_group(self, transfer: GroupTransfer, job: Job) -> GroupResult:
@@ -891,7 +898,7 @@ class WorkerSide:
                 staged = None
             results = [self._traced_group("save", g, job, g is last, staged) for g in save.groups]
             tracing.mark_failed(span, sum((r.failures for r in results), Counter()))
-        self._record("save", save.groups, results, started, 0, False)
+        self._record("save", save.req_id, save.groups, results, started, 0, False)
         job.finish(True)
 
     def _stage_together(self, groups: Sequence[GroupTransfer], job: Job) -> dict[int, StagedGroup] | None:
@@ -1148,6 +1155,7 @@ class WorkerSide:
     def _record(
         self,
         op: str,
+        req_id: str,
         transfers: list[GroupTransfer],
         results: list[GroupResult],
         started: float,
@@ -1172,6 +1180,7 @@ class WorkerSide:
                 direct_blocks=sum(r.direct_blocks for r in results),
                 load_error_blocks=load_errors,
                 recomputed=recomputed,
+                req_id=req_id,
             )
         )
 

@@ -343,6 +343,56 @@ def test_the_schedulers_first_stats_carry_its_groups_at_zero(pool_settings, tmp_
     assert later is None or not later.data.get("counters")
 
 
+def test_the_scheduler_observes_a_requests_bytes_over_every_rank(pool_settings, tmp_path_factory) -> None:
+    """vllm:kvpool_transfer_size_bytes observes a request's bytes over every rank: through
+    vLLM's own ``Scheduler.update_from_output`` of a tensor-parallel-2 engine, the two workers'
+    stats of one load (aggregated as vLLM's KVOutputAggregator does) become one observation,
+    equal to what vllm:kvpool_transfer_bytes_total grows by (both ranks' bytes)."""
+    import copy
+
+    from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, KVConnectorOutput
+
+    from testing.kv_cache import GroupDesc, block_sizes, make_kv_cache_config
+    from testing.scheduler import engine_config, local_pool_transfer, scheduler_over
+
+    kinds = ("full", "sliding_window")
+    groups = [GroupDesc("full", 32), GroupDesc("sliding_window", 32, window=64)]
+    model = build_gemma3(tmp_path_factory.mktemp("gemma3-tp2"))
+    config = engine_config(model, local_pool_transfer(pool_settings))
+    config.parallel_config.tensor_parallel_size = 2  # the scheduler's side only: no worker runs
+    scheduler = scheduler_over(config, make_kv_cache_config(groups, num_blocks=2048), *block_sizes(groups))
+
+    def worker_stats(rank: int, loaded: int) -> PoolConnectorStats:
+        stats = StatsCollector(group_kinds=kinds, rank=rank)
+        stats.record_transfer(
+            TransferRecord(
+                operation="load",
+                group_kinds=kinds,
+                blocks=(loaded, 2),
+                masked=(0, 7),
+                bytes=(loaded * 1024, 2 * 1024),
+                failures={"missing": 8 - loaded} if loaded < 8 else {},
+                seconds=0.02,
+                group_failures=({"missing": 8 - loaded} if loaded < 8 else {}, {}),
+                group_seconds=(0.015, 0.005),
+                group_attempted=(True, True),
+            )
+        )
+        return PoolConnectorStats(data=records_to_data(*stats.drain()))
+
+    try:
+        output = copy.copy(EMPTY_MODEL_RUNNER_OUTPUT)
+        workers = worker_stats(0, 8).aggregate(worker_stats(1, 7))
+        output.kv_connector_output = KVConnectorOutput(kv_connector_stats=workers)
+        (outputs,) = scheduler.update_from_output(scheduler.schedule(), output).values()
+    finally:
+        scheduler.shutdown()
+    stats = outputs.scheduler_stats.kv_connector_stats
+    moved = sum(v for k, v in stats["counters"].items() if parse_key(k)[0] == m.TRANSFER_BYTES.name)
+    assert moved == (8 + 2 + 7 + 2) * 1024
+    assert stats["histograms"][series_key(m.TRANSFER_SIZE_BYTES, operation="load")] == [moved]
+
+
 # --- a real engine: counters equal ground truth, and Prometheus agrees ------------------
 
 
@@ -410,6 +460,14 @@ def _check_counters(series: dict, result: Any, kinds: list[str], per_block: list
         assert value("vllm:kvpool_transfer_bytes", operation="save", **group) == per_block[g]
     failures = {k: s.value for k, s in series.items() if k[0] == "vllm:kvpool_failures"}
     assert failures and set(failures.values()) == {0.0}, "every reason's series, none counted"
+    # Each load and save once in the size histogram, with every byte it moved.
+    for op in ("load", "save"):
+        size = series[("vllm:kvpool_transfer_size_bytes", (("operation", op),))]
+        moved = sum(
+            value("vllm:kvpool_transfer_bytes", operation=op, group=g, group_kind=kind)
+            for g, kind in enumerate(kinds)
+        )
+        assert size.count == 1 and size.sum == moved, op
 
 
 def _check_prometheus(kinds: list[str], transfers: list[TransferRecord]) -> None:

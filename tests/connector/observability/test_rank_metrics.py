@@ -3,18 +3,31 @@
 Every rank of an engine moves the same blocks of a request (each its share of the KV
 heads, under its own keys): rank 0 counts the blocks and latencies, every rank adds its
 bytes, the keys it moved and those that failed, and what vLLM recomputes after failed
-loads (the union over ranks) is counted once by the scheduler. The real-engine check is
+loads (the union over ranks) is counted once by the scheduler, as is each transfer's size
+(every rank's bytes of it, joined by the scheduler). The real-engine check is
 in ``test_tensor_parallel.py``.
 """
 
 from __future__ import annotations
 
+import functools
+from dataclasses import replace
+from types import SimpleNamespace
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from vllm.config.kv_transfer import KVTransferConfig
 
 from kvpool.connector.connector import recompute_failed_loads, record_recovery
 from kvpool.connector.contract import metric_names as m
 from kvpool.connector.observability.records import StatsCollector, TransferRecord
-from kvpool.connector.observability.vllm_metrics import PoolConnectorStats, parse_key, records_to_data
+from kvpool.connector.observability.vllm_metrics import (
+    RANK_BYTES,
+    PoolConnectorStats,
+    PoolPromMetrics,
+    TransferSizes,
+    parse_key,
+    records_to_data,
+)
 
 KINDS = ("sliding_window", "full")
 
@@ -53,6 +66,79 @@ def test_two_ranks_count_blocks_once_and_bytes_twice() -> None:
     # The workers' view of recomputation is partial: the scheduler counts it.
     assert total.counter(m.RECOMPUTED_REQUESTS) == 0
     assert len(total.data["histograms"]) == len(rank0.data["histograms"])  # rank 0's latencies only
+
+
+def worker_payload(*records: TransferRecord) -> PoolConnectorStats:
+    """One worker's stats for a step (its records stamped with their rank)."""
+    return PoolConnectorStats(data=records_to_data([], list(records)))
+
+
+def exported(*steps: PoolConnectorStats) -> dict[str, float]:
+    """What /metrics shows of the transfers after ``steps`` (each: the step's workers' stats,
+    aggregated as vLLM's KVOutputAggregator does), passed through the scheduler as the
+    connector does: its ``TransferSizes`` takes the ranks' shares out of the workers' stats,
+    and its own stats carry the joined observations."""
+    sizes = TransferSizes(ranks=2)
+    registry = CollectorRegistry()
+    types = {cls: functools.partial(cls, registry=registry) for cls in (Counter, Gauge, Histogram)}
+    prom = PoolPromMetrics(SimpleNamespace(kv_transfer_config=None), types, ["engine"], {0: ["0"]})
+    for workers in steps:
+        sizes.add(workers)  # update_connector_output
+        assert RANK_BYTES not in workers.data  # nothing of it goes on to the front end
+        scheduler = PoolConnectorStats(data={"histograms": sizes.take()})  # get_kv_connector_stats
+        prom.observe(workers.aggregate(scheduler).data, 0)
+
+    def sample(name: str, **labels: str) -> float:
+        return registry.get_sample_value(name, {"engine": "0", **labels}) or 0.0
+
+    out = {}
+    for op in (m.LOAD, m.SAVE):
+        out[f"{op} size sum"] = sample(f"{m.TRANSFER_SIZE_BYTES.name}_sum", operation=op)
+        out[f"{op} size count"] = sample(f"{m.TRANSFER_SIZE_BYTES.name}_count", operation=op)
+        out[f"{op} bytes"] = sum(
+            sample(m.TRANSFER_BYTES.exported, operation=op, group=str(g), group_kind=kind)
+            for g, kind in enumerate(KINDS)
+        )
+    return out
+
+
+def test_a_requests_transfer_size_is_its_bytes_over_every_rank() -> None:
+    """Tensor parallel 2: both ranks load their shard of the same blocks. The histogram observes
+    the request once, with what the bytes counter grew by: both ranks' bytes."""
+    rank0 = stamped(0, replace(load_on_rank(), req_id="r1"))
+    rank1 = stamped(1, replace(load_on_rank(missing=1), req_id="r1"))
+    out = exported(worker_payload(rank0).aggregate(worker_payload(rank1)))
+    assert out["load bytes"] == (10 + 9) * 512
+    assert out["load size sum"] == out["load bytes"] and out["load size count"] == 1
+
+
+def test_ranks_shares_that_arrive_in_other_steps_join() -> None:
+    """Each rank's transfer ends on its own, so its share may reach the scheduler steps after
+    another's; a request saved in two steps has two saves, each joined with its own."""
+    r0_first, r0_second = (stamped(0, replace(save_on_rank(), req_id="r1")) for _ in range(2))
+    r1_first = stamped(1, replace(save_on_rank(failed=4), req_id="r1"))
+    r1_second = stamped(1, replace(save_on_rank(failed=10), req_id="r1"))
+    other = stamped(0, replace(load_on_rank(), req_id="r2"))  # rank 1's share never arrives
+    assert exported(worker_payload(r0_first, r0_second, other))["save size count"] == 0  # rank 1's not in
+    out = exported(
+        worker_payload(r0_first, r0_second, other), worker_payload(r1_first), worker_payload(r1_second)
+    )
+    assert out["save size count"] == 2
+    assert out["save size sum"] == out["save bytes"] == (10 + 10 + 6 + 0) * 512
+    assert out["load size count"] == 0  # r2's load waits for rank 1
+    sizes = TransferSizes(ranks=2)
+    sizes.add(worker_payload(r0_first, r0_second))
+    sizes.add(worker_payload(r1_first))
+    assert sizes.take() == {f"{m.TRANSFER_SIZE_BYTES.name}|operation=save": [(10 + 6) * 512]}
+
+
+def test_transfers_a_rank_never_reports_are_dropped_past_the_limit() -> None:
+    sizes = TransferSizes(ranks=2, limit=2)
+    for req in "abc":  # rank 1 never reports "a" (it stopped): "a" goes to make room for "c"
+        sizes.add(worker_payload(stamped(0, replace(load_on_rank(), req_id=req))))
+    sizes.add(worker_payload(*(stamped(1, replace(load_on_rank(), req_id=req)) for req in "bc")))
+    assert sizes.take() == {f"{m.TRANSFER_SIZE_BYTES.name}|operation=load": [2 * 10 * 512] * 2}
+    assert sizes.take() == {}
 
 
 def save_on_rank(*, failed: int = 0) -> TransferRecord:
