@@ -4,9 +4,11 @@
 the API server's admission checks for them; ``render_rules`` writes them as the chart
 ships them. ``TENANT_RULES`` are what the chart aggregates into Kubernetes' ``edit`` and
 ``view`` ClusterRoles for the people who write pools. ``WEBHOOK_RULES`` are needed only
-when kopf manages the webhook configuration. ``request_permission`` maps a recorded HTTP
-request to the permission it needs and ``implied_permissions`` what its body needs besides,
-so tests can prove every recorded request is covered and no rule goes unused.
+when kopf manages the webhook configuration. ``FINALIZER_RULES`` are what the chart binds
+cluster-wide in namespaced mode, to let pools go whose namespace's Role is gone.
+``request_permission`` maps a recorded HTTP request to the permission it needs and
+``implied_permissions`` what its body needs besides, so tests can prove every recorded request
+is covered and no rule goes unused.
 """
 
 from __future__ import annotations
@@ -86,6 +88,14 @@ RULES: tuple[Rule, ...] = (
     # Events posted by kopf about pools.
     Rule(EVENTS.group, (EVENTS.plural,), ("create",)),
 )
+
+# Bound cluster-wide in namespaced mode, for one thing: removing a pool's finalizer (kopf's
+# patch of ``metadata.finalizers``) once the Role in its namespace is gone, as it goes first
+# when the namespace is deleted. RBAC cannot narrow a verb to a field or to namespaces being
+# deleted, so this is ``patch`` on pools, the least that does it: no read, list or watch, no
+# status, nothing else. The operator's other requests never depend on it (the chart's tests
+# check its traffic against the Roles alone), and it never writes a pool's spec.
+FINALIZER_RULES: tuple[Rule, ...] = (Rule(POOLS.group, (POOLS.plural,), ("patch",)),)
 
 # What tenants may do with pools: aggregated into Kubernetes' own ``edit`` (and ``admin``) and
 # ``view`` ClusterRoles, so whoever may edit or view a namespace may do the same with its pools.

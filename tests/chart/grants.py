@@ -35,20 +35,26 @@ def grants(rules: Iterable[dict[str, Any]], namespace: str | None) -> set[Grant]
 
 def rendered_grants(objects: list[dict[str, Any]]) -> set[Grant]:
     """What the chart gives its ServiceAccount: roles resolved through their bindings."""
+    return set().union(*grants_by_binding(objects).values())
+
+
+def grants_by_binding(objects: list[dict[str, Any]]) -> dict[tuple[str, str | None, str], set[Grant]]:
+    """What each of the chart's bindings gives its ServiceAccount, by (kind, namespace, name) of
+    the binding: what is left when one of them is deleted (as a namespace's deletion does)."""
     account = one(objects, "ServiceAccount")["metadata"]
     subject = {"kind": "ServiceAccount", "name": account["name"], "namespace": account["namespace"]}
     roles = {("ClusterRole", r["metadata"]["name"], None): r for r in of_kind(objects, "ClusterRole")}
     roles |= {
         ("Role", r["metadata"]["name"], r["metadata"]["namespace"]): r for r in of_kind(objects, "Role")
     }
-    out: set[Grant] = set()
+    out: dict[tuple[str, str | None, str], set[Grant]] = {}
     for binding in of_kind(objects, "ClusterRoleBinding") + of_kind(objects, "RoleBinding"):
         assert binding["subjects"] == [subject], binding["metadata"]["name"]
         ref = binding["roleRef"]
         assert ref["apiGroup"] == "rbac.authorization.k8s.io"
         where = binding["metadata"].get("namespace") if binding["kind"] == "RoleBinding" else None
         role = roles[(ref["kind"], ref["name"], where if ref["kind"] == "Role" else None)]
-        out |= grants(role["rules"], where)
+        out[(binding["kind"], where, binding["metadata"]["name"])] = grants(role["rules"], where)
     return out
 
 

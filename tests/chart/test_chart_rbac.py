@@ -4,7 +4,10 @@ The operator's integration scenarios (tests/operator: the real operator, kopf an
 against kmock) run twice — cluster-wide, and watching one namespace as the chart runs it
 with ``clusterWide=false`` — and every API request the operator made is recorded
 (``conftest.recordings``). Each must be allowed by the chart's rendered rules in that mode,
-and every verb on every resource the chart grants must have been used.
+and every verb on every resource the chart grants must have been used. In namespaced mode the
+Roles alone must allow them: the one right the chart grants there cluster-wide (``patch`` on
+pools, to remove a finalizer once a namespace's Role is gone: test_chart_namespace_deletion)
+is never what the operator's other requests rely on.
 """
 
 from __future__ import annotations
@@ -16,8 +19,9 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from kvpool.operator.generated import RBAC_RULES_PATH
-from kvpool.operator.rbac import RULES, Permission
+from kvpool.operator.generated import FINALIZER_RULES_PATH, RBAC_RULES_PATH
+from kvpool.operator.names import POOLS
+from kvpool.operator.rbac import FINALIZER_RULES, RULES, Permission
 from tests.chart.conftest import Recording
 from tests.chart.grants import Grant, allows, grants, needed_by, rendered_grants
 from tests.chart.helm import CHART, NAMESPACE, ROOT, Helm, of_kind, one
@@ -49,6 +53,9 @@ def check(recording: Recording, granted: set[Grant]) -> None:
 
 
 AGGREGATE = "rbac.authorization.k8s.io/aggregate-to-"
+FINALIZERS = "kvpool-mooncake-kvpool-finalizers"  # namespaced mode's one cluster-wide role
+# What it grants: patch on pools, in every namespace.
+FINALIZER_GRANT = Grant(POOLS.group, POOLS.plural, "patch", None)
 
 
 def operator_roles(objects: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
@@ -91,9 +98,13 @@ def test_namespaced_rbac_allows_every_request_and_no_more(
     namespaced_objects: list[dict[str, Any]], recordings: dict[str, Recording]
 ) -> None:
     objects = namespaced_objects
-    assert operator_roles(objects, "ClusterRole") == of_kind(objects, "ClusterRoleBinding") == []
+    assert [r["metadata"]["name"] for r in operator_roles(objects, "ClusterRole")] == [FINALIZERS]
+    assert [b["roleRef"]["name"] for b in of_kind(objects, "ClusterRoleBinding")] == [FINALIZERS]
     granted = rendered_grants(objects)
-    assert {g.namespace for g in granted} == set(recordings["namespaced"].namespaces)
+    assert {g.namespace for g in granted} == {*recordings["namespaced"].namespaces, None}
+    assert {g for g in granted if g.namespace is None} == {FINALIZER_GRANT}
+    # The Roles alone allow every request: nothing leans on the cluster-wide patch.
+    check(recordings["namespaced"], {g for g in granted if g.namespace is not None})
     check(recordings["namespaced"], granted)
     # ...and the cluster-wide traffic (all-namespace lists and watches) would be refused.
     with pytest.raises(AssertionError, match="refuses"):
@@ -106,8 +117,19 @@ def test_the_rules_are_the_operators_own(cluster_objects: list[dict[str, Any]]) 
     assert grants(role["rules"], None) == grants((r.as_dict() for r in RULES), None)
 
 
-def test_a_missing_rules_file_fails_the_render(helm: Helm, chart_copy: Path) -> None:
-    (chart_copy / (ROOT / RBAC_RULES_PATH).relative_to(CHART)).unlink()
+def test_the_finalizer_rules_are_the_operators_own(helm: Helm) -> None:
+    """Namespaced, the chart binds ``FINALIZER_RULES`` cluster-wide; cluster-wide, the
+    operator's ClusterRole holds that right already, and no second role is rendered."""
+    roles = {r["metadata"]["name"]: r for r in operator_roles(helm.template(), "ClusterRole")}
+    assert roles[FINALIZERS]["rules"] == [r.as_dict() for r in FINALIZER_RULES]
+    cluster_wide = helm.template(sets=["clusterWide=true"])
+    assert FINALIZERS not in {r["metadata"]["name"] for r in of_kind(cluster_wide, "ClusterRole")}
+    assert FINALIZER_GRANT in rendered_grants(cluster_wide)
+
+
+@pytest.mark.parametrize("path", [RBAC_RULES_PATH, FINALIZER_RULES_PATH])
+def test_a_missing_rules_file_fails_the_render(helm: Helm, chart_copy: Path, path: str) -> None:
+    (chart_copy / (ROOT / path).relative_to(CHART)).unlink()
     with pytest.raises(AssertionError, match="is missing or empty"):
         helm.template(chart=chart_copy)
 
@@ -138,7 +160,9 @@ def test_rbac_and_account_can_be_left_out(helm: Helm) -> None:
     kinds = {o["kind"] for o in objects}
     assert not kinds & {"ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding", "ServiceAccount"}
     aggregated = helm.template(sets=["rbac.aggregateToDefaultRoles=false"])
-    assert of_kind(aggregated, "ClusterRole") == []
+    assert [r["metadata"]["name"] for r in of_kind(aggregated, "ClusterRole")] == [FINALIZERS]
+    bare = helm.template(sets=["rbac.aggregateToDefaultRoles=false", "rbac.finalizerClusterRole=false"])
+    assert of_kind(bare, "ClusterRole") == of_kind(bare, "ClusterRoleBinding") == []
     assert one(objects, "Deployment")["spec"]["template"]["spec"]["serviceAccountName"] == "ops"
 
 
@@ -212,12 +236,14 @@ def test_the_proof_bites(cluster_objects: list[dict[str, Any]], recordings: dict
 
 
 def test_the_least_privileged_install_is_the_default(helm: Helm) -> None:
-    """Namespaced unless asked: a Role and RoleBinding in the release namespace, no
-    cluster-wide rights for the operator (kube-system untouchable), the operator told so."""
+    """Namespaced unless asked: a Role and RoleBinding in the release namespace, the operator
+    told so, and no cluster-wide right but patch on pools (to remove a pool's finalizer once its
+    namespace's Role is gone); nothing else of kube-system's or any namespace's is reachable."""
     objects = helm.template()
-    assert operator_roles(objects, "ClusterRole") == of_kind(objects, "ClusterRoleBinding") == []
+    assert [r["metadata"]["name"] for r in operator_roles(objects, "ClusterRole")] == [FINALIZERS]
     granted = rendered_grants(objects)
-    assert granted and {g.namespace for g in granted} == {NAMESPACE}
+    assert granted and {g.namespace for g in granted} == {NAMESPACE, None}
+    assert {g for g in granted if g.namespace is None} == {FINALIZER_GRANT}
     args = one(objects, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
     assert f"--namespace={NAMESPACE}" in args
 
@@ -245,5 +271,5 @@ def test_tenants_get_pools_through_the_aggregated_edit_and_view_roles(helm: Helm
             b["roleRef"]["name"]
             for b in of_kind(objects, "ClusterRoleBinding") + of_kind(objects, "RoleBinding")
         }
-        assert not bound & set(roles) - {"kvpool-mooncake-kvpool"}
+        assert not bound & set(roles) - {"kvpool-mooncake-kvpool", FINALIZERS}
     assert {v for rule in view["rules"] for v in rule["verbs"]} == {"get", "list", "watch"}

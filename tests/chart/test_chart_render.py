@@ -115,6 +115,7 @@ def test_standard_labels_everywhere(helm: Helm, values: tuple[Path, ...]) -> Non
 def test_names_follow_overrides(helm: Helm) -> None:
     objects = helm.template(sets=["fullnameOverride=kvp"])
     names = {o["metadata"]["name"] for o in objects if o["kind"] != "CustomResourceDefinition"}
-    assert names == {"kvp", "kvp-edit", "kvp-view"}  # the tenants' aggregated ClusterRoles too
+    # The tenants' aggregated ClusterRoles too, and the finalizer ClusterRole (and its binding).
+    assert names == {"kvp", "kvp-edit", "kvp-view", "kvp-finalizers"}
     named = helm.template(sets=["nameOverride=pool-operator"])
     assert {o["metadata"]["name"] for o in named if o["kind"] == "Deployment"} == {"kvpool-pool-operator"}
