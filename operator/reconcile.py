@@ -121,6 +121,17 @@ LeaderCheck = Callable[[Plan], Awaitable[LeaderView]]
 logger = logging.getLogger(__name__)
 
 
+def logged(namespace: str, name: str) -> Notify:
+    """A ``Notify`` that only logs: for a pool whose namespace the operator may no longer write
+    Events to (kopf would retry each one for most of a minute)."""
+
+    def notify(type_: str, reason: str, message: str) -> None:
+        level = logging.WARNING if type_ == "Warning" else logging.INFO
+        logger.log(level, "pool %s/%s: %s: %s", namespace, name, reason, message)
+
+    return notify
+
+
 def skips_teardown(pool: Mapping[str, Any]) -> bool:
     """Whether the pool asks to be let go without teardown (the escape hatch)."""
     annotations = (pool.get("metadata") or {}).get("annotations") or {}
@@ -177,15 +188,15 @@ def grant_namespaces(pool: Mapping[str, Any]) -> list[str]:
     return [n for n in dict.fromkeys(listed) if isinstance(n, str)] if isinstance(listed, list) else []
 
 
-async def read_grants(kube: KubeClient, pool: Mapping[str, Any]) -> list[Grant]:
-    """The grants in the pool's namespace, and those naming it in its ``grantNamespaces``
-    (none read when the pool uses none). A listed namespace the operator cannot read is
-    skipped (validation names it when the operator does not watch it)."""
+async def read_grants(kube: KubeClient, pool: Mapping[str, Any], own_namespace: bool = True) -> list[Grant]:
+    """The grants in the pool's namespace (unless ``own_namespace`` is False), and those naming
+    it in its ``grantNamespaces`` (none read when the pool uses none). A listed namespace the
+    operator cannot read is skipped (validation names it when the operator does not watch it)."""
     if not uses_grants(pool):
         return []
     meta = pool["metadata"]
     own = meta["namespace"]
-    grants = [read_grant(obj) for obj in await kube.list(GRANTS, own)]
+    grants = [read_grant(obj) for obj in await kube.list(GRANTS, own)] if own_namespace else []
     for other in grant_namespaces(pool):
         if other == own:
             continue
@@ -922,11 +933,24 @@ class Reconciler:
         Event; teardown goes on. The escape hatch, when teardown cannot finish (an API that
         keeps refusing): the annotation ``kvpool.mooncake.io/skip-teardown: "true"`` lets the
         pool go at once; its children are then removed by the garbage collector (owner
-        references) and consumers are left as they are."""
+        references) and consumers are left as they are.
+
+        A pool the operator may no longer read (403: the Role in its namespace is gone, as it is
+        first thing when the namespace is deleted) is let go of (``let_go_of_namespace``)."""
         meta = body.get("metadata", {})
         namespace, name, uid = meta["namespace"], meta["name"], meta["uid"]
         async with self._lock(namespace, name):
-            current = await self.kube.get(POOLS, namespace, name)
+            current: Mapping[str, Any] | None
+            try:
+                current = await self.kube.get(POOLS, namespace, name)
+                reachable = True
+            except ApiError as exc:
+                # A read is refused by authorisation only (admission sees writes): the rights
+                # the operator had in the namespace are gone. Nothing there can be done; waiting
+                # would keep the pool, and so a namespace being deleted, forever.
+                if exc.status != 403:
+                    raise
+                current, reachable, notify = body, False, logged(namespace, name)
             if current is not None and skips_teardown(current):
                 notify(
                     "Warning",
@@ -939,12 +963,15 @@ class Reconciler:
                 self._locks.pop((namespace, name), None)
                 return
             try:
-                await self.release_every_consumer(body, notify)
-                await self.forget_grants(body)
-                for resource, child_name in children_names(name):
-                    removal = await ensure_absent(self.kube, resource, namespace, child_name, uid)
-                    if removal.conflict is not None:
-                        notify("Normal", "NotOwned", f"left alone: {removal.conflict}")
+                if reachable:
+                    await self.release_every_consumer(body, notify)
+                    await self.forget_grants(body)
+                    for resource, child_name in children_names(name):
+                        removal = await ensure_absent(self.kube, resource, namespace, child_name, uid)
+                        if removal.conflict is not None:
+                            notify("Normal", "NotOwned", f"left alone: {removal.conflict}")
+                else:
+                    await self.let_go_of_namespace(body, notify)
             except Exception as exc:
                 self._failed("delete", exc)
                 raise
@@ -954,13 +981,36 @@ class Reconciler:
             self._swept.pop((namespace, name), None)
             self._locks.pop((namespace, name), None)
 
-    async def release_every_consumer(self, body: Mapping[str, Any], notify: Notify) -> None:
-        """Teardown's first step: the pool's settings out of its consumers, in its namespace and
-        its grants'. Every namespace is tried; a Deployment that kept them fails the step (the
-        teardown is tried again; the pool's children stay while a consumer points at them)."""
+    async def let_go_of_namespace(self, body: Mapping[str, Any], notify: Notify) -> None:
+        """Teardown without rights in the pool's namespace (its Role is gone, as when the
+        namespace is being deleted): what can still be reached is done, and the pool goes (kopf
+        patches its finalizer away: the chart's finalizer ClusterRole allows that patch alone).
+
+        Its consumers and grants' ConfigMaps in other namespaces are released and deleted as
+        always; in its own namespace its children go with it (owner references) and its
+        consumers keep the pool's settings (in a namespace being deleted they go too)."""
+        meta = body["metadata"]
+        logger.warning(
+            "pool %s/%s: the operator may no longer read it (its Role in %s is gone: is the namespace "
+            "being deleted?); releasing what it reaches elsewhere, leaving the rest to the namespace",
+            meta["namespace"],
+            meta["name"],
+            meta["namespace"],
+        )
+        await self.release_every_consumer(body, notify, own_namespace=False)
+        await self.forget_grants(body, own_namespace=False)
+
+    async def release_every_consumer(
+        self, body: Mapping[str, Any], notify: Notify, own_namespace: bool = True
+    ) -> None:
+        """Teardown's first step: the pool's settings out of its consumers, in its namespace
+        (unless ``own_namespace`` is False) and its grants'. Every namespace is tried; a
+        Deployment that kept them fails the step (the teardown is tried again; the pool's
+        children stay while a consumer points at them)."""
         meta = body["metadata"]
         refused: list[ConsumersNotReleased] = []
-        for other in (meta["namespace"], *consumer_namespaces(body)):
+        own = [meta["namespace"]] if own_namespace else []
+        for other in (*own, *consumer_namespaces(body)):
             pool_namespace = "" if other == meta["namespace"] else meta["namespace"]
             try:
                 await release_consumers(self.kube, other, meta["name"], set(), notify, pool_namespace)
@@ -975,12 +1025,13 @@ class Reconciler:
         if refused:
             raise refused[0]
 
-    async def forget_grants(self, body: Mapping[str, Any]) -> None:
+    async def forget_grants(self, body: Mapping[str, Any], own_namespace: bool = True) -> None:
         """Teardown in the grants' namespaces: the ConfigMaps the pool wrote for them deleted
-        (the grants stay: they are the tenants'; their status says the pool is gone)."""
+        (the grants stay: they are the tenants'; their status says the pool is gone). The
+        grants of the pool's own namespace are left out when ``own_namespace`` is False."""
         meta = body["metadata"]
         gone = f"pool {meta['namespace']}/{meta['name']} is deleted"
-        for grant in await read_grants(self.kube, body):
+        for grant in await read_grants(self.kube, body, own_namespace):
             if grant.namespace != meta["namespace"] and grant.uid:
                 configmap = names.grant_connector_configmap_name(meta["name"], grant.name)
                 await ensure_absent(self.kube, CONFIGMAPS, grant.namespace, configmap, grant.uid)
