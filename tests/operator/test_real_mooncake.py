@@ -397,17 +397,25 @@ def consumer_settings(plan: Plan, host: str) -> dict[str, Any]:
 
 
 CONSUMER_PROBE = """
-import json, sys
+import json, sys, time
 from kvpool.connector.contract.settings import ConnectorSettings
 from kvpool.connector.pool_client import open_client
 from testing.pool_store import put_bytes, raw_store
+KEY = "kvpool-ha-probe"
 client = open_client(ConnectorSettings.parse(json.loads(sys.argv[1])), global_segment_size=0)
 try:
-    if sys.argv[2] == "put":
-        print(put_bytes(client, "kvpool-ha-probe", b"x" * 4096))
-    print(raw_store(client).is_exist("kvpool-ha-probe"))
+    if sys.argv[2] == "put":  # a segment just mounted may refuse a first put (-200): 30 s
+        deadline = time.monotonic() + 30
+        while (code := put_bytes(client, KEY, b"x" * 4096)) != 0 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        print(code)
+    # A new leader replays the OpLog in polls (Mooncake's: every second): give it 30 s.
+    deadline = time.monotonic() + (30 if sys.argv[2] == "read" else 0)
+    while raw_store(client).is_exist(KEY) != 1 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    print(raw_store(client).is_exist(KEY))
     if sys.argv[2] == "read":
-        value = raw_store(client).get("kvpool-ha-probe")
+        value = raw_store(client).get(KEY)
         print(len(value) if value == b"x" * len(value) else -1)
 finally:
     client.close()
