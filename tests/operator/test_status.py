@@ -121,22 +121,27 @@ def test_an_invalid_spec_keeps_the_other_conditions() -> None:
     assert condition_of(fresh, "MasterReady")["status"] == "Unknown"
 
 
+def ha_status(master: dict[str, Any], leader: Any) -> dict[str, Any]:
+    """A fresh HA pool's status with ``master`` (its Deployment) and what the leader check found."""
+    return valid_status(
+        master_address="etcd://e:2379",
+        master=master,
+        store=deployment(),
+        embedded=False,
+        consumers=[],
+        old={},
+        generation=1,
+        now="t",
+        ha=True,
+        leader=leader,
+    )
+
+
 def test_ha_master_ready_means_a_leader_serves() -> None:
     from kvpool.operator.leader import LeaderView
 
     def ready(leader: LeaderView | None, master: dict[str, Any] | None = None) -> dict[str, Any]:
-        status = valid_status(
-            master_address="etcd://e:2379",
-            master=master or deployment(replicas=3, updated=3, available=3),
-            store=deployment(),
-            embedded=False,
-            consumers=[],
-            old={},
-            generation=1,
-            now="t",
-            ha=True,
-            leader=leader,
-        )
+        status = ha_status(master or deployment(replicas=3, updated=3, available=3), leader)
         return dict(condition_of(status, "MasterReady") or {})
 
     serving = ready(LeaderView(True, "the leader at 10.0.0.7:50051 serves"))
@@ -171,18 +176,7 @@ def test_an_ha_pool_whose_masters_run_and_none_leads_is_an_error() -> None:
     from kvpool.operator.observation import Observation
 
     def status_of(master: dict[str, Any]) -> dict[str, Any]:
-        return valid_status(
-            master_address="etcd://e:2379",
-            master=master,
-            store=deployment(),
-            embedded=False,
-            consumers=[],
-            old={},
-            generation=1,
-            now="t",
-            ha=True,
-            leader=LeaderView(False, "no master leads"),
-        )
+        return ha_status(master, LeaderView(False, "no master leads"))
 
     poll = Observation(at="t", problem="no master leads", reason="NoLeader")
     running = status_of(deployment(replicas=3, updated=3, available=3))
