@@ -184,6 +184,16 @@ def etcd() -> Iterator[EtcdCluster]:
         cluster.stop()
 
 
+@pytest.fixture
+def live_etcd() -> Iterator[EtcdCluster]:
+    """Three etcd members, all up (a client's setup does not wait on a dead first endpoint)."""
+    cluster = EtcdCluster()
+    try:
+        yield cluster.start()
+    finally:
+        cluster.stop()
+
+
 @dataclass
 class Processes:
     """Processes started from rendered args, stopped by PID."""
@@ -397,7 +407,7 @@ def consumer_settings(plan: Plan, host: str) -> dict[str, Any]:
 
 
 CONSUMER_PROBE = """
-import json, sys, time
+import json, os, sys, time, traceback
 from kvpool.connector.contract.settings import ConnectorSettings
 from kvpool.connector.pool_client import open_client
 from testing.pool_store import put_bytes, raw_store
@@ -417,8 +427,13 @@ try:
     if sys.argv[2] == "read":
         value = raw_store(client).get(KEY)
         print(len(value) if value == b"x" * len(value) else -1)
-finally:
-    client.close()
+except BaseException:
+    traceback.print_exc()
+    sys.stderr.flush()
+    os._exit(1)
+# Not closed: with an etcd:// master, Mooncake's close waits ~30 s (its HA watcher).
+sys.stdout.flush()
+os._exit(0)
 """
 
 
@@ -439,7 +454,7 @@ def consumer_probe(settings: dict[str, Any], action: str) -> subprocess.Complete
 @pytest.mark.timeout(420)
 @pytest.mark.asyncio
 async def test_ha_pools_sharing_an_etcd_each_elect_their_own_leader(
-    etcd: EtcdCluster, processes: Processes
+    live_etcd: EtcdCluster, processes: Processes
 ) -> None:
     """Mooncake keeps an HA election under its cluster id: two pools on one etcd, each
     started as rendered, each lead (with one id between them only one would), a pool's store
@@ -448,7 +463,7 @@ async def test_ha_pools_sharing_an_etcd_each_elect_their_own_leader(
     hosts = {"pool-a": MASTER_HOSTS[0], "pool-b": MASTER_HOSTS[1]}
     plans = {}
     for pool, host in hosts.items():
-        plans[pool] = build_plan(pool, NAMESPACE, ha_spec(etcd.endpoints, rpc_port, metrics_port))
+        plans[pool] = build_plan(pool, NAMESPACE, ha_spec(live_etcd.endpoints, rpc_port, metrics_port))
         assert plans[pool].valid, plans[pool].problems
         loopback = [f"--metrics_host={host}", f"--http_metadata_server_host={host}", "--rpc_thread_num=2"]
         processes.start(f"master-{pool}", rendered(plans[pool], f"{pool}-master", host) + loopback)
