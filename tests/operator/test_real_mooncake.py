@@ -184,16 +184,6 @@ def etcd() -> Iterator[EtcdCluster]:
         cluster.stop()
 
 
-@pytest.fixture
-def live_etcd() -> Iterator[EtcdCluster]:
-    """Three etcd members, all up (a client's setup does not wait on a dead first endpoint)."""
-    cluster = EtcdCluster()
-    try:
-        yield cluster.start()
-    finally:
-        cluster.stop()
-
-
 @dataclass
 class Processes:
     """Processes started from rendered args, stopped by PID."""
@@ -454,7 +444,7 @@ def consumer_probe(settings: dict[str, Any], action: str) -> subprocess.Complete
 @pytest.mark.timeout(420)
 @pytest.mark.asyncio
 async def test_ha_pools_sharing_an_etcd_each_elect_their_own_leader(
-    live_etcd: EtcdCluster, processes: Processes
+    etcd: EtcdCluster, processes: Processes
 ) -> None:
     """Mooncake keeps an HA election under its cluster id: two pools on one etcd, each
     started as rendered, each lead (with one id between them only one would), a pool's store
@@ -463,7 +453,7 @@ async def test_ha_pools_sharing_an_etcd_each_elect_their_own_leader(
     hosts = {"pool-a": MASTER_HOSTS[0], "pool-b": MASTER_HOSTS[1]}
     plans = {}
     for pool, host in hosts.items():
-        plans[pool] = build_plan(pool, NAMESPACE, ha_spec(live_etcd.endpoints, rpc_port, metrics_port))
+        plans[pool] = build_plan(pool, NAMESPACE, ha_spec(etcd.endpoints, rpc_port, metrics_port))
         assert plans[pool].valid, plans[pool].problems
         loopback = [f"--metrics_host={host}", f"--http_metadata_server_host={host}", "--rpc_thread_num=2"]
         processes.start(f"master-{pool}", rendered(plans[pool], f"{pool}-master", host) + loopback)
