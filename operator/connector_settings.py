@@ -75,10 +75,19 @@ def consumer_connector_settings(
 
 
 def explicit_extra_config(settings: ConnectorSettings) -> dict[str, Any]:
-    """``kv_connector_extra_config`` with only the settings that differ from the contract's
-    defaults: the connector in the consumer's image applies its own defaults, so a release
-    that adds a setting with its default renders (and rolls) nothing new."""
-    return settings.model_dump(mode="json", exclude_defaults=True)
+    """``kv_connector_extra_config`` with the settings that differ from the contract's
+    defaults, and every field of the mounted Mooncake config file.
+
+    The connector in the consumer's image applies its own defaults, so a release that adds
+    a setting with its default renders (and rolls) nothing new. The file's fields are always
+    explicit: the ConfigMap is rewritten as soon as the pool changes, before the rollout
+    reaches a consumer, and a Pod of the old template that restarts in between would
+    otherwise take the new file's value for each field its flag leaves out (a new protocol
+    against stores of the old one). With them pinned, a Pod's settings are its template's.
+    """
+    everything = settings.model_dump(mode="json")
+    pinned = {field: everything[field] for field in settings.mooncake_config()}
+    return {**settings.model_dump(mode="json", exclude_defaults=True), **pinned}
 
 
 def kv_transfer_config_json(settings: ConnectorSettings, kv_role: str = "kv_both") -> str:

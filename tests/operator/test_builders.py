@@ -208,13 +208,14 @@ def test_configmap_is_the_contracts_rendering() -> None:
     assert configmap["data"][names.MOONCAKE_CONFIG_FILE] == (
         json.dumps(settings.mooncake_config(), indent=2, sort_keys=True) + "\n"
     )
-    # The contract's transfer config, with only the settings that are not the contract's defaults.
+    # The contract's transfer config: the settings that are not the contract's defaults, and
+    # the file's fields.
     rendered = json.loads(configmap["data"][names.KV_TRANSFER_CONFIG_FILE])
     assert rendered["kv_connector_extra_config"] == {
-        "master_server_address": "pool-master.team-a.svc:50051",
         "cache_prefix": "team-a",
         "batch_size": 64,
         "save_decode_cache": True,
+        **settings.mooncake_config(),
     }
     contract = settings.kv_transfer_config()
     assert {k: v for k, v in rendered.items() if k != "kv_connector_extra_config"} == {

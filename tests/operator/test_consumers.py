@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -77,9 +78,35 @@ def test_the_rendered_transfer_config_is_the_contracts() -> None:
     assert extra["master_server_address"] == "pool-master.team-a.svc:50051"
     assert extra["local_hostname"] == extra["bind_address"] == "$(POD_IP)"  # serves and binds on its pod IP
     assert ConnectorSettings.parse(extra).tcp_bind_address == "$(POD_IP)"
-    # Only what differs from the contract's defaults: the connector applies its own.
-    assert "global_segment_size" not in extra and "batch_size" not in extra
+    # What differs from the contract's defaults, and the mounted file's fields (always):
+    # the connector applies its own defaults to the rest.
+    assert "batch_size" not in extra
+    assert extra["global_segment_size"] == 0 and extra["protocol"] == "tcp"
     assert ConnectorSettings.parse(extra).global_segment_size == 0
+
+
+def test_a_pod_of_the_old_template_keeps_its_settings_when_the_file_changes(tmp_path: Path) -> None:
+    """The ConfigMap is rewritten before the rollout reaches a consumer: a Pod of the old
+    template that restarts in between mounts the new file under its old flag."""
+    old = build_plan("pool", "team-a", pool_spec())
+    new = build_plan(
+        "pool",
+        "team-a",
+        pool_spec(
+            store={"segmentSize": "1GB", "replicas": 2, "protocol": "rdma", "rdmaDevices": ["mlx5_0"]},
+            connector={"cache_prefix": "team-a", "local_buffer_size": "128MB", "metadata_server": "etcd:1"},
+        ),
+    )
+    old_flag = json.loads(old.consumers[0].kv_transfer_config)["kv_connector_extra_config"]
+
+    def settings_with(plan: Any) -> ConnectorSettings:
+        (configmap,) = [c for c in plan.children if c["metadata"]["name"] == "pool-connector"]
+        path = tmp_path / f"{id(plan)}.json"
+        path.write_text(configmap["data"][names.MOONCAKE_CONFIG_FILE])
+        return ConnectorSettings.from_sources(old_flag, {"MOONCAKE_CONFIG_PATH": str(path)})
+
+    assert settings_with(new) == settings_with(old)
+    assert settings_with(old).protocol == "tcp" and settings_with(old).metadata_server == "P2PHANDSHAKE"
 
 
 def test_an_unchanged_hash_changes_nothing() -> None:
