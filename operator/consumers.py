@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpool.connector.contract.identity import NON_CRYPTOGRAPHIC_BLOCK_HASHES
-from kvpool.connector.contract.layout import fingerprint
+from kvpool.connector.contract.layout import GroupKind, fingerprint
 from kvpool.connector.contract.settings import CONFIG_PATH_ENV, CONNECTOR_NAME, ConnectorSettings
 from kvpool.operator import names
 from kvpool.operator.components import POD_IP_ENV, pod_ip_env
@@ -79,7 +79,11 @@ class Injection:
     env: tuple[tuple[str, str], ...]
     layout_fingerprint: str
     config_hash: str
-    kv_cache_dtype: str = "auto"  # the declared layout's dtype (vLLM's --kv-cache-dtype)
+    # The declared layout's dtype: the torch dtypes of its groups (``kvpool-layout`` prints
+    # them, e.g. ``bfloat16`` or ``uint8`` for an fp8 cache), never a --kv-cache-dtype name.
+    kv_cache_dtype: str = "auto"
+    # Whether it has attention groups, whose dtype --kv-cache-dtype sets (Mamba's is its own).
+    has_attention: bool = True
     # The pool lets engines hashing blocks with xxhash join (the connector refuses them else).
     allows_weak_block_hash: bool = False
     # A consumer of a grant in another namespace: its namespace and the pool's (empty: the
@@ -132,6 +136,7 @@ def plan_injection(
         layout_fingerprint=layout_fingerprint,
         config_hash=config_hash,
         kv_cache_dtype=consumer.layout.dtype,
+        has_attention=any(g.kind != GroupKind.MAMBA for g in consumer.layout.groups),
         allows_weak_block_hash=settings.allow_non_cryptographic_block_hash,
         namespace=namespace,
         pool_namespace=pool_namespace,
@@ -196,6 +201,22 @@ def refusal(
 SHELLS = frozenset({"sh", "bash", "dash", "ash", "zsh", "ksh", "busybox"})
 DTYPE_FLAGS = ("--kv-cache-dtype", "--kv_cache_dtype")
 HASH_ALGO_FLAGS = ("--prefix-caching-hash-algo", "--prefix_caching_hash_algo")
+# The torch dtype vLLM stores attention KV in for each --kv-cache-dtype (its
+# ``STR_DTYPE_TO_TORCH_DTYPE``): the layout's dtype. ``auto`` is the model's dtype, unknown
+# here, as is a name not listed: neither is refused.
+KV_CACHE_TORCH_DTYPES = {
+    "float32": "float32",
+    "float": "float32",
+    "float16": "float16",
+    "half": "float16",
+    "bfloat16": "bfloat16",
+    "fp8": "uint8",
+    "fp8_e4m3": "uint8",
+    "fp8_e5m2": "uint8",
+    "fp8_inc": "float8_e4m3fn",
+    "fp8_ds_mla": "uint8",
+    "int8": "int8",
+}
 
 
 def container_tokens(container: Mapping[str, Any]) -> list[str]:
@@ -261,8 +282,8 @@ def injection_refusal(deployment: Mapping[str, Any], injection: Injection) -> Re
     """Why the pool's settings would not reach vLLM in this Deployment (refused, never
     injected), or None. What is detected: a shell launch (``sh -c``: appended arguments
     become the shell's ``$0``), a transfer config of another connector (the consumer's own
-    would be dropped), a ``--kv-cache-dtype`` other than the declared layout's (the connector
-    would find another layout and stay out of the pool), a block hash that is not collision
+    would be dropped), a ``--kv-cache-dtype`` whose stored dtype the declared layout lacks
+    (the connector would find another layout and stay out of the pool), a block hash that is not collision
     resistant where the pool does not allow one (the connector would refuse to start), no
     container or no single vLLM container to choose."""
     meta = deployment.get("metadata") or {}
@@ -291,12 +312,14 @@ def injection_refusal(deployment: Mapping[str, Any], injection: Injection) -> Re
             "replace: remove it from the Deployment to take the pool's, or leave the pool",
         )
     for dtype in flag_values(tokens, DTYPE_FLAGS):
-        if dtype != injection.kv_cache_dtype:
+        stored = KV_CACHE_TORCH_DTYPES.get(dtype)
+        if injection.has_attention and stored and stored not in injection.kv_cache_dtype.split(","):
             return Refusal(
                 "kv-cache-dtype",
-                f"{where} runs --kv-cache-dtype={dtype} but the pool declares its layout with dtype "
-                f"{injection.kv_cache_dtype!r}: the connector would stay out of the pool, so set "
-                f"layout.dtype: {dtype} for this consumer in the pool's spec",
+                f"{where} runs --kv-cache-dtype={dtype}, which vLLM stores as {stored}, but the pool "
+                f"declares its layout with dtype {injection.kv_cache_dtype!r}: the connector would "
+                "stay out of the pool, so declare for this consumer the layout kvpool-layout prints "
+                f"with --kv-cache-dtype {dtype} (layout.dtype: {stored})",
             )
     for algorithm in flag_values(tokens, HASH_ALGO_FLAGS):
         if algorithm in NON_CRYPTOGRAPHIC_BLOCK_HASHES and not injection.allows_weak_block_hash:

@@ -63,11 +63,12 @@ def test_each_rule_names_itself_and_the_fix() -> None:
     # The pool's own flag (an earlier injection) is no refusal.
     assert rule_of(injected(vllm_deployment(), injection()), injection()) is None
 
-    fp8 = vllm_deployment()
-    fp8["spec"]["template"]["spec"]["containers"][0]["args"] += ["--kv-cache-dtype", "fp8"]
-    refused = injection_refusal(fp8, injection())
-    assert refused is not None and refused.rule == "kv-cache-dtype" and "layout.dtype: fp8" in refused.message
-    assert rule_of(fp8, injection(dtype="fp8")) is None
+    fp8 = with_args("--kv-cache-dtype", "fp8")
+    refused = injection_refusal(fp8, injection(dtype="float32"))
+    assert (
+        refused is not None and refused.rule == "kv-cache-dtype" and "layout.dtype: uint8" in refused.message
+    )
+    assert rule_of(fp8, injection(dtype="uint8")) is None
 
     # A block hash that is not collision resistant: the connector would refuse to start.
     xxhash = vllm_deployment()
@@ -94,6 +95,43 @@ def test_each_rule_names_itself_and_the_fix() -> None:
     chosen = injected(two_vllms, injection(container=None))["spec"]["template"]["spec"]["containers"]
     assert [bool(kv_flags_of(c)) for c in chosen] == [False, True]
     assert rule_of(vllm_deployment(), injection(container="nope")) == "no-container"
+
+
+def with_args(*args: str) -> dict[str, Any]:
+    deployment = vllm_deployment()
+    deployment["spec"]["template"]["spec"]["containers"][0]["args"] += list(args)
+    return deployment
+
+
+def test_the_kv_cache_dtype_is_checked_against_the_dtype_vllm_stores() -> None:
+    """A layout's dtype is the torch dtype of its groups, as ``kvpool-layout`` prints it
+    (``float32`` for a float32 model under ``--kv-cache-dtype auto``, ``uint8`` under ``fp8``:
+    printed by vLLM 0.32's probe), never a ``--kv-cache-dtype`` name, which the connector
+    never builds."""
+    # What kvpool-layout prints for the flags: what the connector accepts, never refused.
+    assert rule_of(with_args("--kv-cache-dtype", "auto"), injection(dtype="float32")) is None
+    assert rule_of(with_args("--kv-cache-dtype=fp8_e5m2"), injection(dtype="uint8")) is None
+    assert rule_of(with_args("--kv_cache_dtype", "bfloat16"), injection(dtype="bfloat16")) is None
+    # A hybrid: the Mamba state's own dtype beside the attention groups'.
+    assert rule_of(with_args("--kv-cache-dtype", "fp8"), injection(dtype="float32,uint8")) is None
+    # A flag's name as the dtype: the connector would stay out of the pool.
+    refused = injection_refusal(with_args("--kv-cache-dtype", "fp8"), injection(dtype="fp8"))
+    assert refused is not None and refused.rule == "kv-cache-dtype"
+    assert "stores as uint8" in refused.message and "layout.dtype: uint8" in refused.message
+    # Only Mamba groups: their dtype is not the flag's.
+    mamba = pool_spec(
+        consumers=[
+            {
+                "name": "llm",
+                "container": "vllm",
+                "layout": layout(
+                    {"kind": "mamba", "block_size": 16, "mamba_cache_mode": "align"}, dtype="float32"
+                ),
+            }
+        ]
+    )
+    (only_mamba,) = build_plan("pool", NAMESPACE, mamba).consumers
+    assert rule_of(with_args("--kv-cache-dtype", "fp8"), only_mamba) is None
 
 
 def kv_flags_of(container: dict[str, Any]) -> list[str]:
