@@ -226,10 +226,12 @@ def pool_alerts() -> list[Alert]:
         f"{_sum_rate(ext.MASTER_BATCH_PUT_ITEMS, PER_POOL, '5m')}"
     )
     external = f'{o.POOL_INFO.exported}{{mode="{o.EXTERNAL}"}}'
-    # An embedded pool's memory is its consumers' vLLM ranks': none running, none mounted.
-    embedded_without_engines = (
+    # Pools that hold no memory by design: an embedded pool's memory is its consumers' vLLM
+    # ranks' (none running, none mounted); a pool whose spec scales its store pods to zero.
+    without_memory = (
         f'group by {pool_by} ({o.POOL_INFO.exported}{{mode="{o.EMBEDDED}"}})\n'
-        f"  unless on {pool_by}\n  group by {pool_by} ({m.IN_POOL.exported})"
+        f"  unless on {pool_by}\n  group by {pool_by} ({m.IN_POOL.exported})\n"
+        f"or\n  group by {pool_by} ({o.POOL_STORES_EXPECTED.exported} == 0)"
     )
     return [
         Alert(
@@ -250,14 +252,15 @@ def pool_alerts() -> list[Alert]:
         Alert(
             "KVPoolNoLeader",
             f"max by {pool_by} ({ext.MASTER_CAPACITY}) == 0\nand on {pool_by}\nmax by {pool_by} ({up}) == 1\n"
-            f"unless on {pool_by}\n(\n  {embedded_without_engines}\n)",
+            f"unless on {pool_by}\n(\n  {without_memory}\n)",
             "3m",
             "critical",
             "No master of {{ $labels.namespace }}/{{ $labels.pool }} is serving the pool",
             "The masters of {{ $labels.namespace }}/{{ $labels.pool }} are up but none holds mounted "
             "store memory: with HA no leader was elected (check etcd), or no store mounted its "
             "segment at the current leader. An embedded pool none of whose vLLM engines runs "
-            "(consumers scaled to zero) holds no memory by design and stays quiet.",
+            "(consumers scaled to zero), or a pool whose spec.store.replicas is 0, holds no memory "
+            "by design and stays quiet.",
         ),
         Alert(
             "KVPoolStandbyFailed",

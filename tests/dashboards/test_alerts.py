@@ -287,10 +287,24 @@ def cases() -> list[Case]:
                 series(external.MASTER_CAPACITY, **master, pool="e", instance="m7"): "0x15",
                 series(om.POOL_INFO.exported, **op, namespace=NS, pool="e", mode=om.EMBEDDED): "1x15",
                 series(cm.IN_POOL.exported, **{**MODEL, "pool": "e"}, model_name="m"): "0x15",
+                # f: managed, its stores scaled to zero (spec.store.replicas 0): no memory, by design
+                series(external.UP, **master, pool="f", instance="m8"): "1x15",
+                series(external.MASTER_CAPACITY, **master, pool="f", instance="m8"): "0x15",
+                series(om.POOL_INFO.exported, **op, namespace=NS, pool="f", mode=om.MANAGED): "1x15",
+                series(om.POOL_STORES_EXPECTED.exported, **op, namespace=NS, pool="f"): "0x15",
+                # g: managed, one store declared and none mounted at the master
+                series(external.UP, **master, pool="g", instance="m9"): "1x15",
+                series(external.MASTER_CAPACITY, **master, pool="g", instance="m9"): "0x15",
+                series(om.POOL_INFO.exported, **op, namespace=NS, pool="g", mode=om.MANAGED): "1x15",
+                series(om.POOL_STORES_EXPECTED.exported, **op, namespace=NS, pool="g"): "1x15",
             },
             {
                 "2m": [],
-                "10m": [Firing({"namespace": NS, "pool": "a"}), Firing({"namespace": NS, "pool": "e"})],
+                "10m": [
+                    Firing({"namespace": NS, "pool": "a"}),
+                    Firing({"namespace": NS, "pool": "e"}),
+                    Firing({"namespace": NS, "pool": "g"}),
+                ],
             },
         ),
         Case(
