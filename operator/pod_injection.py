@@ -445,6 +445,13 @@ def carries_settings(deployment: Mapping[str, Any], injection: Injection, pod_ha
     return bool(pod_hashes) and all(h == injection.config_hash for h in pod_hashes)
 
 
+def runs_nothing(deployment: Mapping[str, Any]) -> bool:
+    """Whether the Deployment is scaled to zero and no Pod of it is left: none runs other
+    settings, and its next Pods get the current ones at admission."""
+    spec_replicas = (deployment.get("spec") or {}).get("replicas", 1)
+    return spec_replicas == 0 and not (deployment.get("status") or {}).get("replicas")
+
+
 def needs_restart(deployment: Mapping[str, Any], injection: Injection, pod_hashes: list[str]) -> bool:
     """Whether only a restart brings the current settings: the template's hash is another, or
     (none yet) a Pod runs other settings, or its Pods were refused (a restart retries at once,

@@ -83,6 +83,7 @@ from kvpool.operator.pod_injection import (
     carries_settings,
     pod_config_hashes,
     restart_patch,
+    runs_nothing,
     template_refusal,
 )
 from kvpool.operator.policy import OperatorPolicy
@@ -496,7 +497,7 @@ async def restart_consumer(
             f"{injection.deployment}: restarted for connector settings {injection.config_hash} "
             "(its new Pods get them at admission)",
         )
-    if not carries_settings(deployment, injection, hashes):
+    if not carries_settings(deployment, injection, hashes) and not runs_nothing(deployment):
         return consumer_state(
             injection, False, "waiting for its Pods to be admitted with the current settings"
         )

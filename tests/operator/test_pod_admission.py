@@ -555,3 +555,37 @@ async def test_a_pod_naming_a_pool_in_a_namespace_not_watched_is_refused(
     answer = await review(url, replica_set_pod(deployment))
     assert answer["allowed"] is False and "[namespace-not-watched]" in answer["status"]["message"]
     assert names.LABEL_ALLOW_POOL_NAMESPACE in answer["status"]["message"]
+
+
+@pytest.mark.parametrize("operator_config", [POD_ADMISSION_CONFIG])
+async def test_a_consumer_scaled_to_zero_never_holds_the_rollout_back(
+    cluster: Cluster, operator: Operator
+) -> None:
+    """A consumer at 0 replicas (parked, or scaled to zero by an autoscaler) runs no Pod with
+    other settings, and the webhook gives its next Pods the current ones: it is rolled out,
+    and the consumers after it roll on, rather than waiting for Pods that never come."""
+    url = f"{operator.webhook_url}/{INJECT_ID}"
+    idle = opted_in("idle")
+    idle["spec"]["replicas"] = 0
+    await cluster.create(idle)
+    llm = opted_in("llm")
+    await cluster.create(llm)
+    await cluster.create(pool_manifest(spec=pool_spec(consumers=[consumer("idle"), consumer("llm")])))
+    await serving(cluster)
+    await start_pod(cluster, url, llm, "aaa")
+
+    def consumers() -> dict[str, dict[str, Any]]:
+        cluster.settle()
+        return {c["name"]: c for c in cluster.pool_status("pool").get("consumers") or []}
+
+    await eventually(
+        lambda: (
+            all(consumers().get(name, {}).get("rolledOut") for name in ("idle", "llm"))
+            and cluster.condition("pool", "ConsumersRolledOut").get("status") == "True"
+        ),
+        what="both consumers rolled out",
+    )
+    # Nothing was restarted: neither runs other settings.
+    for name in ("idle", "llm"):
+        template = cluster.get(DEPLOYMENTS_PATH, name)["spec"]["template"]
+        assert names.ANNOTATION_CONFIG_HASH not in (template["metadata"].get("annotations") or {})
