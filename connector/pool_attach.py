@@ -22,7 +22,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 from kvpool.connector.contract.settings import ConnectorSettings
 from kvpool.connector.observability.logs import get_logger
@@ -161,13 +161,16 @@ class Attacher:
         return self.SETUP_FAILED
 
 
-def _trial(settings: ConnectorSettings) -> int:
-    """In the child: one setup of a client that contributes nothing; 0 if it succeeded."""
+def _trial_and_exit(settings: ConnectorSettings) -> NoReturn:
+    """In the child: one setup of a client that contributes nothing, then exit (0 if it
+    succeeded) with the client never closed nor freed: Mooncake tears down a client of an HA
+    master (``etcd://``) only after its leader watch's current wait ends (up to 30 s)."""
     from mooncake.store import MooncakeDistributedStore
 
-    return 0 if set_up(MooncakeDistributedStore(), settings, 0, TRIAL_LOCAL_BUFFER) == 0 else 1
+    store = MooncakeDistributedStore()
+    code = set_up(store, settings, 0, TRIAL_LOCAL_BUFFER)
+    os._exit(0 if code == 0 else 1)  # `store` still referenced: no teardown runs
 
 
 if __name__ == "__main__":
-    # Exit at once: a trial client's close may wait on the master (up to 30 s under HA).
-    os._exit(_trial(ConnectorSettings.model_validate_json(sys.argv[1])))
+    _trial_and_exit(ConnectorSettings.model_validate_json(sys.argv[1]))

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kvpool.connector.contract.mooncake_env import configure_client_process
 from kvpool.connector.contract.settings import ConnectorSettings
 from kvpool.connector.local.pool import (
     LOOPBACK,
@@ -22,8 +23,17 @@ from kvpool.connector.local.pool import (
     free_port,
     stop_process,
 )
-from kvpool.connector.pool_attach import ATTACH_INTERVAL_S, Attacher, accepts_connections, endpoints
+from kvpool.connector.local.ports import PortHold
+from kvpool.connector.pool_attach import (
+    ATTACH_INTERVAL_S,
+    Attacher,
+    accepts_connections,
+    endpoints,
+    sets_up_in_a_child,
+    trial_setup_deadline_s,
+)
 from kvpool.connector.pool_client import CODE_RPC_FAILED, PoolClient, open_client
+from testing.etcd_cluster import EtcdCluster
 from testing.mooncake_faults import mooncake_store_class
 from testing.pool_store import put_bytes
 
@@ -139,3 +149,39 @@ def test_a_closed_client_stops_trying(rpc_port: int) -> None:
     client.close()
     _wait(lambda: not attacher._thread.is_alive(), ATTACH_INTERVAL_S + 30, "the attach thread ended")
     assert not client.attach() and not client.attached
+
+
+@pytest.fixture
+def ha_master_address() -> Iterator[str]:
+    """One Mooncake master leading through a one-member etcd, both on loopback: ``etcd://...``."""
+    etcd = EtcdCluster(size=1)
+    rpc = PortHold.drawn()
+    master: MooncakeMaster | None = None
+    try:
+        etcd.start()
+        ha_args = ("--enable_ha=true", "--ha_backend_type=etcd", f"--etcd_endpoints={etcd.endpoints()}")
+        master = MooncakeMaster(rpc_port=rpc.port, extra_args=ha_args)
+        master.start(timeout=60)  # its RPC port opens once it leads
+        yield f"etcd://{etcd.endpoints()}"
+    finally:
+        if master is not None:
+            master.stop()
+            shutil.rmtree(master.log_dir, ignore_errors=True)
+        rpc.release()
+        etcd.stop()
+
+
+def test_a_trial_against_an_ha_master_ends_within_its_deadline(
+    ha_master_address: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The trial child exits without tearing its client down: Mooncake's teardown of a client
+    of an HA master waits out its leader watch (up to 30 s), past the trial's deadline with a
+    short store timeout, and such a client would never join the pool."""
+    settings = ConnectorSettings.parse({"master_server_address": ha_master_address, "store_timeout_s": 5})
+    child_env: dict[str, str] = {}  # the child's Mooncake variables are this process's
+    configure_client_process(settings.tcp_bind_address, child_env, store_timeout_s=settings.store_timeout_s)
+    for name, value in child_env.items():
+        monkeypatch.setenv(name, value)
+    deadline_s = trial_setup_deadline_s(settings)
+    assert deadline_s < 30
+    assert sets_up_in_a_child(settings, deadline_s)
