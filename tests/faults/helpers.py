@@ -181,20 +181,21 @@ class HAPool:
 
     def wait_for_clients(self, timeout: float) -> None:
         """Until a client sets up through etcd (the leader's address there, its RPC answering):
-        on a loaded machine that can come after the leader mounts the store's memory."""
+        on a loaded machine that can come after the leader mounts the store's memory.
+
+        Each try is the connector's trial client, in a child that exits without closing it:
+        closing a client of an HA master waits out Mooncake's leader watch (up to 30 s)."""
+        from kvpool.connector.contract.mooncake_env import configure_client_process
         from kvpool.connector.contract.settings import ConnectorSettings
-        from kvpool.connector.pool_client import StoreUnavailable, open_client
+        from kvpool.connector.pool_attach import sets_up_in_a_child, trial_setup_deadline_s
 
         settings = ConnectorSettings.parse({"master_server_address": self.address})
+        configure_client_process(settings.tcp_bind_address, store_timeout_s=settings.store_timeout_s)
         deadline = time.monotonic() + timeout
-        while True:
-            try:
-                open_client(settings, global_segment_size=0).close()
-                return
-            except StoreUnavailable:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.5)
+        while not sets_up_in_a_child(settings, trial_setup_deadline_s(settings)):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no client set up through {self.address} after {timeout}s")
+            time.sleep(0.5)
 
     def leader(self) -> MooncakeMaster | None:
         live = [m for m in self.masters if m.process is not None and m.process.poll() is None]
