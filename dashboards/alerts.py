@@ -226,6 +226,8 @@ def pool_alerts() -> list[Alert]:
         f"{_sum_rate(ext.MASTER_BATCH_PUT_ITEMS, PER_POOL, '5m')}"
     )
     external = f'{o.POOL_INFO.exported}{{mode="{o.EXTERNAL}"}}'
+    # The operator creates nothing for a pool whose spec is invalid (KVPoolConfigInvalid's).
+    invalid = f'{o.POOL_CONDITION.exported}{{condition="ConfigValid", status="False"}}'
     # Pools that hold no memory by design: an embedded pool's memory is its consumers' vLLM
     # ranks' (none running, none mounted); a pool whose spec scales its store pods to zero.
     without_memory = (
@@ -240,6 +242,7 @@ def pool_alerts() -> list[Alert]:
             f"or\n"
             f"(\n  group by {pool_by} ({o.CONSUMERS.exported})\n"
             f"  unless on {pool_by}\n  {external}\n"
+            f"  unless on {pool_by}\n  {invalid}\n"
             f"  unless on {pool_by}\n  ({up} == 1)\n)",
             "2m",
             "critical",
@@ -247,7 +250,8 @@ def pool_alerts() -> list[Alert]:
             "Prometheus reaches no master of pool {{ $labels.namespace }}/{{ $labels.pool }} (or the "
             "operator runs the pool's master and no master target exists). Lookups, loads and saves "
             "fail; vLLM keeps serving by recomputing. An external pool's master (spec.external) is "
-            "not scraped: KVPoolError says when it does not serve.",
+            "not scraped: KVPoolError says when it does not serve; for a pool whose spec is invalid "
+            "the operator runs no master: KVPoolConfigInvalid.",
         ),
         Alert(
             "KVPoolNoLeader",

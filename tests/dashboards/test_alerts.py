@@ -257,6 +257,11 @@ def cases() -> list[Case]:
                 # an external pool: its master is not scraped (KVPoolError covers it)
                 series(om.CONSUMERS.exported, **op, namespace=NS, pool="d"): "1x15",
                 series(om.POOL_INFO.exported, **op, namespace=NS, pool="d", mode=om.EXTERNAL): "1x15",
+                # e: a new pool whose spec is invalid: the operator creates no master for it
+                # (KVPoolConfigInvalid's case, not this one)
+                series(om.CONSUMERS.exported, **op, namespace=NS, pool="e"): "0x15",
+                series(om.POOL_INFO.exported, **op, namespace=NS, pool="e", mode=om.MANAGED): "1x15",
+                series(om.POOL_CONDITION.exported, **valid_false, namespace=NS, pool="e"): "1x15",
             },
             {
                 "1m": [],
