@@ -790,7 +790,8 @@ class PoolClient:
         """Remove each key's object; per key 0 when removed. A key a save of this client is
         writing (a put session held here), or that another removal here is removing, is left
         to it: ``CODE_KEPT_WRITING``. While the removal runs, reservations of its keys here
-        answer ``CODE_RESERVED_ELSEWHERE``."""
+        answer ``CODE_RESERVED_ELSEWHERE``. Never raises: a call that fails (the client closed
+        or out of the pool included) is ``CODE_RPC_FAILED`` for its keys, which stay."""
         with self._sessions_lock:
             kept = {k for k in keys if self._sessions.get(k, 0) > 0 or k in self._removing}
             mine = [k for k in dict.fromkeys(keys) if k not in kept]
@@ -798,8 +799,15 @@ class PoolClient:
         try:
             removed: dict[str, int] = {}
             for part in chunks(mine, self.batch_size):
-                codes = self._call(self._store.batch_remove, self._scoped(part), True)
-                removed.update(zip(part, codes))
+                try:
+                    codes = self._call(self._store.batch_remove, self._scoped(part), True)
+                except StoreUnavailable:
+                    codes = []
+                except Exception:
+                    logger.warning("Mooncake remove call failed for %d keys", len(part), exc_info=True)
+                    codes = []
+                if len(codes) == len(part):
+                    removed.update(zip(part, codes))
         finally:
             with self._sessions_lock:
                 self._removing.difference_update(mine)

@@ -20,7 +20,9 @@ import torch
 from kvpool.connector.contract.object_header import HEADER_BYTES, payload_crc, stated_checksum
 from kvpool.connector.contract.payload_checks import Checksum
 from kvpool.connector.metadata import GroupTransfer, PoolConnectorMetadata, RequestLoad, RequestSave
+from kvpool.connector.pool_client import CODE_RPC_FAILED
 from kvpool.connector.worker.side import WorkerSide
+from testing.mooncake_faults import mooncake_store_class
 from testing.pool_store import raw_store
 from testing.worker import run_loads, single_group_worker
 
@@ -110,3 +112,28 @@ def test_an_object_of_the_previous_format_is_a_failed_load(
     assert not cache(worker)[:, 4].any(), "no byte of the old object reached the block"
     (loaded,) = [t for t in worker.stats.transfers if t.operation == "load"]
     assert loaded.failures == {"corrupt": 1}
+
+
+def test_a_failed_removal_of_a_corrupt_object_leaves_the_load_reported_as_it_ended(
+    workers: dict[str, WorkerSide], pool_client: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Removing a corrupt object is best effort: a removal call that raises leaves the object
+    (the next reader refuses it too) and the load is reported as it ended, corrupt, not held
+    until its deadline and reported as a timeout."""
+    worker = workers["cpu"]
+    save(worker, "damaged", 1)
+    key = worker.keyspace.key(0, 0, 0, "damaged")
+    store = raw_store(pool_client)
+    damaged = bytearray(store.get(key))
+    damaged[HEADER_BYTES + 5] ^= 0x10
+    assert store.upsert(key, bytes(damaged)) == 0
+
+    def removal_fails(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("injected: batch_remove raised")
+
+    monkeypatch.setattr(mooncake_store_class(), "batch_remove", removal_fails)
+    worker.stats.drain()
+    assert load(worker, "damaged", 3) == {3}
+    (loaded,) = [t for t in worker.stats.transfers if t.operation == "load"]
+    assert loaded.failures == {"corrupt": 1}
+    assert worker.client.remove([key]) == [CODE_RPC_FAILED]
