@@ -12,6 +12,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from kvpool.connector.contract.declared_layout import incomplete
 from kvpool.connector.contract.errors import error_message, field_path
 from kvpool.connector.contract.layout import Problem, check
 from kvpool.connector.contract.settings import ConnectorSettings, SettingsError
@@ -304,7 +305,7 @@ def check_consumer_list(consumers: Sequence[GrantConsumerSpec]) -> list[Problem]
                 _problem(f"{where}.name", "consumer-unique", f"consumer {consumer.name!r} is listed twice")
             )
         seen.add(consumer.name)
-        for p in check(consumer.layout):
+        for p in [*check(consumer.layout), *incomplete(consumer.layout)]:
             problems.append(
                 _problem(f"{where}.layout.{p.field}", p.rule, f"consumer {consumer.name!r}: {p.message}")
             )

@@ -42,7 +42,11 @@ def pool_manifest(name: str = "pool", spec: dict[str, Any] | None = None) -> dic
 
 
 def layout(*groups: dict[str, Any], **extra: Any) -> dict[str, Any]:
-    return {"model": "org/model", "groups": list(groups) or [full_group()], **extra}
+    """A whole declaration, as ``kvpool-layout`` prints one: every group's page size, the
+    model, a concrete dtype and the cache block size (``extra`` replaces any of them)."""
+    whole = [{"page_size_bytes": 65536, **g} for g in (groups or [full_group()])]
+    block = min(g["block_size"] for g in whole)
+    return {"model": "org/model", "dtype": "bfloat16", "cache_block_size": block, "groups": whole, **extra}
 
 
 def full_group(block_size: int = 16) -> dict[str, Any]:

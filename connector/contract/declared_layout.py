@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpool.connector.contract.identity import stage_independent
-from kvpool.connector.contract.layout import KVLayout, canonical_payload, fingerprint
+from kvpool.connector.contract.layout import KVLayout, Problem, canonical_payload, fingerprint
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,37 @@ class LayoutDifference:
 
 def _show(value: Any) -> str:
     return "(none)" if value is None else repr(value)
+
+
+INCOMPLETE = "declared-layout-incomplete"
+PRINT_IT = "declare the layout kvpool-layout prints, whole"
+
+
+def incomplete(layout: KVLayout) -> list[Problem]:
+    """What a declaration leaves at a default that a layout vLLM builds never has: the model,
+    a concrete dtype (never ``auto``), the cache block size, each group's page size. Such a
+    declaration differs from every built layout, so its engines would stay out of the pool."""
+    problems = []
+    if not layout.model:
+        problems.append(Problem(field="model", rule=INCOMPLETE, message=f"not set: {PRINT_IT}"))
+    if layout.dtype == "auto":
+        problems.append(
+            Problem(
+                field="dtype",
+                rule=INCOMPLETE,
+                message=f"'auto' is never the dtype vLLM builds (e.g. bfloat16, uint8 for fp8): {PRINT_IT}",
+            )
+        )
+    if layout.cache_block_size is None:
+        problems.append(Problem(field="cache_block_size", rule=INCOMPLETE, message=f"not set: {PRINT_IT}"))
+    for index, group in enumerate(layout.groups):
+        if group.page_size_bytes is None:
+            problems.append(
+                Problem(
+                    field=f"groups[{index}].page_size_bytes", rule=INCOMPLETE, message=f"not set: {PRINT_IT}"
+                )
+            )
+    return problems
 
 
 def canonical(layout: KVLayout) -> dict[str, Any]:

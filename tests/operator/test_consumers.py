@@ -24,7 +24,15 @@ from kvpool.operator.consumers import (
 )
 from kvpool.operator.merge_patch import apply_merge_patch
 from kvpool.operator.plan import build_plan
-from testing.operator_objects import ORIGINAL_KV_CONFIG, consumer, pool_spec, stored, vllm_deployment
+from testing.operator_objects import (
+    ORIGINAL_KV_CONFIG,
+    consumer,
+    full_group,
+    layout,
+    pool_spec,
+    stored,
+    vllm_deployment,
+)
 
 
 def injection(**overrides: Any) -> Injection:
@@ -247,7 +255,7 @@ def test_the_first_container_is_the_default() -> None:
     inj = build_plan(
         "pool",
         "team-a",
-        pool_spec(consumers=[{"name": "llm", "layout": {"groups": [{"kind": "full", "block_size": 16}]}}]),
+        pool_spec(consumers=[{"name": "llm", "layout": layout(full_group())}]),
     ).consumers[0]
     assert inj.container is None
     assert len(flags(vllm(injected(vllm_deployment(kv_config=ORIGINAL_KV_CONFIG), inj)))) == 1

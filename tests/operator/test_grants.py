@@ -521,7 +521,7 @@ def window_of(block_size: int) -> dict[str, Any]:
         ),
         (
             lambda: grant_with_consumers({**consumer("chat"), "layout": window_of(15)}),
-            "spec.consumers[0].layout.groups[0].block_size",
+            "spec.consumers[0].layout.groups[1].block_size",
             "[hash-block-divisible]",  # the connector's own layout rule
         ),
     ],

@@ -25,7 +25,7 @@ from testing.operator_objects import (
 )
 
 
-def injection(container: str | None = "vllm", dtype: str = "auto") -> Injection:
+def injection(container: str | None = "vllm", dtype: str = "bfloat16") -> Injection:
     spec = pool_spec(consumers=[{"name": "llm", "layout": layout(dtype=dtype)}])
     if container is not None:
         spec["consumers"][0]["container"] = container

@@ -73,6 +73,23 @@ def test_layouts_go_through_the_contracts_check(
     assert {p.rule for p in contract} == {rule for _, rule in problems(raw)}
 
 
+def test_a_declaration_that_leaves_out_what_vllm_always_builds_is_refused() -> None:
+    """No layout vLLM builds has dtype ``auto``, no model, no cache block size or a group
+    without its page size: such a declaration would keep every engine out of the pool, so
+    the pool is refused, naming each field, and nothing is built."""
+    raw = pool_spec()
+    raw["consumers"][0]["layout"] = {"model": "", "groups": [{"kind": "full", "block_size": 16}]}
+    plan = build_plan("pool", "ns", raw)
+    assert sorted((p.field, p.rule) for p in plan.problems) == [
+        ("spec.consumers[0].layout.cache_block_size", "declared-layout-incomplete"),
+        ("spec.consumers[0].layout.dtype", "declared-layout-incomplete"),
+        ("spec.consumers[0].layout.groups[0].page_size_bytes", "declared-layout-incomplete"),
+        ("spec.consumers[0].layout.model", "declared-layout-incomplete"),
+    ]
+    assert "kvpool-layout prints" in str(plan.problems[0])
+    assert plan.children == [] and plan.consumers == []
+
+
 def test_messages_name_consumer_group_and_rule() -> None:
     raw = with_consumer_layout(groups=[full_group(), {"kind": "cross", "block_size": 16}])
     (problem,) = build_plan("pool", "ns", raw).problems
