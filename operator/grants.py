@@ -37,6 +37,7 @@ POOL_REFUSES = "PoolRefuses"  # its pool does not serve grants (invalid, tenancy
 NAMESPACE_NOT_ALLOWED = "NamespaceNotAllowed"  # its pool does not list the grant's namespace
 POOL_NOT_FOUND = "PoolNotFound"  # its pool does not exist (yet, or any more)
 _TENANT_MAX = 63
+_DIGEST_CHARS = 16
 
 
 @dataclass(frozen=True)
@@ -99,7 +100,9 @@ def tenant_of(grant: Grant, pool_namespace: str | None = None) -> str:
     """The Mooncake tenant of a grant: ``domain.<reuseDomain>`` in the pool's namespace,
     ``<namespace>.domain-<reuseDomain>`` in another one (a reuse domain never spans two
     namespaces: a tenant cannot join another namespace's blocks by naming its domain), else
-    ``<namespace>.<name>``; a digest of it when longer than a tenant may be."""
+    ``<namespace>.<name>``; a digest of it when longer than a tenant may be: after the whole
+    namespace and a dot, or, where that is too long, after the namespace's first characters
+    and a dash (a cut namespace and a dot would be the tenant of a grant of that namespace)."""
     assert grant.spec is not None
     domain = grant.spec.reuse_domain
     if domain and grant.namespace == (pool_namespace or grant.namespace):
@@ -107,8 +110,10 @@ def tenant_of(grant: Grant, pool_namespace: str | None = None) -> str:
     own = f"{grant.namespace}.domain-{domain}" if domain else f"{grant.namespace}.{grant.name}"
     if len(own) <= _TENANT_MAX:
         return own
-    digest = hashlib.sha256(own.encode()).hexdigest()[:16]
-    return f"{grant.namespace[:40].rstrip('-.')}.{digest}"
+    digest = hashlib.sha256(own.encode()).hexdigest()[:_DIGEST_CHARS]
+    if len(grant.namespace) + 1 + _DIGEST_CHARS <= _TENANT_MAX:
+        return f"{grant.namespace}.{digest}"
+    return f"{grant.namespace[: _TENANT_MAX - 1 - _DIGEST_CHARS]}-{digest}"
 
 
 def namespace_refusal(

@@ -3,6 +3,7 @@ rendered from them, cut as Mooncake cuts, refused by field and rule (pure)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Any
 
@@ -253,6 +254,30 @@ def test_a_reuse_domain_never_spans_two_namespaces() -> None:
         f"{OTHER}/b": f"{OTHER}.domain-llama",
     }
     assert plan.tenancy.requested == {"domain.llama": 8 * MiB, f"{OTHER}.domain-llama": 16 * MiB}
+
+
+LONG_NAMESPACES = ["ml-serving-production-inference-team-alpha", "a" * 20 + "-" + "b" * 42]
+
+
+@pytest.mark.parametrize("namespace", LONG_NAMESPACES)
+def test_a_digest_tenant_never_is_another_namespaces_grant(namespace: str) -> None:
+    """A tenant too long for Mooncake becomes a digest. The digest of a grant of a long
+    namespace never follows a cut namespace and a dot: the namespace so named (listed too)
+    would get that tenant, and the victim's blocks, with a grant named after the digest."""
+    victim = grant_in(namespace, "llama-70b-chat-shared-cache", "8MB")
+    cut = namespace[:40].rstrip("-.")
+    digest = hashlib.sha256(f"{namespace}.llama-70b-chat-shared-cache".encode()).hexdigest()[:16]
+    impostor = grant_in(cut, digest, "8MB")
+    raw = tenant_spec("own")
+    raw["tenancy"]["grantNamespaces"] = [namespace, cut]
+    plan = build_plan("pool", NAMESPACE, raw, grants=[grant("own", "8MB"), victim, impostor])
+    assert plan.tenancy is not None
+    tenants = plan.tenancy.tenants
+    victims = tenants[f"{namespace}/{victim.name}"]
+    assert len(victims) <= 63 and victims != tenants[f"{cut}/{impostor.name}"]
+    # Whatever the grant's name: a tenant `<ns>.<rest>` is grant `<rest>` of namespace `<ns>`.
+    head, dot, _ = victims.partition(".")
+    assert not dot or head == namespace
 
 
 def test_a_consumer_cannot_attach_to_a_grant_of_another_namespace() -> None:
