@@ -36,6 +36,7 @@ CUT = "Cut"  # its ceiling is cut: the pool's grants ask more than its memory
 POOL_REFUSES = "PoolRefuses"  # its pool does not serve grants (invalid, tenancy off)
 NAMESPACE_NOT_ALLOWED = "NamespaceNotAllowed"  # its pool does not list the grant's namespace
 POOL_NOT_FOUND = "PoolNotFound"  # its pool does not exist (yet, or any more)
+TENANT_TAKEN = "TenantTaken"  # its tenant is another namespace's grant's
 _TENANT_MAX = 63
 _DIGEST_CHARS = 16
 
@@ -137,6 +138,8 @@ class Tenancy:
     tenants: dict[str, str] = field(default_factory=dict)  # grant ref (``grant_ref``) -> tenant
     capacity: int | None = None  # the memory the pool declares (None: not known ahead)
     namespace: str = ""  # the pool's
+    # Grant refs left out because their tenant is a grant's of another namespace -> why.
+    taken: dict[str, str] = field(default_factory=dict)
 
     def policy(self) -> str:
         return policy_yaml(self.requested)
@@ -162,18 +165,29 @@ def plan_tenancy(
     capacity: int | None,
     grant_namespaces: Sequence[str] = (),
 ) -> Tenancy:
-    """The tenants of the grants ``pool`` honours (``honoured``), cut as Mooncake cuts."""
+    """The tenants of the grants ``pool`` honours (``honoured``), cut as Mooncake cuts. A tenant
+    is one namespace's: a grant whose tenant a grant of another namespace holds (the pool's own
+    first) is left out, since sharing the tenant would share that namespace's blocks."""
     requested: dict[str, int] = {}
     tenants: dict[str, str] = {}
+    holders: dict[str, str] = {}  # tenant -> the namespace whose grants it is
+    taken: dict[str, str] = {}
     for grant in sorted(grants, key=lambda g: (g.namespace != namespace, g.namespace, g.name)):
         if not honoured(grant, pool, namespace, grant_namespaces):
             continue
         assert grant.spec is not None
         tenant = tenant_of(grant, namespace)
+        holder = holders.setdefault(tenant, grant.namespace)
+        if holder != grant.namespace:
+            taken[grant_ref(grant, namespace)] = (
+                f"its tenant {tenant} is a tenant of namespace {holder}'s grants in pool "
+                f"{namespace}/{pool}: rename the grant (a tenant never spans two namespaces)"
+            )
+            continue
         tenants[grant_ref(grant, namespace)] = tenant
         requested[tenant] = max(requested.get(tenant, 0), grant.spec.ceiling)
     effective = dict(requested) if capacity is None else effective_quotas(requested, capacity)
-    return Tenancy(requested, effective, tenants, capacity, namespace)
+    return Tenancy(requested, effective, tenants, capacity, namespace, taken)
 
 
 def _condition(kind: str, status: str, reason: str, message: str, generation: int | None) -> dict[str, Any]:
@@ -204,6 +218,8 @@ def grant_status(
             "conditions": [_condition(ACCEPTED, "False", "Invalid", grant.problem, gen)],
         }
     ref = grant_ref(grant, tenancy.namespace) if tenancy is not None else ""
+    if tenancy is not None and ref in tenancy.taken:
+        refusal, reason = tenancy.taken[ref], TENANT_TAKEN
     if tenancy is None or ref not in tenancy.tenants:
         return {
             "observedGeneration": gen,

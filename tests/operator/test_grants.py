@@ -256,6 +256,26 @@ def test_a_reuse_domain_never_spans_two_namespaces() -> None:
     assert plan.tenancy.requested == {"domain.llama": 8 * MiB, f"{OTHER}.domain-llama": 16 * MiB}
 
 
+def test_a_namespace_named_domain_cannot_take_the_pools_reuse_domain() -> None:
+    """A grant ``llama`` of a listed namespace ``domain`` would be tenant ``domain.llama``, the
+    pool's own reuse domain ``llama``: its consumers would read and write that domain's blocks.
+    It is left out, and says why; the pool's grant keeps the tenant."""
+    grants = [grant("own", "8MB", reuseDomain="llama"), grant_in("domain", "llama", "16MB")]
+    raw = tenant_spec("own")
+    raw["tenancy"]["grantNamespaces"] = ["domain"]
+    plan = build_plan("pool", NAMESPACE, raw, grants=grants)
+    assert plan.valid, plan.problems
+    assert plan.tenancy is not None
+    assert plan.tenancy.tenants == {"own": "domain.llama"}
+    assert plan.tenancy.requested == {"domain.llama": 8 * MiB}
+    assert not plan.grant_children and all(c.namespace != "domain" for c in plan.consumers)
+    status = grant_status(grants[1], plan.tenancy, "unused", reason="PoolRefuses")
+    [accepted] = status["conditions"]
+    assert (accepted["type"], accepted["status"], accepted["reason"]) == ("Accepted", "False", "TenantTaken")
+    assert "domain.llama" in accepted["message"] and NAMESPACE in accepted["message"]
+    assert "tenant" not in status
+
+
 LONG_NAMESPACES = ["ml-serving-production-inference-team-alpha", "a" * 20 + "-" + "b" * 42]
 
 
