@@ -43,16 +43,27 @@ def check_disk_tier(spec: PoolSpec) -> list[Problem]:
     tier = spec.store.disk_tier
     if tier is None:
         return []
+    problems = []
     try:
         tier_options(tier)
     except ValueError as error:
-        problems = []
         for part in str(error).split("; "):
             name, _, rule = part.partition(": ")
             field = f"spec.store.diskTier.{_FIELDS.get(name, name)}"
             problems.append(Problem(field=field, rule="disk-tier", message=rule))
-        return problems
-    return []
+    if tier.volume.size is not None and tier.volume.size < tier.capacity:
+        # Mooncake fills the tier up to its capacity: a smaller volume runs out of space (an
+        # emptyDir past its sizeLimit gets the pod evicted, with the memory it holds).
+        problems.append(
+            Problem(
+                field="spec.store.diskTier.volume.size",
+                rule="disk-tier-volume",
+                message=f"{format_bytes(tier.volume.size)} cannot hold the tier's capacity "
+                f"{format_bytes(tier.capacity)}: set at least that (or leave it out: the capacity "
+                "and a quarter more)",
+            )
+        )
+    return problems
 
 
 def volume_size(tier: DiskTierSpec) -> int:

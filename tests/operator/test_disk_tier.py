@@ -72,6 +72,9 @@ def test_an_empty_dir_tier_and_a_pool_without_one() -> None:
         ({"diskTier": {**TIER, "lowWatermark": 0.9, "highWatermark": 0.8}}, "lowWatermark", "low watermark"),
         ({"diskTier": {**TIER, "capacity": "4MB"}}, "capacity", "at most the capacity"),
         ({"mode": "embedded", "diskTier": TIER}, "diskTier", "needs store pods"),
+        # A volume smaller than the tier: Mooncake fills it past its end.
+        ({"diskTier": {**TIER, "volume": {"size": "32MB"}}}, "volume.size", "cannot hold"),
+        ({"diskTier": {**TIER, "volume": {"type": "emptyDir", "size": "63MB"}}}, "volume.size", "64Mi"),
     ],
 )
 def test_a_tier_that_breaks_a_rule_is_refused_by_field(store: dict[str, Any], field: str, rule: str) -> None:
