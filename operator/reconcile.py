@@ -109,6 +109,7 @@ from kvpool.operator.store_drain import (
     StoreScale,
     drained_message,
     dump,
+    ended,
     record_of,
     store_scale,
 )
@@ -777,7 +778,7 @@ async def store_scale_of(
         selector = names.label_selector(plan.pool, names.STORE)
         for pod in await kube.list(PODS, plan.namespace, label_selector=selector):
             pod_meta = pod.get("metadata") or {}
-            if not pod_meta.get("deletionTimestamp"):  # the controller no longer counts those
+            if not pod_meta.get("deletionTimestamp") and not ended(pod):  # the controller counts neither
                 (ready if pod_ready(pod) else unready).append(str(pod_meta.get("name")))
     return store_scale(plan, before, record, observation, ready, now, unready)
 
@@ -1096,8 +1097,12 @@ class Reconciler:
             plan.namespace,
             label_selector=names.label_selector(plan.pool, names.STORE),
         )
+        # An ended pod (evicted: phase Failed) keeps its IP in the API, where a new pod may have it.
         store_pods = {
-            str(ip): str((pod.get("metadata") or {}).get("name")) for pod in stores for ip in pod_ips([pod])
+            str(ip): str((pod.get("metadata") or {}).get("name"))
+            for pod in stores
+            if not ended(pod)
+            for ip in pod_ips([pod])
         }
         masters = None
         if plan.ha:

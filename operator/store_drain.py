@@ -146,6 +146,17 @@ def store_scale(
     return StoreScale(record.to_replicas, before, None, record)  # GivenUp
 
 
+# Pod phases of a pod whose containers have all ended: kept in the API (an evicted pod stays
+# until the pod garbage collector's threshold), not counted by the ReplicaSet controller, and
+# its IP may already be a new pod's.
+ENDED_PHASES: Final = frozenset(("Failed", "Succeeded"))
+
+
+def ended(pod: Mapping[str, Any]) -> bool:
+    """Whether ``pod`` has ended (Failed, e.g. evicted, or Succeeded): it runs no store."""
+    return (pod.get("status") or {}).get("phase") in ENDED_PHASES
+
+
 def can_drain(plan: Plan, observation: Observation | None, wanted: int) -> bool:
     """Whether a scale-down to ``wanted`` drains first: drains are on, some pod stays to take
     the objects, and the master answered the operator's last poll."""

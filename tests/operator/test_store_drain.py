@@ -28,15 +28,20 @@ from typing import Any
 
 import pytest
 from aiohttp import web
+from kubernetes_asyncio.client import ApiClient
 
 from kvpool.connector.local.pool import MooncakeMaster, MooncakeStore, wait_for_capacity
 from kvpool.connector.pool_client import PoolClient
 from kvpool.operator.drain_jobs import DrainRefused, cancel_drain_job, create_drain_job, query_drain_job
 from kvpool.operator.drain_timer import advance, drain_base
+from kvpool.operator.kube import KubeClient, load_configuration
 from kvpool.operator.master_view import MasterNumbers, Segment
+from kvpool.operator.metrics import OperatorMetrics
+from kvpool.operator.names import LABEL_COMPONENT, LABEL_POOL, STORE
 from kvpool.operator.observation import Observation, poll_master
 from kvpool.operator.plan import Plan, build_plan
 from kvpool.operator.policy import OperatorPolicy
+from kvpool.operator.reconcile import Reconciler, store_scale_of
 from kvpool.operator.spec import StoreDrainStatus
 from kvpool.operator.store_drain import (
     DRAINED,
@@ -45,12 +50,13 @@ from kvpool.operator.store_drain import (
     PENDING,
     WITHDRAWN,
     drained_message,
+    dump,
     leaving_segments,
     new_record,
     store_scale,
 )
 from kvpool.operator.store_probe import MASTER_HTTP_ENV, MEMORY_ENV, SCRIPT, STORE_PORT_ENV
-from testing.kube_api import NAMESPACE
+from testing.kube_api import NAMESPACE, UNSERVED_MASTER_HEALTH_URL, Cluster, write_kubeconfig
 from testing.master_health import health_server
 from testing.operator_objects import pool_spec
 from testing.pool_store import bare_client, put_on, raw_store
@@ -533,6 +539,53 @@ async def test_a_drain_called_off_after_its_job_finished_goes_on_as_drained() ->
     assert admin.canceled == []
     running = FakeAdmin(RUNNING)
     assert await step(running, withdrawn, T0) is None and running.canceled == ["j-1"]
+
+
+# --- On the emulated API: which store pods a pass and a poll count ----------------------------
+
+
+def store_pod(name: str, ip: str, phase: str, ready: bool) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": name,
+            "namespace": NAMESPACE,
+            "labels": {LABEL_POOL: "pool", LABEL_COMPONENT: STORE},
+        },
+        "spec": {"containers": [{"name": "store", "image": "mooncake"}]},
+        "status": {
+            "phase": phase,
+            "podIP": ip,
+            "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+        },
+    }
+
+
+@pytest.mark.asyncio
+async def test_an_evicted_store_pod_holds_no_scale_down_and_names_no_segment(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """An evicted store pod stays in the API (phase Failed) with the IP it had, which the node
+    may have given to a new store pod. The ReplicaSet controller counts it no more: it is no
+    staying store that is not ready (the drained scale-down goes on at once, without a
+    warning), and a segment at that IP is the live pod's."""
+    await cluster.create(store_pod("pool-store-0", "10.0.0.1", "Running", ready=True))
+    await cluster.create(store_pod("pool-store-1", "10.0.0.2", "Running", ready=False))  # drained
+    await cluster.create(store_pod("pool-store-old", "10.0.0.2", "Failed", ready=False))  # evicted
+    drained = new_record(
+        state=DRAINED, from_replicas=2, to_replicas=1, started_at=T0, deadline=LATE, pods=["pool-store-1"]
+    )
+    plan = plan_of(1)
+    configuration = await load_configuration(str(write_kubeconfig(tmp_path / "kubeconfig", cluster.url)))
+    async with ApiClient(configuration) as api:
+        reconciler = Reconciler(
+            KubeClient(api, timeout=10.0), OperatorMetrics(), POLICY, UNSERVED_MASTER_HEALTH_URL
+        )
+        scale = await store_scale_of(reconciler.kube, plan, "uid", {"storeDrain": dump(drained)}, None, T1)
+        seen = await reconciler.poll(plan)  # nothing answers: the store pods by IP are kept all the same
+    assert (scale.replicas, scale.drain, scale.unready_kept, scale.warns) == (1, None, (), False)
+    assert dict(seen.store_pods) == {"10.0.0.1": "pool-store-0", "10.0.0.2": "pool-store-1"}
 
 
 def test_the_operators_gauge_shows_a_drain_while_it_waits() -> None:
