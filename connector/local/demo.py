@@ -16,7 +16,8 @@ many it loaded and their bytes; how many prompt tokens B took from the pool;
 and whether B's output equals the reference.
 
 Exit status: 0 (RESULT: OK) when B's output equals the reference and B
-took the whole shared prefix (in whole blocks) from the pool; 1 otherwise.
+took the whole shared prefix (in whole blocks) from the pool; 1 otherwise;
+2 for a bad argument (refused before anything starts).
 """
 
 from __future__ import annotations
@@ -33,14 +34,15 @@ from kvpool.connector.local.pool import LocalPool
 from kvpool.connector.local.tiny_model import build_gemma3
 
 BLOCK_TOKENS = 32  # EngineOptions.block_size: the pool serves whole blocks
+P1_TAIL, P2_TAIL = 40, 50  # tokens each prompt adds after the shared prefix
 
 
 def prompts(prefix_len: int, seed: int = 7) -> tuple[list[int], list[int]]:
     """Two token-id prompts sharing ``prefix_len`` tokens."""
     rng = random.Random(seed)
     prefix = [rng.randrange(3, 500) for _ in range(prefix_len)]
-    return prefix + [rng.randrange(3, 500) for _ in range(40)], prefix + [
-        rng.randrange(3, 500) for _ in range(50)
+    return prefix + [rng.randrange(3, 500) for _ in range(P1_TAIL)], prefix + [
+        rng.randrange(3, 500) for _ in range(P2_TAIL)
     ]
 
 
@@ -81,7 +83,11 @@ def run_demo(model_dir: Path, prefix_len: int, max_tokens: int) -> bool:
     from kvpool.connector.local.recording import recording_transfer_config
 
     print(f"model: {model_dir}")
-    build_gemma3(model_dir)
+    try:
+        build_gemma3(model_dir)
+    except OSError as exc:
+        print(f"kvpool-demo: --model-dir {model_dir}: cannot build the model there: {exc}", file=sys.stderr)
+        return False
     p1, p2 = prompts(prefix_len)
     expected_hit = (prefix_len // BLOCK_TOKENS) * BLOCK_TOKENS
     with LocalPool(segment_size="256MB") as pool:
@@ -116,6 +122,21 @@ def run_demo(model_dir: Path, prefix_len: int, max_tokens: int) -> bool:
     return ok
 
 
+def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse bad arguments before anything starts, naming the option and the rule."""
+    if args.prefix_len < BLOCK_TOKENS:
+        parser.error(f"--prefix-len: at least {BLOCK_TOKENS} (one block: the pool serves whole blocks)")
+    if args.max_tokens < 1:
+        parser.error("--max-tokens: at least 1")
+    longest = max(P1_TAIL, P2_TAIL) + args.max_tokens
+    limit = EngineOptions.max_model_len
+    if args.prefix_len + longest > limit:
+        parser.error(
+            f"--prefix-len: at most {limit - longest} with --max-tokens {args.max_tokens} "
+            f"(a prompt adds {max(P1_TAIL, P2_TAIL)} tokens, and the engines' max_model_len is {limit})"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     """``kvpool-demo [--model-dir DIR] [--prefix-len N] [--max-tokens N]``."""
     parser = argparse.ArgumentParser(
@@ -140,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         help="tokens each engine generates per prompt (default: %(default)s)",
     )
     args = parser.parse_args(argv)
+    _check(parser, args)
     return 0 if run_demo(args.model_dir, args.prefix_len, args.max_tokens) else 1
 
 
