@@ -35,6 +35,14 @@ from kvpool.connector.local.pool import LocalPool
 DEFAULT_SEGMENT = "1GB"
 KV_ROLES = ("kv_both", "kv_producer", "kv_consumer")
 POLL_S = 0.5
+#: The option that sets each ``DiskTier`` field its errors name.
+DISK_OPTIONS = {
+    "capacity": "--disk-capacity",
+    "parent": "--disk-dir",
+    "key_limit": "--disk-key-limit",
+    "eviction": "--disk-eviction",
+    "watermarks": "--disk-low-watermark, --disk-high-watermark",
+}
 
 
 def transfer_config(master_address: str, cache_prefix: str, kv_role: str, tenant: str = "") -> dict[str, Any]:
@@ -149,7 +157,8 @@ def _disk_tier(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Dis
             bucket_bytes=min(8 << 20, parse_size(args.segment_size) // 2, capacity),
         )
     except ValueError as exc:
-        parser.error(f"--disk-*: {exc}")
+        named = (part.partition(": ") for part in str(exc).split("; "))
+        parser.error("; ".join(f"{DISK_OPTIONS.get(name, name)}: {rule}" for name, _, rule in named))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

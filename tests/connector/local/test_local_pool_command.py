@@ -136,8 +136,13 @@ def test_bad_arguments_are_refused_naming_the_option(args: list[str], option: st
         (["--tenant", "team-a=0"], "--tenant team-a: a quota is at least 1 byte"),
         (["--disk-capacity", "12x"], "--disk-capacity: '12x' is not a size"),
         (["--disk-dir", "/tmp"], "--disk-dir: needs --disk-capacity"),
-        (["--disk-capacity", "1GB", "--disk-low-watermark", "0.95"], "watermarks: 0 < low watermark"),
-        (["--disk-capacity", "1GB", "--disk-dir", "/nonexistent/dir"], "is not a directory"),
+        (
+            ["--disk-capacity", "1GB", "--disk-low-watermark", "0.95"],
+            "--disk-low-watermark, --disk-high-watermark: 0 < low watermark < high watermark <= 1",
+        ),
+        (["--disk-capacity", "1GB", "--disk-dir", "/nonexistent/dir"], "--disk-dir: /nonexistent/dir is not"),
+        (["--disk-capacity", "512KB"], "--disk-capacity: at least 1 MiB"),
+        (["--disk-capacity", "1GB", "--disk-key-limit", "0"], "--disk-key-limit: at least 1 object"),
     ],
 )
 def test_bad_tenant_and_disk_options_are_refused_naming_the_option(args: list[str], message: str) -> None:
