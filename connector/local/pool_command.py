@@ -12,8 +12,10 @@ NAME=QUOTA`` (repeatable) the master admits writes of those tenants only, each w
 quota (cut in proportion when they add up to more than the store's memory), and a JSON
 line is printed for each tenant, in the order given (docs/tenancy.md).
 
-Everything listens on 127.0.0.1; the master's metrics port also serves Mooncake's
-unauthenticated admin API (tenant quotas included), so the pool is for this machine only.
+The master and the store's RPC port listen on 127.0.0.1; the store's Mooncake transfer engine
+also listens on every interface (no Mooncake setting narrows it), and the master's metrics
+port serves Mooncake's unauthenticated admin API (tenant quotas included): the pool is for
+this machine only, on one whose ports other hosts cannot reach.
 """
 
 from __future__ import annotations
