@@ -199,11 +199,33 @@ def _policy(args: argparse.Namespace) -> OperatorPolicy:
         raise SystemExit(f"--allowed-registry {exc}") from None
 
 
+def _check_numbers(args: argparse.Namespace) -> None:
+    """Refuse a number outside its option's range, naming the option and the rule."""
+    for option, seconds in (
+        ("--resync-interval", args.resync_interval),
+        ("--observe-interval", args.observe_interval),
+        ("--retry-delay", args.retry_delay),
+    ):
+        if not seconds > 0:
+            raise SystemExit(f"{option} {seconds}: more than 0 seconds")
+    if not 0 <= args.metrics_port <= 65535:
+        raise SystemExit(f"--metrics-port {args.metrics_port}: a TCP port is 1-65535 (0: no metrics)")
+    if args.webhook_port is not None and not 1 <= args.webhook_port <= 65535:
+        raise SystemExit(f"--webhook-port {args.webhook_port}: a TCP port is 1-65535")
+    for option, most in (
+        ("--max-master-replicas", args.max_master_replicas),
+        ("--max-store-replicas", args.max_store_replicas),
+    ):
+        if most is not None and most < 1:
+            raise SystemExit(f"{option} {most}: at least 1")
+
+
 def options_from_args(args: argparse.Namespace) -> OperatorOptions:
     """The run options a parsed ``run`` command line sets."""
     from kvpool.operator.app import OperatorOptions, WebhookOptions
     from kvpool.operator.election import LeaseOptions
 
+    _check_numbers(args)
     webhook = None
     if args.webhook_port is not None:
         webhook = WebhookOptions(
