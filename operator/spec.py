@@ -313,7 +313,9 @@ class StoreSpec(_Model):
         le=86400,
         description="Before fewer store pods are applied, the master moves the leaving pods' objects "
         "to the others and sends them no new writes (a Mooncake drain job), for at most this long; "
-        "0: no drain (the leaving pods' objects are lost).",
+        "0: no drain (the leaving pods' objects are lost). Changing it between 0 and more than 0 "
+        "changes the store pods' readiness probe, so they restart one at a time and the pool "
+        "refills.",
     )
     extra_args: list[str] = Field(default_factory=list, description="More mooncake_client flags.")
 
