@@ -301,6 +301,10 @@ def master_service(pool: str, namespace: str, spec: PoolSpec) -> dict[str, Any]:
     }
 
 
+# A store's CPU request where the spec gives its CPU neither a request nor a limit: a namespace
+# whose ResourceQuota caps requests.cpu admits no pod with a container that has none.
+STORE_DEFAULT_RESOURCES: dict[str, dict[str, str]] = {"requests": {"cpu": "250m"}}
+
 # RDMA stores lock their registered memory; the restricted Pod Security Standard allows no
 # added capability but NET_BIND_SERVICE.
 STORE_RDMA_CAPABILITIES = ["IPC_LOCK"]
@@ -313,8 +317,9 @@ def store_memory_limit(spec: PoolSpec) -> int | None:
 
 
 def store_container_resources(spec: PoolSpec) -> dict[str, Any]:
-    """The store container's resources; without a memory limit, one that holds the segment."""
-    out = container_resources(spec.store.resources)
+    """The store container's resources; without a memory limit, one that holds the segment;
+    without any CPU, the default request."""
+    out = container_resources(spec.store.resources, STORE_DEFAULT_RESOURCES)
     if store_memory_limit(spec) is None:
         memory = format_bytes(spec.store.segment_size + STORE_MEMORY_OVERHEAD)
         out.setdefault("limits", {})["memory"] = memory

@@ -299,7 +299,8 @@ class StoreSpec(_Model):
     resources: ComputeResources = Field(
         default_factory=ComputeResources,
         description="Requests and limits; a memory limit must hold segmentSize plus the client's "
-        "overhead (512Mi); without one, the operator sets exactly that.",
+        "overhead (512Mi); without one, the operator sets exactly that. Without any CPU, the request "
+        "is 250m.",
     )
     node_selector: NodeSelector = Field(default_factory=dict)
     tolerations: list[Toleration] = Field(default_factory=list, max_length=64)

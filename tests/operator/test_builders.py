@@ -302,6 +302,24 @@ def test_masters_get_default_requests_and_limits_unless_given() -> None:
     assert c["resources"] == {"limits": {"memory": "4Gi"}, "requests": {"cpu": "250m"}}
 
 
+def test_every_container_requests_cpu_and_memory_unless_the_spec_limits_them() -> None:
+    # A ResourceQuota on requests.cpu or requests.memory refuses a pod with a container that has none.
+    for raw in (pool_spec(), pool_spec(store={"segmentSize": "1GB", "drainTimeoutSeconds": 30})):
+        for obj in children(raw).values():
+            if obj["kind"] != "Deployment":
+                continue
+            pod = obj["spec"]["template"]["spec"]
+            for c in [*pod.get("initContainers", []), *pod["containers"]]:
+                requests = c["resources"].get("requests", {})
+                assert {"cpu", "memory"} <= set(requests), (c["name"], c["resources"])
+    store = container(children(pool_spec())["Deployment/pool-store"])
+    assert store["resources"]["requests"]["cpu"] == "250m"
+    # A CPU limit the spec gives is left as given (the API server makes the request equal to it).
+    limited = pool_spec(store={"resources": {"limits": {"cpu": 2}}})
+    given = container(children(limited)["Deployment/pool-store"])
+    assert given["resources"]["limits"]["cpu"] == 2 and "cpu" not in given["resources"]["requests"]
+
+
 def test_disruption_budgets_spreading_and_priority() -> None:
     raw = pool_spec(
         master={
