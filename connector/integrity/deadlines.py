@@ -52,7 +52,7 @@ class Job:
         self._clock = clock
         self._cond = threading.Condition()
         self._state = JobState.RUNNING
-        self._last_progress = clock()
+        self._last_progress = self.started = clock()
         self._returned = False
         self.blocks_released = False  # a save: it has read every block it will read
         self.copied: set[tuple[int, int]] = set()  # a load: (group, block) it has filled so far
@@ -135,6 +135,10 @@ class Job:
         call returned before it did) nor returned since it was given up on."""
         with self._cond:
             return self._state is not JobState.DONE and not self._returned
+
+    def age(self) -> float:
+        """Seconds since the job was created (its request asked for), on the job's clock."""
+        return self._clock() - self.started
 
     def overdue(self) -> bool:
         with self._cond:

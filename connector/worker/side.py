@@ -414,7 +414,7 @@ class WorkerSide:
             elif stalled:
                 # A call the connector gave up on is still stuck: do not queue behind it.
                 job.abandon()
-                self._load_abandoned(load, job)
+                self._load_abandoned(load, job, ran=False)
             else:
                 future = self._submit(job, load, partial(self._load_request, after=zeroed))
                 with self._lock:
@@ -601,10 +601,13 @@ class WorkerSide:
                 job.finish(ok)
         return ok
 
-    def _load_abandoned(self, load: RequestLoad, job: Job) -> None:
-        """Report a load given up at its deadline: what it did not copy is recomputed."""
+    def _load_abandoned(self, load: RequestLoad, job: Job, *, ran: bool = True) -> None:
+        """Report a load given up at its deadline: what it did not copy is recomputed. Its
+        groups' latency is its wait until given up (``ran`` False: failed before it started,
+        no latency)."""
         by_request = self.failures_by_request
-        results = [_timed_out(g, skip=job.copied) for g in load.groups]
+        waited = job.age() if ran else None
+        results = [_timed_out(g, skip=job.copied, seconds=waited) for g in load.groups]
         failed = [b for r in results for b in r.failed_block_ids]
         if failed and not by_request:
             with self._lock:
@@ -1236,9 +1239,12 @@ def _failed(transfer: GroupTransfer, outcome: Outcome) -> GroupResult:
     return result
 
 
-def _timed_out(transfer: GroupTransfer, skip: set[tuple[int, int]] | None = None) -> GroupResult:
-    """A group whose transfer was given up at its deadline (``skip``: (group, block) already loaded)."""
-    result = GroupResult(attempted=bool(transfer.block_ids))
+def _timed_out(
+    transfer: GroupTransfer, skip: set[tuple[int, int]] | None = None, seconds: float | None = None
+) -> GroupResult:
+    """A group whose transfer was given up at its deadline (``skip``: (group, block) already
+    loaded) after ``seconds``; None: before it started (not attempted: no latency, no size)."""
+    result = GroupResult(attempted=bool(transfer.block_ids) and seconds is not None, seconds=seconds or 0.0)
     missed = [b for b in transfer.block_ids if not skip or (transfer.group_id, b) not in skip]
     if missed:
         result.fail(missed, Outcome.TIMEOUT)

@@ -20,10 +20,12 @@ from typing import Any
 import pytest
 import torch
 
+from kvpool.connector.contract import metric_names as m
 from kvpool.connector.contract.keys import KeySpace
 from kvpool.connector.contract.object_header import HEADER_BYTES
 from kvpool.connector.metadata import GroupTransfer, PoolConnectorMetadata, RequestLoad, RequestSave
 from kvpool.connector.observability.records import StatsCollector
+from kvpool.connector.observability.vllm_metrics import records_to_data, series_key
 from kvpool.connector.scheduler.side import SchedulerSide
 from kvpool.connector.worker.side import Deadlines, WorkerSide
 from testing.host_copies import torn_copies
@@ -218,6 +220,32 @@ def test_a_sync_load_past_its_deadline_fails_and_its_late_call_never_writes_a_bl
     load(worker, ["b"], [6], req="after")
     assert worker.take_load_errors() == set() and same(block(worker, 6), block(worker, 2))
     assert resting_slots(worker) == retired, "a resting buffer stays resting"
+
+
+def test_a_load_given_up_observes_its_wait_and_one_never_run_observes_none(
+    worker: WorkerSide, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vllm:kvpool_operation_seconds of a load given up at its deadline is at least that
+    deadline (it waited that long without progress), not 0; a load failed at once because a
+    call is still stuck never ran, and observes no latency (nor transfer size)."""
+    save(worker, ["a", "b"], [1, 2])
+    stall = Stall("batch_get_into_multi_buffers", {worker.keyspace.key(0, 0, 0, "a")})
+    stall.install(monkeypatch)
+    worker.stats.drain()
+    load(worker, ["a"], [5])  # given up at its deadline
+    load(worker, ["b"], [6], req="during")  # failed at once: the board is stalled
+    data = records_to_data([], records(worker, "load"))
+    stall.release()
+    until(lambda: stall.in_flight == 0 and not worker.jobs.stalled, "the stalled call returns")
+    latencies = data["histograms"][series_key(m.OPERATION_SECONDS, operation="load", group_kind="full")]
+    assert len(latencies) == 1 and latencies[0] >= FAST.load_s
+    assert len(data["histograms"][series_key(m.TRANSFER_SIZE_BYTES, operation="load")]) == 1
+    assert (
+        data["counters"][
+            series_key(m.FAILURES, group=0, group_kind="full", operation="load", reason="timeout")
+        ]
+        == 2
+    )
 
 
 def test_a_job_that_ran_to_mooncakes_limit_rests_its_buffer_even_if_never_given_up(
