@@ -358,14 +358,14 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         manager = self._kv_cache_manager
         failed_requests = set(getattr(connector_output, "failed_recving", None) or ())
         failed_blocks = set(connector_output.invalid_block_ids or ())
-        self._sched().on_worker_output(
+        newly_failed_blocks = self._sched().on_worker_output(
             set(connector_output.finished_recving or ()),
             failed_requests,
             failed_blocks,
             None if manager is None else manager.get_block_ids,
         )
         # What vLLM recomputes, over every rank's failures: counted here, once.
-        record_recovery(self.stats, len(failed_requests), len(failed_blocks))
+        record_recovery(self.stats, len(failed_requests), newly_failed_blocks)
         # Each transfer's bytes over every rank: observed once the last rank's share is in.
         self._transfer_sizes.add(connector_output.kv_connector_stats)
         # The step's wall time and the workers' transfers: the load decision's rates.

@@ -86,6 +86,8 @@ class RequestState:
     # Its load, once allocated.
     loading: bool = False  # an asynchronous load may still write its blocks
     loaded_blocks: set[int] | None = None  # the block ids it writes, until reported finished
+    # Of those, the ones some rank reported failed (another rank may report them in a later step).
+    failed_blocks: set[int] = field(default_factory=set)
     load_failed: bool = False  # it recomputes, and never takes the pool's word again
     # Its saves, once allocated (a connector that saves).
     saves: SaveProgress | None = None

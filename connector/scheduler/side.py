@@ -574,22 +574,29 @@ class SchedulerSide:
         failed_recving: set[str],
         invalid_blocks: set[int],
         block_ids_of: Callable[[str], Sequence[list[int]]] | None = None,
-    ) -> None:
-        """Note completed loads, and which requests a failed load sends back to recompute."""
+    ) -> int:
+        """Note completed loads, and which requests a failed load sends back to recompute; the
+        number of ``invalid_blocks`` not reported before (each rank reports its failed blocks
+        when its own load ends: one block may come again, from another rank, a step later)."""
         requests = self.requests
         for req_id in failed_recving:
             if (state := requests.get(req_id)) is not None:
                 state.load_failed = True
+        new_invalid = set(invalid_blocks)
         if invalid_blocks:
             for state in requests.values():
                 if state.loaded_blocks and not state.loaded_blocks.isdisjoint(invalid_blocks):
                     state.load_failed = True
+                    new_invalid -= state.failed_blocks
+                    state.failed_blocks |= state.loaded_blocks & invalid_blocks
             if block_ids_of is not None:
                 self._rewind_over_failed_blocks(invalid_blocks, block_ids_of)
         for req_id in finished_recving:
             if (state := requests.get(req_id)) is not None:
                 state.loading = False
                 state.loaded_blocks = None
+                state.failed_blocks = set()
+        return len(new_invalid)
 
     def on_step_output(self, worker_stats: Any) -> None:
         """The workers' connector stats of a step (None: none): learn the load rate from them."""

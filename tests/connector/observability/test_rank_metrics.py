@@ -226,3 +226,33 @@ def test_sleep_mode_with_caches_on_an_accelerator_is_named() -> None:
     assert warn_if_sleep_mode_on_an_accelerator(config(True), gpu)
     assert not warn_if_sleep_mode_on_an_accelerator(config(True), cpu)  # host memory stays
     assert not warn_if_sleep_mode_on_an_accelerator(config(False), gpu)
+
+
+def test_a_block_two_ranks_report_failed_in_two_steps_counts_once(pool_client, cache_prefix) -> None:
+    """Each rank reports its failed blocks when its own load ends: a block both ranks failed
+    reaches the scheduler in two steps, and is one block vLLM recomputes."""
+    from kvpool.connector.contract.keys import KeySpace
+    from kvpool.connector.scheduler.request_state import RequestState
+    from kvpool.connector.scheduler.side import SchedulerSide
+
+    side = SchedulerSide(
+        client=pool_client,
+        keyspace=KeySpace(cache_prefix, "fp"),
+        tp_size=2,
+        pp_size=1,
+        can_load=True,
+        can_save=False,
+        stats=StatsCollector(group_kinds=("full",)),
+    )
+    try:
+        side.requests["r"] = RequestState(loading=True, loaded_blocks={5, 6})
+        stats = StatsCollector(group_kinds=("full",))
+        for finished, invalid in ((set(), {5}), ({"r"}, {5, 6})):  # rank 0's step, then rank 1's
+            record_recovery(stats, 0, side.on_worker_output(finished, set(), invalid))
+        total = PoolConnectorStats(data=records_to_data(*stats.drain()))
+        assert total.counter(m.LOAD_ERROR_BLOCKS) == 2  # blocks 5 and 6, each once
+        # Finished, its blocks may be another request's: a failure of them counts again.
+        side.requests["q"] = RequestState(loading=True, loaded_blocks={5})
+        assert side.on_worker_output({"q"}, set(), {5}) == 1
+    finally:
+        side.close()
