@@ -56,6 +56,7 @@ DEPLOYMENTS_PATH = f"{DEPLOYMENTS.api_version}/{DEPLOYMENTS.plural}"
 PODS_PATH = f"{PODS.api_version}/{PODS.plural}"
 _SEQUENCE = itertools.count(1000)
 WRITE_ACTIONS = {kmock.action.CREATE, kmock.action.UPDATE, kmock.action.DELETE}
+DELETION_MARKS = ("deletionTimestamp", "deletionGracePeriodSeconds")
 # Built-in resources whose status is a subresource (group, plural).
 STATUS_SUBRESOURCE = {("apps", "deployments"), ("", "services"), ("policy", "poddisruptionbudgets")}
 
@@ -163,10 +164,9 @@ class ApiServer(kmock.KubernetesEmulator):
         """Rewrite a write request into what a real API server would store (or refuse it)."""
         key = self._kind_of(request)
         stored = None
-        if request.name is not None:
-            entry = (request.resource, request.namespace, request.name)
-            if entry in self.objects and not self.objects[entry].deleted:
-                stored = self.objects[entry].raw
+        entry = (request.resource, request.namespace, request.name)
+        if request.name is not None and entry in self.objects and not self.objects[entry].deleted:
+            stored = self.objects[entry].raw
         if request.action == kmock.action.CREATE and isinstance(request.data, dict):
             self._create(request.data, key)
         elif request.action == kmock.action.UPDATE and stored is not None and isinstance(request.data, dict):
@@ -187,6 +187,23 @@ class ApiServer(kmock.KubernetesEmulator):
             request.data[:] = [{"op": "replace", "path": "", "value": after}]
         elif request.action == kmock.action.DELETE and stored is not None:
             self._check_fresh(stored, request.data)
+            self._mark_deleting(entry, stored)
+
+    def _mark_deleting(self, entry: tuple[Any, str | None, str], stored: dict[str, Any]) -> None:
+        """Make the deletion mark of an object with finalizers a write, as a real server's is: a
+        new resourceVersion and the generation bumped (kmock then sets ``deletionTimestamp``)."""
+        meta = stored.get("metadata", {})
+        if not meta.get("finalizers") or meta.get("deletionTimestamp"):
+            return
+        self.objects[entry].patch(
+            {
+                "metadata": {
+                    "resourceVersion": str(next(_SEQUENCE)),
+                    "generation": meta.get("generation", 1) + 1,
+                    "deletionGracePeriodSeconds": 0,
+                }
+            }
+        )
 
     def _create(self, data: dict[str, Any], key: tuple[str, str]) -> None:
         meta = data.setdefault("metadata", {})
@@ -228,6 +245,19 @@ class ApiServer(kmock.KubernetesEmulator):
         for immutable in ("uid", "creationTimestamp", "name", "namespace"):
             if immutable in before:
                 meta[immutable] = before[immutable]
+        for marked in DELETION_MARKS:  # set by a DELETE alone, never changed by a write
+            meta.pop(marked, None)
+            if marked in before:
+                meta[marked] = before[marked]
+        if before.get("deletionTimestamp"):
+            added = set(meta.get("finalizers") or ()) - set(before.get("finalizers") or ())
+            if added:
+                raise kmock.KubernetesError(
+                    status=422,
+                    reason="Invalid",
+                    message=f"metadata.finalizers: Forbidden: no new finalizers can be added if the "
+                    f"object is being deleted, found new finalizers {sorted(added)}",
+                )
         generation = before.get("generation", 1)
         if server_side.spec_of(after) != server_side.spec_of(stored) and subresource is None:
             generation += 1

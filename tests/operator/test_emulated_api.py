@@ -188,3 +188,27 @@ async def test_json_patches_apply_as_writes_and_a_failed_test_is_422(cluster: Cl
     missing = [{"op": "remove", "path": "/metadata/finalizers/0"}]
     response = await cluster.api.patch(url, json=missing, headers=json_patch)
     assert response.status == 422
+
+
+async def test_deleting_an_object_with_finalizers_marks_it_as_a_write(cluster: Cluster) -> None:
+    """A DELETE of an object with finalizers sets its deletionTimestamp: a write (a new
+    resourceVersion, the generation bumped), so a write based on an earlier read is 409;
+    the mark is the server's to keep, and it takes no new finalizers."""
+    deployment = vllm_deployment()
+    deployment["metadata"]["finalizers"] = ["example.com/hold"]
+    _, created = await post(cluster, DEPLOYMENT_URL, deployment)
+    url = f"{DEPLOYMENT_URL}/llm"
+    version = created["metadata"]["resourceVersion"]
+    response = await cluster.api.delete(url)
+    assert response.status == 200
+    marked = cluster.get(DEPLOYMENTS_PATH, "llm")
+    assert marked is not None and marked["metadata"]["deletionTimestamp"]
+    assert marked["metadata"]["resourceVersion"] != version and marked["metadata"]["generation"] == 2
+    status, _ = await patch(cluster, url, {"metadata": {"resourceVersion": version, "labels": {"a": "1"}}})
+    assert status == 409
+    status, _ = await patch(cluster, url, {"metadata": {"finalizers": ["example.com/hold", "another"]}})
+    assert status == 422
+    status, after = await patch(cluster, url, {"metadata": {"deletionTimestamp": None}})
+    assert status == 200 and after["metadata"]["deletionTimestamp"] == marked["metadata"]["deletionTimestamp"]
+    status, _ = await patch(cluster, url, {"metadata": {"finalizers": None}})
+    assert status == 200 and cluster.get(DEPLOYMENTS_PATH, "llm") is None
