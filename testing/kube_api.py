@@ -155,10 +155,22 @@ class ApiServer(kmock.KubernetesEmulator):
         return (request.resource.group or "", request.resource.plural or "")
 
     def _defaults(self, key: tuple[str, str], obj: dict[str, Any]) -> dict[str, Any]:
+        """``obj`` defaulted (a custom resource also pruned, and refused 422 if its CRD's schema
+        says it is invalid, as a real server does on every write, ``/status`` ones included)."""
         schema = self.custom_resources.get(key)
-        if schema is not None:
-            return server_side.custom_resource_defaults(obj, schema)
-        return server_side.builtin_defaults(obj)
+        if schema is None:
+            return server_side.builtin_defaults(obj)
+        out = server_side.custom_resource_defaults(obj, schema)
+        validators = self.__dict__.setdefault("validators", {})
+        if key not in validators:
+            validators[key] = server_side.schema_validator(schema)
+        problems = server_side.schema_problems(out, validators[key])
+        if problems:
+            name = out.get("metadata", {}).get("name")
+            raise kmock.KubernetesError(
+                status=422, reason="Invalid", message=f"{out.get('kind')} {name!r} is invalid: {problems}"
+            )
+        return out
 
     def _server_side(self, request: kmock.Request) -> None:
         """Rewrite a write request into what a real API server would store (or refuse it)."""

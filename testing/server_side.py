@@ -8,7 +8,7 @@ what it would meet on a real cluster:
   Services (``protocol: TCP``, ``targetPort``, ``clusterIP``, ...) and NetworkPolicies
   (``policyTypes``, ``protocol: TCP``) -- each as in Kubernetes' ``SetDefaults_*``;
 * custom resources: unknown fields pruned and the defaults of the CRD's structural schema
-  applied (never inside ``metadata``);
+  applied (never inside ``metadata``), then validated by it (its CEL rules aside);
 * the status subresource: a write to the main resource keeps the stored status, a write
   to ``/status`` changes nothing but the status;
 * ``metadata.resourceVersion`` and ``preconditions`` as optimistic locks (409 Conflict);
@@ -25,6 +25,8 @@ import ipaddress
 import itertools
 from collections.abc import Mapping
 from typing import Any
+
+import jsonschema
 
 POD_TEMPLATE_KINDS = {"Deployment", "ReplicaSet", "StatefulSet", "DaemonSet", "Job"}
 DEFAULT_MODE = 420  # 0644, the mode of files projected from ConfigMaps and Secrets
@@ -183,6 +185,37 @@ def custom_resource_defaults(obj: Mapping[str, Any], schema: Mapping[str, Any]) 
         else:
             out[key] = structural(out[key], properties[key])
     return out
+
+
+def _draft4(schema: Any) -> Any:
+    """An OpenAPI v3 schema as JSON Schema draft 4 (``nullable``, ``x-kubernetes-int-or-string``)."""
+    if isinstance(schema, list):
+        return [_draft4(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: _draft4(value) if key != "default" else value for key, value in schema.items()}
+    if schema.get("x-kubernetes-int-or-string"):
+        out["type"] = ["integer", "string"]
+    if schema.get("nullable") and "type" in out:
+        types = out["type"] if isinstance(out["type"], list) else [out["type"]]
+        out["type"] = [*types, "null"]
+        if "enum" in out:
+            out["enum"] = [*out["enum"], None]
+    return out
+
+
+def schema_validator(schema: Mapping[str, Any]) -> jsonschema.Draft4Validator:
+    """A validator of custom resources by their CRD's ``openAPIV3Schema``."""
+    return jsonschema.Draft4Validator(_draft4(dict(schema)))
+
+
+def schema_problems(obj: Mapping[str, Any], validator: jsonschema.Draft4Validator) -> list[str]:
+    """Where a custom resource breaks its schema, as the API server's 422 lists them."""
+    body = {key: value for key, value in obj.items() if key != "metadata"}
+    return sorted(
+        f"{'.'.join(str(part) for part in error.absolute_path) or '<root>'}: {error.message}"
+        for error in validator.iter_errors(body)
+    )
 
 
 def spec_of(obj: Mapping[str, Any]) -> Any:

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from kvpool.operator.names import POOLS
-from testing.kube_api import DEPLOYMENTS_PATH, NAMESPACE, Cluster
+from testing.kube_api import DEPLOYMENTS_PATH, NAMESPACE, POOLS_PATH, Cluster
 from testing.operator_objects import pool_manifest, pool_spec, vllm_deployment
 
 pytestmark = pytest.mark.asyncio
@@ -212,3 +212,23 @@ async def test_deleting_an_object_with_finalizers_marks_it_as_a_write(cluster: C
     assert status == 200 and after["metadata"]["deletionTimestamp"] == marked["metadata"]["deletionTimestamp"]
     status, _ = await patch(cluster, url, {"metadata": {"finalizers": None}})
     assert status == 200 and cluster.get(DEPLOYMENTS_PATH, "llm") is None
+
+
+async def test_custom_resources_are_validated_by_the_crd_schema(cluster: Cluster) -> None:
+    """Every write of a pool, its status included, is checked against the CRD's schema
+    (types, enums, required fields): one that breaks it is 422 and changes nothing."""
+    manifest = pool_manifest(spec=pool_spec(imagePullPolicy="Sometimes"))
+    response = await cluster.api.post(POOLS.path(NAMESPACE), json=manifest)
+    assert response.status == 422 and "imagePullPolicy" in (await response.json())["message"]
+    await cluster.create(pool_manifest())
+    url = POOLS.path(NAMESPACE, "pool")
+    status, body = await patch(cluster, url + "/status", {"status": {"observedGeneration": "one"}})
+    assert status == 422 and "observedGeneration" in body["message"]
+    scale_down = {"lastScaleDown": {"at": "2025-01-01T00:00:00Z"}}  # fromReplicas, ... required
+    status, _ = await patch(cluster, url + "/status", {"status": scale_down})
+    assert status == 422
+    ready = {"status": {"phase": "Ready", "masterAddress": None}}  # nullable: null is valid
+    status, after = await patch(cluster, url + "/status", ready)
+    assert status == 200 and after["status"]["phase"] == "Ready"
+    stored = cluster.get(POOLS_PATH, "pool")
+    assert stored is not None and stored["status"] == {"phase": "Ready"}
