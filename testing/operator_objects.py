@@ -162,3 +162,34 @@ async def converge(cluster: Cluster, name: str = "pool", generation: int | None 
         return status
 
     return await eventually(ready, what=f"{name} is Ready")
+
+
+def pool_pod(
+    name: str,
+    ip: str,
+    component: str,
+    pool: str = "pool",
+    phase: str | None = None,
+    ready: bool | None = None,
+    all_ips: bool = False,
+) -> dict[str, Any]:
+    """A Pod of ``pool``'s ``component`` (``names.MASTER``/``names.STORE``) at ``ip``, as the API
+    would hold it: ``phase`` and a Ready condition when given, ``podIPs`` too with ``all_ips``."""
+    status: dict[str, Any] = {"podIP": ip}
+    if all_ips:
+        status["podIPs"] = [{"ip": ip}]
+    if phase is not None:
+        status["phase"] = phase
+    if ready is not None:
+        status["conditions"] = [{"type": "Ready", "status": "True" if ready else "False"}]
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": name,
+            "namespace": NAMESPACE,
+            "labels": {names.LABEL_POOL: pool, names.LABEL_COMPONENT: component},
+        },
+        "spec": {"containers": [{"name": component, "image": "mooncake"}]},
+        "status": status,
+    }

@@ -30,7 +30,7 @@ from kvpool.operator.observation import Observation
 from kvpool.operator.policy import OperatorPolicy
 from kvpool.operator.spec import GrantStatus, PoolStatus
 from testing.kube_api import GRANTS_PATH, NAMESPACE, Cluster, eventually, free_port
-from testing.operator_objects import Operator, consumer, pool_manifest, pool_spec, vllm_deployment
+from testing.operator_objects import Operator, consumer, pool_manifest, pool_pod, pool_spec, vllm_deployment
 from tests.operator.test_capacity import MASTER_TEXT, ready_status
 
 MiB = 1 << 20
@@ -278,17 +278,7 @@ def grant_manifest(name: str, ceiling: str = "24MB") -> dict[str, Any]:
 
 
 def store_pod(name: str, ip: str) -> dict[str, Any]:
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {
-            "name": name,
-            "namespace": NAMESPACE,
-            "labels": {names.LABEL_POOL: "pool", names.LABEL_COMPONENT: names.STORE},
-        },
-        "spec": {"containers": [{"name": "store", "image": "mooncake"}]},
-        "status": {"podIP": ip},
-    }
+    return pool_pod(name, ip, names.STORE)
 
 
 def operator_grant_series(url: str) -> dict[tuple[str, str], float]:

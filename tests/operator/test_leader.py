@@ -17,6 +17,7 @@ import pytest
 import pytest_asyncio
 from aiohttp import web
 
+from kvpool.operator import names
 from kvpool.operator.leader import (
     AddressRefused,
     check_leader,
@@ -24,8 +25,8 @@ from kvpool.operator.leader import (
     parse_leader_address,
     pod_ips,
 )
-from testing.kube_api import NAMESPACE, Cluster, eventually, free_port
-from testing.operator_objects import Operator, pool_manifest, pool_spec
+from testing.kube_api import Cluster, eventually, free_port
+from testing.operator_objects import Operator, pool_manifest, pool_pod, pool_spec
 
 STANDBY = "127.0.0.2"  # a master pod of the pool, asked first (the master Service)
 LEADER = "127.0.0.4"  # the other master pod of the pool
@@ -176,17 +177,7 @@ def test_pod_ips_come_from_the_pods_status() -> None:
 
 
 def master_pod(name: str, ip: str, pool: str = "pool") -> dict[str, Any]:
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {
-            "name": name,
-            "namespace": NAMESPACE,
-            "labels": {"kvpool.mooncake.io/pool": pool, "kvpool.mooncake.io/component": "master"},
-        },
-        "spec": {"containers": [{"name": "master", "image": "mooncake"}]},
-        "status": {"podIP": ip, "podIPs": [{"ip": ip}]},
-    }
+    return pool_pod(name, ip, names.MASTER, pool=pool, all_ips=True)
 
 
 HA_PORT = free_port()

@@ -50,7 +50,7 @@ from kvpool.operator.network import TRANSFER_PORT_ENV, TRANSFER_PORT_MAX, TRANSF
 from kvpool.operator.plan import Plan, build_plan
 from kvpool.operator.policy import OperatorPolicy
 from testing.kube_api import DEPLOYMENTS_PATH, NAMESPACE, PODS_PATH, Cluster, eventually
-from testing.operator_objects import Operator, kv_flags, pool_manifest, pool_spec, vllm_deployment
+from testing.operator_objects import Operator, kv_flags, pool_manifest, pool_pod, pool_spec, vllm_deployment
 from testing.pool_store import bare_client, put_bytes, put_on, raw_store
 
 pytestmark = pytest.mark.mooncake
@@ -245,17 +245,7 @@ def rendered(plan: Plan, deployment: str, pod_ip: str) -> list[str]:
 def master_pod(host: str) -> dict[str, Any]:
     """The Pod object of the master at ``host``, as the API would hold it (the leader check
     asks only the pool's master pods' IPs)."""
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {
-            "name": f"pool-master-{host.replace('.', '-')}",
-            "namespace": NAMESPACE,
-            "labels": {names.LABEL_POOL: "pool", names.LABEL_COMPONENT: names.MASTER},
-        },
-        "spec": {"containers": [{"name": "master", "image": "mooncake"}]},
-        "status": {"podIP": host},
-    }
+    return pool_pod(f"pool-master-{host.replace('.', '-')}", host, names.MASTER)
 
 
 def start_masters(processes: Processes, plan: Plan) -> None:
@@ -547,17 +537,7 @@ STORE_HOSTS = {"pool-store-a": "127.0.0.4", "pool-store-b": "127.0.0.5"}
 
 
 def store_pod(name: str, host: str) -> dict[str, Any]:
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {
-            "name": name,
-            "namespace": NAMESPACE,
-            "labels": {names.LABEL_POOL: "pool", names.LABEL_COMPONENT: names.STORE},
-        },
-        "spec": {"containers": [{"name": "store", "image": "mooncake"}]},
-        "status": {"podIP": host},
-    }
+    return pool_pod(name, host, names.STORE)
 
 
 def start_rendered_store(processes: Processes, plan: Plan, name: str, rpc_port: int) -> int:

@@ -37,7 +37,7 @@ from kvpool.operator.drain_timer import advance, drain_base
 from kvpool.operator.kube import KubeClient, load_configuration
 from kvpool.operator.master_view import MasterNumbers, Segment
 from kvpool.operator.metrics import OperatorMetrics
-from kvpool.operator.names import LABEL_COMPONENT, LABEL_POOL, STORE
+from kvpool.operator.names import STORE
 from kvpool.operator.observation import Observation, poll_master
 from kvpool.operator.plan import Plan, build_plan
 from kvpool.operator.policy import OperatorPolicy
@@ -58,7 +58,7 @@ from kvpool.operator.store_drain import (
 from kvpool.operator.store_probe import MASTER_HTTP_ENV, MEMORY_ENV, SCRIPT, STORE_PORT_ENV
 from testing.kube_api import NAMESPACE, UNSERVED_MASTER_HEALTH_URL, Cluster, write_kubeconfig
 from testing.master_health import health_server
-from testing.operator_objects import pool_spec
+from testing.operator_objects import pool_pod, pool_spec
 from testing.pool_store import bare_client, put_on, raw_store
 
 T0 = "2026-12-03T10:00:00Z"
@@ -545,21 +545,7 @@ async def test_a_drain_called_off_after_its_job_finished_goes_on_as_drained() ->
 
 
 def store_pod(name: str, ip: str, phase: str, ready: bool) -> dict[str, Any]:
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {
-            "name": name,
-            "namespace": NAMESPACE,
-            "labels": {LABEL_POOL: "pool", LABEL_COMPONENT: STORE},
-        },
-        "spec": {"containers": [{"name": "store", "image": "mooncake"}]},
-        "status": {
-            "phase": phase,
-            "podIP": ip,
-            "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
-        },
-    }
+    return pool_pod(name, ip, STORE, phase=phase, ready=ready)
 
 
 @pytest.mark.asyncio
