@@ -582,8 +582,9 @@ class SchedulerSide:
         for req_id in failed_recving:
             if (state := requests.get(req_id)) is not None:
                 state.load_failed = True
-        new_invalid = set(invalid_blocks)
-        if invalid_blocks:
+        newly_failed = 0
+        if invalid_blocks:  # rare: no set is built in a step without failures
+            new_invalid = set(invalid_blocks)
             for state in requests.values():
                 if state.loaded_blocks and not state.loaded_blocks.isdisjoint(invalid_blocks):
                     state.load_failed = True
@@ -591,12 +592,13 @@ class SchedulerSide:
                     state.failed_blocks |= state.loaded_blocks & invalid_blocks
             if block_ids_of is not None:
                 self._rewind_over_failed_blocks(invalid_blocks, block_ids_of)
+            newly_failed = len(new_invalid)
         for req_id in finished_recving:
             if (state := requests.get(req_id)) is not None:
                 state.loading = False
                 state.loaded_blocks = None
-                state.failed_blocks = set()
-        return len(new_invalid)
+                state.failed_blocks.clear()
+        return newly_failed
 
     def on_step_output(self, worker_stats: Any) -> None:
         """The workers' connector stats of a step (None: none): learn the load rate from them."""
