@@ -123,6 +123,11 @@ class ApiServer(kmock.KubernetesEmulator):
         return self.__dict__.setdefault("with_status", set(STATUS_SUBRESOURCE))
 
     @property
+    def _validators(self) -> dict[tuple[str, str], Any]:
+        """(group, plural) -> the validator of its CRD's schema, built on first use."""
+        return self.__dict__.setdefault("validators", {})
+
+    @property
     def _write_lock(self) -> asyncio.Lock:
         return self.__dict__.setdefault("write_lock", asyncio.Lock())
 
@@ -161,10 +166,9 @@ class ApiServer(kmock.KubernetesEmulator):
         if schema is None:
             return server_side.builtin_defaults(obj)
         out = server_side.custom_resource_defaults(obj, schema)
-        validators = self.__dict__.setdefault("validators", {})
-        if key not in validators:
-            validators[key] = server_side.schema_validator(schema)
-        problems = server_side.schema_problems(out, validators[key])
+        if key not in self._validators:
+            self._validators[key] = server_side.schema_validator(schema)
+        problems = server_side.schema_problems(out, self._validators[key])
         if problems:
             name = out.get("metadata", {}).get("name")
             raise kmock.KubernetesError(
