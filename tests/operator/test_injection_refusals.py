@@ -10,7 +10,13 @@ from typing import Any
 import pytest
 
 from kvpool.operator import names
-from kvpool.operator.consumers import ConsumerError, Injection, injected, injection_refusal
+from kvpool.operator.consumers import (
+    KV_CACHE_TORCH_DTYPES,
+    ConsumerError,
+    Injection,
+    injected,
+    injection_refusal,
+)
 from kvpool.operator.plan import build_plan
 from testing.kube_api import DEPLOYMENTS_PATH, NAMESPACE, Cluster, eventually
 from testing.operator_objects import (
@@ -132,6 +138,16 @@ def test_the_kv_cache_dtype_is_checked_against_the_dtype_vllm_stores() -> None:
     )
     (only_mamba,) = build_plan("pool", NAMESPACE, mamba).consumers
     assert rule_of(with_args("--kv-cache-dtype", "fp8"), only_mamba) is None
+
+
+def test_the_stored_dtype_of_each_kv_cache_dtype_is_vllms() -> None:
+    """The operator's image has no vLLM, so it keeps its own table of what each
+    ``--kv-cache-dtype`` stores: the one vLLM uses, name by name, as the connector's layout
+    spells it (the torch dtype without ``torch.``)."""
+    from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
+
+    for name, stored in KV_CACHE_TORCH_DTYPES.items():
+        assert str(STR_DTYPE_TO_TORCH_DTYPE[name]).removeprefix("torch.") == stored, name
 
 
 def kv_flags_of(container: dict[str, Any]) -> list[str]:
