@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 from typing import Any
 
 import jsonschema
@@ -91,3 +92,20 @@ def test_the_crd_check_bites(path: tuple[Any, ...], value: Any) -> None:
     else:
         node[path[-1]] = value
     assert list(crd_validator().iter_errors(pool))
+
+
+@pytest.mark.parametrize(
+    "crd", [build_crd(), build_grant_crd()], ids=lambda crd: crd["spec"]["names"]["kind"]
+)
+def test_the_readmes_kubectl_get_shows_the_crds_columns(crd: dict[str, Any]) -> None:
+    """The chart README's ``kubectl get <short name>`` samples head the columns the CRD prints."""
+    short = crd["spec"]["names"]["shortNames"][0]
+    columns = crd["spec"]["versions"][0]["additionalPrinterColumns"]
+    expected = ["NAME"] + [c["name"].upper() for c in columns if not c.get("priority")]
+    lines = (CHART / "README.md").read_text().splitlines()
+    samples = [
+        lines[i + 1] for i, line in enumerate(lines) if re.match(rf"\$ kubectl get {short}( -n \S+)?$", line)
+    ]
+    assert samples, f"no `kubectl get {short}` sample in the chart README"
+    for header in samples:
+        assert re.split(r" {2,}", header.strip()) == expected
