@@ -116,7 +116,11 @@ def store_scale(
     if wanted is None:
         return StoreScale(None, before)
     if record is None:
-        if before is None or wanted >= before or not can_drain(plan, observation, wanted):
+        if before is None or wanted >= before:
+            return StoreScale(wanted, before)
+        if awaits_first_poll(plan, observation, wanted):
+            return StoreScale(before, before)  # held until the master is asked (a pass after it drains)
+        if not can_drain(plan, observation, wanted):
             return StoreScale(wanted, before)
         pending = new_record(
             state=PENDING,
@@ -162,6 +166,13 @@ def can_drain(plan: Plan, observation: Observation | None, wanted: int) -> bool:
     the objects, and the master answered the operator's last poll."""
     answered = observation is not None and observation.answered
     return plan.drain_seconds > 0 and wanted > 0 and plan.observed and answered
+
+
+def awaits_first_poll(plan: Plan, observation: Observation | None, wanted: int) -> bool:
+    """Whether a scale-down to ``wanted`` would drain but this operator process has not asked
+    the master yet (it just started, or just took the Lease over): the poll is kept in memory
+    only, and its absence is no master that cannot be observed."""
+    return observation is None and plan.drain_seconds > 0 and wanted > 0 and plan.observed
 
 
 def leaving_segments(observation: Observation | None, count: int) -> list[tuple[str, str]] | None:

@@ -32,6 +32,7 @@ from kubernetes_asyncio.client import ApiClient
 
 from kvpool.connector.local.pool import MooncakeMaster, MooncakeStore, wait_for_capacity
 from kvpool.connector.pool_client import PoolClient
+from kvpool.operator.app import OperatorOptions
 from kvpool.operator.drain_jobs import DrainRefused, cancel_drain_job, create_drain_job, query_drain_job
 from kvpool.operator.drain_timer import advance, drain_base
 from kvpool.operator.kube import KubeClient, load_configuration
@@ -56,9 +57,19 @@ from kvpool.operator.store_drain import (
     store_scale,
 )
 from kvpool.operator.store_probe import MASTER_HTTP_ENV, MEMORY_ENV, SCRIPT, STORE_PORT_ENV
-from testing.kube_api import NAMESPACE, UNSERVED_MASTER_HEALTH_URL, Cluster, write_kubeconfig
+from testing.kube_api import (
+    DEPLOYMENTS_PATH,
+    NAMESPACE,
+    UNSERVED_MASTER_HEALTH_URL,
+    Cluster,
+    eventually,
+    free_port,
+    quick_options,
+    running_operator,
+    write_kubeconfig,
+)
 from testing.master_health import health_server
-from testing.operator_objects import pool_pod, pool_spec
+from testing.operator_objects import pool_manifest, pool_pod, pool_spec
 from testing.pool_store import bare_client, put_on, raw_store
 
 T0 = "2026-12-03T10:00:00Z"
@@ -155,7 +166,11 @@ def test_a_drain_given_up_scales_down_as_without_one() -> None:
     [
         ("drains off", plan_of(1, drainTimeoutSeconds=0), observation(1, 2)),
         ("to zero: nowhere to move to", dataclasses.replace(plan_of(1), store_replicas=0), observation(1, 2)),
-        ("the master not observed", plan_of(1), None),
+        (
+            "the operator may not ask the master, and never did",
+            build_plan("pool", NAMESPACE, pool_spec()),
+            None,
+        ),
         ("the operator cannot reach it", build_plan("pool", NAMESPACE, pool_spec()), observation(1, 2)),
         ("the master did not answer", plan_of(1), Observation(at=T0, reason="Unreachable", problem="x")),
     ],
@@ -165,6 +180,15 @@ def test_where_no_drain_can_run_the_scale_down_is_at_once(
 ) -> None:
     scale = store_scale(plan, 2, None, seen, [], T0)
     assert (scale.replicas, scale.drain) == (plan.store_replicas, None), why
+
+
+def test_a_scale_down_waits_for_the_first_poll_of_a_master_it_may_ask() -> None:
+    """A new operator process has not asked the master yet: no answer is no master that
+    cannot answer. The live count is held, and the first answer starts the drain."""
+    held = store_scale(plan_of(1), 2, None, None, [], T0)
+    assert (held.replicas, held.drain) == (2, None)
+    scale = store_scale(plan_of(1), 2, None, observation(1, 2), [], T0)
+    assert scale.replicas == 2 and scale.drain is not None and scale.drain.state == PENDING
 
 
 def test_ha_pools_drain_too_and_embedded_pools_have_no_store_to_drain() -> None:
@@ -597,3 +621,86 @@ def test_kubectl_get_shows_a_drain_that_waits() -> None:
     schema = version["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]
     states = schema["storeDrain"]["properties"]["state"]["enum"]
     assert set(states) == {PENDING, DRAINING, DRAINED, GIVEN_UP, WITHDRAWN}
+
+
+# --- Through the operator, restarted: its polls are kept in memory only ----------------------
+
+
+def stand_in_master_text(*ips: str) -> str:
+    """A master's ``/metrics`` naming one 1 GiB segment per store pod at ``ips``, the first
+    emptiest."""
+    lines = ["# TYPE segment_allocated_bytes gauge"]
+    lines += [f'segment_allocated_bytes{{segment="{ip}:15000"}} {i << 20}' for i, ip in enumerate(ips)]
+    lines += ["# TYPE segment_total_capacity_bytes gauge"]
+    lines += [f'segment_total_capacity_bytes{{segment="{ip}:15000"}} {1 << 30}' for ip in ips]
+    lines += [f"master_total_capacity_bytes {len(ips) << 30}", f"master_allocated_bytes {len(ips) << 20}"]
+    lines += ["master_key_count 3", ""]
+    return "\n".join(lines)
+
+
+@pytest.mark.asyncio
+async def test_a_restarted_operator_drains_a_scale_down_it_finds_before_its_first_poll(
+    cluster: Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The master's last answer lives in the operator's memory: a new process (restarted, or a
+    standby that took the Lease over) has none until its first poll. Its first passes find a
+    scale-down asked for while it was away; they hold the store count until the master was
+    asked (a master that could not be asked would leave no drain to wait for), then the
+    leaving pods drain first. They never apply the lower count undrained.
+
+    The master is a stand-in (``/health`` and ``/metrics`` over loopback, no drain API): no
+    real one runs behind the emulated API. Its first answer is held until the new operator
+    has made several passes."""
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    answer = asyncio.Event()
+
+    async def health(_: web.Request) -> web.Response:
+        await answer.wait()
+        return web.json_response({"role": "leader", "service_ready": True})
+
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(text=stand_in_master_text("10.0.0.1", "10.0.0.2"))
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", cluster.url)
+
+    def options() -> OperatorOptions:
+        return OperatorOptions(
+            **quick_options(
+                kubeconfig,
+                policy=POLICY,
+                master_health_url=f"http://127.0.0.1:{port}/health",
+                observe_timeout=30.0,  # the held answer is no timeout
+            )
+        )
+
+    def store_replicas() -> Any:
+        return (cluster.get(DEPLOYMENTS_PATH, "pool-store") or {}).get("spec", {}).get("replicas")
+
+    try:
+        for i in range(2):
+            await cluster.create(store_pod(f"pool-store-{i}", f"10.0.0.{i + 1}", "Running", ready=True))
+        await cluster.create(pool_manifest(spec=pool_spec(store={"segmentSize": "1GB", "replicas": 2})))
+        async with running_operator(cluster, options()):
+            await eventually(lambda: store_replicas() == 2, what="two store replicas")
+        await cluster.patch_pool("pool", {"spec": {"store": {"replicas": 1}}})
+        start = cluster.mark()
+        async with running_operator(cluster, options()):
+            await cluster.passes("pool", start, count=4)  # the master not asked yet
+            answer.set()
+            drain = await eventually(
+                lambda: cluster.pool_status("pool").get("storeDrain") or store_replicas() != 2,
+                what="a drain, or the store count applied",
+            )
+            assert store_replicas() == 2, "applied undrained, before the master was ever asked"
+            assert drain["state"] == PENDING and (drain["fromReplicas"], drain["toReplicas"]) == (2, 1)
+        assert "lastScaleDown" not in cluster.pool_status("pool")
+        assert cluster.events("StoreScaleDown") == []
+    finally:
+        await runner.cleanup()
