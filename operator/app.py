@@ -48,6 +48,7 @@ from kvpool.operator.pod_injection import (
 )
 from kvpool.operator.policy import OperatorPolicy
 from kvpool.operator.reconcile import (
+    GuardedPodsRunning,
     Notify,
     Reconciler,
     child_pool_namespace,
@@ -355,7 +356,7 @@ def make_registry(
         with acting.running():
             try:
                 await reconciler.teardown(body, notifier(body))
-            except RETRYABLE as exc:
+            except (*RETRYABLE, GuardedPodsRunning) as exc:
                 raise temporary("delete", exc) from exc
 
     register_admission(registry, options, reconciler.kube)

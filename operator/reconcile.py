@@ -73,10 +73,10 @@ from kvpool.operator.leader import (
 )
 from kvpool.operator.merge_patch import diff
 from kvpool.operator.metrics import OperatorMetrics, pool_mode
-from kvpool.operator.names import CONFIGMAPS, DEPLOYMENTS, GRANTS, PODS, POOLS
+from kvpool.operator.names import CONFIGMAPS, DEPLOYMENTS, GRANTS, PODS, POOLS, ApiResource
 from kvpool.operator.network import read_namespace_network, selects
 from kvpool.operator.observation import Observation, base_of, poll_master
-from kvpool.operator.plan import Plan, build_plan, children_names
+from kvpool.operator.plan import Plan, build_plan
 from kvpool.operator.pod_injection import (
     DEPLOYMENT_PATCH,
     POD_ADMISSION,
@@ -112,6 +112,14 @@ from kvpool.operator.store_drain import (
     ended,
     record_of,
     store_scale,
+)
+from kvpool.operator.teardown_order import (
+    GUARD_WAIT_S,
+    guarded_selectors,
+    guards,
+    guards_wait,
+    running_pods,
+    unguarded_children,
 )
 
 # notify(type, reason, message): post a Kubernetes Event about the pool.
@@ -549,6 +557,15 @@ async def roll_consumers(
     return states
 
 
+class GuardedPodsRunning(Exception):
+    """Teardown waits: master or store pods of the pool may still run, and its NetworkPolicies
+    guard them until they end."""
+
+    def __init__(self, pods: list[str]):
+        self.pods = pods
+        super().__init__(f"waiting for {', '.join(pods)} to end before the NetworkPolicies go")
+
+
 class ConsumersNotReleased(ApiError):
     """The API refused to take the pool's settings out of some Deployments (every other one
     was released); the first refusal's status."""
@@ -929,7 +946,9 @@ class Reconciler:
         return status, valid, pool_mode(pool.get("spec"))
 
     async def teardown(self, body: Mapping[str, Any], notify: Notify) -> None:
-        """A pool is being deleted: take its settings out of every consumer, delete its children.
+        """A pool is being deleted: take its settings out of every consumer, delete its children,
+        the NetworkPolicies last, once the master and store pods they guard may no longer run
+        (``teardown_order``; until then ``GuardedPodsRunning``: teardown is tried again).
 
         A consumer whose restore record is unreadable loses the pool's settings and gets an
         Event; teardown goes on. The escape hatch, when teardown cannot finish (an API that
@@ -940,7 +959,7 @@ class Reconciler:
         A pool the operator may no longer read (403: the Role in its namespace is gone, as it is
         first thing when the namespace is deleted) is let go of (``let_go_of_namespace``)."""
         meta = body.get("metadata", {})
-        namespace, name, uid = meta["namespace"], meta["name"], meta["uid"]
+        namespace, name = meta["namespace"], meta["name"]
         async with self._lock(namespace, name):
             current: Mapping[str, Any] | None
             try:
@@ -968,12 +987,13 @@ class Reconciler:
                 if reachable:
                     await self.release_every_consumer(body, notify)
                     await self.forget_grants(body)
-                    for resource, child_name in children_names(name):
-                        removal = await ensure_absent(self.kube, resource, namespace, child_name, uid)
-                        if removal.conflict is not None:
-                            notify("Normal", "NotOwned", f"left alone: {removal.conflict}")
+                    await self.remove_children(body, unguarded_children(name), notify)
+                    await self.wait_for_guarded_pods(body, notify)
+                    await self.remove_children(body, guards(name), notify)
                 else:
                     await self.let_go_of_namespace(body, notify)
+            except GuardedPodsRunning:
+                raise
             except Exception as exc:
                 self._failed("delete", exc)
                 raise
@@ -982,6 +1002,36 @@ class Reconciler:
             self.observations.pop((namespace, name), None)
             self._swept.pop((namespace, name), None)
             self._locks.pop((namespace, name), None)
+
+    async def remove_children(
+        self, body: Mapping[str, Any], children: list[tuple[ApiResource, str]], notify: Notify
+    ) -> None:
+        """Delete those of ``children`` the pool owns; one it does not own is left alone."""
+        meta = body["metadata"]
+        for resource, child_name in children:
+            removal = await ensure_absent(self.kube, resource, meta["namespace"], child_name, meta["uid"])
+            if removal.conflict is not None:
+                notify("Normal", "NotOwned", f"left alone: {removal.conflict}")
+
+    async def wait_for_guarded_pods(self, body: Mapping[str, Any], notify: Notify) -> None:
+        """Raise ``GuardedPodsRunning`` (teardown is tried again) while a master or store pod of
+        the pool may still run, for at most ``GUARD_WAIT_S`` past the start of its deletion;
+        past that, a Warning names the pods its NetworkPolicies stop guarding."""
+        meta = body["metadata"]
+        pods: list[dict[str, Any]] = []
+        for selector in guarded_selectors(meta["name"]):
+            pods += await self.kube.list(PODS, meta["namespace"], label_selector=selector)
+        now = utcnow()
+        running = running_pods(pods, now)
+        if guards_wait(running, str(meta.get("deletionTimestamp") or now), now):
+            raise GuardedPodsRunning(running)
+        if running:
+            notify(
+                "Warning",
+                "GuardsRemoved",
+                f"the pool's NetworkPolicies are deleted while {', '.join(running)} may still run "
+                f"({GUARD_WAIT_S} s after its deletion began): they no longer keep others from them",
+            )
 
     async def let_go_of_namespace(self, body: Mapping[str, Any], notify: Notify) -> None:
         """Teardown without rights in the pool's namespace (its Role is gone, as when the

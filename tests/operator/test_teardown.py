@@ -10,6 +10,14 @@ import pytest
 from kvpool.operator import names
 from kvpool.operator.consumers import injected, record_problem, restored
 from kvpool.operator.plan import build_plan
+from kvpool.operator.store_drain import later
+from kvpool.operator.teardown_order import (
+    GUARD_WAIT_S,
+    guards,
+    guards_wait,
+    running_pods,
+    unguarded_children,
+)
 from testing.kube_api import DEPLOYMENTS_PATH, NAMESPACE, POOLS_PATH, Cluster, Fault, eventually
 from testing.operator_objects import (
     Operator,
@@ -17,9 +25,12 @@ from testing.operator_objects import (
     converge,
     kv_flags,
     pool_manifest,
+    pool_pod,
     pool_spec,
     vllm_deployment,
 )
+
+NETWORK_POLICIES_PATH = "networking.k8s.io/v1/networkpolicies"
 
 MALFORMED = json.dumps({"version": 2, "container": "vllm", "env": ["PYTHONHASHSEED"], "others": "x"})
 
@@ -138,3 +149,67 @@ async def test_a_consumer_gone_since_the_list_is_no_refusal(cluster: Cluster, op
     await eventually(lambda: kv_flags(cluster.get(DEPLOYMENTS_PATH, "second")) == [], what="second released")
     await eventually(lambda: kv_flags(cluster.get(DEPLOYMENTS_PATH, "first")) == [], what="first, next pass")
     assert cluster.events("ConsumerNotReleased") == []
+
+
+def guarded_pod_lists(cluster: Cluster, start: int) -> int:
+    """How many times the operator listed the pool's master pods since ``start``."""
+    selector = names.label_selector("pool", names.MASTER)
+    return sum(
+        1
+        for r in cluster.requests(start)
+        if r.method.upper() == "GET"
+        and r.url.path.endswith("/pods")
+        and r.params.get("labelSelector") == selector
+    )
+
+
+@pytest.mark.asyncio
+async def test_the_network_policies_go_last_once_the_pools_pods_are_gone(
+    cluster: Cluster, operator: Operator
+) -> None:
+    """Deleting the master and store Deployments only starts their pods' end: the policies that
+    keep the cluster from the master's admin port and the stores' memory stay until those pods
+    are gone, and the pool (its finalizer) with them."""
+    await cluster.create(vllm_deployment())
+    await cluster.create(pool_manifest())
+    await converge(cluster, generation=1)
+    policy = names.network_policy_name("pool")
+    assert cluster.get(NETWORK_POLICIES_PATH, policy) is not None
+    # The pods the ReplicaSet controller made (the emulated API runs none), one terminating
+    # within its grace period.
+    await cluster.create(pool_pod("pool-master-0", "10.0.0.1", names.MASTER))
+    await cluster.create(pool_pod("pool-store-0", "10.0.0.2", names.STORE))
+
+    start = cluster.mark()
+    await cluster.delete_pool("pool")
+    await eventually(
+        lambda: cluster.get(POOLS_PATH, "pool") is None or guarded_pod_lists(cluster, start) >= 2,
+        what="the pool gone, or its teardown tried twice",
+    )
+    assert cluster.get(POOLS_PATH, "pool") is not None, "the pool went while its pods may still run"
+    assert cluster.get(NETWORK_POLICIES_PATH, policy) is not None
+    assert cluster.get(DEPLOYMENTS_PATH, "pool-master") is None  # the rest is gone already
+    assert kv_flags(cluster.get(DEPLOYMENTS_PATH, "llm")) == []
+
+    await cluster.delete_pod("pool-master-0")
+    await cluster.delete_pod("pool-store-0")
+    await eventually(lambda: cluster.get(POOLS_PATH, "pool") is None, what="pool gone")
+    assert cluster.get(NETWORK_POLICIES_PATH, policy) is None
+    assert cluster.events("GuardsRemoved") == []
+
+
+def test_pods_past_their_grace_period_or_ended_keep_no_policy_and_the_wait_has_a_deadline() -> None:
+    now = "2026-12-06T10:00:00Z"
+    pods = [
+        pool_pod("running", "10.0.0.1", names.MASTER),
+        pool_pod("ended", "10.0.0.2", names.STORE, phase="Failed"),
+        {"metadata": {"name": "in-grace", "deletionTimestamp": "2026-12-06T10:00:20Z"}},
+        {"metadata": {"name": "past-grace", "deletionTimestamp": "2026-12-06T09:59:59Z"}},
+    ]
+    running = running_pods(pods, now)
+    assert running == ["in-grace", "running"]
+    assert guards_wait(running, "2026-12-06T09:56:00Z", now)
+    assert not guards_wait(running, later(now, -GUARD_WAIT_S), now)
+    assert not guards_wait([], now, now)
+    assert {resource.plural for resource, _ in guards("pool")} == {"networkpolicies"}
+    assert all(resource.plural != "networkpolicies" for resource, _ in unguarded_children("pool"))
