@@ -3,7 +3,7 @@
 ``ApiServer`` is kmock's stateful emulator behaving like a real API server wherever the
 operator depends on it (``testing.server_side``: uid, resourceVersion and 409s on
 stale writes, generation, server-side defaults, CRD pruning and defaults, the status
-subresource, label selectors) and one-shot fault injection;
+subresource, label selectors, 422s on immutable fields) and one-shot fault injection;
 ``LeanApiServer`` keeps a compact log instead of kmock's full request history, for
 hundreds of pools. The operator runs in its own thread and event loop, exactly as
 ``kvpool-operator run`` would, pointed at the emulator by a kubeconfig. Everything binds
@@ -104,7 +104,8 @@ class Fault:
 class ApiServer(kmock.KubernetesEmulator):
     """kmock's emulator made to behave like a real API server where the operator depends on
     it (``testing.server_side``: defaults, pruning, the status subresource, 409s on
-    stale writes, generation, label selectors), plus one-shot fault injection."""
+    stale writes, generation, label selectors, 422s on immutable fields and invalid
+    objects), plus one-shot fault injection."""
 
     faults: list[Fault]
 
@@ -228,6 +229,7 @@ class ApiServer(kmock.KubernetesEmulator):
         if key in self.with_status:
             data.pop("status", None)
         created = server_side.allocate_cluster_ip(self._defaults(key, data))
+        self._check_valid(created, server_side.object_problems(created))
         meta = created.setdefault("metadata", {})
         meta["uid"] = f"uid-{next(_SEQUENCE)}"
         meta["resourceVersion"] = str(next(_SEQUENCE))
@@ -235,6 +237,24 @@ class ApiServer(kmock.KubernetesEmulator):
         meta.setdefault("creationTimestamp", "2025-01-01T00:00:00Z")
         data.clear()
         data.update(created)
+
+    @staticmethod
+    def _check_valid(obj: dict[str, Any], causes: list[dict[str, str]]) -> None:
+        """Refuse ``obj`` as a real server does (422 Invalid, the fields in ``details.causes``)."""
+        if not causes:
+            return
+        api_version = str(obj.get("apiVersion", ""))
+        raise kmock.KubernetesError(
+            status=422,
+            reason="Invalid",
+            message=server_side.invalid_message(obj, causes),
+            details={
+                "name": obj.get("metadata", {}).get("name"),
+                "group": api_version.rpartition("/")[0],
+                "kind": obj.get("kind"),
+                "causes": causes,
+            },
+        )
 
     @staticmethod
     def _check_fresh(stored: dict[str, Any], write: Any) -> None:
@@ -255,7 +275,11 @@ class ApiServer(kmock.KubernetesEmulator):
             after.pop("status", None)
             if "status" in stored:
                 after["status"] = stored["status"]
-        after = self._defaults(key, after)
+        after = server_side.keep_allocated(stored, self._defaults(key, after))
+        if subresource is None:
+            self._check_valid(
+                after, server_side.object_problems(after) + server_side.update_problems(stored, after)
+            )
         meta = after.setdefault("metadata", {})
         before = stored.get("metadata", {})
         for immutable in ("uid", "creationTimestamp", "name", "namespace"):

@@ -13,7 +13,12 @@ what it would meet on a real cluster:
   to ``/status`` changes nothing but the status;
 * ``metadata.resourceVersion`` and ``preconditions`` as optimistic locks (409 Conflict);
 * ``metadata.generation`` bumped when the spec changes, and only then;
-* ``labelSelector`` on lists.
+* ``labelSelector`` on lists;
+* the validation the operator's writes could break (422 ``Invalid``, the field path in the
+  causes): immutable fields (a workload's ``spec.selector``, a Job's template, a Service's
+  cluster IP once allocated, an ``immutable`` ConfigMap's or Secret's data), a selector
+  that must match its template's labels, and a ``Recreate`` strategy without
+  ``rollingUpdate``.
 
 Each function returns a new object; none mutates its input.
 """
@@ -294,3 +299,113 @@ def changes(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
         elif key not in old or before != value:
             patch[key] = copy.deepcopy(value)
     return patch
+
+
+# Validation on write: what a real API server refuses with 422 Invalid.
+
+SELECTED_KINDS = frozenset({"Deployment", "ReplicaSet", "DaemonSet", "StatefulSet"})
+# A Job's spec fields fixed at creation (batch/v1 ValidateJobUpdate; the template's few
+# mutable fields of a suspended Job aside).
+JOB_IMMUTABLE = ("selector", "template", "completionMode")
+
+
+def cause(field: str, message: str, reason: str = "FieldValueInvalid") -> dict[str, str]:
+    """One of a 422's ``details.causes``, as a real API server words it."""
+    return {"reason": reason, "message": message, "field": field}
+
+
+def _get(obj: Mapping[str, Any], path: str) -> Any:
+    value: Any = obj
+    for part in path.split("."):
+        value = value.get(part) if isinstance(value, Mapping) else None
+    return value
+
+
+def _immutable(
+    stored: Mapping[str, Any], after: Mapping[str, Any], path: str, why: str
+) -> list[dict[str, str]]:
+    """The cause for ``path`` if the update changes it; none otherwise."""
+    if _get(stored, path) == _get(after, path):
+        return []
+    return [cause(path, f"Invalid value: {_get(after, path)!r}: {why}")]
+
+
+def _needs_cluster_ip(obj: Mapping[str, Any]) -> bool:
+    return obj.get("kind") == "Service" and (obj.get("spec") or {}).get("type") != "ExternalName"
+
+
+def keep_allocated(stored: Mapping[str, Any], after: Mapping[str, Any]) -> dict[str, Any]:
+    """An updated Service keeps the cluster IP it was allocated where the write left it out
+    (a real server refills ``clusterIP``, ``clusterIPs`` and the IP families); others unchanged."""
+    out = copy.deepcopy(dict(after))
+    if not (_needs_cluster_ip(stored) and _needs_cluster_ip(out)):
+        return out
+    spec, before = out.setdefault("spec", {}), stored.get("spec") or {}
+    for key in ("clusterIP", "clusterIPs", "ipFamilies", "ipFamilyPolicy"):
+        if spec.get(key) in (None, "", []) and key in before:
+            spec[key] = copy.deepcopy(before[key])
+    return out
+
+
+def _requirement_holds(expression: Mapping[str, Any], labels: Mapping[str, Any]) -> bool:
+    key, values = expression.get("key"), expression.get("values") or []
+    return {
+        "In": key in labels and labels[key] in values,
+        "NotIn": key not in labels or labels[key] not in values,
+        "Exists": key in labels,
+        "DoesNotExist": key not in labels,
+    }.get(str(expression.get("operator")), False)
+
+
+def selector_matches(selector: Any, labels: Mapping[str, Any] | None) -> bool:
+    """Whether a ``LabelSelector`` (``matchLabels``, ``matchExpressions``) selects ``labels``."""
+    labels = labels or {}
+    if not isinstance(selector, Mapping):
+        return True
+    match = selector.get("matchLabels") or {}
+    return all(labels.get(key) == value for key, value in match.items()) and all(
+        _requirement_holds(expression, labels) for expression in selector.get("matchExpressions") or []
+    )
+
+
+def object_problems(obj: Mapping[str, Any]) -> list[dict[str, str]]:
+    """Why a real API server refuses ``obj`` on any write (its validation; empty: none)."""
+    kind, spec = obj.get("kind"), obj.get("spec") or {}
+    out = []
+    labels = _get(spec, "template.metadata.labels")
+    if kind in SELECTED_KINDS and not selector_matches(spec.get("selector"), labels):
+        message = f"Invalid value: {labels!r}: `selector` does not match template `labels`"
+        out.append(cause("spec.template.metadata.labels", message))
+    strategy = spec.get("strategy") or {}
+    if kind == "Deployment" and strategy.get("type") == "Recreate" and "rollingUpdate" in strategy:
+        message = "Forbidden: may not be specified when strategy `type` is 'Recreate'"
+        out.append(cause("spec.strategy.rollingUpdate", message, "FieldValueForbidden"))
+    return out
+
+
+def update_problems(stored: Mapping[str, Any], after: Mapping[str, Any]) -> list[dict[str, str]]:
+    """Which immutable fields an update of ``stored`` into ``after`` changes (empty: none)."""
+    kind = stored.get("kind")
+    out = []
+    if kind in SELECTED_KINDS:
+        out += _immutable(stored, after, "spec.selector", "field is immutable")
+    if kind == "Job":
+        for key in JOB_IMMUTABLE:
+            out += _immutable(stored, after, f"spec.{key}", "field is immutable")
+    if kind == "Service" and _needs_cluster_ip(stored) and _needs_cluster_ip(after):
+        for key in ("clusterIP", "clusterIPs"):
+            out += _immutable(stored, after, f"spec.{key}", "may not change once set")
+    if kind in ("ConfigMap", "Secret") and stored.get("immutable") is True:
+        for key in ("data", "binaryData", "immutable"):
+            if stored.get(key) != after.get(key):
+                message = "Forbidden: field is immutable when `immutable` is set"
+                out.append(cause(key, message, "FieldValueForbidden"))
+    return out
+
+
+def invalid_message(obj: Mapping[str, Any], causes: list[dict[str, str]]) -> str:
+    """A 422's message: ``Kind.group "name" is invalid: field: message, ...``."""
+    group = str(obj.get("apiVersion", "")).rpartition("/")[0]
+    kind = f"{obj.get('kind')}.{group}" if group else str(obj.get("kind"))
+    name = (obj.get("metadata") or {}).get("name")
+    return f'{kind} "{name}" is invalid: ' + ", ".join(f"{c['field']}: {c['message']}" for c in causes)
