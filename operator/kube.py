@@ -5,7 +5,8 @@ or kubeconfig) serves both this client and kopf's own login.
 
 Apply brings a child to its desired state, writing only when it differs, compared field by
 field on what the operator sets (server defaults and others' fields do not count; values
-the operator owns whole, such as selectors and NetworkPolicy rules, count entirely). A hand
+the operator owns whole, such as selectors, a Deployment's strategy and NetworkPolicy rules,
+count entirely). A hand
 edit of an owned field (``kubectl scale``, an edited policy) is put back; a new operator
 release whose rendering differs only where the server already holds the same value writes
 nothing. Each child also carries the JSON it was last applied with (an annotation), which
@@ -226,10 +227,13 @@ def last_applied(live: Mapping[str, Any]) -> tuple[str | None, dict[str, Any]]:
 
 # Values the operator owns as a whole: a key someone adds there changes what they select or
 # carry, so it is drift too (elsewhere a key the operator does not set is someone else's, or
-# a server default, and is left alone).
+# a server default, and is left alone). A Deployment's ``strategy`` is one: a ``rollingUpdate``
+# left beside ``type: Recreate`` (a hand edit's, the server's default for it) is invalid, so
+# the patch that puts ``Recreate`` back must remove it (a real server refuses it otherwise).
 WHOLE_VALUES = frozenset(
     {
         "matchLabels",
+        "strategy",
         "matchExpressions",
         "nodeSelector",
         "selector",

@@ -81,6 +81,15 @@ async def test_hand_edits_of_owned_fields_are_put_back(cluster: Cluster, operato
         what="the budget put back",
     )
 
+    # kubectl edit: the single master's strategy made RollingUpdate (the server defaults its
+    # rollingUpdate). Recreate comes back without it: a real server refuses both together (422).
+    rolling = {"spec": {"strategy": {"type": "RollingUpdate"}}}
+    await edit(cluster, f"/apis/apps/v1/namespaces/{NAMESPACE}/deployments/pool-master", rolling)
+    await eventually(
+        lambda: cluster.get(DEPLOYMENTS_PATH, "pool-master")["spec"]["strategy"] == {"type": "Recreate"},
+        what="the master's Recreate strategy put back",
+    )
+
     # What others add beside the operator's fields stays (an annotation, a restart stamp).
     restarted = {
         "spec": {"template": {"metadata": {"annotations": {"kubectl.kubernetes.io/restartedAt": "now"}}}}
