@@ -22,7 +22,15 @@ from testing.kube_api import (
     running_operator,
     write_kubeconfig,
 )
-from testing.operator_objects import Operator, converge, kv_flags, pool_manifest, template, vllm_deployment
+from testing.operator_objects import (
+    Operator,
+    converge,
+    kv_flags,
+    pool_manifest,
+    pool_spec,
+    template,
+    vllm_deployment,
+)
 
 pytestmark = pytest.mark.asyncio
 
@@ -127,3 +135,46 @@ async def test_a_paused_pool_is_left_as_it_is(cluster: Cluster, operator: Operat
     assert '"cache_prefix":"team-b"' in kv_flags(cluster.get(DEPLOYMENTS_PATH, "llm"))[0]
     assert cluster.get(DEPLOYMENTS_PATH, "pool-store")["spec"]["replicas"] == 2
     await eventually(lambda: cluster.events("Resumed"), what="a Resumed Event")
+
+
+# What every release selects its children's pods by. A Deployment's ``spec.selector`` is
+# immutable (a real API server answers 422 to a patch of it), so a release that selected by
+# anything else could never apply any pool an earlier release made: never change these.
+PINNED_SELECTORS = {
+    ("Deployment", "pool-master"): {
+        "kvpool.mooncake.io/pool": "pool",
+        "kvpool.mooncake.io/component": "master",
+    },
+    ("Deployment", "pool-store"): {
+        "kvpool.mooncake.io/pool": "pool",
+        "kvpool.mooncake.io/component": "store",
+    },
+}
+HA_MASTER = {"replicas": 2, "ha": {"enabled": True, "etcdEndpoints": ["etcd:2379"]}}
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {"master": HA_MASTER},
+        {"store": {"segmentSize": "1GB", "replicas": 2, "diskTier": {"capacity": "1GB"}}},
+        {"store": {"segmentSize": "1GB", "replicas": 2, "drainTimeoutSeconds": 0}},
+        {"tenancy": {"enabled": True}, "consumers": []},
+    ],
+    ids=["single master", "HA", "disk tier", "no drains", "tenancy"],
+)
+async def test_the_pod_selectors_are_those_of_every_release(overrides: dict[str, Any]) -> None:
+    built = plan.build_plan("pool", NAMESPACE, pool_spec(**overrides))
+    assert built.valid, built.problems
+    selectors = {
+        (c["kind"], c["metadata"]["name"]): c["spec"]["selector"]["matchLabels"]
+        for c in built.children
+        if c["kind"] == "Deployment"
+    }
+    assert selectors == PINNED_SELECTORS
+    for child in built.children:  # each pod template carries its own selector's labels
+        if child["kind"] == "Deployment":
+            assert selectors[child["kind"], child["metadata"]["name"]].items() <= (
+                child["spec"]["template"]["metadata"]["labels"].items()
+            )
