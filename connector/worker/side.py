@@ -1232,8 +1232,9 @@ class WorkerSide:
 
 
 def _failed(transfer: GroupTransfer, outcome: Outcome) -> GroupResult:
-    """A group none of whose blocks was transferred, for ``outcome``."""
-    result = GroupResult(attempted=bool(transfer.block_ids))
+    """A group whose transfer never started, for ``outcome``: its blocks failed, and no
+    latency or size (not attempted)."""
+    result = GroupResult()
     if transfer.block_ids:
         result.fail(list(transfer.block_ids), outcome)
     return result
