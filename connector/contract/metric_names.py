@@ -75,8 +75,16 @@ MASKED_BLOCKS = _counter(
     "or before the last Mamba state; save: no future hit could load them).",
     (*GROUP_LABELS, "operation"),
 )
-TRANSFER_BLOCKS = _counter("transfer_blocks", "Blocks moved, per group.", (*GROUP_LABELS, "operation"))
-TRANSFER_BYTES = _counter("transfer_bytes", "Bytes moved, per group.", (*GROUP_LABELS, "operation"))
+TRANSFER_BLOCKS = _counter(
+    "transfer_blocks",
+    "Blocks moved, per group (a save counts a block the pool already held: it is stored).",
+    (*GROUP_LABELS, "operation"),
+)
+TRANSFER_BYTES = _counter(
+    "transfer_bytes",
+    "Bytes moved, per group (a save of a block the pool already held moves none).",
+    (*GROUP_LABELS, "operation"),
+)
 TRANSFER_KEYS = _counter(
     "transfer_keys",
     "Keys moved, per group, by every rank: a tensor- or pipeline-parallel engine moves one key "

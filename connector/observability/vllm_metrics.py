@@ -132,6 +132,9 @@ class _Payload:
 #: failed nowhere (a failed load's time measures the fault, not the link).
 CLEAN_LOAD_BYTES = "clean_load_bytes"  # every rank's
 CLEAN_LOAD_SECONDS = "clean_load_seconds"  # rank 0's, summed over each load's groups
+#: Per group, rank 0's saved blocks the pool already held (no bytes moved): the block size the
+#: load rate learns is bytes over the blocks whose bytes moved.
+HELD_BLOCKS = "held_blocks"
 
 
 def records_to_data(lookups: Iterable[LookupRecord], transfers: Iterable[TransferRecord]) -> dict[str, Any]:
@@ -169,6 +172,9 @@ def records_to_data(lookups: Iterable[LookupRecord], transfers: Iterable[Transfe
         for g, kind in enumerate(t.group_kinds):
             labels = {"group": g, "group_kind": kind, "operation": op}
             out.inc(m.TRANSFER_BLOCKS, t.blocks[g], **labels)
+            if t.held_blocks and t.held_blocks[g]:
+                key = f"{HELD_BLOCKS}{SEP}group={g}"
+                out.counters[key] = out.counters.get(key, 0.0) + t.held_blocks[g]
             out.inc(m.MASKED_BLOCKS, t.masked[g], **labels)
             if t.group_attempted[g]:
                 out.observe(m.OPERATION_SECONDS, t.group_seconds[g], operation=op, group_kind=kind)
@@ -226,7 +232,8 @@ class TransferSample:
     load_bytes: float = 0.0
     load_seconds: float = 0.0
     group_bytes: dict[int, float] = field(default_factory=dict)  # loads and saves, every rank's
-    group_blocks: dict[int, float] = field(default_factory=dict)  # loads and saves, rank 0's
+    # Loads and saves, rank 0's, those the pool already held left out (they moved no bytes).
+    group_blocks: dict[int, float] = field(default_factory=dict)
 
 
 def transfer_sample(data: Mapping[str, Any]) -> TransferSample:
@@ -240,6 +247,9 @@ def transfer_sample(data: Mapping[str, Any]) -> TransferSample:
             if operation in (m.LOAD, m.SAVE):
                 into = sample.group_bytes if name == m.TRANSFER_BYTES.name else sample.group_blocks
                 into[int(group)] = into.get(int(group), 0.0) + value
+        elif name == HELD_BLOCKS:
+            held = int(labels[0])
+            sample.group_blocks[held] = sample.group_blocks.get(held, 0.0) - value
     return sample
 
 

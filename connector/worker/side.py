@@ -134,6 +134,7 @@ class GroupResult:
     attempted: bool = False
     corrupt_keys: list[str] = field(default_factory=list)
     direct_blocks: int = 0  # blocks loaded straight from this process's own segment
+    held: int = 0  # a save's blocks the pool already held: stored, none of their bytes moved
 
     def fail(self, block_ids: Sequence[int], outcome: Outcome | str) -> None:
         self.failures[str(outcome)] += len(block_ids)
@@ -1070,9 +1071,10 @@ class WorkerSide:
             if code == 0:
                 reserved.append(i)
             elif code == CODE_OBJECT_EXISTS:
-                # Mooncake keeps the first value of a key; the same block is stored.
+                # Mooncake keeps the first value of a key; the same block is stored, and no
+                # byte of it moved.
                 result.blocks += 1
-                result.bytes += copier.payload_bytes
+                result.held += 1
             else:
                 result.fail([blocks[i]], classify(code))
         if not reserved:
@@ -1181,6 +1183,7 @@ class WorkerSide:
                 group_seconds=tuple(r.seconds for r in results),
                 group_attempted=tuple(r.attempted for r in results),
                 direct_blocks=sum(r.direct_blocks for r in results),
+                held_blocks=tuple(r.held for r in results),
                 load_error_blocks=load_errors,
                 recomputed=recomputed,
                 req_id=req_id,

@@ -1,5 +1,6 @@
 """Each metric counts what its HELP says, once, where it happened (real Mooncake):
 
+* a save's bytes are the bytes that crossed: a block the pool already held moves none;
 * a save never made (its forward raised) observes no latency and no size.
 """
 
@@ -9,7 +10,7 @@ import pytest
 
 from kvpool.connector.contract import metric_names as m
 from kvpool.connector.metadata import GroupTransfer, PoolConnectorMetadata, RequestSave
-from kvpool.connector.observability.vllm_metrics import records_to_data, series_key
+from kvpool.connector.observability.vllm_metrics import records_to_data, series_key, transfer_sample
 from tests.connector.worker.test_worker_transfer import make_caches, two_group_worker
 
 pytestmark = pytest.mark.mooncake
@@ -21,6 +22,30 @@ def worker(pool_client, cache_prefix):
     w.register_kv_caches(make_caches())
     yield w
     w.shutdown()
+
+
+def _save_one(worker, req_id: str, block: int) -> None:
+    save = RequestSave(req_id, [GroupTransfer(0, ["a"], [block]), GroupTransfer(1, [], [])])
+    worker.start_saves(PoolConnectorMetadata(saves=[save]))
+    worker.before_forward()
+    worker.wait_for_saves()
+
+
+def test_a_save_of_a_block_the_pool_holds_moves_no_bytes(worker) -> None:
+    """The second save of key "a" finds it published (Mooncake keeps the first value): the
+    block is stored, no byte crossed, and the block-size estimate the load decision uses
+    stays the size of one block."""
+    _save_one(worker, "first", 1)
+    _save_one(worker, "again", 2)
+    first, again = worker.stats.drain()[1]
+    assert first.blocks == (1, 0) and first.bytes == (worker.group_block_bytes(0), 0)
+    assert again.blocks == (1, 0) and again.bytes == (0, 0) and not again.failures
+    data = records_to_data([], [again])
+    save = {"group": 0, "group_kind": "full", "operation": "save"}
+    assert data["counters"].get(series_key(m.TRANSFER_BYTES, **save), 0.0) == 0.0
+    assert data["histograms"][series_key(m.TRANSFER_SIZE_BYTES, operation="save")] == [0.0]
+    sample = transfer_sample(records_to_data([], [first, again]))
+    assert sample.group_bytes[0] / sample.group_blocks[0] == worker.group_block_bytes(0)
 
 
 def test_a_save_its_forward_dropped_observes_no_latency(worker) -> None:
