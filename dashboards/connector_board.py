@@ -145,8 +145,8 @@ def build() -> Board:
     )
     board.timeseries(
         "Blocks present in the pool, and blocks the hit uses, per group",
-        "Present: blocks of the looked-up prefix found in the pool. Used: blocks the reconciled "
-        "hit loads (after the group's mask).",
+        "Past vLLM's local prefix hit. Present: blocks of the looked-up prefix found in the pool. "
+        "Used: blocks the reconciled hit loads (after the group's mask).",
         [
             Target(
                 sum_rate(m.PRESENT_BLOCKS.exported, SEL, GROUP), "present: group {{group}} ({{group_kind}})"

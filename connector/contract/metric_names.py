@@ -64,10 +64,15 @@ GROUP_HIT_TOKENS = _counter(
     GROUP_LABELS,
 )
 PRESENT_BLOCKS = _counter(
-    "present_blocks", "Blocks of the looked-up prefix present in the pool, per group.", GROUP_LABELS
+    "present_blocks",
+    "Blocks of the looked-up prefix beyond the local cache hit present in the pool, per group.",
+    GROUP_LABELS,
 )
 HIT_BLOCKS = _counter(
-    "hit_blocks", "Blocks the reconciled hit uses, per group (after the group's mask).", GROUP_LABELS
+    "hit_blocks",
+    "Blocks beyond the local cache hit that the reconciled hit loads from the pool, per group "
+    "(after the group's mask).",
+    GROUP_LABELS,
 )
 MASKED_BLOCKS = _counter(
     "masked_blocks",

@@ -25,9 +25,10 @@ class LookupRecord:
     query_tokens: int
     hit_tokens: int
     group_kinds: tuple[str, ...]
-    looked_up_blocks: tuple[int, ...]
+    looked_up_blocks: tuple[int, ...]  # every block the lookup may ask about, from block 0
+    # Per group, past vLLM's own prefix hit (what the pool could add, as query_tokens):
     present_blocks: Sequence[int]  # a statistic: may be a Deferred, computed when read
-    needed_blocks: tuple[int, ...]
+    needed_blocks: tuple[int, ...]  # blocks the reconciled hit loads
     group_hit_tokens: Sequence[int]  # a statistic: may be a Deferred, computed when read
     seconds: float
     keys: int

@@ -15,6 +15,7 @@ the pool moves whole blocks).
 from __future__ import annotations
 
 import threading
+from bisect import bisect_left
 from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -64,6 +65,18 @@ class HybridHit:
     def group_hit_tokens(self) -> tuple[int, ...]:
         """Per group: the hit that group alone could serve (before the hybrid intersection)."""
         return self.group_hits()
+
+    def blocks_past(self, local_tokens: int, block_sizes: Sequence[int]) -> tuple[int, ...]:
+        """Per group: its needed blocks past ``local_tokens`` (vLLM's own hit), those a load of
+        this hit moves (``block_sizes``: each group's)."""
+        return tuple(
+            blocks_from(blocks, local_tokens // size) for blocks, size in zip(self.needed_blocks, block_sizes)
+        )
+
+
+def blocks_from(indices: Sequence[int], first: int) -> int:
+    """How many of the ascending block ``indices`` are ``first`` or later."""
+    return len(indices) - bisect_left(indices, first)
 
 
 _NONE: Mapping[bytes, int] = {}

@@ -24,12 +24,12 @@ a load that changes and stay cheap: no history is kept.
 from __future__ import annotations
 
 import time
-from bisect import bisect_left
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvpool.connector.observability.vllm_metrics import TransferSample
+from kvpool.connector.scheduler.hybrid_hit import blocks_from
 from kvpool.connector.scheduler.load_decision import Rates
 
 #: Observations after which an old one weighs half.
@@ -195,7 +195,7 @@ class LoadRates:
         """
         total = 0.0
         for group, (blocks, block_size) in enumerate(zip(needed_blocks, block_sizes)):
-            count = len(blocks) - bisect_left(blocks, local_tokens // block_size)
+            count = blocks_from(blocks, local_tokens // block_size)
             if count <= 0:
                 continue
             size = self.block_bytes(group)

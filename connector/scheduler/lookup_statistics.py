@@ -1,12 +1,13 @@
 """Per-group lookup statistics over the whole looked-up prefix, off the lookup's path.
 
 A lookup asks the master only about the blocks its fixed point reads. Its
-statistics (blocks present per group, each group's own hit) count every block a
-hit could have used, so :func:`lookup_statistics` asks the presence service
-about the rest (after the lookups waiting there) and computes the statistics on
-its thread once answered, off the scheduler thread that exports them. Read
-earlier, a record's statistics wait for that answer, never past its deadline:
-then they count what the lookup itself asked about.
+statistics (blocks present per group, each group's own hit: both past vLLM's own
+prefix hit, what the pool could add) read every block a hit could have used, so
+:func:`lookup_statistics` asks the presence service about the rest (after the
+lookups waiting there) and computes the statistics on its thread once answered,
+off the scheduler thread that exports them. Read earlier, a record's statistics
+wait for that answer, never past its deadline: then they count what the lookup
+itself asked about.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ if TYPE_CHECKING:
     from kvpool.connector.scheduler.lookups import Lookup
     from kvpool.connector.scheduler.presence import Question
 
-#: Per group: blocks present, and the group's own hit in tokens past vLLM's own hit.
+#: Per group, past vLLM's own hit: blocks present, and the group's own hit in tokens.
 Statistics = tuple[tuple[int, ...], tuple[int, ...]]
 
 
@@ -58,10 +59,12 @@ def lookup_statistics(
             if flags is not None:
                 for g, answers in read_by_position(rest, flags, ranks).items():
                     held[g].update(zip(rest[g], answers))
-            groups = range(len(coord.groups))
-            present = tuple(sum(held.get(g, {}).values()) for g in groups)
             # Past vLLM's own hit: the record's final numbers, so reading them costs nothing.
             local = lookup.query.num_computed_tokens
+            present = tuple(
+                sum(found for i, found in held.get(g.group_id, {}).items() if i >= local // g.block_size)
+                for g in coord.groups
+            )
             hits = coord.group_hits(lookup.query.block_hashes, wanted, held, lookup.max_hit, lookup.index_of)
             memo.append((present, tuple(max(0, t - local) for t in hits)))
         return memo[0]

@@ -313,7 +313,7 @@ class SchedulerSide:
             group_kinds=self.stats.group_kinds,
             looked_up_blocks=tuple(len(lookup.wanted.get(g, ())) for g in groups),
             present_blocks=present,
-            needed_blocks=tuple(len(b) for b in hit.needed_blocks),
+            needed_blocks=hit.blocks_past(num_computed_tokens, [g.block_size for g in lookup.coord.groups]),
             group_hit_tokens=group_hits,
             # Batched: from the request's first call until its answer.
             seconds=time.perf_counter() - query.started,

@@ -1,19 +1,42 @@
-"""Each metric counts what its HELP says, once, where it happened (real Mooncake):
+"""Each metric counts what its HELP says, once, where it happened (real Mooncake, real vLLM
+scheduler):
 
+* the pool's hit counts only what the pool serves past vLLM's own prefix hit;
 * a save's bytes are the bytes that crossed: a block the pool already held moves none;
 * a save never made (its forward raised) observes no latency and no size.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from kvpool.connector.contract import metric_names as m
 from kvpool.connector.metadata import GroupTransfer, PoolConnectorMetadata, RequestSave
 from kvpool.connector.observability.vllm_metrics import records_to_data, series_key, transfer_sample
+from testing.kv_cache import GroupDesc
+from testing.models import build_gemma3
+from testing.scheduler import local_pool_transfer, make_request, make_scheduler, matched_tokens
+from tests.connector.scheduler.test_scheduler_lookup import store_blocks
 from tests.connector.worker.test_worker_transfer import make_caches, two_group_worker
 
 pytestmark = pytest.mark.mooncake
+
+FULL_SWA = [GroupDesc("full", 32), GroupDesc("sliding_window", 32, window=64)]
+KINDS = ("full", "sliding_window")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_gemma3(tmp_path_factory.mktemp("gemma3-attribution"))
+
+
+@pytest.fixture
+def scheduler(model_dir, pool_settings):
+    scheduler = make_scheduler(model_dir, FULL_SWA, local_pool_transfer(pool_settings))
+    yield scheduler
+    scheduler.shutdown()
 
 
 @pytest.fixture
@@ -22,6 +45,27 @@ def worker(pool_client, cache_prefix):
     w.register_kv_caches(make_caches())
     yield w
     w.shutdown()
+
+
+def test_the_pools_hit_blocks_start_past_the_local_hit(scheduler, pool_client) -> None:
+    """10 blocks in the pool, 4 of them also vLLM's own hit: the pool serves the full group's
+    blocks 4..9 (6) and the window's last 2; present are the 6 blocks past the local hit.
+    Counted from block 0, the hit was 10 and 2 (and the share of present blocks used, 10/10)."""
+    request = make_request(scheduler, list(range(10, 10 + 10 * 32 + 5)))
+    store_blocks(pool_client, scheduler, request, {0: range(10), 1: range(10)})
+    connector = scheduler.connector
+    connector.stats.drain()
+    assert matched_tokens(connector, request, 4 * 32) == (6 * 32, True)
+    counters = records_to_data(*connector.stats.drain())["counters"]
+
+    def per_group(spec: m.MetricSpec) -> list[float]:
+        return [counters.get(series_key(spec, group=g, group_kind=k), 0.0) for g, k in enumerate(KINDS)]
+
+    assert counters[series_key(m.LOOKUP_QUERY_TOKENS)] == 10 * 32 + 5 - 4 * 32
+    assert counters[series_key(m.LOOKUP_HIT_TOKENS)] == 6 * 32
+    assert per_group(m.GROUP_HIT_TOKENS) == [6 * 32, 6 * 32]
+    assert per_group(m.HIT_BLOCKS) == [6, 2]
+    assert per_group(m.PRESENT_BLOCKS) == [6, 6]
 
 
 def _save_one(worker, req_id: str, block: int) -> None:
