@@ -154,14 +154,23 @@ class SchedulerSide:
         looked_up = state.looked_up
         if looked_up is not None and self._stale(looked_up):
             looked_up = None  # the pool may have changed since: ask again
-        if looked_up is None or looked_up.num_tokens != request.num_tokens:
-            answered = self._take_answer(coord, state, request, num_computed_tokens)
-            if answered is None:
-                return None, False  # in flight: vLLM skips the request this step
-            query, record, looked_up = answered
-            self._trace(query, record)
-            self.stats.record_lookup(record, request)
-            state.looked_up = looked_up
+        if looked_up is not None and looked_up.num_tokens == request.num_tokens:
+            return self._grant(state, looked_up, num_computed_tokens)
+        answered = self._take_answer(coord, state, request, num_computed_tokens)
+        if answered is None:
+            return None, False  # in flight: vLLM skips the request this step
+        query, record, looked_up = answered
+        granted = self._grant(state, looked_up, num_computed_tokens)
+        # Kept and counted only once granted: a lookup that raised before is counted failed
+        # by the connector (a retry asks again, a new lookup), never as a hit besides.
+        state.looked_up = looked_up
+        self._trace(query, record)
+        self.stats.record_lookup(record, request)
+        return granted
+
+    def _grant(self, state: RequestState, looked_up: LookedUp, num_computed_tokens: int) -> tuple[int, bool]:
+        """What ``looked_up``'s hit adds past vLLM's own ``num_computed_tokens``, loaded or
+        recomputed (the request's plan set accordingly)."""
         state.local_tokens = num_computed_tokens
         num_external = max(0, looked_up.hit.hit_tokens - num_computed_tokens)
         if num_external == 0:

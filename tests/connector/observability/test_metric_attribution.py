@@ -3,7 +3,8 @@ scheduler):
 
 * the pool's hit counts only what the pool serves past vLLM's own prefix hit;
 * a save's bytes are the bytes that crossed: a block the pool already held moves none;
-* a save never made (its forward raised) observes no latency and no size.
+* a save never made (its forward raised) observes no latency and no size;
+* a lookup that raises after its answer was taken counts once, as failed.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import pytest
 from kvpool.connector.contract import metric_names as m
 from kvpool.connector.metadata import GroupTransfer, PoolConnectorMetadata, RequestSave
 from kvpool.connector.observability.vllm_metrics import records_to_data, series_key, transfer_sample
+from testing.engine import scheduler_of
 from testing.kv_cache import GroupDesc
 from testing.models import build_gemma3
 from testing.scheduler import local_pool_transfer, make_request, make_scheduler, matched_tokens
@@ -66,6 +68,25 @@ def test_the_pools_hit_blocks_start_past_the_local_hit(scheduler, pool_client) -
     assert per_group(m.GROUP_HIT_TOKENS) == [6 * 32, 6 * 32]
     assert per_group(m.HIT_BLOCKS) == [6, 2]
     assert per_group(m.PRESENT_BLOCKS) == [6, 6]
+
+
+def test_a_lookup_that_raises_after_its_answer_counts_once_as_failed(scheduler, pool_client) -> None:
+    """A lookup answered (a hit of 4 blocks) whose request then raised in the connector is one
+    lookup, failed, and grants nothing: not a hit and a failure besides."""
+    request = make_request(scheduler, list(range(20, 20 + 5 * 32 + 1)))
+    store_blocks(pool_client, scheduler, request, {0: range(5), 1: range(5)})
+    connector = scheduler.connector
+    side = scheduler_of(connector)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a load decision bug")
+
+    side._decide = broken
+    connector.stats.drain()
+    assert matched_tokens(connector, request, 0) == (0, False)
+    lookups, _ = connector.stats.drain()
+    assert [dict(r.failures) for r in lookups] == [{"other_error": 1}]
+    assert lookups[0].hit_tokens == 0 and lookups[0].query_tokens == 5 * 32 + 1
 
 
 def _save_one(worker, req_id: str, block: int) -> None:
