@@ -34,11 +34,12 @@ class LookupRecord:
     keys: int
     failures: Mapping[str, int] = field(default_factory=dict)  # by reason (e.g. timeout: a miss)
     deferred_steps: int = 0  # scheduler steps the request skipped waiting for this answer
+    timed: bool = True  # False: it raised before it was timed (``seconds`` means nothing)
 
 
 def failed_lookup(group_kinds: tuple[str, ...], request: Any, num_computed_tokens: int) -> LookupRecord:
     """A lookup that raised: a miss of the request's tokens past its local hit, counted failed
-    (``Outcome.OTHER``) so the lookup failure metrics and alert see it."""
+    (``Outcome.OTHER``) so the lookup failure metrics and alert see it; not timed."""
     zeros = tuple(0 for _ in group_kinds)
     return LookupRecord(
         query_tokens=max(0, int(getattr(request, "num_tokens", 0)) - num_computed_tokens),
@@ -51,6 +52,7 @@ def failed_lookup(group_kinds: tuple[str, ...], request: Any, num_computed_token
         seconds=0.0,
         keys=0,
         failures={Outcome.OTHER.value: 1},
+        timed=False,
     )
 
 

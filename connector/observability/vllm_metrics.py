@@ -204,7 +204,8 @@ def _add_lookups(out: _Payload, lookups: Iterable[LookupRecord]) -> None:
             sums[0] += group_hit
             sums[1] += present
             sums[2] += needed
-        seconds.append(r.seconds)
+        if r.timed:
+            seconds.append(r.seconds)
         for reason, n in r.failures.items():
             failures[reason] = failures.get(reason, 0) + n
     if not count:
@@ -217,7 +218,8 @@ def _add_lookups(out: _Payload, lookups: Iterable[LookupRecord]) -> None:
         out.inc(m.GROUP_HIT_TOKENS, group_hit, group=g, group_kind=kind)
         out.inc(m.PRESENT_BLOCKS, present, group=g, group_kind=kind)
         out.inc(m.HIT_BLOCKS, hit_blocks, group=g, group_kind=kind)
-    out.observe(m.OPERATION_SECONDS, *seconds, operation=m.LOOKUP, group_kind=m.ALL_GROUPS_KIND)
+    if seconds:
+        out.observe(m.OPERATION_SECONDS, *seconds, operation=m.LOOKUP, group_kind=m.ALL_GROUPS_KIND)
     all_groups = {"group": m.ALL_GROUPS_KIND, "group_kind": m.ALL_GROUPS_KIND}
     for reason, n in failures.items():
         out.inc(m.FAILURES, n, operation=m.LOOKUP, reason=reason, **all_groups)

@@ -4,17 +4,20 @@ scheduler):
 * the pool's hit counts only what the pool serves past vLLM's own prefix hit;
 * a save's bytes are the bytes that crossed: a block the pool already held moves none;
 * a save never made (its forward raised) observes no latency and no size;
-* a lookup that raises after its answer was taken counts once, as failed.
+* a lookup that raises after its answer was taken counts once, as failed;
+* a lookup that raised observes no latency.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from kvpool.connector.contract import metric_names as m
 from kvpool.connector.metadata import GroupTransfer, PoolConnectorMetadata, RequestSave
+from kvpool.connector.observability.records import failed_lookup
 from kvpool.connector.observability.vllm_metrics import records_to_data, series_key, transfer_sample
 from testing.engine import scheduler_of
 from testing.kv_cache import GroupDesc
@@ -87,6 +90,19 @@ def test_a_lookup_that_raises_after_its_answer_counts_once_as_failed(scheduler, 
     lookups, _ = connector.stats.drain()
     assert [dict(r.failures) for r in lookups] == [{"other_error": 1}]
     assert lookups[0].hit_tokens == 0 and lookups[0].query_tokens == 5 * 32 + 1
+
+
+def test_a_lookup_that_raised_observes_no_latency() -> None:
+    """A lookup that raised was never timed: it counts as a lookup, failed, and adds no 0 s
+    lookup to the latency histogram."""
+    data = records_to_data([failed_lookup(KINDS, SimpleNamespace(num_tokens=100), 32)], [])
+    all_groups = {"group": "all", "group_kind": "all"}
+    assert data["counters"][series_key(m.LOOKUPS)] == 1
+    assert data["counters"][series_key(m.LOOKUP_QUERY_TOKENS)] == 68
+    assert (
+        data["counters"][series_key(m.FAILURES, operation="lookup", reason="other_error", **all_groups)] == 1
+    )
+    assert data["histograms"] == {}
 
 
 def _save_one(worker, req_id: str, block: int) -> None:
