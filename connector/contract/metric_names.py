@@ -70,8 +70,8 @@ PRESENT_BLOCKS = _counter(
 )
 HIT_BLOCKS = _counter(
     "hit_blocks",
-    "Blocks beyond the local cache hit that the reconciled hit loads from the pool, per group "
-    "(after the group's mask).",
+    "Blocks beyond the local cache hit that the reconciled hit needs from the pool, per group "
+    "(after the group's mask; a hit recomputed as cheaper too, as lookup_hit_tokens).",
     GROUP_LABELS,
 )
 MASKED_BLOCKS = _counter(
