@@ -6,7 +6,7 @@
   real Prometheus scraping vLLM's metrics registry answers the per-group hit
   rate and p99 latency queries with those numbers;
 * spans over the wire to an OTLP/HTTP receiver, joined to the caller's trace;
-* no prompt token ids in any span attribute, metric label or log line.
+* no prompt token ids or block keys in any span, metric label or log line, faults included.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import bisect
 import functools
 import logging
 import random
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -52,12 +53,16 @@ from testing.engine import (
     engine_core,
     generate,
     run_engine_subprocess,
+    scheduler_connector,
     shutdown_llm,
     transfer_config,
+    wait_for_saves_here,
     worker_connector,
 )
 from testing.models import build_gemma3
-from testing.prompts import MAX_TOKENS, P1, P2, PREFIX_HIT
+from testing.mooncake_faults import READ_METHOD, FailingReads, digests_of, mooncake_store_class
+from testing.pool_store import bare_client, raw_store
+from testing.prompts import MAX_TOKENS, P1, P2, PREFIX_HIT, pool_keys
 from testing.services import OTLPReceiver, PrometheusServer
 from testing.worker import run_loads
 
@@ -546,14 +551,56 @@ def _renderings(tokens: list[int], width: int = 4) -> set[str]:
     return out
 
 
-def test_no_token_ids_in_spans_labels_or_logs(gemma_dir, pool_settings, spans) -> None:
+def _digest_parts(prompt: list[int]) -> set[str]:
+    """Every 16-hex-digit piece of the key digests of ``prompt``'s blocks (a key, whole or cut,
+    names its block's token prefix: with a dictionary of prompts, which one was sent)."""
+    return {d[i : i + 16] for d in digests_of(prompt, range(len(prompt) // 32)) for i in (0, 16, 32, 48)}
+
+
+def _binding_error(method: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Calls of ``method`` raise the Mooncake binding's own ``TypeError`` (its message repeats
+    every argument, the keys included), as a call with an argument it does not take does."""
+    store_class = mooncake_store_class()
+    original = getattr(store_class, method)
+
+    def wrong_call(store: Any, keys: Any, *args: Any) -> Any:
+        return original(store, keys, *(None for _ in args), None)
+
+    monkeypatch.setattr(store_class, method, wrong_call)
+
+
+def _wait_reachable(llm: Any) -> None:
+    """Until no client of the engine fails fast (it does for a while after failed batches)."""
+    clients = [scheduler_connector(llm)._client, worker_connector(llm)._client]
+    for _ in range(200):
+        if not any(client.unreachable for client in clients):
+            return
+        time.sleep(0.05)
+    raise AssertionError("a client still fails fast")
+
+
+def _with_fault(llm: Any, prompt: list[int], install: Any) -> None:
+    """``prompt`` served from an emptied local cache under the fault ``install`` sets up."""
+    assert llm.reset_prefix_cache()
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        install(monkeypatch)
+        generate(llm, [prompt], 4, trace_headers=TRACEPARENT)
+        wait_for_saves_here(None)  # its saves met the fault too
+
+
+def test_no_token_ids_or_keys_in_spans_labels_or_logs(gemma_dir, pool_settings, spans) -> None:
+    """Nothing the connector logs (DEBUG included, exceptions with their tracebacks), traces or
+    labels carries a prompt's token ids or its blocks' keys: on the happy path, and through
+    failed reads, corrupt objects and Mooncake errors on saves, lookups and reads."""
     rng = random.Random(99)
     shared = [rng.randrange(100, 500) for _ in range(200)]
     prompts = [
         shared + [rng.randrange(100, 500) for _ in range(30)],
         shared + [rng.randrange(100, 500) for _ in range(40)],
+        [rng.randrange(100, 500) for _ in range(100)],  # saved under a save fault
+        [rng.randrange(100, 500) for _ in range(100)],  # looked up under a lookup fault
     ]
-    forbidden = set().union(*(_renderings(p) for p in prompts))
+    forbidden = set().union(*(_renderings(p) for p in prompts), *(_digest_parts(p) for p in prompts))
 
     records: list[logging.LogRecord] = []
     handler = logging.Handler(logging.DEBUG)
@@ -563,14 +610,37 @@ def test_no_token_ids_in_spans_labels_or_logs(gemma_dir, pool_settings, spans) -
     root.addHandler(handler)
     root.setLevel(logging.DEBUG)
     spans.clear()
-    config = transfer_config(pool_settings)
+    config = transfer_config(pool_settings, lookup_timeout_s=30.0, save_timeout_s=30.0)
     try:
         llm = create_llm(
             EngineOptions(model=str(gemma_dir), kv_transfer_config=config, disable_log_stats=False)
         )
         try:
+            # vLLM configures its loggers as the engine starts: listen (again) from here on.
+            if handler not in root.handlers:
+                root.addHandler(handler)
+            root.setLevel(logging.DEBUG)
+            connector = scheduler_connector(llm)
             generate(llm, prompts[:1], 4, trace_headers=TRACEPARENT)
-            generate(llm, prompts[1:], 4, trace_headers=TRACEPARENT)
+            generate(llm, prompts[1:2], 4, trace_headers=TRACEPARENT)
+            # Reads that fail; corrupt objects (found by their checks, removed).
+            _with_fault(llm, prompts[1], FailingReads(digests_of(prompts[1], range(2, 6))).install)
+            groups = len(connector.layout.groups)
+            with bare_client(pool_settings.master_server_address) as client:
+                store = raw_store(client)
+                for key in pool_keys(connector.keyspace, prompts[0], groups, range(6, 7)):  # not shared
+                    assert mooncake_store_class().upsert(store, key, b"x") == 0
+            _with_fault(llm, prompts[0], lambda monkeypatch: None)
+            # Reads, saves and lookups Mooncake's binding refuses (after batches of them all
+            # failed, a client fails fast for a while: each next fault waits that out).
+            for prompt, method in (
+                (prompts[1], READ_METHOD),
+                (prompts[2], "batch_put_from_multi_buffer_ranges"),
+                (prompts[3], "batch_is_exist"),
+            ):
+                _wait_reachable(llm)
+                _with_fault(llm, prompt, functools.partial(_binding_error, method))
+                _wait_reachable(llm)  # the fault's saves (made after its step) fail fast no more
             exposition = prometheus_client.generate_latest().decode()
         finally:
             shutdown_llm(llm)
@@ -580,12 +650,17 @@ def test_no_token_ids_in_spans_labels_or_logs(gemma_dir, pool_settings, spans) -
 
     ours = [r for r in records if r.name.startswith("vllm.kvpool")]
     assert ours, "the connector logged nothing to check"
-    texts = [r.getMessage() for r in ours]
-    texts += [
-        str(dict(s.attributes or {})) for s in spans.get_finished_spans() if s.name.startswith("kvpool.")
-    ]
+    formatter = logging.Formatter("%(message)s")
+    logged = [formatter.format(r) for r in ours]  # with each exception's message and traceback
+    for expected in ("failed their check", "put-session call failed", "exist failed", "batch call failed"):
+        assert any(expected in text for text in logged), f"no log line says {expected!r}: a path not taken"
+    texts = list(logged)
+    for s in spans.get_finished_spans():
+        if s.name.startswith("kvpool."):
+            texts.append(f"{s.name} {dict(s.attributes or {})} {s.status.description}")
+            texts += [f"{e.name} {dict(e.attributes or {})}" for e in s.events]
     texts += [line for line in exposition.splitlines() if "kvpool" in line]
     assert len(texts) > 10
     for text in texts:
         leaked = [w for w in forbidden if w in text]
-        assert not leaked, f"token ids leaked into: {text[:200]}"
+        assert not leaked, f"token ids or keys leaked into: {text[:300]}"
