@@ -4,8 +4,8 @@ Spans join the request's own trace when vLLM's request carries W3C trace
 headers (``traceparent``). Export is configured by the standard ``OTEL_*``
 environment variables (OTLP over HTTP); with none set, and no tracer
 provider installed by the host process, tracing is off and costs nothing.
-Attributes name requests, groups, counts and codes — never prompt text or
-token ids.
+Attributes name requests, groups, counts and codes — never prompt text, token
+ids or pool keys; an exception escaping a span is named by its type alone.
 """
 
 from __future__ import annotations
@@ -122,10 +122,21 @@ def _span(
     start_time_ns: int | None = None,
 ) -> Iterator[Span]:
     context = _propagator.extract(dict(parent_headers)) if parent_headers else None
+    # An exception escaping a span is named by its type alone: OpenTelemetry would record its
+    # message (a Mooncake binding's repeats the call's pool keys) as an event and the status.
     with tracer().start_as_current_span(
-        name, context=context, attributes=_clean(attributes), start_time=start_time_ns
+        name,
+        context=context,
+        attributes=_clean(attributes),
+        start_time=start_time_ns,
+        record_exception=False,
+        set_status_on_exception=False,
     ) as current:
-        yield current
+        try:
+            yield current
+        except Exception as error:
+            current.set_status(Status(StatusCode.ERROR, type(error).__qualname__))
+            raise
 
 
 def set_attributes(current: Span, **attributes: Any) -> None:

@@ -588,6 +588,18 @@ def _with_fault(llm: Any, prompt: list[int], install: Any) -> None:
         wait_for_saves_here(None)  # its saves met the fault too
 
 
+def test_an_exception_through_a_span_leaves_its_message_out(spans) -> None:
+    """An exception escaping a span names its type only: its message may repeat pool keys."""
+    spans.clear()
+    key = "prefix/fp/h3/pp0-tp0/g0/" + "ab" * 32
+    with pytest.raises(TypeError), tracing.span("kvpool.load", TRACEPARENT, request_id="r"):
+        raise TypeError(f"incompatible function arguments. Invoked with: [{key!r}]")
+    (finished,) = spans.get_finished_spans()
+    assert finished.status.status_code is trace.StatusCode.ERROR
+    assert finished.status.description == "TypeError"
+    assert not finished.events
+
+
 def test_no_token_ids_or_keys_in_spans_labels_or_logs(gemma_dir, pool_settings, spans) -> None:
     """Nothing the connector logs (DEBUG included, exceptions with their tracebacks), traces or
     labels carries a prompt's token ids or its blocks' keys: on the happy path, and through
