@@ -51,6 +51,11 @@ STORED, REMOVED = "stored", "removed"
 #: Blocks planned but not yet stored by every rank, and blocks announced as stored, kept
 #: at most (the oldest go first): bounds memory when reports never come.
 MAX_TRACKED_BLOCKS = 1 << 17
+#: Token ids the events of planned blocks hold at most, all together (the oldest go first): a
+#: block's event carries its token ids, and a save that fails reports nothing, so its event
+#: waits until pushed out. Without it the bound above grows with the block size (a hybrid
+#: model's blocks of thousands of tokens: gigabytes). About 40 MiB of Python ints.
+MAX_PENDING_TOKENS = 1 << 20
 
 Entry = tuple[str, int, str, int]  # (STORED | REMOVED, group, digest, rank)
 
@@ -171,6 +176,7 @@ class SchedulerEvents:
         self._keys_per_block = [world_size] * len(specs) if isinstance(world_size, int) else list(world_size)
         self._requests: dict[str, Any] = {}
         self._pending: OrderedDict[tuple[int, str], _Pending] = OrderedDict()
+        self._pending_tokens = 0  # the token ids their events hold
         self._announced: OrderedDict[tuple[int, str], Any] = OrderedDict()
         self._out: list[KVCacheEvent] = []
 
@@ -207,7 +213,7 @@ class SchedulerEvents:
                         continue  # not this request's block as planned: no event
                     parent = hashes[index - 1] if index > 0 else None
                     event = self._stored_event(request, gid, index, block_size, hashes[index], parent)
-                    self._remember(self._pending, (gid, digest), _Pending(event))
+                    self._hold((gid, digest), _Pending(event))
 
     def _stored_event(
         self, request: Any, gid: int, index: int, block_size: int, block_hash: Any, parent: Any
@@ -255,18 +261,31 @@ class SchedulerEvents:
             pending.ranks.add(rank)
             if len(pending.ranks) >= self._keys_per_block[gid]:
                 del self._pending[block]
+                self._pending_tokens -= len(pending.event.token_ids)
                 self._out.append(pending.event)
                 self._remember(self._announced, block, pending.event.block_hashes[0])
 
     def on_reset(self) -> None:
         """The layout's keys were cleared from the pool: everything announced is gone."""
         self._pending.clear()
+        self._pending_tokens = 0
         self._announced.clear()
         self._out.append(AllBlocksCleared())
 
     def take_events(self) -> list[KVCacheEvent]:
         out, self._out = self._out, []
         return out
+
+    def _hold(self, block: tuple[int, str], pending: _Pending) -> None:
+        """Keep ``pending`` until every rank stored ``block``, within both bounds (oldest out first)."""
+        replaced = self._pending.pop(block, None)
+        if replaced is not None:
+            self._pending_tokens -= len(replaced.event.token_ids)
+        self._pending[block] = pending
+        self._pending_tokens += len(pending.event.token_ids)
+        while len(self._pending) > MAX_TRACKED_BLOCKS or self._pending_tokens > MAX_PENDING_TOKENS:
+            _, oldest = self._pending.popitem(last=False)
+            self._pending_tokens -= len(oldest.event.token_ids)
 
     @staticmethod
     def _remember(table: OrderedDict[tuple[int, str], Any], block: tuple[int, str], value: Any) -> None:

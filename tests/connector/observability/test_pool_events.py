@@ -130,3 +130,33 @@ def test_reports_of_another_engine_or_a_block_not_planned_say_nothing() -> None:
     events.on_reports(None)
     events.on_reports(PoolKeyReports([(STORED, 0, "not-planned", 0)]))
     assert events.take_events() == []
+
+
+def test_events_waiting_for_their_blocks_hold_a_bounded_number_of_token_ids() -> None:
+    """Saves that never report (they failed) leave their blocks' events waiting: those events
+    hold at most 2**20 token ids all together, however large the blocks (the newest kept)."""
+    from kvpool.connector.scheduler.hybrid_hit import HybridHitCoordinator
+
+    block, blocks_per_request, requests = 2048, 20, 30  # 1.2M tokens planned
+    groups = [GroupDesc("full", block_size=block)]
+    events = SchedulerEvents(make_kv_cache_config(groups), 1)
+    coordinator = HybridHitCoordinator.from_vllm_coordinator(make_coordinator(groups, 1 << 17))
+    planned: list[str] = []
+    for r in range(requests):
+        request = hashed_request([r] + [1] * (block * blocks_per_request - 1), block, request_id=f"r{r}")
+        ids = list(range(1, blocks_per_request + 1))
+        digests = [hash_digest(bytes(h)) for h in request.block_hashes]
+        events.track(request)
+        save = RequestSave(request.request_id, [GroupTransfer(0, digests, ids)])
+        events.on_saves_planned(PoolConnectorMetadata(saves=[save]), lambda _, ids=ids: (ids,), coordinator)
+        events.forget(request.request_id)
+        planned += digests
+    assert len(planned) * block > 1 << 20
+
+    events.on_reports(PoolKeyReports([(STORED, 0, d, 0) for d in planned]))  # now all stored
+    announced = events.take_events()
+    assert sum(len(e.token_ids) for e in announced) <= 1 << 20
+    assert len(announced) == (1 << 20) // block  # the newest, up to the bound
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    assert announced[-1].block_hashes == [maybe_convert_block_hash(request.block_hashes[-1])]
