@@ -34,7 +34,7 @@ from kvpool.connector.contract.keys import KeySpace
 from kvpool.connector.contract.layout import GroupKind, KVGroup, KVLayout, fingerprint
 from kvpool.connector.local.pool import LOOPBACK, free_port
 from kvpool.connector.metadata import GroupTransfer, PoolConnectorMetadata, RequestLoad, RequestSave
-from kvpool.connector.observability import tracing
+from kvpool.connector.observability import logs, tracing
 from kvpool.connector.observability.records import LookupRecord, StatsCollector, TransferRecord
 from kvpool.connector.observability.vllm_metrics import (
     PoolConnectorStats,
@@ -586,6 +586,22 @@ def _with_fault(llm: Any, prompt: list[int], install: Any) -> None:
         install(monkeypatch)
         generate(llm, [prompt], 4, trace_headers=TRACEPARENT)
         wait_for_saves_here(None)  # its saves met the fault too
+
+
+def test_a_logged_exception_keeps_its_message_less_keys_and_token_ids() -> None:
+    """A logged exception's message stays, for the operator to read, less every digest and
+    token-id run: a Mooncake binding's error repeats its call's keys."""
+    key, token_ids = "prefix/0a1b2c3d/h3/pp0-tp0/g0/" + "ab" * 32, list(range(11, 15))
+    try:
+        try:
+            raise TypeError(f"incompatible function arguments. Invoked with: [{key!r}], {token_ids}")
+        except TypeError as exc:
+            raise RuntimeError("batch failed at 127.0.0.1:12345") from exc
+    except RuntimeError as exc:
+        text = logs.describe_exception(exc)
+    assert "incompatible function arguments" in text and "batch failed at 127.0.0.1:12345" in text
+    assert "ab" * 8 not in text and "11, 12, 13, 14" not in text
+    assert "prefix/0a1b2c3d/h3/pp0-tp0/g0/<redacted>" in text
 
 
 def test_an_exception_through_a_span_leaves_its_message_out(spans) -> None:
