@@ -39,16 +39,22 @@ class Target:
 
 @dataclass(frozen=True)
 class Variable:
-    """A query variable: the label values of ``label`` on ``metric{selector}``."""
+    """A query variable: the label values of ``label`` on ``metric{selector}``; with several
+    metrics, on any of them (a value any one of them carries is listed)."""
 
     name: str
     label: str
-    metric: str
+    metric: str | tuple[str, ...]
     selector: str = ""
 
     @property
     def query(self) -> str:
-        return f"label_values({self.metric}{self.selector}, {self.label})"
+        if isinstance(self.metric, str):
+            return f"label_values({self.metric}{self.selector}, {self.label})"
+        matchers = [f'__name__=~"{"|".join(self.metric)}"']
+        if self.selector:
+            matchers.append(self.selector[1:-1])
+        return f"label_values({{{', '.join(matchers)}}}, {self.label})"
 
 
 class Board:

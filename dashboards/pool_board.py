@@ -12,6 +12,9 @@ UID = "kvpool-pool"
 SEL = selector(VAR_NAMESPACE, VAR_POOL)
 PER_POOL = [NAMESPACE, POOL]
 PER_MASTER = [NAMESPACE, POOL, "instance"]
+# The pools the variables list: those whose master Prometheus scrapes, and every pool the
+# operator knows (an external pool's master is not scraped; its status panels still show it).
+POOLS_LISTED = (ext.MASTER_CAPACITY, o.POOL_INFO.exported)
 
 
 def pool_max(metric: str) -> str:
@@ -30,8 +33,8 @@ def build() -> Board:
         "The Mooncake master of each pool: capacity, use, keys, evictions, clients, requests and "
         "failures, HA standby state and lag.",
         [
-            Variable(VAR_NAMESPACE, NAMESPACE, ext.MASTER_CAPACITY),
-            Variable(VAR_POOL, POOL, ext.MASTER_CAPACITY, selector(VAR_NAMESPACE)),
+            Variable(VAR_NAMESPACE, NAMESPACE, POOLS_LISTED),
+            Variable(VAR_POOL, POOL, POOLS_LISTED, selector(VAR_NAMESPACE)),
         ],
     )
 

@@ -33,6 +33,8 @@ class PrometheusServer:
     """Debian's ``prometheus`` scraping the given loopback targets every second."""
 
     targets: dict[str, list[str]]  # job name -> ["127.0.0.1:port", ...]
+    # job name -> labels its targets get (as the chart's monitors give the pod's namespace and pool)
+    target_labels: dict[str, dict[str, str]] = field(default_factory=dict)
     rule_files: list[Path] = field(default_factory=list)
     port: int = field(default_factory=free_port)
     workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="kvpool-prom-")))
@@ -45,7 +47,7 @@ class PrometheusServer:
         jobs = [
             {
                 "job_name": name,
-                "static_configs": [{"targets": targets}],
+                "static_configs": [{"targets": targets, "labels": self.target_labels.get(name, {})}],
                 "scrape_interval": "1s",
                 "metric_relabel_configs": [VLLM_NAME_RELABEL],
             }

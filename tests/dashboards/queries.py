@@ -77,14 +77,17 @@ class Selector:
 
 
 def selectors(expr: str) -> list[Selector]:
-    """Every vector selector in ``expr`` (parsed by promql-parser)."""
+    """Every vector selector in ``expr`` (parsed by promql-parser); one of several metric names
+    (``{__name__=~"a|b"}``) once per name."""
     found: list[Selector] = []
 
     def visit(node: Any) -> bool:
         if isinstance(node, promql_parser.VectorSelector):
             matchers = {m.name: (str(m.op).rsplit(".", 1)[-1], m.value) for m in node.matchers.matchers}
-            name = node.name or matchers.get("__name__", ("", ""))[1]
-            found.append(Selector(name, matchers))
+            op, names = matchers.get("__name__", ("", ""))
+            # ``{__name__=~"a|b"}`` selects each of the names it lists.
+            for name in [node.name] if node.name else names.split("|") if op == "Re" else [names]:
+                found.append(Selector(name, matchers))
         return True
 
     promql_parser.walk(promql_parser.parse(expr), visit)
