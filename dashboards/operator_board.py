@@ -23,18 +23,19 @@ def build() -> Board:
             Variable(VAR_POOL, POOL, consumers, selector(VAR_NAMESPACE)),
         ],
     )
-    pools = o.POOLS.exported
+    conditions = o.POOL_CONDITION.exported
 
     board.row("Pools")
     board.stat(
         "Pools",
         "MooncakeKVPools the operator manages.",
-        [Target(f'sum({pools}{{condition="ConfigValid"}})')],
+        [Target(f"count({o.POOL_INFO.exported}{SEL}) or vector(0)")],
     )
+    invalid = selector(VAR_NAMESPACE, VAR_POOL, condition="ConfigValid", status="False")
     board.stat(
         "ConfigValid false",
         "Pools whose spec or consumer layouts fail validation; nothing is rolled out for them.",
-        [Target(f'sum({pools}{{condition="ConfigValid", status="False"}})')],
+        [Target(f"count({conditions}{invalid}) or vector(0)")],
     )
     board.stat(
         "Consumers rolled out",
@@ -55,7 +56,7 @@ def build() -> Board:
         "Pools by condition",
         "How many pools have each condition (ConfigValid, MasterReady, StoreReady, "
         "ConsumersRolledOut) True, False or Unknown.",
-        [Target(f"sum by (condition, status) ({pools})", "{{condition}}={{status}}")],
+        [Target(f"count by (condition, status) ({conditions}{SEL})", "{{condition}}={{status}}")],
     )
     board.timeseries(
         "Conditions per pool",

@@ -13,7 +13,7 @@ from collections.abc import Iterator, Mapping
 import prometheus_client
 import pytest
 
-from dashboards import generate, pool_board
+from dashboards import generate, operator_board, pool_board
 from dashboards.conventions import MASTER_JOB, OPERATOR_JOB, VAR_NAMESPACE, VAR_POOL
 from kvpool.connector.local.pool import LOOPBACK, free_port
 from kvpool.operator import metrics
@@ -86,3 +86,26 @@ def test_the_pool_dashboards_variables_list_external_pools(prom: PrometheusServe
     assert _variable(prom, uid, VAR_POOL, {VAR_NAMESPACE: [EXTERNAL[0]]}) == [EXTERNAL[1]]
     phase = _panel(prom, uid, "Phase", {VAR_NAMESPACE: [EXTERNAL[0]], VAR_POOL: [EXTERNAL[1]]})
     assert list(phase.values()) == [1.0]
+
+
+@pytest.mark.parametrize(
+    ("chosen", "pools", "invalid"),
+    [
+        ({}, 2, 1),
+        ({VAR_NAMESPACE: [MANAGED[0]]}, 1, 0),
+        ({VAR_NAMESPACE: [EXTERNAL[0]], VAR_POOL: [EXTERNAL[1]]}, 1, 1),
+        ({VAR_POOL: ["none"]}, 0, 0),
+    ],
+)
+def test_the_operator_dashboards_pool_counts_keep_to_the_chosen_pools(
+    prom: PrometheusServer, chosen: dict[str, list[str]], pools: int, invalid: int
+) -> None:
+    uid = operator_board.UID
+    assert list(_panel(prom, uid, "Pools", chosen).values()) == [pools]
+    assert list(_panel(prom, uid, "ConfigValid false", chosen).values()) == [invalid]
+    by_condition = _panel(prom, uid, "Pools by condition", chosen)
+    counted = {
+        dict(labels)["condition"] + "=" + dict(labels)["status"]: v for labels, v in by_condition.items()
+    }
+    expected = {"ConfigValid=True": pools - invalid, "ConfigValid=False": invalid, "MasterReady=True": pools}
+    assert counted == {k: v for k, v in expected.items() if v}
