@@ -146,12 +146,17 @@ def build() -> Board:
     board.timeseries(
         "Blocks present in the pool, and blocks the hit uses, per group",
         "Past vLLM's local prefix hit. Present: blocks of the looked-up prefix found in the pool. "
-        "Used: blocks the reconciled hit loads (after the group's mask).",
+        "Used: blocks the reconciled hit loads (after the group's mask). One line per model and "
+        "group: a group index is its model's own.",
         [
             Target(
-                sum_rate(m.PRESENT_BLOCKS.exported, SEL, GROUP), "present: group {{group}} ({{group_kind}})"
+                sum_rate(m.PRESENT_BLOCKS.exported, SEL, [MODEL, *GROUP]),
+                "{{model_name}} present: group {{group}} ({{group_kind}})",
             ),
-            Target(sum_rate(m.HIT_BLOCKS.exported, SEL, GROUP), "used: group {{group}} ({{group_kind}})"),
+            Target(
+                sum_rate(m.HIT_BLOCKS.exported, SEL, [MODEL, *GROUP]),
+                "{{model_name}} used: group {{group}} ({{group_kind}})",
+            ),
         ],
         unit="short",
     )
@@ -179,8 +184,8 @@ def build() -> Board:
         "or before the last Mamba state; save: no future hit could load them).",
         [
             Target(
-                sum_rate(m.MASKED_BLOCKS.exported, SEL, ["operation", *GROUP]),
-                "{{operation}}: group {{group}} ({{group_kind}})",
+                sum_rate(m.MASKED_BLOCKS.exported, SEL, [MODEL, "operation", *GROUP]),
+                "{{model_name}} {{operation}}: group {{group}} ({{group_kind}})",
             )
         ],
     )
@@ -189,8 +194,8 @@ def build() -> Board:
         "Blocks loaded from and saved to the pool.",
         [
             Target(
-                sum_rate(m.TRANSFER_BLOCKS.exported, SEL, ["operation", *GROUP]),
-                "{{operation}}: group {{group}} ({{group_kind}})",
+                sum_rate(m.TRANSFER_BLOCKS.exported, SEL, [MODEL, "operation", *GROUP]),
+                "{{model_name}} {{operation}}: group {{group}} ({{group_kind}})",
             )
         ],
     )

@@ -1,0 +1,116 @@
+"""Panel queries give the right numbers on series of known values, in Prometheus' own engine.
+
+``promtool test rules`` evaluates each query (as Grafana sends it: variables "All", a 5-minute
+rate interval) over a synthetic history, and compares every series it returns with the one
+expected: a query that sums what it should keep apart, or keeps apart what it should sum,
+fails here.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from dashboards import connector_board, generate
+from kvpool.connector.contract import metric_names as m
+from tests.dashboards.queries import panel_queries, substitute
+from tests.dashboards.test_alerts import promtool, series
+
+EVAL_TIME = "10m"  # every history below moves steadily for 10 minutes, one sample a minute
+
+
+def per_second(rate: float) -> str:
+    """A counter's promtool values growing by ``rate`` per second, sampled every minute."""
+    return f"0+{rate * 60:g}x10"
+
+
+@dataclass(frozen=True)
+class Case:
+    """A panel's query (``ref``), its input series, and each series it must return."""
+
+    uid: str
+    panel: str
+    ref: str
+    history: dict[str, str]
+    expected: dict[str, float]  # result labels ({a="b"}) -> value
+
+
+def _labels(**labels: str) -> str:
+    return "{" + ", ".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}"
+
+
+def _query(case: Case) -> str:
+    (query,) = [
+        q
+        for q in panel_queries(case.uid, generate.dashboards()[case.uid])
+        if q.panel == case.panel and q.ref == case.ref
+    ]
+    return substitute(query.expr)
+
+
+ENGINE = {"namespace": "team-a", "pool": "pool-a", "engine": "0"}
+# Two models, each with its own group 0 of the same kind: different KV-cache groups.
+SMALL = {**ENGINE, "model_name": "small", "group": "0", "group_kind": "full"}
+LARGE = {**ENGINE, "model_name": "large", "group": "0", "group_kind": "full"}
+GROUP_OF = {"model_name", "group", "group_kind"}
+
+
+def _per_model_group(spec: m.MetricSpec, **extra: str) -> tuple[dict[str, str], dict[str, float]]:
+    """Two models' group 0 moving at 1 and 3 per second, and the two lines a panel must show."""
+    history = {
+        series(spec.exported, **SMALL, **extra): per_second(1),
+        series(spec.exported, **LARGE, **extra): per_second(3),
+    }
+    shown = GROUP_OF | set(extra)
+    expected = {
+        _labels(**{k: v for k, v in {**SMALL, **extra}.items() if k in shown}): 1.0,
+        _labels(**{k: v for k, v in {**LARGE, **extra}.items() if k in shown}): 3.0,
+    }
+    return history, expected
+
+
+def cases() -> list[Case]:
+    board = connector_board.UID
+    present = "Blocks present in the pool, and blocks the hit uses, per group"
+    load = {"operation": m.LOAD}
+    return [
+        Case(board, present, "A", *_per_model_group(m.PRESENT_BLOCKS)),
+        Case(board, present, "B", *_per_model_group(m.HIT_BLOCKS)),
+        Case(
+            board,
+            "Masked blocks per group, on load and save",
+            "A",
+            *_per_model_group(m.MASKED_BLOCKS, **load),
+        ),
+        Case(board, "Blocks moved per group", "A", *_per_model_group(m.TRANSFER_BLOCKS, **load)),
+    ]
+
+
+def test_panel_queries_give_the_expected_series(tmp_path: Path) -> None:
+    tests = [
+        {
+            "interval": "1m",
+            "input_series": [{"series": s, "values": v} for s, v in case.history.items()],
+            "promql_expr_test": [
+                {
+                    "expr": _query(case),
+                    "eval_time": EVAL_TIME,
+                    "exp_samples": [
+                        {"labels": labels, "value": value} for labels, value in case.expected.items()
+                    ],
+                }
+            ],
+        }
+        for case in cases()
+    ]
+    path = tmp_path / "panels_test.yaml"
+    path.write_text(
+        yaml.safe_dump({"rule_files": [], "evaluation_interval": "1m", "tests": tests}, sort_keys=False)
+    )
+    result = subprocess.run(
+        [promtool(), "test", "rules", str(path)], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
