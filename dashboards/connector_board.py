@@ -25,6 +25,9 @@ SEL = selector(VAR_NAMESPACE, VAR_POOL, VAR_MODEL, VAR_ENGINE)
 # same shared prefix at once); the other's copy lands. Shown by kind, never counted as failed.
 NOT_FAILED = (Outcome.IN_FLIGHT,)
 GROUP = ["group", "group_kind"]
+# One engine: vLLM numbers each server's engines from 0, so its scrape target (``instance``)
+# tells the servers (the consumer's replicas) apart.
+ONE_ENGINE = [MODEL, ENGINE, "instance"]
 
 
 def _sel(**fixed: str) -> str:
@@ -280,16 +283,16 @@ def build() -> Board:
         "Load rate (bytes the workers loaded over their load time, per transport; bytes/s) and "
         "prefill rate (tokens the engine's prefilling steps computed over their wall time; "
         "tokens/s), learned online; a hit loads when its bytes over the first beat its tokens "
-        "over the second by load_margin.",
+        "over the second by load_margin. One line per engine of each server (its scrape target).",
         [
             Target(
-                f"max{by([MODEL, ENGINE, 'transport'])} ({m.LOAD_RATE.exported}{SEL})",
-                "{{model_name}} engine {{engine}} load over {{transport}}",
+                f"max{by([*ONE_ENGINE, 'transport'])} ({m.LOAD_RATE.exported}{SEL})",
+                "{{model_name}} {{instance}} engine {{engine}} load over {{transport}}",
                 unit="binBps",
             ),
             Target(
-                f"max{by([MODEL, ENGINE])} ({m.PREFILL_RATE.exported}{SEL})",
-                "{{model_name}} engine {{engine}} prefill (tokens/s)",
+                f"max{by(ONE_ENGINE)} ({m.PREFILL_RATE.exported}{SEL})",
+                "{{model_name}} {{instance}} engine {{engine}} prefill (tokens/s)",
             ),
         ],
         unit="short",
@@ -345,12 +348,12 @@ def build() -> Board:
     board.timeseries(
         "Engines out of the pool: declared layout differs",
         "Fields in which the KV layout declared for an engine differs from the one vLLM built (one "
-        "series per engine and field). Such an engine never uses the pool; fix the consumer's layout "
-        "in the MooncakeKVPool (kvpool-layout prints it).",
+        "series per engine of each server, its scrape target, and field). Such an engine never "
+        "uses the pool; fix the consumer's layout in the MooncakeKVPool (kvpool-layout prints it).",
         [
             Target(
-                f"sum{by([MODEL, ENGINE, 'field'])} ({m.LAYOUT_MISMATCHES.exported}{SEL})",
-                "{{model_name}} engine {{engine}}: {{field}}",
+                f"sum{by([*ONE_ENGINE, 'field'])} ({m.LAYOUT_MISMATCHES.exported}{SEL})",
+                "{{model_name}} {{instance}} engine {{engine}}: {{field}}",
             )
         ],
     )

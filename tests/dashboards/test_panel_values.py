@@ -72,6 +72,24 @@ def _per_model_group(spec: m.MetricSpec, **extra: str) -> tuple[dict[str, str], 
     return history, expected
 
 
+# Two replicas of one consumer: each server numbers its engines from 0 (its scrape target,
+# ``instance``, tells them apart).
+REPLICAS = [{**ENGINE, "model_name": "small", "instance": f"10.0.0.{i}:8000"} for i in (1, 2)]
+
+
+def _per_replica(
+    spec: m.MetricSpec, values: tuple[str, str], **extra: str
+) -> tuple[dict[str, str], dict[str, float]]:
+    """A gauge (or a counter's total) of each replica's engine 0, and the two lines a panel must show."""
+    history = {series(spec.exported, **r, **extra): v for r, v in zip(REPLICAS, values)}
+    shown = {"model_name", "engine", "instance", *extra}
+    expected = {
+        _labels(**{k: v for k, v in {**r, **extra}.items() if k in shown}): float(v.split("+")[0])
+        for r, v in zip(REPLICAS, values)
+    }
+    return history, expected
+
+
 def cases() -> list[Case]:
     board = connector_board.UID
     present = "Blocks present in the pool, and blocks the hit uses, per group"
@@ -86,6 +104,19 @@ def cases() -> list[Case]:
             *_per_model_group(m.MASKED_BLOCKS, **load),
         ),
         Case(board, "Blocks moved per group", "A", *_per_model_group(m.TRANSFER_BLOCKS, **load)),
+        Case(
+            board,
+            "Rates the decision uses",
+            "A",
+            *_per_replica(m.LOAD_RATE, ("1000+0x10", "250+0x10"), transport="tcp"),
+        ),
+        Case(board, "Rates the decision uses", "B", *_per_replica(m.PREFILL_RATE, ("800+0x10", "40+0x10"))),
+        Case(
+            board,
+            "Engines out of the pool: declared layout differs",
+            "A",
+            *_per_replica(m.LAYOUT_MISMATCHES, ("1+0x10", "1+0x10"), field="dtype"),
+        ),
     ]
 
 
