@@ -180,6 +180,37 @@ def build() -> Board:
         max_value=1,
     )
 
+    prompt_tokens = ext.total(ext.VLLM_PROMPT_TOKENS_BY_SOURCE)
+    by_source = [MODEL, "source"]
+    skipped = _with(SEL, f'source=~"{ext.PROMPT_LOCAL_CACHE}|{ext.PROMPT_LOADED}"')
+    board.timeseries(
+        "Prompt tokens by where their KV came from",
+        f"Prompt tokens per second the engines prefilled ({ext.PROMPT_COMPUTED}), took from their "
+        f"own prefix cache ({ext.PROMPT_LOCAL_CACHE}) or loaded from the pool ({ext.PROMPT_LOADED}, "
+        "pool hits recomputed as faster not included): the last two are prefill skipped. vLLM's "
+        "own count.",
+        [Target(sum_rate(prompt_tokens, SEL, by_source), "{{model_name}} {{source}}")],
+        stacked=True,
+    )
+    board.timeseries(
+        "Share of prompt tokens whose prefill was skipped",
+        "Prompt tokens taken from the engine's own prefix cache, and loaded from the pool, over all "
+        "prompt tokens: the prefill the pool saved beside what the local cache saved.",
+        [
+            Target(
+                ratio(
+                    sum_rate(prompt_tokens, skipped, by_source),
+                    sum_rate(prompt_tokens, SEL, by_model),
+                    on=by_model,
+                    group_left=True,
+                ),
+                "{{model_name}} {{source}}",
+            )
+        ],
+        unit="percentunit",
+        max_value=1,
+    )
+
     board.row("Transfers")
     board.timeseries(
         "Masked blocks per group, on load and save",

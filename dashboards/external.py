@@ -73,11 +73,20 @@ VLLM_PREFIX_CACHE_QUERIES = "vllm:prefix_cache_queries"
 VLLM_PREFIX_CACHE_HITS = "vllm:prefix_cache_hits"
 VLLM_EXTERNAL_PREFIX_CACHE_QUERIES = "vllm:external_prefix_cache_queries"
 VLLM_EXTERNAL_PREFIX_CACHE_HITS = "vllm:external_prefix_cache_hits"
+# Prompt tokens by where their KV came from (label ``source``): prefilled by the engine, taken
+# from its own prefix cache, or loaded through the connector (from the pool).
+VLLM_PROMPT_TOKENS_BY_SOURCE = "vllm:prompt_tokens_by_source"
+PROMPT_COMPUTED, PROMPT_LOCAL_CACHE, PROMPT_LOADED = (
+    "local_compute",
+    "local_cache_hit",
+    "external_kv_transfer",
+)
 VLLM_COUNTERS = (  # those the dashboards show
     VLLM_PREFIX_CACHE_QUERIES,
     VLLM_PREFIX_CACHE_HITS,
     VLLM_EXTERNAL_PREFIX_CACHE_QUERIES,
     VLLM_EXTERNAL_PREFIX_CACHE_HITS,
+    VLLM_PROMPT_TOKENS_BY_SOURCE,
 )
 # Tokens an engine's steps processed: they move only while it serves (an alert reads them).
 VLLM_PROMPT_TOKENS = "vllm:prompt_tokens"

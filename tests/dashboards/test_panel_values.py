@@ -14,7 +14,7 @@ from pathlib import Path
 
 import yaml
 
-from dashboards import connector_board, generate
+from dashboards import connector_board, external, generate
 from kvpool.connector.contract import metric_names as m
 from tests.dashboards.queries import panel_queries, substitute
 from tests.dashboards.test_alerts import promtool, series
@@ -43,12 +43,13 @@ def _labels(**labels: str) -> str:
 
 
 def _query(case: Case) -> str:
-    (query,) = [
+    found = [
         q
         for q in panel_queries(case.uid, generate.dashboards()[case.uid])
         if q.panel == case.panel and q.ref == case.ref
     ]
-    return substitute(query.expr)
+    assert len(found) == 1, f"no query {case.ref} of a panel {case.panel!r} on {case.uid}"
+    return substitute(found[0].expr)
 
 
 ENGINE = {"namespace": "team-a", "pool": "pool-a", "engine": "0"}
@@ -90,11 +91,27 @@ def _per_replica(
     return history, expected
 
 
+def _by_source() -> tuple[dict[str, str], dict[str, float], dict[str, float]]:
+    """One model's prompt tokens: 6/s prefilled, 1/s from its own cache, 3/s loaded from the pool;
+    the history, then the tokens per second and the shares the panels must show."""
+    rates = {external.PROMPT_COMPUTED: 6, external.PROMPT_LOCAL_CACHE: 1, external.PROMPT_LOADED: 3}
+    counter = external.total(external.VLLM_PROMPT_TOKENS_BY_SOURCE)
+    labels = {**ENGINE, "model_name": "small"}
+    history = {series(counter, **labels, source=source): per_second(r) for source, r in rates.items()}
+    tokens = {_labels(model_name="small", source=source): float(r) for source, r in rates.items()}
+    skipped = (external.PROMPT_LOCAL_CACHE, external.PROMPT_LOADED)
+    shares = {_labels(model_name="small", source=source): rates[source] / 10 for source in skipped}
+    return history, tokens, shares
+
+
 def cases() -> list[Case]:
     board = connector_board.UID
     present = "Blocks present in the pool, and blocks the hit uses, per group"
     load = {"operation": m.LOAD}
+    history, tokens, shares = _by_source()
     return [
+        Case(board, "Prompt tokens by where their KV came from", "A", history, tokens),
+        Case(board, "Share of prompt tokens whose prefill was skipped", "A", history, shares),
         Case(board, present, "A", *_per_model_group(m.PRESENT_BLOCKS)),
         Case(board, present, "B", *_per_model_group(m.HIT_BLOCKS)),
         Case(
