@@ -302,7 +302,7 @@ def build() -> Board:
                 "{{namespace}}/{{pool}} up",
             ),
             Target(
-                f"count by ({NAMESPACE}, {POOL}) ({ext.MASTER_CAPACITY}{SEL} > 0)",
+                f"sum by ({NAMESPACE}, {POOL}) ({ext.MASTER_CAPACITY}{SEL} > bool 0)",
                 "{{namespace}}/{{pool}} serving",
             ),
         ],

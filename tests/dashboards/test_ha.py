@@ -115,12 +115,14 @@ def test_only_the_leader_serves_and_no_leader_is_seen(etcd: str) -> None:
             # Both up, no store mounted: nobody serves, and KVPoolNoLeader's condition holds.
             _until(lambda: prom.query(no_leader), "the no-leader condition holds")
             assert float(prom.query(up)[0]["value"][1]) == 2
-            assert prom.query(serving) == []
+            assert [float(row["value"][1]) for row in prom.query(serving)] == [0]  # shown, at zero
 
             store = MooncakeStore(f"etcd://{etcd}", "64MB").start()
-            _until(lambda: prom.query(serving), "the leader serves the store's memory")
-            (row,) = prom.query(serving)
-            assert float(row["value"][1]) == 1  # the leader only; the standby reports zero
+            # The leader only; the standby reports zero.
+            _until(
+                lambda: [float(row["value"][1]) for row in prom.query(serving)] == [1],
+                "the leader serves the store's memory",
+            )
             leader = next(m for m in masters if _role(m) == "leader")
             holders = prom.query(f"{external.MASTER_CAPACITY} > 0")
             assert [r["metric"]["instance"] for r in holders] == [f"{LOOPBACK}:{leader.metrics_port}"]

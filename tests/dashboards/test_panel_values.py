@@ -14,7 +14,7 @@ from pathlib import Path
 
 import yaml
 
-from dashboards import connector_board, external, generate
+from dashboards import connector_board, external, generate, pool_board
 from kvpool.connector.contract import metric_names as m
 from tests.dashboards.queries import panel_queries, substitute
 from tests.dashboards.test_alerts import promtool, series
@@ -104,12 +104,23 @@ def _by_source() -> tuple[dict[str, str], dict[str, float], dict[str, float]]:
     return history, tokens, shares
 
 
+def _no_master_serves() -> tuple[dict[str, str], dict[str, float]]:
+    """Two HA masters of a pool, up, neither holding store memory (no leader serves): the
+    pool's "serving" line reads 0 (it is there, at zero), not nothing."""
+    pool = {"namespace": "team-a", "pool": "pool-a"}
+    history = {
+        series(external.MASTER_CAPACITY, **pool, instance=f"10.0.0.{i}:9003"): "0+0x10" for i in (1, 2)
+    }
+    return history, {_labels(**pool): 0.0}
+
+
 def cases() -> list[Case]:
     board = connector_board.UID
     present = "Blocks present in the pool, and blocks the hit uses, per group"
     load = {"operation": m.LOAD}
     history, tokens, shares = _by_source()
     return [
+        Case(pool_board.UID, "Masters up and serving", "B", *_no_master_serves()),
         Case(board, "Prompt tokens by where their KV came from", "A", history, tokens),
         Case(board, "Share of prompt tokens whose prefill was skipped", "A", history, shares),
         Case(board, present, "A", *_per_model_group(m.PRESENT_BLOCKS)),

@@ -57,6 +57,12 @@ def _dimension(metric: str) -> str:
     return SAME_AS.get(word, word)
 
 
+def _is_bool_comparison(node: Any) -> bool:
+    """``a > bool b`` and the like: 1 where it holds, else 0."""
+    node = _unwrap(node)
+    return isinstance(node, promql_parser.BinaryExpr) and bool(node.modifier and node.modifier.return_bool)
+
+
 def quantity(expr: str) -> str:
     """What a panel query measures: a key of ``UNITS``."""
     node = _unwrap(promql_parser.parse(substitute(expr)))
@@ -66,8 +72,10 @@ def quantity(expr: str) -> str:
             return "share" if len(dimensions) == 1 else "count"  # else a mean: counts over counts
         if str(node.op) in (">", "<", ">=", "<=", "==", "!="):  # a filter keeps the left's values
             return quantity(_unwrap(node.lhs).prettify())
-    if isinstance(node, promql_parser.AggregateExpr) and str(node.op) in ("count", "count_values"):
-        return "count"
+    if isinstance(node, promql_parser.AggregateExpr) and (
+        str(node.op) in ("count", "count_values") or _is_bool_comparison(node.expr)
+    ):
+        return "count"  # series counted, or 1s and 0s of a comparison added up
     names = _metrics(node)
     if isinstance(node, promql_parser.Call) and node.func.name == "histogram_quantile":
         (histogram,) = {name.removesuffix("_bucket") for name in names}
@@ -125,5 +133,7 @@ def test_the_reading_of_queries_knows_each_quantity() -> None:
     mean = f"{rate.format('lookup_deferred_steps_total')} / {rate.format('lookups_total')}"
     assert quantity(mean) == "count"
     assert quantity("count by (pool) (master_total_capacity_bytes > 0)") == "count"
+    assert quantity("sum by (pool) (master_total_capacity_bytes > bool 0)") == "count"
+    assert quantity("sum by (pool) (master_total_capacity_bytes > 0)") == "size"
     assert quantity("max by (pool, phase) (kvpool_operator_pool_phase) > 0") == "count"
     assert quantity(rate.format("lookups_total")) == "count"
