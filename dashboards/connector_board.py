@@ -76,7 +76,9 @@ def build() -> Board:
     board.row("Overview")
     board.stat(
         "Pool hit rate",
-        "Tokens the reconciled hybrid (HMA) hit took from the pool, over tokens looked up.",
+        "Tokens the pool held for the reconciled hybrid (HMA) hit, over tokens looked up past the "
+        "local prefix cache's hit. Hits the connector recomputed as faster count too; the prefill "
+        "the pool saved: 'Prompt tokens by where their KV came from'.",
         [Target(_hit_rate(m.LOOKUP_HIT_TOKENS.exported, m.LOOKUP_QUERY_TOKENS.exported, []))],
         unit="percentunit",
     )
@@ -104,8 +106,10 @@ def build() -> Board:
     board.row("Hit rate")
     board.timeseries(
         "Pool hit rate beside vLLM's prefix caches",
-        "Ours: tokens the hybrid hit granted over tokens looked up. vLLM's external prefix cache "
-        "counts the same hit from vLLM's side; its local prefix cache is the GPU-resident one.",
+        "Ours: tokens the pool held for the hybrid hit over tokens looked up past the local hit. "
+        "vLLM's external prefix cache: the tokens vLLM loaded of them, over the same tokens (hits "
+        "recomputed as faster left out). Its local prefix cache: its own (GPU-resident) hits over "
+        "all prompt tokens.",
         [
             Target(hma_hit, "{{model_name}} pool (HMA hit)"),
             Target(
