@@ -33,7 +33,10 @@ class RedactedExceptions(logging.Filter):
         exc_info = record.exc_info
         if exc_info and exc_info[1] is not None:
             record.exc_info = None
-            record.exc_text = describe_exception(exc_info[1])
+            try:
+                record.exc_text = describe_exception(exc_info[1])
+            except Exception:  # a filter that raises would raise out of the logging call
+                record.exc_text = _type_name(type(exc_info[1]))
         return True
 
 
@@ -45,12 +48,25 @@ def describe_exception(error: BaseException) -> str:
     current: BaseException | None = error
     while current is not None and id(current) not in seen:
         seen.add(id(current))
-        kind = type(current)
         frames = "".join(traceback.format_tb(current.__traceback__))
-        name = f"{kind.__module__}.{kind.__qualname__}"
-        parts.append(f"Traceback (most recent call last):\n{frames}{name}: {redact(str(current))}")
+        parts.append(
+            f"Traceback (most recent call last):\n{frames}{_type_name(type(current))}: {_message(current)}"
+        )
         current = current.__cause__ or (None if current.__suppress_context__ else current.__context__)
     return "\n\nwhich came from:\n\n".join(parts)
+
+
+def _type_name(kind: type[BaseException]) -> str:
+    """An exception type's qualified name."""
+    return f"{kind.__module__}.{kind.__qualname__}"
+
+
+def _message(error: BaseException) -> str:
+    """``error``'s redacted message; a placeholder where its ``__str__`` raises."""
+    try:
+        return redact(str(error))
+    except Exception:
+        return "<exception str() failed>"
 
 
 _FILTER = RedactedExceptions()

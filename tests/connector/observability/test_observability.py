@@ -604,6 +604,30 @@ def test_a_logged_exception_keeps_its_message_less_keys_and_token_ids() -> None:
     assert "prefix/0a1b2c3d/h3/pp0-tp0/g0/<redacted>" in text
 
 
+def test_logging_an_exception_whose_message_raises_never_raises() -> None:
+    """An exception whose ``__str__`` raises is logged by its type and traceback: the redacting
+    filter never raises out of the logging call (a transfer's ``except`` block logs there)."""
+
+    class Unprintable(Exception):
+        def __str__(self) -> str:
+            raise RuntimeError("no message")
+
+    logger = logs.get_logger("kvpool.test_unprintable")
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(logging.Formatter().format(record))  # type: ignore[method-assign]
+    logger.addHandler(handler)
+    try:
+        try:
+            raise Unprintable()
+        except Unprintable:
+            logger.exception("KVPoolConnector save failed")
+    finally:
+        logger.removeHandler(handler)
+    (line,) = lines
+    assert "KVPoolConnector save failed" in line and "Unprintable: <exception str() failed>" in line
+
+
 def test_an_exception_through_a_span_leaves_its_message_out(spans) -> None:
     """An exception escaping a span names its type only: its message may repeat pool keys."""
     spans.clear()
