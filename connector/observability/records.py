@@ -115,8 +115,9 @@ class TransferRecord:
     group_seconds: tuple[float, ...] = ()
     group_attempted: tuple[bool, ...] = ()  # whether the group had blocks to move
     direct_blocks: int = 0  # a load's blocks copied straight from this process's own segment
-    # Per group: a save's blocks the pool already held (in ``blocks``, none of their bytes moved).
-    held_blocks: tuple[int, ...] = ()
+    # Per group: the bytes of a save's blocks the pool already held (in ``blocks``, not in
+    # ``bytes``: none of them moved).
+    held_bytes: tuple[int, ...] = ()
     load_error_blocks: int = 0  # blocks handed back to vLLM to recompute
     recomputed: bool = False  # the whole request was sent back to recompute
     reason: str = ""  # operation "remove": why the objects (``blocks`` per group) were removed

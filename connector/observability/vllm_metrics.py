@@ -132,9 +132,9 @@ class _Payload:
 #: failed nowhere (a failed load's time measures the fault, not the link).
 CLEAN_LOAD_BYTES = "clean_load_bytes"  # every rank's
 CLEAN_LOAD_SECONDS = "clean_load_seconds"  # rank 0's, summed over each load's groups
-#: Per group, rank 0's saved blocks the pool already held (no bytes moved): the block size the
-#: load rate learns is bytes over the blocks whose bytes moved.
-HELD_BLOCKS = "held_blocks"
+#: Per group, every rank's bytes of saved blocks the pool already held (none of them moved): the
+#: block size the load rate learns counts them, whichever ranks held their keys and which wrote.
+HELD_BYTES = "held_bytes"
 
 
 def records_to_data(lookups: Iterable[LookupRecord], transfers: Iterable[TransferRecord]) -> dict[str, Any]:
@@ -158,6 +158,9 @@ def records_to_data(lookups: Iterable[LookupRecord], transfers: Iterable[Transfe
         for g, kind in enumerate(t.group_kinds):
             labels = {"group": g, "group_kind": kind, "operation": op}
             out.inc(m.TRANSFER_BYTES, t.bytes[g], **labels)
+            if t.held_bytes and t.held_bytes[g]:
+                key = f"{HELD_BYTES}{SEP}group={g}"
+                out.counters[key] = out.counters.get(key, 0.0) + t.held_bytes[g]
             out.inc(m.TRANSFER_KEYS, t.blocks[g], **labels)
             for reason, count in t.group_failures[g].items():
                 out.inc(m.FAILURES, count, reason=reason, **labels)
@@ -172,9 +175,6 @@ def records_to_data(lookups: Iterable[LookupRecord], transfers: Iterable[Transfe
         for g, kind in enumerate(t.group_kinds):
             labels = {"group": g, "group_kind": kind, "operation": op}
             out.inc(m.TRANSFER_BLOCKS, t.blocks[g], **labels)
-            if t.held_blocks and t.held_blocks[g]:
-                key = f"{HELD_BLOCKS}{SEP}group={g}"
-                out.counters[key] = out.counters.get(key, 0.0) + t.held_blocks[g]
             out.inc(m.MASKED_BLOCKS, t.masked[g], **labels)
             if t.group_attempted[g]:
                 out.observe(m.OPERATION_SECONDS, t.group_seconds[g], operation=op, group_kind=kind)
@@ -233,9 +233,9 @@ class TransferSample:
     # load's groups (they load in turn).
     load_bytes: float = 0.0
     load_seconds: float = 0.0
-    group_bytes: dict[int, float] = field(default_factory=dict)  # loads and saves, every rank's
-    # Loads and saves, rank 0's, those the pool already held left out (they moved no bytes).
-    group_blocks: dict[int, float] = field(default_factory=dict)
+    # Loads and saves, every rank's, those of blocks a save found held included (none moved).
+    group_bytes: dict[int, float] = field(default_factory=dict)
+    group_blocks: dict[int, float] = field(default_factory=dict)  # loads and saves, rank 0's
 
 
 def transfer_sample(data: Mapping[str, Any]) -> TransferSample:
@@ -249,9 +249,9 @@ def transfer_sample(data: Mapping[str, Any]) -> TransferSample:
             if operation in (m.LOAD, m.SAVE):
                 into = sample.group_bytes if name == m.TRANSFER_BYTES.name else sample.group_blocks
                 into[int(group)] = into.get(int(group), 0.0) + value
-        elif name == HELD_BLOCKS:
+        elif name == HELD_BYTES:
             held = int(labels[0])
-            sample.group_blocks[held] = sample.group_blocks.get(held, 0.0) - value
+            sample.group_bytes[held] = sample.group_bytes.get(held, 0.0) + value
     return sample
 
 

@@ -134,7 +134,7 @@ class GroupResult:
     attempted: bool = False
     corrupt_keys: list[str] = field(default_factory=list)
     direct_blocks: int = 0  # blocks loaded straight from this process's own segment
-    held: int = 0  # a save's blocks the pool already held: stored, none of their bytes moved
+    held_bytes: int = 0  # of a save's blocks the pool already held: stored, none of it moved
 
     def fail(self, block_ids: Sequence[int], outcome: Outcome | str) -> None:
         self.failures[str(outcome)] += len(block_ids)
@@ -1074,7 +1074,7 @@ class WorkerSide:
                 # Mooncake keeps the first value of a key; the same block is stored, and no
                 # byte of it moved.
                 result.blocks += 1
-                result.held += 1
+                result.held_bytes += copier.payload_bytes
             else:
                 result.fail([blocks[i]], classify(code))
         if not reserved:
@@ -1183,7 +1183,7 @@ class WorkerSide:
                 group_seconds=tuple(r.seconds for r in results),
                 group_attempted=tuple(r.attempted for r in results),
                 direct_blocks=sum(r.direct_blocks for r in results),
-                held_blocks=tuple(r.held for r in results),
+                held_bytes=tuple(r.held_bytes for r in results),
                 load_error_blocks=load_errors,
                 recomputed=recomputed,
                 req_id=req_id,

@@ -2,7 +2,8 @@
 scheduler):
 
 * the pool's hit counts only what the pool serves past vLLM's own prefix hit;
-* a save's bytes are the bytes that crossed: a block the pool already held moves none;
+* a save's bytes are the bytes that crossed: a block the pool already held moves none (the
+  block size the load decision learns still weighs every rank's share, whichever rank held it);
 * a save never made (its forward raised) observes no latency and no size;
 * a lookup that raises after its answer was taken counts once, as failed;
 * a lookup that raised observes no latency.
@@ -16,15 +17,22 @@ from types import SimpleNamespace
 import pytest
 
 from kvpool.connector.contract import metric_names as m
+from kvpool.connector.contract.keys import KeySpace
 from kvpool.connector.metadata import GroupTransfer, PoolConnectorMetadata, RequestSave
-from kvpool.connector.observability.records import failed_lookup
+from kvpool.connector.observability.records import StatsCollector, failed_lookup
 from kvpool.connector.observability.vllm_metrics import records_to_data, series_key, transfer_sample
+from kvpool.connector.worker.side import WorkerSide
 from testing.engine import scheduler_of
 from testing.kv_cache import GroupDesc
 from testing.models import build_gemma3
 from testing.scheduler import local_pool_transfer, make_request, make_scheduler, matched_tokens
 from tests.connector.scheduler.test_scheduler_lookup import store_blocks
-from tests.connector.worker.test_worker_transfer import make_caches, two_group_worker
+from tests.connector.worker.test_worker_transfer import (
+    GROUP_LAYERS,
+    NUM_BLOCKS,
+    make_caches,
+    two_group_worker,
+)
 
 pytestmark = pytest.mark.mooncake
 
@@ -127,6 +135,40 @@ def test_a_save_of_a_block_the_pool_holds_moves_no_bytes(worker) -> None:
     assert data["histograms"][series_key(m.TRANSFER_SIZE_BYTES, operation="save")] == [0.0]
     sample = transfer_sample(records_to_data([], [first, again]))
     assert sample.group_bytes[0] / sample.group_blocks[0] == worker.group_block_bytes(0)
+
+
+def test_a_block_one_rank_held_weighs_every_ranks_share(pool_client, cache_prefix) -> None:
+    """Tensor parallel over 2 ranks: rank 1's key of block "a" is in the pool already (its
+    store kept it, rank 0's was lost), so rank 0 writes its share and rank 1 finds its own
+    held. The block is stored on both: the block size the load decision learns is both
+    shares, as for a block both ranks wrote."""
+    ranks = [
+        WorkerSide(
+            client=pool_client,
+            keyspace=KeySpace(cache_prefix, "fp"),
+            tp_rank=rank,
+            tp_size=2,
+            pp_rank=0,
+            group_layers=GROUP_LAYERS,
+            num_blocks=NUM_BLOCKS,
+            stats=StatsCollector(group_kinds=KINDS, rank=rank),
+        )
+        for rank in (0, 1)
+    ]
+    try:
+        for w in ranks:
+            w.register_kv_caches(make_caches())
+        _save_one(ranks[1], "earlier", 1)  # rank 1's key of "a" only
+        ranks[1].stats.drain()
+        for w in ranks:
+            _save_one(w, "both", 2)
+        (wrote,), (held,) = (w.stats.drain()[1] for w in ranks)
+        assert wrote.bytes[0] == ranks[0].group_block_bytes(0) and held.bytes[0] == 0
+        sample = transfer_sample(records_to_data([], [wrote, held]))
+        assert sample.group_bytes[0] / sample.group_blocks[0] == 2 * ranks[0].group_block_bytes(0)
+    finally:
+        for w in ranks:
+            w.shutdown()
 
 
 def test_a_save_its_forward_dropped_observes_no_latency(worker) -> None:
