@@ -62,7 +62,7 @@ from kvpool.operator.grants import (
     pool_namespace_of,
     read_grant,
 )
-from kvpool.operator.kube import ApiError, Applied, KubeClient, ensure, ensure_absent
+from kvpool.operator.kube import ApiError, Applied, KubeClient, ensure, ensure_absent, owned_by
 from kvpool.operator.leader import (
     SERVICE_HEALTH_URL,
     LeaderView,
@@ -1013,11 +1013,24 @@ class Reconciler:
             if removal.conflict is not None:
                 notify("Normal", "NotOwned", f"left alone: {removal.conflict}")
 
+    async def guards_standing(self, body: Mapping[str, Any]) -> bool:
+        """Whether one of the pool's own NetworkPolicies is still there (one it does not own
+        is left alone by teardown, so none to keep)."""
+        meta = body["metadata"]
+        for resource, name in guards(meta["name"]):
+            live = await self.kube.get(resource, meta["namespace"], name)
+            if live is not None and owned_by(live, meta["uid"]):
+                return True
+        return False
+
     async def wait_for_guarded_pods(self, body: Mapping[str, Any], notify: Notify) -> None:
         """Raise ``GuardedPodsRunning`` (teardown is tried again) while a master or store pod of
         the pool may still run, for at most ``GUARD_WAIT_S`` past the start of its deletion;
-        past that, a Warning names the pods its NetworkPolicies stop guarding."""
+        past that, a Warning names the pods its NetworkPolicies stop guarding. A pool with no
+        NetworkPolicy of its own left (they are off) has nothing to keep: no wait."""
         meta = body["metadata"]
+        if not await self.guards_standing(body):
+            return
         pods: list[dict[str, Any]] = []
         for selector in guarded_selectors(meta["name"]):
             pods += await self.kube.list(PODS, meta["namespace"], label_selector=selector)

@@ -5,7 +5,7 @@ unauthenticated admin port and from its stores' memory. Deleting a Deployment on
 its pods' end (the garbage collector, then each pod's grace period), so the policies go
 last: once none of the pool's master and store pods may still run, or, when some never
 end (a node that does not answer), ``GUARD_WAIT_S`` after the pool's deletion began, with
-a Warning that names them.
+a Warning that names them. A pool without NetworkPolicies (they are off) waits for nothing.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ import pytest
 from kvpool.operator import names
 from kvpool.operator.consumers import injected, record_problem, restored
 from kvpool.operator.plan import build_plan
+from kvpool.operator.policy import OperatorPolicy
 from kvpool.operator.store_drain import later
 from kvpool.operator.teardown_order import (
     GUARD_WAIT_S,
@@ -196,6 +197,25 @@ async def test_the_network_policies_go_last_once_the_pools_pods_are_gone(
     await eventually(lambda: cluster.get(POOLS_PATH, "pool") is None, what="pool gone")
     assert cluster.get(NETWORK_POLICIES_PATH, policy) is None
     assert cluster.events("GuardsRemoved") == []
+
+
+@pytest.mark.parametrize("operator_config", [{"policy": OperatorPolicy(allow_network_policy_opt_out=True)}])
+@pytest.mark.asyncio
+async def test_a_pool_without_network_policies_waits_for_no_pod(cluster: Cluster, operator: Operator) -> None:
+    """A pool whose NetworkPolicies are off has nothing to delete last: its teardown ends
+    with its other children deleted, its pods still in their grace period, not after a wait
+    for them to end (up to ``GUARD_WAIT_S`` for a pod on a node that does not answer)."""
+    await cluster.create(vllm_deployment())
+    await cluster.create(pool_manifest(spec=pool_spec(networkPolicy={"enabled": False})))
+    await converge(cluster, generation=1)
+    assert cluster.get(NETWORK_POLICIES_PATH, names.network_policy_name("pool")) is None
+    await cluster.create(pool_pod("pool-master-0", "10.0.0.1", names.MASTER))
+    await cluster.create(pool_pod("pool-store-0", "10.0.0.2", names.STORE))
+
+    await cluster.delete_pool("pool")
+    await eventually(lambda: cluster.get(POOLS_PATH, "pool") is None, what="pool gone")
+    assert cluster.get(DEPLOYMENTS_PATH, "pool-master") is None
+    assert kv_flags(cluster.get(DEPLOYMENTS_PATH, "llm")) == []
 
 
 def test_pods_past_their_grace_period_or_ended_keep_no_policy_and_the_wait_has_a_deadline() -> None:
