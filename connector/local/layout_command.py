@@ -10,6 +10,12 @@ image): the attention backend decides block sizes and page sizes.
 
 It prints the consumer's ``layout:`` block (YAML, or JSON with ``--format json``)
 with its fingerprint, the value ``status.consumers[].layoutFingerprint`` will show.
+
+Exit status: 0 with the layout; 1 when it cannot be computed, or the connector cannot
+serve it; 2 for a bad argument, a ``--block-size`` vLLM's attention backends on this
+platform do not run included (its workers refuse it too); 128 + the signal's number
+after SIGINT or SIGTERM, which stop the ranks. The ranks' temporary files (vLLM's IPC
+sockets) go in a folder of their own, removed when they stop.
 """
 
 from __future__ import annotations
@@ -17,8 +23,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 from collections.abc import Sequence
+from types import FrameType
 from typing import Any
 
 from kvpool.connector.contract.layout import KVLayout, check, fingerprint
@@ -80,8 +88,10 @@ def engine_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> di
         except json.JSONDecodeError:
             out[name] = raw
     for option, size in (("--tensor-parallel-size", args.tensor_parallel_size),
-                         ("--pipeline-parallel-size", args.pipeline_parallel_size)):  # fmt: skip
-        if size < 1:
+                         ("--pipeline-parallel-size", args.pipeline_parallel_size),
+                         ("--block-size", args.block_size),
+                         ("--max-model-len", args.max_model_len)):  # fmt: skip
+        if size is not None and size < 1:
             parser.error(f"{option}: at least 1")
     return out
 
@@ -99,22 +109,48 @@ def render(layout: KVLayout, form: str = "yaml") -> str:
     return text.rstrip("\n")
 
 
+class Stopped(Exception):
+    """SIGINT or SIGTERM arrived: the probe stops its ranks and removes their files."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _stop(signum: int, frame: FrameType | None) -> None:
+    raise Stopped(signum)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     wanted = engine_args(args, parser)
     # Standard output carries the layout block alone: vLLM logs to standard error.
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, _stop)
     try:
-        from kvpool.connector.local.layout_probe import ProbeError, probe_layout
-    except ImportError as exc:
-        print(f"kvpool-layout needs vLLM installed (the same vLLM as the servers): {exc}", file=sys.stderr)
-        return 2
-    try:
-        layout = probe_layout(wanted, args.model_id)
-    except (ProbeError, ValueError, TypeError, OSError) as exc:
-        print(f"kvpool-layout: {exc}", file=sys.stderr)
-        return 1
+        try:
+            from kvpool.connector.local.layout_probe import ProbeError, UnsupportedBlockSize, probe_layout
+        except ImportError as exc:
+            print(
+                f"kvpool-layout needs vLLM installed (the same vLLM as the servers): {exc}", file=sys.stderr
+            )
+            return 2
+        try:
+            layout = probe_layout(wanted, args.model_id)
+        except UnsupportedBlockSize as exc:
+            # vLLM's workers refuse it too: no server with these flags would start.
+            parser.print_usage(sys.stderr)
+            rule = "a size vLLM's attention backends on this platform run"
+            print(f"kvpool-layout: error: --block-size: {rule}: {exc}", file=sys.stderr)
+            return 2
+        except (ProbeError, ValueError, TypeError, OSError) as exc:
+            print(f"kvpool-layout: {exc}", file=sys.stderr)
+            return 1
+    except Stopped as stopped:
+        print(f"kvpool-layout: stopped by {stopped}", file=sys.stderr)
+        return 128 + stopped.signum
     problems = check(layout)
     note = f"# fingerprint {fingerprint(layout)}; paste under the consumer in the MooncakeKVPool spec"
     # JSON has no comments: the note goes to standard error there.

@@ -20,7 +20,10 @@ from __future__ import annotations
 import multiprocessing
 import os
 import queue as queue_module
+import shutil
+import tempfile
 from collections.abc import Mapping
+from types import SimpleNamespace
 from typing import Any
 
 from kvpool.connector.contract.layout import KVLayout
@@ -33,8 +36,21 @@ RANK_TIMEOUT_S = 600.0
 NOTIONAL_KV_MEMORY = 1 << 40
 
 
+#: What the ranks' vLLM writes in the temporary folder (ZMQ IPC sockets of its message
+#: queues, rendezvous files): pointed at a folder of the probe's own, removed with it.
+RANK_TEMP_VARIABLES = ("VLLM_RPC_BASE_PATH", "TMPDIR")
+#: The longest path of a Unix socket (``sockaddr_un.sun_path``, less its final NUL).
+SOCKET_PATH_MAX = 107
+#: vLLM names its IPC sockets with a UUID (36 characters) in its folder.
+SOCKET_NAME_LENGTH = 36
+
+
 class ProbeError(RuntimeError):
     """The layout could not be computed; the message says why."""
+
+
+class UnsupportedBlockSize(ProbeError):
+    """The attention backends of this platform cannot run the block size asked for."""
 
 
 def engine_config(engine_args: Mapping[str, Any]) -> Any:
@@ -82,6 +98,7 @@ def _rank_specs(engine_args: dict[str, Any], rank: int, port: int, out: Any) -> 
             with torch.device("meta"):
                 initialize_model(vllm_config=config)
             specs: dict[str, Any] = {}
+            backends: dict[str, Any] = {}
             layers = get_layers_from_vllm_config(config, AttentionLayerBase)  # type: ignore[type-abstract]
             for name, layer in layers.items():
                 if isinstance(layer, Attention) and layer.kv_sharing_target_layer_name:
@@ -89,55 +106,107 @@ def _rank_specs(engine_args: dict[str, Any], rank: int, port: int, out: Any) -> 
                 spec = layer.get_kv_cache_spec(config)
                 if spec is None:
                     continue
+                backends[name] = layer.get_attn_backend()
                 if isinstance(spec, AttentionSpec):
-                    spec = customize_attention_spec(layer.get_attn_backend(), spec)
+                    spec = customize_attention_spec(backends[name], spec)
                 specs[name] = spec
             layouts = [
                 layout.name for layout in get_supported_kv_cache_layouts(get_current_attn_backends(config))
             ]
             destroy_model_parallel()
             destroy_distributed_environment()
-        out.put((rank, specs, layouts, None))
+        out.put((rank, specs, backends, layouts, None))
     except BaseException as exc:  # reported to the parent, which names it
-        out.put((rank, None, None, f"{type(exc).__name__}: {exc}"))
+        out.put((rank, None, None, None, f"{type(exc).__name__}: {exc}"))
 
 
-def rank_specs(engine_args: Mapping[str, Any], world: int) -> tuple[list[dict[str, Any]], list[str]]:
-    """Every rank's KV-cache specs (in rank order) and the layouts the backends support."""
+def rank_specs(
+    engine_args: Mapping[str, Any], world: int
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[str]]:
+    """Every rank's KV-cache specs and attention backends by layer (in rank order), and the
+    layouts the backends support. The ranks' temporary files go in a folder of their own,
+    removed with whatever they left there once they are stopped."""
     context = multiprocessing.get_context("spawn")
     results: Any = context.Queue()
     port = free_port()
-    env_before = {k: os.environ.get(k) for k in ("VLLM_HOST_IP", "GLOO_SOCKET_IFNAME")}
-    os.environ["VLLM_HOST_IP"] = LOOPBACK  # gloo's peers meet on loopback
+    rank_temp = _rank_temp_folder()
+    env = {"VLLM_HOST_IP": LOOPBACK, **dict.fromkeys(RANK_TEMP_VARIABLES, rank_temp)}
+    env_before = {k: os.environ.get(k) for k in (*env, "GLOO_SOCKET_IFNAME")}
+    os.environ.update(env)  # gloo's peers meet on loopback; the ranks inherit it at their start
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     processes = [
         context.Process(target=_rank_specs, args=(dict(engine_args), rank, port, results), daemon=True)
         for rank in range(world)
     ]
+    collected: dict[int, tuple[dict[str, Any], dict[str, Any], list[str]]] = {}
     try:
         for process in processes:
             process.start()
-        collected: dict[int, tuple[dict[str, Any], list[str]]] = {}
+        for key, value in env_before.items():  # the ranks have their environment
+            _restore(key, value)
         while len(collected) < world:
             try:
-                rank, specs, layouts, error = results.get(timeout=RANK_TIMEOUT_S)
+                rank, specs, backends, layouts, error = results.get(timeout=RANK_TIMEOUT_S)
             except queue_module.Empty:
                 raise ProbeError(f"no answer from the model's ranks after {RANK_TIMEOUT_S:.0f}s") from None
             if error is not None:
                 raise ProbeError(f"rank {rank} could not build the model's KV-cache specs: {error}")
-            collected[rank] = (specs, layouts)
+            collected[rank] = (specs, backends, layouts)
     finally:
         for process in processes:
+            if len(collected) < world and process.is_alive():
+                process.kill()  # a failed or stopped probe: the others may wait on it forever
             process.join(timeout=10)
             if process.is_alive():
                 process.kill()
                 process.join()
         for key, value in env_before.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-    return [collected[r][0] for r in range(world)], collected[0][1]
+            _restore(key, value)
+        shutil.rmtree(rank_temp, ignore_errors=True)
+    ordered = [collected[r] for r in range(world)]
+    return [c[0] for c in ordered], [c[1] for c in ordered], ordered[0][2]
+
+
+def _rank_temp_folder() -> str:
+    """A new folder for the ranks' temporary files: in the temporary folder, else in /tmp
+    where that one is too deep for the paths of the sockets vLLM makes in it."""
+    for parent in (None, "/tmp"):
+        folder = tempfile.mkdtemp(prefix="kvpool-layout-", dir=parent)
+        if len(folder) + 1 + SOCKET_NAME_LENGTH <= SOCKET_PATH_MAX:
+            return folder
+        os.rmdir(folder)
+    raise ProbeError(f"no temporary folder short enough for vLLM's IPC sockets: {folder}")
+
+
+def _restore(key: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(key, None)
+    else:
+        os.environ[key] = value
+
+
+def check_kernel_block_sizes(
+    configs: list[Any], specs: list[dict[str, Any]], backends: list[dict[str, Any]]
+) -> None:
+    """Refuse a block size the attention backends cannot split into their kernels' blocks, as
+    each rank's vLLM worker does (``prepare_kernel_block_sizes``) before it allocates its cache."""
+    from vllm.v1.worker.utils import prepare_kernel_block_sizes
+
+    for config, rank_specs_, rank_backends in zip(configs, specs, backends, strict=True):
+        attn_groups: list[list[SimpleNamespace]] = []
+        for group in config.kv_cache_groups:
+            members: list[SimpleNamespace] = []
+            for name in group.layer_names:
+                if name not in rank_backends:
+                    continue
+                member = SimpleNamespace(backend=rank_backends[name], kv_cache_spec=rank_specs_[name])
+                if member not in members:
+                    members.append(member)
+            attn_groups.append(members)
+        try:
+            prepare_kernel_block_sizes(config, attn_groups)  # type: ignore[arg-type]
+        except ValueError as exc:
+            raise UnsupportedBlockSize(str(exc)) from None
 
 
 def kv_cache_configs(
@@ -156,13 +225,16 @@ def kv_cache_configs(
 
     config = engine_config(engine_args)
     parallel = config.parallel_config
-    specs, layouts = rank_specs(engine_args, parallel.tensor_parallel_size * parallel.pipeline_parallel_size)
+    specs, backends, layouts = rank_specs(
+        engine_args, parallel.tensor_parallel_size * parallel.pipeline_parallel_size
+    )
     if not any(specs):
         raise ProbeError("the model has no layer with a KV cache: there is nothing to pool")
     with set_current_vllm_config(config):
         register_all_kvcache_specs(config)
         resolve_kv_cache_layout(config, [layouts] * len(specs), [s for r in specs for s in r.values()])
         configs = get_kv_cache_configs(config, specs, [kv_memory_bytes] * len(specs))
+        check_kernel_block_sizes(configs, specs, backends)
         scheduler_config = generate_scheduler_kv_cache_config(configs)
         groups = scheduler_config.kv_cache_groups
         cacheable = [g.kv_cache_spec.block_size for g in groups if g.kv_cache_spec.prefix_cacheable]

@@ -15,8 +15,10 @@ settings (the declared layout and its fingerprint); engines started with them:
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -117,15 +119,37 @@ def test_declared_layout_is_used_or_refused(model_dir, printed_layout, pool_sett
 
 
 def test_tensor_parallel_ranks_build_their_share(model_dir, printed_layout) -> None:
-    """``-tp 2`` runs two ranks (gloo on loopback): each holds half the KV heads, so half a page."""
-    result = subprocess.run(
-        [sys.executable, "-m", "kvpool.connector.local.layout_command", "--model", str(model_dir),
-         "--block-size", str(BLOCK), "--dtype", DTYPE, "--format", "json", "-tp", "2"],
-        capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
+    """``-tp 2`` runs two ranks (gloo on loopback): each holds half the KV heads, so half a page.
+    What their vLLM leaves in the temporary folder (its message queues' IPC sockets) goes with them."""
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_RPC_BASE_PATH"}  # vLLM's default: TMPDIR
+    # In the system's temporary folder: a short path, as vLLM's socket paths need.
+    with tempfile.TemporaryDirectory(prefix="kvpool-test-") as temp:
+        result = subprocess.run(
+            [sys.executable, "-m", "kvpool.connector.local.layout_command", "--model", str(model_dir),
+             "--block-size", str(BLOCK), "--dtype", DTYPE, "--format", "json", "-tp", "2"],
+            capture_output=True, text=True, timeout=900, env={**env, "TMPDIR": temp},
+        )  # fmt: skip
+        left = [p.name for p in Path(temp).iterdir() if not p.name.startswith("torchinductor_")]
     assert result.returncode == 0, result.stderr[-3000:]
+    assert left == []  # torch's own per-user cache folder aside, kept like any torch program's
     tp2 = KVLayout.model_validate(json.loads(result.stdout))
     assert tp2.tp_size == 2
     halved = [g.model_copy(update={"page_size_bytes": g.page_size_bytes // 2}) for g in printed_layout.groups]
     assert tp2.groups == halved
     assert tp2.model_copy(update={"tp_size": 1, "groups": printed_layout.groups}) == printed_layout
+
+
+def test_a_block_size_the_backends_cannot_run_is_refused(model_dir) -> None:
+    """vLLM's CPU engine accepts ``--block-size 7`` in its config, then its worker refuses it
+    (CPU attention runs multiples of 32): no layout is printed for flags no server starts with."""
+    result = subprocess.run(
+        [sys.executable, "-m", "kvpool.connector.local.layout_command", "--model", str(model_dir),
+         "--block-size", "7", "--dtype", DTYPE],
+        capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stdout == ""
+    assert "kvpool-layout: error: --block-size: a size vLLM's attention backends on this platform run: " in (
+        result.stderr
+    )
+    assert "No common block size for 7 (CPU_ATTN: [MultipleOf(32)])" in result.stderr
