@@ -8,9 +8,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from kvpool.operator.crd import build_grant_crd, render_crd
 from kvpool.operator.leader import SERVICE_HEALTH_URL
@@ -167,12 +168,29 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+class UsageError(SystemExit):
+    """A bad ``run`` argument: exit status 2, as argparse's own; its text is the message."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(2)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def refuse(message: str) -> NoReturn:
+    """Report a usage error as argparse does (one line on standard error) and exit with 2."""
+    print(f"kvpool-operator run: error: {message}", file=sys.stderr)
+    raise UsageError(message)
+
+
 def _labels(pairs: list[str]) -> tuple[tuple[str, str], ...]:
     out = []
     for pair in pairs:
         key, eq, value = pair.partition("=")
         if not eq or not key:
-            raise SystemExit(f"--operator-pod-label {pair!r}: expected KEY=VALUE")
+            refuse(f"--operator-pod-label {pair!r}: expected KEY=VALUE")
         out.append((key, value))
     return tuple(out)
 
@@ -196,7 +214,7 @@ def _policy(args: argparse.Namespace) -> OperatorPolicy:
             watched_namespaces=tuple(args.namespace),
         )
     except ValueError as exc:
-        raise SystemExit(f"--allowed-registry {exc}") from None
+        refuse(f"--allowed-registry {exc}")
 
 
 def _check_numbers(args: argparse.Namespace) -> None:
@@ -207,17 +225,50 @@ def _check_numbers(args: argparse.Namespace) -> None:
         ("--retry-delay", args.retry_delay),
     ):
         if not seconds > 0:
-            raise SystemExit(f"{option} {seconds}: more than 0 seconds")
+            refuse(f"{option} {seconds}: more than 0 seconds")
     if not 0 <= args.metrics_port <= 65535:
-        raise SystemExit(f"--metrics-port {args.metrics_port}: a TCP port is 1-65535 (0: no metrics)")
+        refuse(f"--metrics-port {args.metrics_port}: a TCP port is 1-65535 (0: no metrics)")
     if args.webhook_port is not None and not 1 <= args.webhook_port <= 65535:
-        raise SystemExit(f"--webhook-port {args.webhook_port}: a TCP port is 1-65535")
+        refuse(f"--webhook-port {args.webhook_port}: a TCP port is 1-65535")
     for option, most in (
         ("--max-master-replicas", args.max_master_replicas),
         ("--max-store-replicas", args.max_store_replicas),
     ):
         if most is not None and most < 1:
-            raise SystemExit(f"{option} {most}: at least 1")
+            refuse(f"{option} {most}: at least 1")
+
+
+def check_files(args: argparse.Namespace) -> None:
+    """Refuse a file option naming no readable file on this machine, before anything starts."""
+    for option, path in (
+        ("--kubeconfig", args.kubeconfig),
+        ("--webhook-cert", args.webhook_cert),
+        ("--webhook-key", args.webhook_key),
+    ):
+        if path is None:
+            continue
+        if not os.path.exists(path):
+            refuse(f"{option} {path}: no such file")
+        if not os.path.isfile(path):
+            refuse(f"{option} {path}: not a file")
+        if not os.access(path, os.R_OK):
+            refuse(f"{option} {path}: not readable")
+
+
+def _check_webhook_options(args: argparse.Namespace) -> None:
+    """Refuse webhook options that would do nothing: without a webhook server, or a key without
+    its certificate (kopf would sign one of its own)."""
+    if args.webhook_port is None:
+        for option, value in (
+            ("--webhook-host", args.webhook_host),
+            ("--webhook-cert", args.webhook_cert),
+            ("--webhook-key", args.webhook_key),
+            ("--webhook-managed", args.webhook_managed),
+        ):
+            if value is not None:
+                refuse(f"{option}: needs the webhook server: --webhook-port")
+    if args.webhook_key is not None and args.webhook_cert is None:
+        refuse("--webhook-key: needs --webhook-cert (its certificate)")
 
 
 def options_from_args(args: argparse.Namespace) -> OperatorOptions:
@@ -226,6 +277,7 @@ def options_from_args(args: argparse.Namespace) -> OperatorOptions:
     from kvpool.operator.election import LeaseOptions
 
     _check_numbers(args)
+    _check_webhook_options(args)
     webhook = None
     if args.webhook_port is not None:
         webhook = WebhookOptions(
@@ -236,7 +288,7 @@ def options_from_args(args: argparse.Namespace) -> OperatorOptions:
             managed=args.webhook_managed,
         )
     if args.injection_mode == POD_ADMISSION and webhook is None:
-        raise SystemExit(f"--injection-mode={POD_ADMISSION} needs the webhook server: --webhook-port")
+        refuse(f"--injection-mode={POD_ADMISSION} needs the webhook server: --webhook-port")
     return OperatorOptions(
         injection_mode=args.injection_mode,
         namespaces=tuple(args.namespace),
@@ -275,13 +327,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     from kvpool.operator.app import run
 
     options = options_from_args(args)
+    check_files(args)
     logging.basicConfig(level=options.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from kvpool.operator.election import LeaseLost
+    from kvpool.operator.kube import KubeconfigError
 
     try:
         asyncio.run(run(options))
     except LeaseLost as exc:  # back as a standby after a restart
         logging.getLogger(__name__).error("%s", exc)
+        return 1
+    except KubeconfigError as exc:
+        print(f"kvpool-operator run: {exc}", file=sys.stderr)
         return 1
     return 0
 

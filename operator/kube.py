@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import kopf
+import yaml
 from kubernetes_asyncio.client import ApiClient, Configuration
 from kubernetes_asyncio.client.exceptions import ApiException
 from kubernetes_asyncio.config import ConfigException, load_incluster_config, load_kube_config
@@ -165,6 +166,10 @@ class KubeClient:
         return True
 
 
+class KubeconfigError(Exception):
+    """No credentials could be loaded; the message names the file and where it was named."""
+
+
 async def load_configuration(kubeconfig: str | None = None) -> Configuration:
     """In-cluster credentials, else the kubeconfig (``kubeconfig``, ``$KUBECONFIG``, default)."""
     configuration = Configuration()
@@ -174,8 +179,17 @@ async def load_configuration(kubeconfig: str | None = None) -> Configuration:
             return configuration
         except ConfigException:
             pass
-    path = kubeconfig or os.environ.get("KUBECONFIG") or "~/.kube/config"
-    await load_kube_config(config_file=os.path.expanduser(path), client_configuration=configuration)
+    if kubeconfig:
+        source, path = "--kubeconfig", kubeconfig
+    elif os.environ.get("KUBECONFIG"):
+        source, path = "$KUBECONFIG", os.environ["KUBECONFIG"]
+    else:
+        source, path = "not in a cluster; the default kubeconfig", "~/.kube/config"
+    try:
+        await load_kube_config(config_file=os.path.expanduser(path), client_configuration=configuration)
+    except (ConfigException, OSError, ValueError, yaml.YAMLError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise KubeconfigError(f"{source} {path}: no credentials from it: {reason}") from None
     return configuration
 
 
