@@ -142,12 +142,18 @@ class MooncakeMaster:
         ]
 
     def start(self, timeout: float = 30.0, *, wait_rpc: bool = True) -> MooncakeMaster:
-        """Start and wait until it serves; an HA standby serves RPC only once it leads."""
+        """Start and wait until it serves; an HA standby serves RPC only once it leads. A master
+        that does not serve in time is stopped (it runs in a session of its own: nothing else
+        would stop it)."""
         log = self.log_dir / "master.log"
         self.process = start_logged(self.command(), log)
-        wait_for_port(self.metrics_port, timeout, self.process, log_path=log)
-        if wait_rpc:
-            wait_for_port(self.rpc_port, timeout, self.process, log_path=log)
+        try:
+            wait_for_port(self.metrics_port, timeout, self.process, log_path=log)
+            if wait_rpc:
+                wait_for_port(self.rpc_port, timeout, self.process, log_path=log)
+        except BaseException:
+            self.stop()
+            raise
         return self
 
     def serving_rpc(self) -> bool:

@@ -51,3 +51,16 @@ def test_a_master_that_exits_before_listening_says_why_even_once_its_log_is_gone
         master.stop()
         shutil.rmtree(master.log_dir, ignore_errors=True)
     assert "no_such_flag" in str(failed.value), str(failed.value)
+
+
+def test_a_master_that_does_not_serve_in_time_is_stopped() -> None:
+    """``kvpool-local-pool`` reported "did not start" and left the master running on its own."""
+    master = MooncakeMaster()
+    try:
+        with pytest.raises(TimeoutError):
+            master.start(timeout=0)  # no time to listen
+        assert master.process is not None
+        assert master.process.poll() is not None  # stopped, and reaped
+    finally:
+        kill_process(master.process)
+        shutil.rmtree(master.log_dir, ignore_errors=True)
