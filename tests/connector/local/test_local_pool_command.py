@@ -19,6 +19,7 @@ import pytest
 
 from kvpool.connector.contract.settings import ConnectorSettings
 from kvpool.connector.local.pool import port_open
+from testing.child_processes import children, running
 
 pytestmark = pytest.mark.mooncake
 
@@ -71,9 +72,14 @@ def test_it_prints_the_transfer_config_and_stops_cleanly(stop: signal.Signals) -
         assert settings.master_server_address.startswith("127.0.0.1:")
         assert port_open(master_port(config))  # it serves when the JSON appears
         assert f"master {settings.master_server_address}" in note
+        started = [
+            _child_named(process.pid, b"mooncake_master"),
+            _child_named(process.pid, b"mooncake_client"),
+        ]
         process.send_signal(stop)
         assert wait_exit(process) == 0
         assert not port_open(master_port(config))
+        assert [pid for pid in started if running(pid)] == []  # its master and store are gone
     finally:
         if process.poll() is None:
             process.kill()
@@ -95,18 +101,9 @@ def test_a_dead_store_stops_the_pool_with_an_error() -> None:
 
 def _child_named(parent: int, name: bytes) -> int:
     """The PID of ``parent``'s child whose program ends with ``name``."""
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                program = f.read().split(b"\0")[0]
-        except OSError:
-            continue
-        if ppid == parent and program.endswith(name):
-            return int(entry)
+    for pid, command in children(parent).items():
+        if command[0].endswith(name):
+            return pid
     raise AssertionError(f"no {name.decode()} child of {parent}")
 
 
