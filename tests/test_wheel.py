@@ -40,6 +40,7 @@ LOCAL_MODULES = {
     "pool_command",
     "ports",
     "recording",
+    "stopping",
     "tenant_quotas",
     "tiny_model",
 }

@@ -17,7 +17,8 @@ and whether B's output equals the reference.
 
 Exit status: 0 (RESULT: OK) when B's output equals the reference and B
 took the whole shared prefix (in whole blocks) from the pool; 1 otherwise;
-2 for a bad argument (refused before anything starts).
+2 for a bad argument (refused before anything starts); 128 + the signal's
+number after Ctrl-C (SIGINT) or SIGTERM, which stop the engine and the pool.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from typing import Any
 
 from kvpool.connector.local.engine import EngineOptions, EngineRun, run_engine_subprocess
 from kvpool.connector.local.pool import LocalPool
+from kvpool.connector.local.stopping import Stopped, raise_on_stop_signals
 from kvpool.connector.local.tiny_model import build_gemma3
 
 BLOCK_TOKENS = 32  # EngineOptions.block_size: the pool serves whole blocks
@@ -162,7 +164,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     _check(parser, args)
-    return 0 if run_demo(args.model_dir, args.prefix_len, args.max_tokens) else 1
+    raise_on_stop_signals()
+    try:
+        return 0 if run_demo(args.model_dir, args.prefix_len, args.max_tokens) else 1
+    except Stopped as stopped:
+        print(f"kvpool-demo: stopped by {stopped}; the engine and the pool are stopped", file=sys.stderr)
+        return stopped.exit_status
 
 
 if __name__ == "__main__":

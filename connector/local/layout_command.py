@@ -23,13 +23,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import sys
 from collections.abc import Sequence
-from types import FrameType
 from typing import Any
 
 from kvpool.connector.contract.layout import KVLayout, check, fingerprint
+from kvpool.connector.local.stopping import Stopped, raise_on_stop_signals
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -109,26 +108,13 @@ def render(layout: KVLayout, form: str = "yaml") -> str:
     return text.rstrip("\n")
 
 
-class Stopped(Exception):
-    """SIGINT or SIGTERM arrived: the probe stops its ranks and removes their files."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-def _stop(signum: int, frame: FrameType | None) -> None:
-    raise Stopped(signum)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     wanted = engine_args(args, parser)
     # Standard output carries the layout block alone: vLLM logs to standard error.
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, _stop)
+    raise_on_stop_signals()  # the probe stops its ranks and removes their files
     try:
         try:
             from kvpool.connector.local.layout_probe import ProbeError, UnsupportedBlockSize, probe_layout
@@ -150,7 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 1
     except Stopped as stopped:
         print(f"kvpool-layout: stopped by {stopped}", file=sys.stderr)
-        return 128 + stopped.signum
+        return stopped.exit_status
     problems = check(layout)
     note = f"# fingerprint {fingerprint(layout)}; paste under the consumer in the MooncakeKVPool spec"
     # JSON has no comments: the note goes to standard error there.

@@ -1,17 +1,29 @@
-"""``kvpool-demo`` refuses bad arguments before it builds or starts anything.
+"""``kvpool-demo`` refuses bad arguments before it builds or starts anything, and a stop
+signal stops what it started.
 
-The demo itself (a pool and three real engines) runs as the README's quick start; here only
-its refusals, which must come before the model is built, the pool started or an engine run.
+The demo itself (a pool and three real engines) runs as the README's quick start; here its
+refusals, which must come before the model is built, the pool started or an engine run, and
+SIGTERM while its first engine starts.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from kvpool.connector.local import demo
+from kvpool.connector.local.engine import ENGINE_MODULE
+from testing.child_processes import children, running
+
+#: How long the demo may take to build its model, start its pool and its first engine.
+STARTUP_S = 120.0
 
 
 @pytest.mark.parametrize(
@@ -49,3 +61,39 @@ def test_a_model_dir_that_cannot_be_made_is_named(tmp_path: Path, capsys: pytest
     out, err = capsys.readouterr()
     assert f"kvpool-demo: --model-dir {blocker / 'model'}: cannot build the model there" in err
     assert "pool:" not in out  # no pool was started
+
+
+@pytest.mark.mooncake
+def test_sigterm_stops_the_engine_and_the_pool(tmp_path: Path) -> None:
+    """Python's default SIGTERM ended the demo alone: its engine ran on, and its master and
+    store (sessions of their own) kept serving with nobody to stop them."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kvpool.connector.local.demo", "--model-dir", str(tmp_path / "model")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    started: dict[int, list[bytes]] = {}
+    try:
+        assert process.stdout is not None and process.stderr is not None
+        for line in process.stdout:
+            if line.startswith("  reference:"):  # the pool serves; the first engine starts
+                break
+        engine = ENGINE_MODULE.encode()
+        deadline = time.monotonic() + STARTUP_S
+        while not any(engine in command for command in started.values()):
+            assert process.poll() is None and time.monotonic() < deadline, "no engine process started"
+            time.sleep(0.05)
+            started = children(process.pid)
+        programs = [command[0].rsplit(b"/", 1)[-1] for command in started.values()]
+        assert b"mooncake_master" in programs and b"mooncake_client" in programs
+        process.send_signal(signal.SIGTERM)
+        status = process.wait(STARTUP_S)
+        assert [pid for pid in started if running(pid)] == []  # the engine, the master, the store
+        assert status == 128 + signal.SIGTERM
+        assert "kvpool-demo: stopped by SIGTERM" in process.stderr.read()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        for pid in started:  # what a failed stop left, by PID
+            if running(pid):
+                os.kill(pid, signal.SIGKILL)
