@@ -21,6 +21,7 @@ this machine only, on one whose ports other hosts cannot reach.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import signal
 import sys
@@ -35,6 +36,8 @@ from kvpool.connector.local.disk_tier import EVICTION_POLICIES, DiskTier
 from kvpool.connector.local.pool import LocalPool
 
 DEFAULT_SEGMENT = "1GB"
+#: The least memory Mooncake's store mounts (its client refuses less, and exits).
+MIN_SEGMENT = 16 << 20
 KV_ROLES = ("kv_both", "kv_producer", "kv_consumer")
 POLL_S = 0.5
 #: The option that sets each ``DiskTier`` field its errors name.
@@ -45,6 +48,14 @@ DISK_OPTIONS = {
     "eviction": "--disk-eviction",
     "watermarks": "--disk-low-watermark, --disk-high-watermark",
 }
+#: The ``DiskTier`` field each of the tier's tuning options sets (its default when not given).
+DISK_FIELDS = {
+    "disk_key_limit": "key_limit",
+    "disk_eviction": "eviction",
+    "disk_high_watermark": "high_watermark",
+    "disk_low_watermark": "low_watermark",
+}
+DISK_DEFAULTS = {f.name: f.default for f in dataclasses.fields(DiskTier)}
 
 
 def transfer_config(master_address: str, cache_prefix: str, kv_role: str, tenant: str = "") -> dict[str, Any]:
@@ -67,7 +78,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--segment-size",
         default=DEFAULT_SEGMENT,
-        help=f"memory the store contributes to the pool, e.g. 4GB (default {DEFAULT_SEGMENT})",
+        help=f"memory the store contributes to the pool, e.g. 4GB; at least 16MB (default {DEFAULT_SEGMENT})",
     )
     parser.add_argument("--rpc-port", type=int, default=0, help="master RPC port (default: a free port)")
     parser.add_argument(
@@ -91,22 +102,27 @@ def _parser() -> argparse.ArgumentParser:
     disk.add_argument(
         "--disk-dir", default="", help="where the tier's own directory is made (default: the temp dir)"
     )
-    disk.add_argument("--disk-key-limit", type=int, default=1_000_000, help="most objects on disk")
+    # These need --disk-capacity; None: not given, DiskTier's default.
+    for option, kind, text in (
+        ("--disk-key-limit", int, "most objects on disk"),
+        ("--disk-high-watermark", float, "use (of the capacity) that starts eviction"),
+        ("--disk-low-watermark", float, "use eviction brings it down to"),
+    ):
+        default = DISK_DEFAULTS[DISK_FIELDS[option[2:].replace("-", "_")]]
+        disk.add_argument(option, type=kind, help=f"{text} (default {default})")
     disk.add_argument(
-        "--disk-eviction", choices=EVICTION_POLICIES, default="lru", help="which objects leave a full tier"
+        "--disk-eviction",
+        choices=EVICTION_POLICIES,
+        help=f"which objects leave a full tier (default {DISK_DEFAULTS['eviction']})",
     )
-    disk.add_argument(
-        "--disk-high-watermark", type=float, default=0.9, help="use (of the capacity) that starts eviction"
-    )
-    disk.add_argument("--disk-low-watermark", type=float, default=0.8, help="use eviction brings it down to")
     return parser
 
 
 def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Reject bad arguments before anything starts, naming the option and the rule."""
     try:
-        if parse_size(args.segment_size) < (1 << 20):
-            parser.error("--segment-size: at least 1MB, or no block fits")
+        if parse_size(args.segment_size) < MIN_SEGMENT:
+            parser.error("--segment-size: at least 16MB (the least Mooncake's store mounts)")
     except ValueError as exc:
         parser.error(f"--segment-size: {exc}")
     for option, port in (("--rpc-port", args.rpc_port), ("--metrics-port", args.metrics_port)):
@@ -130,6 +146,8 @@ def _tenant_quotas(parser: argparse.ArgumentParser, specs: list[str]) -> dict[st
             transfer_config("127.0.0.1:1", "kvpool", "kv_both", name)
         except SettingsError as exc:
             parser.error(f"--tenant: {exc.problems.get('tenant', exc)}")
+        if name in quotas:
+            parser.error(f"--tenant {name}: given twice (one quota per tenant)")
         try:
             quotas[name] = parse_size(quota)
         except ValueError as exc:
@@ -140,9 +158,14 @@ def _tenant_quotas(parser: argparse.ArgumentParser, specs: list[str]) -> dict[st
 
 
 def _disk_tier(parser: argparse.ArgumentParser, args: argparse.Namespace) -> DiskTier | None:
+    given = {
+        field: getattr(args, dest) for dest, field in DISK_FIELDS.items() if getattr(args, dest) is not None
+    }
     if not args.disk_capacity:
-        if args.disk_dir:
-            parser.error("--disk-dir: needs --disk-capacity (the tier's size)")
+        options = ["--disk-dir"] if args.disk_dir else []
+        options += [f"--{dest.replace('_', '-')}" for dest in DISK_FIELDS if getattr(args, dest) is not None]
+        if options:
+            parser.error(f"{options[0]}: needs --disk-capacity (the tier's size)")
         return None
     try:
         capacity = parse_size(args.disk_capacity)
@@ -152,11 +175,8 @@ def _disk_tier(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Dis
         return DiskTier(
             capacity=capacity,
             parent=Path(args.disk_dir) if args.disk_dir else None,
-            key_limit=args.disk_key_limit,
-            eviction=args.disk_eviction,
-            high_watermark=args.disk_high_watermark,
-            low_watermark=args.disk_low_watermark,
             bucket_bytes=min(8 << 20, parse_size(args.segment_size) // 2, capacity),
+            **given,
         )
     except ValueError as exc:
         named = (part.partition(": ") for part in str(exc).split("; "))

@@ -112,6 +112,7 @@ def _child_named(parent: int, name: bytes) -> int:
     [
         (["--segment-size", "12x"], "--segment-size"),
         (["--segment-size", "512KB"], "--segment-size"),
+        (["--segment-size", "15MB"], "--segment-size: at least 16MB"),  # Mooncake's store exits
         (["--rpc-port", "70000"], "--rpc-port"),
         (["--cache-prefix", "a/b"], "--cache-prefix"),
         (["--kv-role", "kv_sideways"], "--kv-role"),
@@ -132,7 +133,11 @@ def test_bad_arguments_are_refused_naming_the_option(args: list[str], option: st
         (["--tenant", "team-a=lots"], "--tenant team-a: 'lots' is not a size"),
         (["--tenant", "team-a=0"], "--tenant team-a: a quota is at least 1 byte"),
         (["--disk-capacity", "12x"], "--disk-capacity: '12x' is not a size"),
+        (["--tenant", "team-a=1GB", "--tenant", "team-a=2GB"], "--tenant team-a: given twice"),
         (["--disk-dir", "/tmp"], "--disk-dir: needs --disk-capacity"),
+        (["--disk-key-limit", "10"], "--disk-key-limit: needs --disk-capacity"),
+        (["--disk-eviction", "fifo"], "--disk-eviction: needs --disk-capacity"),
+        (["--disk-high-watermark", "0.5"], "--disk-high-watermark: needs --disk-capacity"),
         (
             ["--disk-capacity", "1GB", "--disk-low-watermark", "0.95"],
             "--disk-low-watermark, --disk-high-watermark: 0 < low watermark < high watermark <= 1",
