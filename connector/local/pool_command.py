@@ -128,6 +128,8 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     for option, port in (("--rpc-port", args.rpc_port), ("--metrics-port", args.metrics_port)):
         if not 0 <= port <= 65535:
             parser.error(f"{option}: a TCP port is 1-65535 (0: a free one)")
+    if args.rpc_port and args.rpc_port == args.metrics_port:
+        parser.error("--metrics-port: not the --rpc-port (the master listens on both)")
     try:
         transfer_config("127.0.0.1:1", args.cache_prefix, args.kv_role)
     except SettingsError as exc:

@@ -114,6 +114,7 @@ def _child_named(parent: int, name: bytes) -> int:
         (["--segment-size", "512KB"], "--segment-size"),
         (["--segment-size", "15MB"], "--segment-size: at least 16MB"),  # Mooncake's store exits
         (["--rpc-port", "70000"], "--rpc-port"),
+        (["--rpc-port", "23456", "--metrics-port", "23456"], "--metrics-port: not the --rpc-port"),
         (["--cache-prefix", "a/b"], "--cache-prefix"),
         (["--kv-role", "kv_sideways"], "--kv-role"),
     ],
