@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +29,7 @@ import pytest
 from kvpool.connector.contract.layout import KVLayout, fingerprint
 from kvpool.connector.contract.settings import ConnectorSettings
 from kvpool.operator.plan import build_plan
+from testing.child_processes import children, running
 from testing.engine import EngineOptions, run_engine_subprocess, transfer_config
 from testing.models import build_gemma3
 from testing.operator_objects import pool_spec
@@ -153,3 +156,41 @@ def test_a_block_size_the_backends_cannot_run_is_refused(model_dir) -> None:
         result.stderr
     )
     assert "No common block size for 7 (CPU_ATTN: [MultipleOf(32)])" in result.stderr
+
+
+def test_sigterm_stops_the_ranks_and_removes_their_files(model_dir) -> None:
+    """Python's default SIGTERM ended the command alone: its ranks ran on, orphaned, and left
+    their sockets in the temporary folder."""
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_RPC_BASE_PATH"}
+    with tempfile.TemporaryDirectory(prefix="kvpool-test-") as temp:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "kvpool.connector.local.layout_command", "--model", str(model_dir),
+             "--block-size", str(BLOCK), "--dtype", DTYPE, "-tp", "2"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**env, "TMPDIR": temp},
+        )  # fmt: skip
+        ranks: list[int] = []
+        try:
+            deadline = time.monotonic() + 600
+            while len(ranks) < 2:  # both ranks started (multiprocessing's spawned children)
+                assert process.poll() is None and time.monotonic() < deadline, "no ranks started"
+                time.sleep(0.05)
+                ranks = [
+                    pid
+                    for pid, command in children(process.pid).items()
+                    if b"spawn_main" in b" ".join(command)
+                ]
+            process.send_signal(signal.SIGTERM)
+            out, err = process.communicate(timeout=600)
+            assert [pid for pid in ranks if running(pid)] == []
+            assert process.returncode == 128 + signal.SIGTERM, err[-3000:]
+            assert "kvpool-layout: stopped by SIGTERM" in err
+            assert out == ""
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+            for pid in ranks:  # what a failed stop left, by PID
+                if running(pid):
+                    os.kill(pid, signal.SIGKILL)
+        left = [p.name for p in Path(temp).iterdir() if not p.name.startswith("torchinductor_")]
+    assert left == []
