@@ -38,14 +38,14 @@ def _parser() -> argparse.ArgumentParser:
         "MooncakeKVPool consumer. Needs vLLM; loads no weights.",
     )
     parser.add_argument("--model", required=True, help="model name or path, exactly as vLLM's --model")
-    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    parser.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="vLLM's -tp (default 1)")
+    parser.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, help="vLLM's -pp (default 1)")
     parser.add_argument("--block-size", type=int, default=None, help="vLLM's --block-size")
     parser.add_argument("--kv-cache-dtype", default="auto", help="vLLM's --kv-cache-dtype")
     parser.add_argument("--dtype", default="auto", help="vLLM's --dtype (the KV dtype when auto)")
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--revision", default=None)
-    parser.add_argument("--trust-remote-code", action="store_true")
+    parser.add_argument("--max-model-len", type=int, default=None, help="vLLM's --max-model-len")
+    parser.add_argument("--revision", default=None, help="vLLM's --revision")
+    parser.add_argument("--trust-remote-code", action="store_true", help="vLLM's --trust-remote-code")
     parser.add_argument(
         "--engine-arg",
         action="append",
@@ -78,10 +78,13 @@ def engine_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> di
     ):
         if value is not None:
             out[name] = value
+    own_options = set(out) | {"block_size", "max_model_len", "revision"}
     for item in args.engine_arg:
         name, eq, raw = item.partition("=")
         if not eq or not name.isidentifier():
             parser.error(f"--engine-arg {item!r}: use NAME=VALUE with an EngineArgs field name")
+        if name in own_options:
+            parser.error(f"--engine-arg {name}: use --{name.replace('_', '-')} (an option of its own)")
         try:
             out[name] = json.loads(raw)
         except json.JSONDecodeError:
@@ -117,12 +120,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     raise_on_stop_signals()  # the probe stops its ranks and removes their files
     try:
         try:
-            from kvpool.connector.local.layout_probe import ProbeError, UnsupportedBlockSize, probe_layout
+            from kvpool.connector.local.layout_probe import (
+                ProbeError,
+                UnsupportedBlockSize,
+                engine_arg_names,
+                probe_layout,
+            )
         except ImportError as exc:
             print(
                 f"kvpool-layout needs vLLM installed (the same vLLM as the servers): {exc}", file=sys.stderr
             )
             return 2
+        unknown = sorted(set(wanted) - engine_arg_names())
+        if unknown:
+            parser.error(f"--engine-arg {unknown[0]}: not a field of vLLM's EngineArgs")
         try:
             layout = probe_layout(wanted, args.model_id)
         except UnsupportedBlockSize as exc:

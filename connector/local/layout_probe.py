@@ -53,6 +53,15 @@ class UnsupportedBlockSize(ProbeError):
     """The attention backends of this platform cannot run the block size asked for."""
 
 
+def engine_arg_names() -> set[str]:
+    """The field names of vLLM's ``EngineArgs``."""
+    import dataclasses
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    return {field.name for field in dataclasses.fields(EngineArgs)}
+
+
 def engine_config(engine_args: Mapping[str, Any]) -> Any:
     """vLLM's ``VllmConfig`` for ``engine_args`` (``EngineArgs`` field names), tokenizer skipped."""
     from vllm.engine.arg_utils import EngineArgs

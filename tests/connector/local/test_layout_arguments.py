@@ -1,4 +1,4 @@
-"""``kvpool-layout`` refuses bad arguments before it imports vLLM or starts a rank.
+"""``kvpool-layout`` refuses bad arguments before it starts a rank (most before it imports vLLM).
 
 The layout it prints, and a block size vLLM's backends refuse, are
 ``tests/connector/integrity/test_layout_whole_path.py``.
@@ -6,9 +6,14 @@ The layout it prints, and a block size vLLM's backends refuse, are
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from kvpool.connector.local import layout_command
+
+COMMAND = [sys.executable, "-m", "kvpool.connector.local.layout_command"]
 
 
 @pytest.mark.parametrize(
@@ -22,6 +27,14 @@ from kvpool.connector.local import layout_command
         (["-pp", "-1"], "--pipeline-parallel-size: at least 1"),
         (["--engine-arg", "no-equals"], "--engine-arg 'no-equals': use NAME=VALUE"),
         (["--format", "toml"], "argument --format: invalid choice: 'toml'"),
+        (
+            ["-tp", "2", "--engine-arg", "tensor_parallel_size=1"],
+            "--engine-arg tensor_parallel_size: use --tensor",
+        ),
+        (
+            ["--engine-arg", "block_size=16"],
+            "--engine-arg block_size: use --block-size (an option of its own)",
+        ),
     ],
 )
 def test_bad_arguments_are_refused_before_anything_starts(
@@ -33,3 +46,18 @@ def test_bad_arguments_are_refused_before_anything_starts(
     out, err = capsys.readouterr()
     assert message in err
     assert out == ""
+
+
+def test_an_engine_arg_vllm_does_not_have_is_refused_before_any_rank_starts() -> None:
+    """It was a ``TypeError`` from ``EngineArgs`` (exit status 1), after the command said nothing
+    of the option; vLLM's fields are known once vLLM is imported, before any rank starts."""
+    result = subprocess.run(
+        [*COMMAND, "--model", "/nonexistent/model", "--engine-arg", "mamba_cach_mode=align"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert (
+        "kvpool-layout: error: --engine-arg mamba_cach_mode: not a field of vLLM's EngineArgs"
+        in result.stderr
+    )
+    assert result.stdout == ""
