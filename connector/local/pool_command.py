@@ -33,7 +33,8 @@ from typing import Any
 
 from kvpool.connector.contract.settings import ConnectorSettings, SettingsError, parse_size
 from kvpool.connector.local.disk_tier import EVICTION_POLICIES, DiskTier
-from kvpool.connector.local.pool import LocalPool
+from kvpool.connector.local.pool import LOOPBACK, LocalPool
+from kvpool.connector.local.ports import bindable
 
 DEFAULT_SEGMENT = "1GB"
 #: The least memory Mooncake's store mounts (its client refuses less, and exits).
@@ -130,6 +131,9 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             parser.error(f"{option}: a TCP port is 1-65535 (0: a free one)")
     if args.rpc_port and args.rpc_port == args.metrics_port:
         parser.error("--metrics-port: not the --rpc-port (the master listens on both)")
+    for option, port in (("--rpc-port", args.rpc_port), ("--metrics-port", args.metrics_port)):
+        if port and not bindable(port):
+            parser.error(f"{option}: {port} is in use on {LOOPBACK}")
     try:
         transfer_config("127.0.0.1:1", args.cache_prefix, args.kv_role)
     except SettingsError as exc:

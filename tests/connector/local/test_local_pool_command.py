@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -124,6 +125,19 @@ def test_bad_arguments_are_refused_naming_the_option(args: list[str], option: st
     assert result.returncode == 2
     assert option in result.stderr
     assert result.stdout == ""  # nothing started, nothing printed
+
+
+@pytest.mark.parametrize("option", ["--rpc-port", "--metrics-port"])
+def test_a_port_in_use_is_refused_naming_the_option(option: str) -> None:
+    """The master used to start and exit on it (or the pool waited on another server's port)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run([*COMMAND, option, str(port)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert f"{option}: {port} is in use on 127.0.0.1" in result.stderr
+    assert result.stdout == ""
 
 
 @pytest.mark.parametrize(
