@@ -27,10 +27,13 @@ class Stopped(Exception):
 
 
 def _raise_stopped(signum: int, frame: FrameType | None) -> None:
+    for other in SIGNALS:  # the stop it starts runs to its end (each step has a deadline)
+        signal.signal(other, signal.SIG_IGN)
     raise Stopped(signum)
 
 
 def raise_on_stop_signals() -> None:
-    """From now on, SIGINT and SIGTERM raise :class:`Stopped` in the main thread."""
+    """From now on, SIGINT or SIGTERM raises :class:`Stopped` in the main thread, once: later
+    ones are ignored, so that a second Ctrl-C cannot cut the stop short and leave a part running."""
     for signum in SIGNALS:
         signal.signal(signum, _raise_stopped)
