@@ -4,7 +4,8 @@ It starts a Mooncake master and one store process (:class:`~kvpool.connector.loc
 waits until the master serves and the store's memory is mounted, prints the
 ``--kv-transfer-config`` JSON for vLLM on one line of standard output, and runs
 until Ctrl-C (SIGINT) or SIGTERM, when it stops the store, then the master. If
-either dies meanwhile, it stops the other and exits with status 1.
+either dies meanwhile, it stops the other and exits with status 1. A stop while the
+pool starts stops what has started, and prints no JSON.
 
 With ``--disk-capacity`` the store has a local disk tier (Mooncake's SSD offload in a
 directory of its own under ``--disk-dir``, removed when the pool stops). With ``--tenant
@@ -23,18 +24,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import signal
 import sys
-import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 from kvpool.connector.contract.settings import ConnectorSettings, SettingsError, parse_size
 from kvpool.connector.local.disk_tier import EVICTION_POLICIES, DiskTier
 from kvpool.connector.local.pool import LOOPBACK, LocalPool
 from kvpool.connector.local.ports import bindable
+from kvpool.connector.local.stopping import Stopped, raise_on_stop_signals
 
 DEFAULT_SEGMENT = "1GB"
 #: The least memory Mooncake's store mounts (its client refuses less, and exits).
@@ -194,14 +194,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     _check(parser, args)
 
-    stop = threading.Event()
-
-    def request_stop(signum: int, frame: FrameType | None) -> None:
-        stop.set()
-
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, request_stop)
-
+    raise_on_stop_signals()  # also while the pool starts: what started is stopped
     pool = LocalPool(
         segment_size=args.segment_size,
         rpc_port=args.rpc_port,
@@ -232,11 +225,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
             flush=True,
         )
-        while not stop.wait(POLL_S):
+        while True:
+            time.sleep(POLL_S)
             exited = pool.exited()
             if exited:
                 print(f"kvpool-local-pool: exited unexpectedly: {', '.join(exited)}", file=sys.stderr)
                 return 1
+    except Stopped:
         print("kvpool-local-pool: stopping", file=sys.stderr, flush=True)
         return 0
     finally:

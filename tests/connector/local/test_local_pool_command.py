@@ -13,6 +13,8 @@ import signal
 import socket
 import subprocess
 import sys
+import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -85,6 +87,61 @@ def test_it_prints_the_transfer_config_and_stops_cleanly(stop: signal.Signals) -
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def test_a_stop_while_the_pool_starts_stops_it_and_prints_no_config() -> None:
+    """SIGTERM used to wait for the start, then print the JSON of a pool about to go."""
+    process = subprocess.Popen(
+        [*COMMAND, "--segment-size", "32MB"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    started: dict[int, list[bytes]] = {}
+    store = None
+    try:
+        deadline = time.monotonic() + STARTUP_S
+        while store is None:
+            assert process.poll() is None and time.monotonic() < deadline, "no store started"
+            started = children(process.pid)
+            store = next(
+                (pid for pid, command in started.items() if command[0].endswith(b"mooncake_client")), None
+            )
+        os.kill(store, signal.SIGSTOP)  # the start now waits for the store's memory
+        master = next(command for command in started.values() if command[0].endswith(b"mooncake_master"))
+        metrics_port = int(next(a for a in master if a.startswith(b"--metrics_port=")).split(b"=")[1])
+        if wait_for_capacity_bytes(metrics_port) > 0:
+            pytest.skip("the store mounted its memory before it was paused: the start was over")
+        process.send_signal(signal.SIGTERM)
+        os.kill(store, signal.SIGCONT)
+        out, err = process.communicate(timeout=STARTUP_S)
+        assert [pid for pid in started if running(pid)] == []  # the master and the store
+        assert out == ""  # no JSON for a pool that is gone
+        assert process.returncode == 0, err
+        assert "kvpool-local-pool: stopping" in err
+    finally:
+        if store is not None and running(store):
+            os.kill(store, signal.SIGCONT)
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        for pid in started:  # what a failed stop left, by PID
+            if running(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def wait_for_capacity_bytes(metrics_port: int) -> float:
+    """The store memory the master at ``metrics_port`` reports mounted, once it answers."""
+    deadline = time.monotonic() + STARTUP_S
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as response:
+                text = response.read().decode()
+        except OSError:
+            assert time.monotonic() < deadline, "the master never answered"
+            time.sleep(0.05)
+            continue
+        for line in text.splitlines():
+            if line.startswith("master_total_capacity_bytes "):
+                return float(line.split()[1])
+        return 0.0
 
 
 def test_a_dead_store_stops_the_pool_with_an_error() -> None:
