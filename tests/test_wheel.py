@@ -43,6 +43,7 @@ LOCAL_MODULES = {
     "stopping",
     "tenant_quotas",
     "tiny_model",
+    "watchdog",
 }
 IMPORTS_SCAFFOLDING = re.compile(r"^\s*(from|import)\s+(testing|tests|benchmarks)\b", re.MULTILINE)
 

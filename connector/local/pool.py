@@ -1,6 +1,8 @@
 """A Mooncake pool on this machine's loopback: a master and a store process.
 
-Every process it starts, it stops. Binaries come from the
+Every process it starts, it stops, and each has a watchdog
+(:mod:`~kvpool.connector.local.watchdog`) that SIGKILLs it should its starter die without
+stopping it (a SIGKILL, the OOM killer). Binaries come from the
 ``mooncake-transfer-engine`` wheel (next to the interpreter in its virtualenv,
 else on PATH). The master listens on loopback only; the store is started with
 the Mooncake client environment of :mod:`kvpool.connector.contract.mooncake_env`
@@ -28,6 +30,7 @@ from kvpool.connector.contract.settings import parse_size
 from kvpool.connector.local import tenant_quotas
 from kvpool.connector.local.disk_tier import DiskTier
 from kvpool.connector.local.ports import free_port
+from kvpool.connector.local.watchdog import release, watch
 from kvpool.connector.observability.logs import get_logger
 
 LOOPBACK = "127.0.0.1"
@@ -83,32 +86,45 @@ def wait_for_port(
 
 
 def stop_process(process: subprocess.Popen[bytes] | None, timeout: float = 10.0) -> None:
-    """SIGTERM, then SIGKILL if it lingers."""
-    if process is None or process.poll() is not None:
+    """SIGTERM, then SIGKILL if it lingers; then its watchdog goes."""
+    if process is None:
         return
-    process.send_signal(signal.SIGTERM)
-    try:
-        process.wait(timeout)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait(timeout)
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout)
+    release(process)
 
 
 def kill_process(process: subprocess.Popen[bytes] | None) -> None:
-    """SIGKILL, without a word to anyone it serves; then reap it."""
-    if process is not None and process.poll() is None:
+    """SIGKILL, without a word to anyone it serves; then reap it (and its watchdog goes)."""
+    if process is None:
+        return
+    if process.poll() is None:
         process.kill()
         process.wait()
+    release(process)
 
 
 def start_logged(
     command: list[str], log_path: Path, env: dict[str, str] | None = None
 ) -> subprocess.Popen[bytes]:
-    """``command`` in a session of its own, stdout and stderr appended to ``log_path``."""
+    """``command`` in a session of its own, stdout and stderr appended to ``log_path``, with a
+    watchdog that SIGKILLs it if this process ends without stopping it (stop it with
+    :func:`stop_process` or :func:`kill_process`, which release the watchdog)."""
     with log_path.open("ab") as log:
-        return subprocess.Popen(
+        process = subprocess.Popen(
             command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
+    try:
+        watch(process)
+    except BaseException:
+        kill_process(process)
+        raise
+    return process
 
 
 @dataclass

@@ -5,7 +5,8 @@ waits until the master serves and the store's memory is mounted, prints the
 ``--kv-transfer-config`` JSON for vLLM on one line of standard output, and runs
 until Ctrl-C (SIGINT) or SIGTERM, when it stops the store, then the master. If
 either dies meanwhile, it stops the other and exits with status 1. A stop while the
-pool starts stops what has started, and prints no JSON.
+pool starts stops what has started, and prints no JSON. If it is killed (SIGKILL, the OOM
+killer), their watchdogs (:mod:`~kvpool.connector.local.watchdog`) kill them.
 
 With ``--disk-capacity`` the store has a local disk tier (Mooncake's SSD offload in a
 directory of its own under ``--disk-dir``, removed when the pool stops). With ``--tenant

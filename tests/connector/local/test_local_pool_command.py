@@ -157,6 +157,26 @@ def test_a_dead_store_stops_the_pool_with_an_error() -> None:
             process.wait()
 
 
+def test_a_killed_command_takes_its_master_and_store_with_it() -> None:
+    """SIGKILL (the OOM killer, ``timeout -s KILL``) used to leave the master and the store running
+    for good, in sessions of their own: no handler of the command runs to stop them."""
+    process, config, _ = start()
+    parts = [_child_named(process.pid, b"mooncake_master"), _child_named(process.pid, b"mooncake_client")]
+    watchdogs = [pid for pid in children(process.pid) if pid not in parts]
+    try:
+        process.kill()
+        process.wait()
+        deadline = time.monotonic() + 30
+        while any(running(pid) for pid in parts + watchdogs) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [pid for pid in parts + watchdogs if running(pid)] == []
+        assert not port_open(master_port(config))
+    finally:
+        for pid in parts + watchdogs:  # what the failure left, by PID
+            if running(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
 def _child_named(parent: int, name: bytes) -> int:
     """The PID of ``parent``'s child whose program ends with ``name``."""
     for pid, command in children(parent).items():
