@@ -72,17 +72,23 @@ def wait_for_port(
     log_path: Path | None = None,
 ) -> None:
     """Until something accepts connections on ``port`` of a loopback address; fails early if
-    ``process`` exits, with the end of its log (``log_path``): a log removed with its
-    folder afterwards still tells why."""
+    ``process`` exits. Either failure names the log (``log_path``) and ends with its end: a
+    log removed with its folder afterwards still tells why."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process is not None and process.poll() is not None:
-            why = f"; the end of {log_path}:\n{log_tail(log_path)}" if log_path is not None else ""
-            raise RuntimeError(f"process exited with {process.returncode} before listening on {port}{why}")
+            raise RuntimeError(
+                f"process exited with {process.returncode} before listening on {port}{_why(log_path)}"
+            )
         if port_open(port, host):
             return
         time.sleep(0.05)
-    raise TimeoutError(f"nothing listening on {host}:{port} after {timeout}s")
+    raise TimeoutError(f"nothing listening on {host}:{port} after {timeout}s{_why(log_path)}")
+
+
+def _why(log_path: Path | None) -> str:
+    """The end of a failure's message: the log's path and its last lines."""
+    return f"; the end of {log_path}:\n{log_tail(log_path)}" if log_path is not None else ""
 
 
 def stop_process(process: subprocess.Popen[bytes] | None, timeout: float = 10.0) -> None:
@@ -233,7 +239,7 @@ class MooncakeStore:
             self.process = start_logged(self.command(), log, env)
             wait_for_port(self.port, timeout, self.process, self.host, log_path=log)
             if master is not None:
-                wait_for_capacity(master, timeout)
+                wait_for_capacity(master, timeout, log_path=log)
         except BaseException:
             self.stop()
             raise
@@ -249,8 +255,11 @@ class MooncakeStore:
         kill_process(self.process)
 
 
-def wait_for_capacity(master: MooncakeMaster, timeout: float, minimum: float = 1.0) -> None:
-    """Until ``master`` reports at least ``minimum`` bytes of mounted store memory."""
+def wait_for_capacity(
+    master: MooncakeMaster, timeout: float, minimum: float = 1.0, *, log_path: Path | None = None
+) -> None:
+    """Until ``master`` reports at least ``minimum`` bytes of mounted store memory; a timeout
+    names the store's log (``log_path``) and ends with its end."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
@@ -259,7 +268,7 @@ def wait_for_capacity(master: MooncakeMaster, timeout: float, minimum: float = 1
         except OSError:  # a master still starting answers nothing yet
             pass
         time.sleep(0.1)
-    raise TimeoutError(f"no store segment mounted on {master.address} after {timeout}s")
+    raise TimeoutError(f"no store segment mounted on {master.address} after {timeout}s{_why(log_path)}")
 
 
 @dataclass
@@ -273,8 +282,9 @@ class LocalPool:
     # Mooncake tenant -> quota in bytes: the master admits writes of these tenants only.
     tenant_quotas: Mapping[str, int] | None = None
     disk_tier: DiskTier | None = None  # the store's local disk tier
-    # Keep the master's and the store's log folders after a clean stop (the command line pool,
-    # which tells where they are); those of a part that died on its own are always kept.
+    # Keep the master's and the store's log folders after a clean stop or a failed start (the
+    # command line pool, which tells where they are); those of a part that died on its own, or
+    # of a store that did not start (its error names its log), are always kept.
     keep_logs: bool = False
     master: MooncakeMaster | None = None
     store: MooncakeStore | None = None
@@ -303,12 +313,15 @@ class LocalPool:
             extra += self.disk_tier.master_args()
         master.extra_args = extra
         self.master = master.start()
+        store = MooncakeStore(self.master.address, self.segment_size, disk_tier=self.disk_tier)
         try:
-            self.store = MooncakeStore(
-                self.master.address, self.segment_size, disk_tier=self.disk_tier
-            ).start(self.master)
-        except BaseException:
+            self.store = store.start(self.master)
+        except BaseException as exc:
             self.master.stop()
+            if not self.keep_logs:  # a failed store's error names its log; nothing names the others
+                shutil.rmtree(self.master.log_dir, ignore_errors=True)
+                if store.process is None or not isinstance(exc, Exception):
+                    shutil.rmtree(store.log_dir, ignore_errors=True)
             raise
         return self
 

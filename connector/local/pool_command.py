@@ -208,7 +208,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             pool.start()
         except (OSError, RuntimeError, TimeoutError) as exc:
-            print(f"kvpool-local-pool: the pool did not start: {exc}", file=sys.stderr)
+            kept = f" (the master's log is in {pool.master.log_dir})" if pool.master is not None else ""
+            print(f"kvpool-local-pool: the pool did not start{kept}: {exc}", file=sys.stderr)
             return 1
         assert pool.master is not None and pool.store is not None
         for tenant in args.tenant_quotas or [""]:

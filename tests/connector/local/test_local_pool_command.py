@@ -177,6 +177,25 @@ def test_a_killed_command_takes_its_master_and_store_with_it() -> None:
                 os.kill(pid, signal.SIGKILL)
 
 
+def test_a_pool_that_does_not_start_names_its_log_folders() -> None:
+    """The command keeps its logs; the master's folder used to go unnamed when the store failed."""
+    below_the_check = (
+        "import sys; from kvpool.connector.local import pool_command as c; c.MIN_SEGMENT = 0; "
+        "sys.exit(c.main(['--segment-size', '15MB']))"  # Mooncake's store exits below 16MB
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", below_the_check], capture_output=True, text=True, timeout=120
+    )
+    master = re.search(r"the master's log is in (\S+)\)", result.stderr)
+    store = re.search(r"the end of (\S+)/store\.log:", result.stderr)
+    _LOG_FOLDERS.extend(Path(found.group(1)) for found in (master, store) if found)
+    assert result.returncode == 1, result.stderr
+    assert "the pool did not start" in result.stderr
+    assert master and store, result.stderr
+    assert Path(master.group(1), "master.log").exists() and Path(store.group(1), "store.log").exists()
+    assert result.stdout == ""
+
+
 def _child_named(parent: int, name: bytes) -> int:
     """The PID of ``parent``'s child whose program ends with ``name``."""
     for pid, command in children(parent).items():

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import re
 import shutil
+from pathlib import Path
 
 import pytest
 
-from kvpool.connector.local.pool import LocalPool, MooncakeMaster, kill_process
+from kvpool.connector.local.pool import LocalPool, MooncakeMaster, MooncakeStore, free_port, kill_process
 
 pytestmark = pytest.mark.mooncake
 
@@ -64,3 +66,34 @@ def test_a_master_that_does_not_serve_in_time_is_stopped() -> None:
     finally:
         kill_process(master.process)
         shutil.rmtree(master.log_dir, ignore_errors=True)
+
+
+def test_a_store_that_does_not_listen_in_time_names_its_log() -> None:
+    """Its folder used to stay in the temp folder, named by no message."""
+    store = MooncakeStore(f"127.0.0.1:{free_port()}", "32MB")
+    try:
+        with pytest.raises(TimeoutError) as failed:
+            store.start(timeout=0)  # no time to listen
+        assert store.process is not None and store.process.poll() is not None  # stopped, and reaped
+    finally:
+        kill_process(store.process)
+        shutil.rmtree(store.log_dir, ignore_errors=True)
+    assert f"the end of {store.log_dir / 'store.log'}" in str(failed.value)
+
+
+def test_a_pool_whose_store_fails_keeps_only_the_log_its_error_names() -> None:
+    """The master's log folder used to stay too, named by nothing."""
+    pool = LocalPool(segment_size="15MB")  # less than Mooncake's store mounts: it exits
+    with pytest.raises(RuntimeError, match="before listening") as failed:
+        pool.start()
+    named = re.search(r"the end of (\S+)/store\.log:", str(failed.value))
+    try:
+        assert named, str(failed.value)
+        assert pool.master is not None
+        assert not pool.master.log_dir.exists()
+        assert Path(named.group(1), "store.log").exists()
+    finally:
+        if named:
+            shutil.rmtree(named.group(1), ignore_errors=True)
+        if pool.master is not None:
+            shutil.rmtree(pool.master.log_dir, ignore_errors=True)
