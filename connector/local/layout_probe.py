@@ -28,6 +28,7 @@ from typing import Any
 
 from kvpool.connector.contract.layout import KVLayout
 from kvpool.connector.local.ports import free_port
+from kvpool.connector.local.stopping import deferred
 
 LOOPBACK = "127.0.0.1"
 RANK_TIMEOUT_S = 600.0
@@ -162,16 +163,17 @@ def rank_specs(
                 raise ProbeError(f"rank {rank} could not build the model's KV-cache specs: {error}")
             collected[rank] = (specs, backends, layouts)
     finally:
-        for process in processes:
-            if len(collected) < world and process.is_alive():
-                process.kill()  # a failed or stopped probe: the others may wait on it forever
-            process.join(timeout=10)
-            if process.is_alive():
-                process.kill()
-                process.join()
-        for key, value in env_before.items():
-            _restore(key, value)
-        shutil.rmtree(rank_temp, ignore_errors=True)
+        with deferred():  # a stop signal meanwhile is raised once the ranks and their files are gone
+            for process in processes:
+                if len(collected) < world and process.is_alive():
+                    process.kill()  # a failed or stopped probe: the others may wait on it forever
+                process.join(timeout=10)
+                if process.is_alive():
+                    process.kill()
+                    process.join()
+            for key, value in env_before.items():
+                _restore(key, value)
+            shutil.rmtree(rank_temp, ignore_errors=True)
     ordered = [collected[r] for r in range(world)]
     return [c[0] for c in ordered], [c[1] for c in ordered], ordered[0][2]
 

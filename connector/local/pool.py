@@ -30,6 +30,7 @@ from kvpool.connector.contract.settings import parse_size
 from kvpool.connector.local import tenant_quotas
 from kvpool.connector.local.disk_tier import DiskTier
 from kvpool.connector.local.ports import free_port
+from kvpool.connector.local.stopping import deferred
 from kvpool.connector.local.watchdog import release, watch
 from kvpool.connector.observability.logs import get_logger
 
@@ -92,17 +93,19 @@ def _why(log_path: Path | None) -> str:
 
 
 def stop_process(process: subprocess.Popen[bytes] | None, timeout: float = 10.0) -> None:
-    """SIGTERM, then SIGKILL if it lingers; then its watchdog goes."""
+    """SIGTERM, then SIGKILL if it lingers; then its watchdog goes. A stop signal meanwhile is
+    raised once it is gone."""
     if process is None:
         return
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout)
-    release(process)
+    with deferred():
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(timeout)
+        release(process)
 
 
 def kill_process(process: subprocess.Popen[bytes] | None) -> None:
@@ -327,7 +330,12 @@ class LocalPool:
 
     def stop(self) -> None:
         """Stop the store, then the master; their log folders go unless kept (``keep_logs``,
-        or a part that had died on its own: its log says why)."""
+        or a part that had died on its own: its log says why). A stop signal meanwhile is raised
+        once both are stopped."""
+        with deferred():
+            self._stop()
+
+    def _stop(self) -> None:
         if self._stopped:
             return
         self._stopped = True

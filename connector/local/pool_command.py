@@ -204,40 +204,43 @@ def main(argv: Sequence[str] | None = None) -> int:
         disk_tier=args.disk_tier,
         keep_logs=True,  # it says where they are
     )
+    status = 0  # a stop signal's: the pool ran until it was stopped
     try:
         try:
-            pool.start()
-        except (OSError, RuntimeError, TimeoutError) as exc:
-            kept = f" (the master's log is in {pool.master.log_dir})" if pool.master is not None else ""
-            print(f"kvpool-local-pool: the pool did not start{kept}: {exc}", file=sys.stderr)
-            return 1
-        assert pool.master is not None and pool.store is not None
-        for tenant in args.tenant_quotas or [""]:
-            config = transfer_config(pool.address, args.cache_prefix, args.kv_role, tenant)
-            print(json.dumps(config, separators=(",", ":")), flush=True)
-        tier = (
-            ""
-            if pool.disk_tier is None
-            else f", disk tier {args.disk_capacity} in {pool.disk_tier.directory}"
-        )
-        print(
-            f"kvpool-local-pool: master {pool.address} (metrics {pool.master.metrics_url}), store "
-            f"{args.segment_size}{tier}; logs in {pool.master.log_dir} and {pool.store.log_dir}.\n"
-            "Pass the JSON above to vLLM as --kv-transfer-config '<json>'. Ctrl-C stops the pool.",
-            file=sys.stderr,
-            flush=True,
-        )
-        while True:
-            time.sleep(POLL_S)
-            exited = pool.exited()
-            if exited:
-                print(f"kvpool-local-pool: exited unexpectedly: {', '.join(exited)}", file=sys.stderr)
-                return 1
+            status = _serve(pool, args)
+        finally:
+            pool.stop()  # a stop signal meanwhile is raised once the pool is stopped
     except Stopped:
         print("kvpool-local-pool: stopping", file=sys.stderr, flush=True)
-        return 0
-    finally:
-        pool.stop()
+    return status
+
+
+def _serve(pool: LocalPool, args: argparse.Namespace) -> int:
+    """Start ``pool``, print its JSON, and watch it until a part exits (1), or a stop signal."""
+    try:
+        pool.start()
+    except (OSError, RuntimeError, TimeoutError) as exc:
+        kept = f" (the master's log is in {pool.master.log_dir})" if pool.master is not None else ""
+        print(f"kvpool-local-pool: the pool did not start{kept}: {exc}", file=sys.stderr)
+        return 1
+    assert pool.master is not None and pool.store is not None
+    for tenant in args.tenant_quotas or [""]:
+        config = transfer_config(pool.address, args.cache_prefix, args.kv_role, tenant)
+        print(json.dumps(config, separators=(",", ":")), flush=True)
+    tier = "" if pool.disk_tier is None else f", disk tier {args.disk_capacity} in {pool.disk_tier.directory}"
+    print(
+        f"kvpool-local-pool: master {pool.address} (metrics {pool.master.metrics_url}), store "
+        f"{args.segment_size}{tier}; logs in {pool.master.log_dir} and {pool.store.log_dir}.\n"
+        "Pass the JSON above to vLLM as --kv-transfer-config '<json>'. Ctrl-C stops the pool.",
+        file=sys.stderr,
+        flush=True,
+    )
+    while True:
+        time.sleep(POLL_S)
+        exited = pool.exited()
+        if exited:
+            print(f"kvpool-local-pool: exited unexpectedly: {', '.join(exited)}", file=sys.stderr)
+            return 1
 
 
 if __name__ == "__main__":

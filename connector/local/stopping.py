@@ -4,14 +4,23 @@ Python's default SIGTERM ends the process at once: no ``finally`` runs, and what
 started in sessions of their own (a Mooncake master and store) or as its children (an
 engine process, the layout probe's ranks) runs on. Raised from the signal handler, the
 exception unwinds the command like any error: each ``with`` and ``finally`` stops its part.
+
+A stop that must run to its end (a pool's store, then its master) runs :func:`deferred`: a
+signal arriving in it is raised once it is over, not in its middle.
 """
 
 from __future__ import annotations
 
 import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import FrameType
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+_deferring = 0  # how many deferred() blocks the main thread is in
+_pending: int | None = None  # a signal that arrived in one, raised when the outermost ends
 
 
 class Stopped(Exception):
@@ -27,8 +36,12 @@ class Stopped(Exception):
 
 
 def _raise_stopped(signum: int, frame: FrameType | None) -> None:
+    global _pending
     for other in SIGNALS:  # the stop it starts runs to its end (each step has a deadline)
         signal.signal(other, signal.SIG_IGN)
+    if _deferring:
+        _pending = signum
+        return
     raise Stopped(signum)
 
 
@@ -37,3 +50,21 @@ def raise_on_stop_signals() -> None:
     ones are ignored, so that a second Ctrl-C cannot cut the stop short and leave a part running."""
     for signum in SIGNALS:
         signal.signal(signum, _raise_stopped)
+
+
+@contextmanager
+def deferred() -> Iterator[None]:
+    """A block a stop signal does not cut short: :class:`Stopped` is raised once it is over (where
+    it ends without an error of its own). Outside :func:`raise_on_stop_signals`, it changes nothing."""
+    global _deferring, _pending
+    if threading.current_thread() is not threading.main_thread():  # signals go to the main thread
+        yield
+        return
+    _deferring += 1
+    try:
+        yield
+    finally:
+        _deferring -= 1
+    if not _deferring and _pending is not None:
+        signum, _pending = _pending, None
+        raise Stopped(signum)

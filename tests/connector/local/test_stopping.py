@@ -1,14 +1,19 @@
-"""SIGINT and SIGTERM unwind a command once: a second signal cannot cut its stop short."""
+"""SIGINT and SIGTERM unwind a command once: a second signal cannot cut its stop short, nor the
+first one a stop that must run to its end (a real Mooncake pool's)."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
 
 import pytest
 
-from kvpool.connector.local.stopping import SIGNALS, Stopped, raise_on_stop_signals
+from kvpool.connector.local.pool import LocalPool
+from kvpool.connector.local.stopping import SIGNALS, Stopped, deferred, raise_on_stop_signals
 
 
 @pytest.fixture
@@ -30,3 +35,69 @@ def test_the_first_signal_raises_and_later_ones_are_ignored() -> None:
     assert all(signal.getsignal(signum) == signal.SIG_IGN for signum in SIGNALS)
     os.kill(os.getpid(), signal.SIGINT)
     os.kill(os.getpid(), signal.SIGTERM)
+
+
+@pytest.mark.usefixtures("_handlers_restored")
+def test_a_signal_in_a_deferred_block_is_raised_once_it_is_over() -> None:
+    raise_on_stop_signals()
+    done = []
+    with pytest.raises(Stopped) as stopped, deferred():
+        os.kill(os.getpid(), signal.SIGINT)
+        done.append("the rest of the block")
+    assert done == ["the rest of the block"]
+    assert stopped.value.exit_status == 128 + signal.SIGINT
+
+
+def _pending_signals(pid: int) -> int:
+    """The signals sent to ``pid`` and not yet handled (a stopped process handles none)."""
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1], 16) for line in f if line.startswith("ShdPnd:"))
+
+
+def _until(condition: Callable[[], bool], deadline_s: float = 60.0) -> bool:
+    """Whether ``condition`` came true before the deadline."""
+    deadline = time.monotonic() + deadline_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+@pytest.mark.mooncake
+@pytest.mark.usefixtures("_handlers_restored")
+def test_a_signal_while_a_pool_stops_its_store_still_stops_its_master() -> None:
+    """The signal landed in the store's stop and unwound the pool's: its master, in a session of
+    its own, ran on with nobody to stop it."""
+    pool = LocalPool(segment_size="32MB").start()
+    assert pool.master is not None and pool.store is not None
+    master, store = pool.master.process, pool.store.process
+    assert master is not None and store is not None
+    failures: list[str] = []
+
+    def signal_while_the_store_stops() -> None:
+        told = _until(lambda: bool(_pending_signals(store.pid) & (1 << (signal.SIGTERM - 1))))
+        os.kill(os.getpid(), signal.SIGTERM)
+        handled = _until(lambda: signal.getsignal(signal.SIGTERM) == signal.SIG_IGN)
+        os.kill(store.pid, signal.SIGCONT)  # now it stops
+        failures.extend(what for what, ok in (("told", told), ("handled", handled)) if not ok)
+
+    raise_on_stop_signals()
+    os.kill(store.pid, signal.SIGSTOP)  # its stop waits for it while the signal lands
+    helper = threading.Thread(target=signal_while_the_store_stops)
+    helper.start()
+    try:
+        with pytest.raises(Stopped):
+            pool.stop()
+        helper.join()
+        assert failures == []
+        assert master.poll() is not None  # stopped, as the store was
+        assert store.poll() is not None
+    finally:
+        helper.join()
+        for process in (store, master):  # what a failed stop left, by PID
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+        for part in (pool.master, pool.store):
+            shutil.rmtree(part.log_dir, ignore_errors=True)
