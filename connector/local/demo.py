@@ -164,12 +164,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     _check(parser, args)
-    raise_on_stop_signals()
-    try:
-        return 0 if run_demo(args.model_dir, args.prefix_len, args.max_tokens) else 1
-    except Stopped as stopped:
-        print(f"kvpool-demo: stopped by {stopped}; the engine and the pool are stopped", file=sys.stderr)
-        return stopped.exit_status
+    with raise_on_stop_signals():
+        try:
+            return 0 if run_demo(args.model_dir, args.prefix_len, args.max_tokens) else 1
+        except Stopped as stopped:
+            print(f"kvpool-demo: stopped by {stopped}; the engine and the pool are stopped", file=sys.stderr)
+            return stopped.exit_status
 
 
 if __name__ == "__main__":

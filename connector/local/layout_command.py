@@ -117,37 +117,38 @@ def main(argv: Sequence[str] | None = None) -> int:
     wanted = engine_args(args, parser)
     # Standard output carries the layout block alone: vLLM logs to standard error.
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
-    raise_on_stop_signals()  # the probe stops its ranks and removes their files
-    try:
+    with raise_on_stop_signals():  # the probe stops its ranks and removes their files
         try:
-            from kvpool.connector.local.layout_probe import (
-                ProbeError,
-                UnsupportedBlockSize,
-                engine_arg_names,
-                probe_layout,
-            )
-        except ImportError as exc:
-            print(
-                f"kvpool-layout needs vLLM installed (the same vLLM as the servers): {exc}", file=sys.stderr
-            )
-            return 2
-        unknown = sorted(set(wanted) - engine_arg_names())
-        if unknown:
-            parser.error(f"--engine-arg {unknown[0]}: not a field of vLLM's EngineArgs")
-        try:
-            layout = probe_layout(wanted, args.model_id)
-        except UnsupportedBlockSize as exc:
-            # vLLM's workers refuse it too: no server with these flags would start.
-            parser.print_usage(sys.stderr)
-            rule = "a size vLLM's attention backends on this platform run"
-            print(f"kvpool-layout: error: --block-size: {rule}: {exc}", file=sys.stderr)
-            return 2
-        except (ProbeError, ValueError, TypeError, OSError) as exc:
-            print(f"kvpool-layout: {exc}", file=sys.stderr)
-            return 1
-    except Stopped as stopped:
-        print(f"kvpool-layout: stopped by {stopped}", file=sys.stderr)
-        return stopped.exit_status
+            try:
+                from kvpool.connector.local.layout_probe import (
+                    ProbeError,
+                    UnsupportedBlockSize,
+                    engine_arg_names,
+                    probe_layout,
+                )
+            except ImportError as exc:
+                print(
+                    f"kvpool-layout needs vLLM installed (the same vLLM as the servers): {exc}",
+                    file=sys.stderr,
+                )
+                return 2
+            unknown = sorted(set(wanted) - engine_arg_names())
+            if unknown:
+                parser.error(f"--engine-arg {unknown[0]}: not a field of vLLM's EngineArgs")
+            try:
+                layout = probe_layout(wanted, args.model_id)
+            except UnsupportedBlockSize as exc:
+                # vLLM's workers refuse it too: no server with these flags would start.
+                parser.print_usage(sys.stderr)
+                rule = "a size vLLM's attention backends on this platform run"
+                print(f"kvpool-layout: error: --block-size: {rule}: {exc}", file=sys.stderr)
+                return 2
+            except (ProbeError, ValueError, TypeError, OSError) as exc:
+                print(f"kvpool-layout: {exc}", file=sys.stderr)
+                return 1
+        except Stopped as stopped:
+            print(f"kvpool-layout: stopped by {stopped}", file=sys.stderr)
+            return stopped.exit_status
     problems = check(layout)
     note = f"# fingerprint {fingerprint(layout)}; paste under the consumer in the MooncakeKVPool spec"
     # JSON has no comments: the note goes to standard error there.

@@ -195,24 +195,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     _check(parser, args)
 
-    raise_on_stop_signals()  # also while the pool starts: what started is stopped
-    pool = LocalPool(
-        segment_size=args.segment_size,
-        rpc_port=args.rpc_port,
-        metrics_port=args.metrics_port,
-        tenant_quotas=args.tenant_quotas,
-        disk_tier=args.disk_tier,
-        keep_logs=True,  # it says where they are
-    )
-    status = 0  # a stop signal's: the pool ran until it was stopped
-    try:
+    with raise_on_stop_signals():  # also while the pool starts: what started is stopped
+        pool = LocalPool(
+            segment_size=args.segment_size,
+            rpc_port=args.rpc_port,
+            metrics_port=args.metrics_port,
+            tenant_quotas=args.tenant_quotas,
+            disk_tier=args.disk_tier,
+            keep_logs=True,  # it says where they are
+        )
+        status = 0  # a stop signal's: the pool ran until it was stopped
         try:
-            status = _serve(pool, args)
-        finally:
-            pool.stop()  # a stop signal meanwhile is raised once the pool is stopped
-    except Stopped:
-        print("kvpool-local-pool: stopping", file=sys.stderr, flush=True)
-    return status
+            try:
+                status = _serve(pool, args)
+            finally:
+                pool.stop()  # a stop signal meanwhile is raised once the pool is stopped
+        except Stopped:
+            print("kvpool-local-pool: stopping", file=sys.stderr, flush=True)
+        return status
 
 
 def _serve(pool: LocalPool, args: argparse.Namespace) -> int:

@@ -45,11 +45,22 @@ def _raise_stopped(signum: int, frame: FrameType | None) -> None:
     raise Stopped(signum)
 
 
-def raise_on_stop_signals() -> None:
-    """From now on, SIGINT or SIGTERM raises :class:`Stopped` in the main thread, once: later
-    ones are ignored, so that a second Ctrl-C cannot cut the stop short and leave a part running."""
+@contextmanager
+def raise_on_stop_signals() -> Iterator[None]:
+    """In this block, SIGINT or SIGTERM raises :class:`Stopped` in the main thread, once: later
+    ones are ignored, so that a second Ctrl-C cannot cut the stop short and leave a part running.
+    The handlers found are back once it is over. Outside the main thread, it changes nothing."""
+    if threading.current_thread() is not threading.main_thread():  # signals go to the main thread
+        yield
+        return
+    found = {signum: signal.getsignal(signum) for signum in SIGNALS}
     for signum in SIGNALS:
         signal.signal(signum, _raise_stopped)
+    try:
+        yield
+    finally:
+        for signum, handler in found.items():
+            signal.signal(signum, handler)
 
 
 @contextmanager

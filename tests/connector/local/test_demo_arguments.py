@@ -57,7 +57,11 @@ def test_the_longest_prefix_allowed_is_accepted() -> None:
 def test_a_model_dir_that_cannot_be_made_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     blocker = tmp_path / "a-file"
     blocker.write_text("")
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
     assert demo.main(["--model-dir", str(blocker / "model")]) == 1
+    # Its stop signals' handlers went with it: they raised in the caller (here pytest) ever after,
+    # and once one had, ignored every later Ctrl-C and SIGTERM.
+    assert {signum: signal.getsignal(signum) for signum in handlers} == handlers
     out, err = capsys.readouterr()
     assert f"kvpool-demo: --model-dir {blocker / 'model'}: cannot build the model there" in err
     assert "pool:" not in out  # no pool was started

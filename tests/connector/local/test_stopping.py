@@ -8,7 +8,7 @@ import shutil
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 
@@ -16,32 +16,23 @@ from kvpool.connector.local.pool import LocalPool
 from kvpool.connector.local.stopping import SIGNALS, Stopped, deferred, raise_on_stop_signals
 
 
-@pytest.fixture
-def _handlers_restored() -> Iterator[None]:
-    saved = {signum: signal.getsignal(signum) for signum in SIGNALS}
-    yield
-    for signum, handler in saved.items():
-        signal.signal(signum, handler)
-
-
-@pytest.mark.usefixtures("_handlers_restored")
 def test_the_first_signal_raises_and_later_ones_are_ignored() -> None:
-    raise_on_stop_signals()
-    with pytest.raises(Stopped) as stopped:
+    found = {signum: signal.getsignal(signum) for signum in SIGNALS}
+    with raise_on_stop_signals():
+        with pytest.raises(Stopped) as stopped:
+            os.kill(os.getpid(), signal.SIGTERM)
+        assert stopped.value.exit_status == 128 + signal.SIGTERM
+        assert str(stopped.value) == "SIGTERM"
+        # The stop now runs (each step with a deadline): a second Ctrl-C or SIGTERM changes nothing.
+        assert all(signal.getsignal(signum) == signal.SIG_IGN for signum in SIGNALS)
+        os.kill(os.getpid(), signal.SIGINT)
         os.kill(os.getpid(), signal.SIGTERM)
-    assert stopped.value.exit_status == 128 + signal.SIGTERM
-    assert str(stopped.value) == "SIGTERM"
-    # The stop now runs (each step with a deadline): a second Ctrl-C or SIGTERM changes nothing.
-    assert all(signal.getsignal(signum) == signal.SIG_IGN for signum in SIGNALS)
-    os.kill(os.getpid(), signal.SIGINT)
-    os.kill(os.getpid(), signal.SIGTERM)
+    assert {signum: signal.getsignal(signum) for signum in SIGNALS} == found  # the caller's again
 
 
-@pytest.mark.usefixtures("_handlers_restored")
 def test_a_signal_in_a_deferred_block_is_raised_once_it_is_over() -> None:
-    raise_on_stop_signals()
     done = []
-    with pytest.raises(Stopped) as stopped, deferred():
+    with raise_on_stop_signals(), pytest.raises(Stopped) as stopped, deferred():
         os.kill(os.getpid(), signal.SIGINT)
         done.append("the rest of the block")
     assert done == ["the rest of the block"]
@@ -65,7 +56,6 @@ def _until(condition: Callable[[], bool], deadline_s: float = 60.0) -> bool:
 
 
 @pytest.mark.mooncake
-@pytest.mark.usefixtures("_handlers_restored")
 def test_a_signal_while_a_pool_stops_its_store_still_stops_its_master() -> None:
     """The signal landed in the store's stop and unwound the pool's: its master, in a session of
     its own, ran on with nobody to stop it."""
@@ -77,17 +67,17 @@ def test_a_signal_while_a_pool_stops_its_store_still_stops_its_master() -> None:
 
     def signal_while_the_store_stops() -> None:
         told = _until(lambda: bool(_pending_signals(store.pid) & (1 << (signal.SIGTERM - 1))))
+        ours = signal.getsignal(signal.SIGTERM)
         os.kill(os.getpid(), signal.SIGTERM)
-        handled = _until(lambda: signal.getsignal(signal.SIGTERM) == signal.SIG_IGN)
+        handled = _until(lambda: signal.getsignal(signal.SIGTERM) != ours)  # it ran
         os.kill(store.pid, signal.SIGCONT)  # now it stops
         failures.extend(what for what, ok in (("told", told), ("handled", handled)) if not ok)
 
-    raise_on_stop_signals()
     os.kill(store.pid, signal.SIGSTOP)  # its stop waits for it while the signal lands
     helper = threading.Thread(target=signal_while_the_store_stops)
     helper.start()
     try:
-        with pytest.raises(Stopped):
+        with raise_on_stop_signals(), pytest.raises(Stopped):
             pool.stop()
         helper.join()
         assert failures == []
