@@ -23,8 +23,10 @@ _deferring = 0  # how many deferred() blocks the main thread is in
 _pending: int | None = None  # a signal that arrived in one, raised when the outermost ends
 
 
-class Stopped(Exception):
-    """SIGINT or SIGTERM arrived; ``exit_status`` is the shell's for a process it ended."""
+class Stopped(BaseException):
+    """SIGINT or SIGTERM arrived; ``exit_status`` is the shell's for a process it ended. Not an
+    ``Exception``, as ``KeyboardInterrupt`` is not: the ``except Exception`` of the code it lands
+    in (logging's, a library's) cannot swallow it, and with it the one stop signal raised."""
 
     def __init__(self, signum: int) -> None:
         super().__init__(signal.Signals(signum).name)

@@ -3,6 +3,8 @@ first one a stop that must run to its end (a real Mooncake pool's)."""
 
 from __future__ import annotations
 
+import io
+import logging
 import os
 import shutil
 import signal
@@ -37,6 +39,26 @@ def test_a_signal_in_a_deferred_block_is_raised_once_it_is_over() -> None:
         done.append("the rest of the block")
     assert done == ["the rest of the block"]
     assert stopped.value.exit_status == 128 + signal.SIGINT
+
+
+def test_a_signal_landing_in_an_except_exception_still_stops() -> None:
+    """Stopped was an ``Exception``: logging's handler (as any ``except Exception``) swallowed it,
+    and with later signals ignored, nothing stopped the command any more."""
+
+    class Stream(io.StringIO):
+        def write(self, text: str) -> int:
+            os.kill(os.getpid(), signal.SIGTERM)  # lands in the handler's emit
+            return super().write(text)
+
+    logger = logging.getLogger("kvpool.test.stopping")
+    handler = logging.StreamHandler(Stream())
+    logger.addHandler(handler)
+    logger.propagate = False
+    try:
+        with raise_on_stop_signals(), pytest.raises(Stopped):
+            logger.warning("a record")
+    finally:
+        logger.removeHandler(handler)
 
 
 def _pending_signals(pid: int) -> int:
