@@ -34,7 +34,7 @@ from typing import Any
 from kvpool.connector.contract.settings import ConnectorSettings, SettingsError, parse_size
 from kvpool.connector.local.disk_tier import EVICTION_POLICIES, DiskTier
 from kvpool.connector.local.pool import LOOPBACK, LocalPool
-from kvpool.connector.local.ports import bindable
+from kvpool.connector.local.ports import listenable
 from kvpool.connector.local.stopping import Stopped, raise_on_stop_signals
 
 DEFAULT_SEGMENT = "1GB"
@@ -133,7 +133,7 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.rpc_port and args.rpc_port == args.metrics_port:
         parser.error("--metrics-port: not the --rpc-port (the master listens on both)")
     for option, port in (("--rpc-port", args.rpc_port), ("--metrics-port", args.metrics_port)):
-        if port and not bindable(port):
+        if port and not listenable(port):  # as the master binds it
             parser.error(f"{option}: {port} is in use on {LOOPBACK}")
     try:
         transfer_config("127.0.0.1:1", args.cache_prefix, args.kv_role)

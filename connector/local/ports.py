@@ -42,6 +42,20 @@ def bindable(port: int, host: str = LOOPBACK) -> bool:
     return True
 
 
+def listenable(port: int, host: str = LOOPBACK) -> bool:
+    """Whether a server that sets ``SO_REUSEADDR`` (``mooncake_master``) can listen on ``port`` of
+    ``host`` now: not while another socket listens there, but while only closed connections linger
+    on it (``TIME_WAIT``: a stopped server's, a while), which a plain bind (:func:`bindable`) refuses."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+            sock.listen()
+        except OSError:
+            return False
+    return True
+
+
 def free_port(host: str = LOOPBACK) -> int:
     """A TCP port free on ``host`` now, below the ephemeral range where one is (else one the
     kernel picks). Drawn from the system's randomness: processes forked from one parent

@@ -22,6 +22,7 @@ import pytest
 
 from kvpool.connector.contract.settings import ConnectorSettings
 from kvpool.connector.local.pool import port_open
+from kvpool.connector.local.ports import free_port
 from testing.child_processes import children, running
 
 pytestmark = pytest.mark.mooncake
@@ -234,6 +235,30 @@ def test_a_port_in_use_is_refused_naming_the_option(option: str) -> None:
     assert result.returncode == 2
     assert f"{option}: {port} is in use on 127.0.0.1" in result.stderr
     assert result.stdout == ""
+
+
+@pytest.mark.parametrize("option", ["--rpc-port", "--metrics-port"])
+def test_a_port_its_last_run_closed_is_taken_again(option: str) -> None:
+    """A pool stopped with clients connected leaves their closed connections on its ports a
+    while (TIME_WAIT): a plain bind counts them as in use, the master's (SO_REUSEADDR) does
+    not, and the pool was refused a restart on its own fixed ports."""
+    port = free_port()
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as server:
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        server.bind(("127.0.0.1", port))
+        server.listen()
+        with socket.create_connection(("127.0.0.1", port)):
+            accepted, _ = server.accept()
+            accepted.close()  # the server closes first, as a stopped master does: TIME_WAIT
+    process, _, note = start(option, str(port))
+    try:
+        assert f"127.0.0.1:{port}" in note
+        process.send_signal(signal.SIGTERM)
+        assert wait_exit(process) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
 
 
 @pytest.mark.parametrize(
