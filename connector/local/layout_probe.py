@@ -17,6 +17,7 @@ stopped before it returns.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import queue as queue_module
@@ -44,6 +45,8 @@ RANK_TEMP_VARIABLES = ("VLLM_RPC_BASE_PATH", "TMPDIR")
 SOCKET_PATH_MAX = 107
 #: vLLM names its IPC sockets with a UUID (36 characters) in its folder.
 SOCKET_NAME_LENGTH = 36
+#: Where POSIX shared memory (``shm_open``) lives on Linux.
+SHARED_MEMORY = "/dev/shm"
 
 
 class ProbeError(RuntimeError):
@@ -93,9 +96,6 @@ def _rank_specs(engine_args: dict[str, Any], rank: int, port: int, out: Any) -> 
         config = engine_config(engine_args)
         parallel = config.parallel_config
         world = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
-        # vLLM's CPU communicator names its shared-memory segments after this; vLLM's CPU
-        # worker sets it from the init method's port before it joins the group.
-        os.environ["VLLM_DIST_IDENT"] = str(port)
         with set_current_vllm_config(config):
             init_distributed_environment(
                 world_size=world,
@@ -140,7 +140,15 @@ def rank_specs(
     results: Any = context.Queue()
     port = free_port()
     rank_temp = _rank_temp_folder()
-    env = {"VLLM_HOST_IP": LOOPBACK, **dict.fromkeys(RANK_TEMP_VARIABLES, rank_temp)}
+    # vLLM's CPU communicator names its shared-memory segments after VLLM_DIST_IDENT (its CPU
+    # worker sets it from the init method's port): named after this probe, a rank stopped
+    # before it unlinks its own leaves them where the probe finds them, and only them.
+    shm_ident = f"kvpool-layout-{os.getpid()}-{port}"
+    env = {
+        "VLLM_HOST_IP": LOOPBACK,
+        "VLLM_DIST_IDENT": shm_ident,
+        **dict.fromkeys(RANK_TEMP_VARIABLES, rank_temp),
+    }
     env_before = {k: os.environ.get(k) for k in (*env, "GLOO_SOCKET_IFNAME")}
     os.environ.update(env)  # gloo's peers meet on loopback; the ranks inherit it at their start
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -174,6 +182,7 @@ def rank_specs(
             for key, value in env_before.items():
                 _restore(key, value)
             shutil.rmtree(rank_temp, ignore_errors=True)
+            _remove_shared_memory(shm_ident)
     ordered = [collected[r] for r in range(world)]
     return [c[0] for c in ordered], [c[1] for c in ordered], ordered[0][2]
 
@@ -187,6 +196,19 @@ def _rank_temp_folder() -> str:
             return folder
         os.rmdir(folder)
     raise ProbeError(f"no temporary folder short enough for vLLM's IPC sockets: {folder}")
+
+
+def _remove_shared_memory(ident: str, folder: str = SHARED_MEMORY) -> None:
+    """The shared-memory segments of the ranks' CPU communicator (``IDENT-…-cpushm_RANK``) that
+    stopped ranks left: each rank unlinks its own only when it ends its group itself."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return
+    for name in names:
+        if name.startswith(f"{ident}-") and "-cpushm" in name:
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(folder, name))
 
 
 def _restore(key: str, value: str | None) -> None:

@@ -160,7 +160,8 @@ def test_a_block_size_the_backends_cannot_run_is_refused(model_dir) -> None:
 
 def test_sigterm_stops_the_ranks_and_removes_their_files(model_dir) -> None:
     """Python's default SIGTERM ended the command alone: its ranks ran on, orphaned, and left
-    their sockets in the temporary folder."""
+    their sockets in the temporary folder. Stopped in their group, the ranks' CPU communicator
+    then left its shared memory (8 MB a rank) in /dev/shm for good."""
     env = {k: v for k, v in os.environ.items() if k != "VLLM_RPC_BASE_PATH"}
     with tempfile.TemporaryDirectory(prefix="kvpool-test-") as temp:
         process = subprocess.Popen(
@@ -168,23 +169,27 @@ def test_sigterm_stops_the_ranks_and_removes_their_files(model_dir) -> None:
              "--block-size", str(BLOCK), "--dtype", DTYPE, "-tp", "2"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**env, "TMPDIR": temp},
         )  # fmt: skip
+        segments = f"kvpool-layout-{process.pid}-"  # the probe's VLLM_DIST_IDENT
         ranks: list[int] = []
         try:
             deadline = time.monotonic() + 600
-            while len(ranks) < 2:  # both ranks started (multiprocessing's spawned children)
-                assert process.poll() is None and time.monotonic() < deadline, "no ranks started"
+            while len(ranks) < 2 or len(_shared_memory(segments)) < 2:  # both ranks in their group
+                assert process.poll() is None and time.monotonic() < deadline, "no ranks in a group"
                 time.sleep(0.05)
                 ranks = [
                     pid
                     for pid, command in children(process.pid).items()
                     if b"spawn_main" in b" ".join(command)
                 ]
+            for pid in ranks:  # held in their group until they are stopped
+                os.kill(pid, signal.SIGSTOP)
             process.send_signal(signal.SIGTERM)
             out, err = process.communicate(timeout=600)
             assert [pid for pid in ranks if running(pid)] == []
             assert process.returncode == 128 + signal.SIGTERM, err[-3000:]
             assert "kvpool-layout: stopped by SIGTERM" in err
             assert out == ""
+            assert _shared_memory(segments) == []
         finally:
             if process.poll() is None:
                 process.kill()
@@ -192,5 +197,11 @@ def test_sigterm_stops_the_ranks_and_removes_their_files(model_dir) -> None:
             for pid in ranks:  # what a failed stop left, by PID
                 if running(pid):
                     os.kill(pid, signal.SIGKILL)
+            for name in _shared_memory(segments):
+                os.unlink(f"/dev/shm/{name}")
         left = [p.name for p in Path(temp).iterdir() if not p.name.startswith("torchinductor_")]
     assert left == []
+
+
+def _shared_memory(prefix: str) -> list[str]:
+    return sorted(name for name in os.listdir("/dev/shm") if name.startswith(prefix))
