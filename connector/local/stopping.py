@@ -55,6 +55,7 @@ def raise_on_stop_signals() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():  # signals go to the main thread
         yield
         return
+    global _pending
     found = {signum: signal.getsignal(signum) for signum in SIGNALS}
     for signum in SIGNALS:
         signal.signal(signum, _raise_stopped)
@@ -63,6 +64,7 @@ def raise_on_stop_signals() -> Iterator[None]:
     finally:
         for signum, handler in found.items():
             signal.signal(signum, handler)
+        _pending = None  # one a deferred block that failed kept: it is not raised after the block
 
 
 @contextmanager

@@ -41,6 +41,15 @@ def test_a_signal_in_a_deferred_block_is_raised_once_it_is_over() -> None:
     assert stopped.value.exit_status == 128 + signal.SIGINT
 
 
+def test_a_signal_a_failed_deferred_block_kept_goes_with_the_handlers() -> None:
+    """It was raised by the next deferred block, in whatever came after (a later pool's stop)."""
+    with raise_on_stop_signals(), pytest.raises(ValueError), deferred():
+        os.kill(os.getpid(), signal.SIGTERM)
+        raise ValueError("the block's own error")
+    with deferred():
+        pass
+
+
 def test_a_signal_landing_in_an_except_exception_still_stops() -> None:
     """Stopped was an ``Exception``: logging's handler (as any ``except Exception``) swallowed it,
     and with later signals ignored, nothing stopped the command any more."""
