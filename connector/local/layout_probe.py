@@ -239,6 +239,8 @@ def check_kernel_block_sizes(
         try:
             prepare_kernel_block_sizes(config, attn_groups)  # type: ignore[arg-type]
         except ValueError as exc:
+            if "block size" not in str(exc):  # not the refusal this check is for: say so, whole
+                raise ProbeError(f"vLLM's kernel block size check failed: {exc}") from exc
             raise UnsupportedBlockSize(str(exc)) from None
 
 

@@ -205,3 +205,20 @@ def test_sigterm_stops_the_ranks_and_removes_their_files(model_dir) -> None:
 
 def _shared_memory(prefix: str) -> list[str]:
     return sorted(name for name in os.listdir("/dev/shm") if name.startswith(prefix))
+
+
+def test_a_kernel_check_failing_for_another_reason_is_not_called_a_block_size(monkeypatch) -> None:
+    """Only vLLM's "no common block size" refusal is a ``--block-size`` usage error; any other
+    failure of its check is the probe's own error, whole."""
+    import vllm.v1.worker.utils
+
+    from kvpool.connector.local import layout_probe
+
+    def failing(*_: Any) -> list[int]:
+        raise ValueError("an unrelated failure")
+
+    monkeypatch.setattr(vllm.v1.worker.utils, "prepare_kernel_block_sizes", failing)
+    config = type("Config", (), {"kv_cache_groups": []})()
+    with pytest.raises(layout_probe.ProbeError, match="an unrelated failure") as raised:
+        layout_probe.check_kernel_block_sizes([config], [{}], [{}])
+    assert not isinstance(raised.value, layout_probe.UnsupportedBlockSize)
