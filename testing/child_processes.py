@@ -7,6 +7,10 @@ none runs on (an orphan is re-parented, and keeps running; one its parent reaped
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+from collections.abc import Iterable
+from typing import Any
 
 
 def children(parent: int) -> dict[int, list[bytes]]:
@@ -34,3 +38,14 @@ def running(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def kill_leftovers(command: subprocess.Popen[Any], pids: Iterable[int]) -> None:
+    """After a command's test: kill the command if it still runs, then each of ``pids`` (its
+    children) that a failed stop left running, by PID."""
+    if command.poll() is None:
+        command.kill()
+        command.wait()
+    for pid in pids:
+        if running(pid):
+            os.kill(pid, signal.SIGKILL)

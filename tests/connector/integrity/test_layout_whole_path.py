@@ -29,7 +29,7 @@ import pytest
 from kvpool.connector.contract.layout import KVLayout, fingerprint
 from kvpool.connector.contract.settings import ConnectorSettings
 from kvpool.operator.plan import build_plan
-from testing.child_processes import children, running
+from testing.child_processes import children, kill_leftovers, running
 from testing.engine import EngineOptions, run_engine_subprocess, transfer_config
 from testing.models import build_gemma3
 from testing.operator_objects import pool_spec
@@ -191,12 +191,7 @@ def test_sigterm_stops_the_ranks_and_removes_their_files(model_dir) -> None:
             assert out == ""
             assert _shared_memory(segments) == []
         finally:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-            for pid in ranks:  # what a failed stop left, by PID
-                if running(pid):
-                    os.kill(pid, signal.SIGKILL)
+            kill_leftovers(process, ranks)
             for name in _shared_memory(segments):
                 os.unlink(f"/dev/shm/{name}")
         left = [p.name for p in Path(temp).iterdir() if not p.name.startswith("torchinductor_")]

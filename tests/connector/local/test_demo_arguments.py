@@ -9,7 +9,6 @@ SIGTERM while its first engine starts.
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import subprocess
 import sys
@@ -20,7 +19,7 @@ import pytest
 
 from kvpool.connector.local import demo
 from kvpool.connector.local.engine import ENGINE_MODULE
-from testing.child_processes import children, running
+from testing.child_processes import children, kill_leftovers, running
 
 #: How long the demo may take to build its model, start its pool and its first engine.
 STARTUP_S = 120.0
@@ -95,9 +94,4 @@ def test_sigterm_stops_the_engine_and_the_pool(tmp_path: Path) -> None:
         assert status == 128 + signal.SIGTERM
         assert "kvpool-demo: stopped by SIGTERM" in process.stderr.read()
     finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-        for pid in started:  # what a failed stop left, by PID
-            if running(pid):
-                os.kill(pid, signal.SIGKILL)
+        kill_leftovers(process, started)

@@ -23,7 +23,7 @@ import pytest
 from kvpool.connector.contract.settings import ConnectorSettings
 from kvpool.connector.local.pool import port_open
 from kvpool.connector.local.ports import free_port
-from testing.child_processes import children, running
+from testing.child_processes import children, kill_leftovers, running
 
 pytestmark = pytest.mark.mooncake
 
@@ -120,12 +120,7 @@ def test_a_stop_while_the_pool_starts_stops_it_and_prints_no_config() -> None:
     finally:
         if store is not None and running(store):
             os.kill(store, signal.SIGCONT)
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-        for pid in started:  # what a failed stop left, by PID
-            if running(pid):
-                os.kill(pid, signal.SIGKILL)
+        kill_leftovers(process, started)
 
 
 def wait_for_capacity_bytes(metrics_port: int) -> float:
