@@ -23,10 +23,9 @@ from kvpool.connector.observability.records import StatsCollector, failed_lookup
 from kvpool.connector.observability.vllm_metrics import records_to_data, series_key, transfer_sample
 from kvpool.connector.worker.side import WorkerSide
 from testing.engine import scheduler_of
-from testing.kv_cache import GroupDesc
 from testing.models import build_gemma3
 from testing.scheduler import local_pool_transfer, make_request, make_scheduler, matched_tokens
-from tests.connector.scheduler.test_scheduler_lookup import store_blocks
+from tests.connector.scheduler.test_scheduler_lookup import FULL_SWA, store_blocks
 from tests.connector.worker.test_worker_transfer import (
     GROUP_LAYERS,
     NUM_BLOCKS,
@@ -36,8 +35,7 @@ from tests.connector.worker.test_worker_transfer import (
 
 pytestmark = pytest.mark.mooncake
 
-FULL_SWA = [GroupDesc("full", 32), GroupDesc("sliding_window", 32, window=64)]
-KINDS = ("full", "sliding_window")
+KINDS = tuple(group.kind for group in FULL_SWA)
 
 
 @pytest.fixture(scope="module")
