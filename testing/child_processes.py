@@ -6,9 +6,11 @@ none runs on (an orphan is re-parented, and keeps running; one its parent reaped
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -49,3 +51,90 @@ def kill_leftovers(command: subprocess.Popen[Any], pids: Iterable[int]) -> None:
     for pid in pids:
         if running(pid):
             os.kill(pid, signal.SIGKILL)
+
+
+#: Where Python's ``multiprocessing`` keeps what it names: ``SharedMemory`` segments
+#: (``psm_*``, vLLM's message queues between an engine and its workers) and named semaphores
+#: (``sem.mp-*``). Their owners unlink them when they end cleanly; a SIGKILLed owner leaves
+#: them, and so does a killed ``resource_tracker`` (it is in the same process group).
+SHM_FOLDER = "/dev/shm"
+SHM_PREFIXES = ("psm_", "sem.mp-")
+
+
+def group_members(pgid: int) -> list[int]:
+    """The live processes of process group ``pgid``."""
+    members = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            members.append(int(entry))
+    return members
+
+
+def shared_memory_held(pids: Iterable[int]) -> set[tuple[int, int]]:
+    """The files in ``/dev/shm`` that ``pids`` map or hold open, as (device, inode): the very
+    files, not whatever takes their names later. A semaphore's creator maps it under a
+    temporary name it has unlinked since (glibc links the file to its name when it is
+    ready): the inode is what names it."""
+    held: set[tuple[int, int]] = set()
+    for pid in pids:
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/maps") as f:
+            for line in f:
+                fields = line.split(maxsplit=5)
+                if len(fields) == 6 and fields[5].startswith(SHM_FOLDER + "/"):
+                    major, minor = (int(part, 16) for part in fields[3].split(":"))
+                    held.add((os.makedev(major, minor), int(fields[4])))
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    if os.readlink(f"/proc/{pid}/fd/{fd}").startswith(SHM_FOLDER + "/"):
+                        st = os.stat(f"/proc/{pid}/fd/{fd}")
+                        held.add((st.st_dev, st.st_ino))
+    return held
+
+
+def remove_shared_memory(held: set[tuple[int, int]]) -> list[str]:
+    """Unlink each name of :data:`SHM_PREFIXES` in ``/dev/shm`` whose file is one of ``held``
+    (:func:`shared_memory_held`) and that no live process maps or holds open; the paths
+    removed. Call it once the processes that held them are gone."""
+    if not held:
+        return []
+    live = [int(entry) for entry in os.listdir("/proc") if entry.isdigit()]
+    in_use = shared_memory_held(pid for pid in live if running(pid))
+    removed = []
+    for name in os.listdir(SHM_FOLDER):
+        if not name.startswith(SHM_PREFIXES):
+            continue
+        path = os.path.join(SHM_FOLDER, name)
+        with contextlib.suppress(FileNotFoundError):
+            st = os.stat(path, follow_symlinks=False)
+            identity = (st.st_dev, st.st_ino)
+            if identity in held and identity not in in_use:
+                os.unlink(path)
+                removed.append(path)
+    return removed
+
+
+def kill_group(pgid: int) -> set[tuple[int, int]]:
+    """SIGKILL process group ``pgid``; what its processes held in ``/dev/shm`` just before
+    (for :func:`remove_shared_memory` once the group is gone)."""
+    held = shared_memory_held(group_members(pgid))
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGKILL)
+    return held
+
+
+def wait_group_gone(pgid: int, timeout: float = 30.0) -> bool:
+    """Whether process group ``pgid`` has no live process within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while group_members(pgid):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True

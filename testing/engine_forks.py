@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from kvpool.connector.local.engine import ENGINE_ENV
+from testing import child_processes
 
 #: Environment variables read when an engine is created or later, never at import: a
 #: forked run may set them to other values than the parent's.
@@ -175,8 +176,10 @@ class EngineForks:
                 try:
                     return int(replies.next(timeout)["rc"])
                 except TimeoutError:
-                    _kill_group(pid)
+                    held = child_processes.kill_group(pid)
                     replies.next(60.0)  # the parent reaped it
+                    child_processes.wait_group_gone(pid, GROUP_END_TIMEOUT_S)
+                    child_processes.remove_shared_memory(held)
                     raise subprocess.TimeoutExpired(module, timeout) from None
             except (OSError, RuntimeError, TimeoutError, ValueError, KeyError):
                 self.stop()  # out of step with its parent: the next run starts a new one
@@ -226,11 +229,6 @@ class Replies:
                 self._buffer += chunk
         line, self._buffer = self._buffer.split(b"\n", 1)
         return dict(json.loads(line))
-
-
-def _kill_group(pid: int) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pid, signal.SIGKILL)
 
 
 _FORKS: EngineForks | None = None
@@ -346,7 +344,9 @@ def _end_group(pgid: int, timeout: float = GROUP_END_TIMEOUT_S) -> None:
     subreaper's children), until the group is gone or ``timeout`` passes; then reap any
     other child that has exited."""
     deadline = time.monotonic() + timeout
+    held: set[tuple[int, int]] = set()  # what the group held in /dev/shm: a killed engine leaves it
     while time.monotonic() < deadline:
+        held |= child_processes.shared_memory_held(child_processes.group_members(pgid))
         try:
             os.killpg(pgid, signal.SIGKILL)
         except ProcessLookupError:
@@ -357,6 +357,7 @@ def _end_group(pgid: int, timeout: float = GROUP_END_TIMEOUT_S) -> None:
         time.sleep(0.01)
     else:
         print(f"process group {pgid} outlived its run by {timeout} s", file=sys.stderr)
+    child_processes.remove_shared_memory(held)
     with contextlib.suppress(ChildProcessError):
         while os.waitpid(-1, os.WNOHANG)[0] > 0:
             pass

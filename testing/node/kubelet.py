@@ -27,6 +27,7 @@ from typing import Any
 
 import aiohttp
 
+from testing import child_processes
 from testing.node import podspec, sandbox
 
 ConfigMaps = Callable[[str], Mapping[str, Mapping[str, Any]]]  # namespace -> name -> ConfigMap
@@ -87,6 +88,10 @@ def _exit_status(process: subprocess.Popen[bytes]) -> int | None:
     return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
 
 
+#: How long a killed group's processes may take to go (their names in /dev/shm wait for it).
+GROUP_GONE_S = 30.0
+
+
 async def stop_process(process: subprocess.Popen[bytes], grace: float) -> int:
     """SIGTERM, up to ``grace`` seconds, then SIGKILL to the process's group; its exit status."""
     if _exit_status(process) is None:
@@ -96,11 +101,17 @@ async def stop_process(process: subprocess.Popen[bytes], grace: float) -> int:
         while _exit_status(process) is None and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
     # The leader is not reaped yet, so its group id is still its own: the rest of its group
-    # (what it started) goes with it.
+    # (what it started) goes with it, and so do the names it held in /dev/shm (vLLM's
+    # message queues: a SIGKILLed engine leaves them), once the group is gone.
+    held = child_processes.shared_memory_held(child_processes.group_members(process.pid))
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(process.pid, signal.SIGKILL)
     while _exit_status(process) is None:
         await asyncio.sleep(0.05)
+    deadline = time.monotonic() + GROUP_GONE_S
+    while child_processes.group_members(process.pid) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    child_processes.remove_shared_memory(held)
     return process.wait()
 
 

@@ -42,6 +42,7 @@ from kvpool.connector.contract import metric_names as m
 from kvpool.connector.contract.keys import KeySpace, hash_digest
 from kvpool.connector.contract.mooncake_env import client_env
 from kvpool.connector.local.pool import LOOPBACK, free_port, port_open
+from testing.child_processes import kill_group, remove_shared_memory, wait_group_gone
 from testing.models import build_gemma3
 from testing.pool_store import put_bytes
 from testing.prompts import BLOCK, P1, P2, PREFIX_HIT, block_hashes
@@ -250,9 +251,11 @@ class ApiServer:
             self.process.send_signal(signal.SIGTERM)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.process.wait(60)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.process.pid, signal.SIGKILL)  # its own session: engine core, workers
+        # Its own session: engine core, workers; and what they held in /dev/shm, once gone.
+        held = kill_group(self.process.pid)
         self.process.wait(30)
+        wait_group_gone(self.process.pid)
+        remove_shared_memory(held)
 
     def tail(self, lines: int = 60) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])

@@ -1,0 +1,72 @@
+"""A SIGKILLed process group leaves its ``multiprocessing`` names in ``/dev/shm`` (vLLM's
+message queues, ``psm_*``, and ``sem.mp-*`` semaphores): :func:`kill_group` notes those the
+group holds, and :func:`remove_shared_memory` unlinks exactly those once it is gone."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from multiprocessing import shared_memory
+
+from testing.child_processes import kill_group, remove_shared_memory, wait_group_gone
+
+#: A group like an engine's: a process that creates a SharedMemory segment and a named
+#: semaphore (spawn's: kept under its name until its finalizer or resource tracker unlinks
+#: it), a child that maps the segment too, and the resource tracker.
+HOLDER = """
+import multiprocessing, sys, time
+from multiprocessing import shared_memory
+segment = shared_memory.SharedMemory(create=True, size=1 << 20)
+lock = multiprocessing.get_context("spawn").Lock()
+if __name__ == "__main__":
+    child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(300,))
+    child.start()
+    print(segment.name, lock._semlock.name, flush=True)
+    time.sleep(300)
+"""
+
+
+def _start_holder() -> tuple[subprocess.Popen[str], list[str]]:
+    process = subprocess.Popen(
+        [sys.executable, "-c", HOLDER], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+    assert process.stdout is not None
+    segment, semaphore = process.stdout.readline().split()
+    return process, [f"/dev/shm/{segment.lstrip('/')}", f"/dev/shm/sem.{semaphore.lstrip('/')}"]
+
+
+def test_a_killed_groups_shared_memory_is_removed_and_nothing_else() -> None:
+    ours = shared_memory.SharedMemory(create=True, size=4096)  # held here: it stays
+    process, paths = _start_holder()
+    try:
+        assert all(os.path.exists(path) for path in paths), paths
+        held = kill_group(process.pid)
+        process.wait(30)
+        assert wait_group_gone(process.pid)
+        removed = remove_shared_memory(held)
+        assert not any(os.path.exists(path) for path in paths), "the killed group's names are gone"
+        assert sorted(removed) == sorted(paths)
+        assert os.path.exists(f"/dev/shm/{ours.name.lstrip('/')}")
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(30)
+        for path in paths:  # a failed run leaves nothing either
+            if os.path.exists(path):
+                os.unlink(path)
+        ours.close()
+        ours.unlink()
+
+
+def test_a_name_still_mapped_elsewhere_or_taken_since_stays() -> None:
+    ours = shared_memory.SharedMemory(create=True, size=4096)
+    path = f"/dev/shm/{ours.name.lstrip('/')}"
+    try:
+        st = os.stat(path)
+        assert remove_shared_memory({(st.st_dev, st.st_ino)}) == []  # this process maps it
+        assert os.path.exists(path)
+    finally:
+        ours.close()
+        ours.unlink()
