@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 
 from benchmarks.serving import ApiServer
 from kvpool.connector.local.pool import MooncakeMaster, MooncakeStore, free_port
+from testing import child_processes
 from testing.etcd_cluster import EtcdCluster
 
 STARTUP_TIMEOUT_S = 600.0
@@ -239,12 +240,14 @@ class Fleet:
                 os.killpg(process.pid, signal.SIGCONT)
 
     def kill_server(self, index: int) -> None:
-        """SIGKILL the server's whole group (API server, engine core, worker): no goodbye."""
+        """SIGKILL the server's whole group (API server, engine core, worker): no goodbye. Then,
+        once the group is gone, the names it held in /dev/shm (vLLM's message queues)."""
         process = self.slots[index].server.process
         assert process is not None
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
+        held = child_processes.kill_group(process.pid)
         process.wait(30)
+        child_processes.wait_group_gone(process.pid)
+        child_processes.remove_shared_memory(held)
 
     def restart_server(self, index: int) -> None:
         """A new server on the same port and core; waits until it serves."""

@@ -330,10 +330,14 @@ class ApiServer:
             process.send_signal(signal.SIGTERM)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 process.wait(30)
-        # The group is this server's own session: its engine core and worker.
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
+        # The group is this server's own session: its engine core and worker; and, once it is
+        # gone, the names they held in /dev/shm (vLLM's message queues).
+        from testing import child_processes
+
+        held = child_processes.kill_group(process.pid)
         process.wait(10)
+        child_processes.wait_group_gone(process.pid)
+        child_processes.remove_shared_memory(held)
 
     def log_tail(self, lines: int = 40) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
