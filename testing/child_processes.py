@@ -7,12 +7,17 @@ none runs on (an orphan is re-parented, and keeps running; one its parent reaped
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def children(parent: int) -> dict[int, list[bytes]]:
@@ -138,3 +143,13 @@ def wait_group_gone(pgid: int, timeout: float = 30.0) -> bool:
             return False
         time.sleep(0.05)
     return True
+
+
+def python_answer(code: str, *args: str, cwd: Path = ROOT) -> Any:
+    """What ``code``, run by a child interpreter in ``cwd`` with ``args``, prints last, as JSON
+    (a child keeps this process free of what the code imports and configures)."""
+    done = subprocess.run(
+        [sys.executable, "-c", code, *args], cwd=cwd, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])

@@ -7,11 +7,9 @@ Mooncake's logs for every engine this process would start later (tests read thos
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from testing.child_processes import python_answer
+
 #: A machine that slows by 10% per run; each hit costs what a recompute does at its time.
 RECOMPUTES = [10.0, 11.0, 12.0, 13.0]
 HITS = [10.5, 11.5, 12.5]
@@ -25,16 +23,7 @@ def _ratio(function: str, hits: list[float], recomputes: list[float]) -> dict[st
         f"s = {name}(*json.loads(sys.argv[1])); "
         "print(json.dumps({'low': s.low, 'high': s.high, 'n': s.n}))"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", code, json.dumps([hits, recomputes])],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return dict(python_answer(code, json.dumps([hits, recomputes])))
 
 
 def test_a_hit_is_held_to_the_recomputes_on_either_side() -> None:

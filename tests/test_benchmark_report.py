@@ -8,12 +8,7 @@ Mooncake's logs for every engine this process would start later (tests read thos
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
+from testing.child_processes import ROOT, python_answer
 
 CHECK = """
 import json, re, sys
@@ -39,13 +34,4 @@ print(json.dumps(stale))
 
 
 def test_the_report_shows_the_committed_results() -> None:
-    done = subprocess.run(
-        [sys.executable, "-c", CHECK, str(ROOT / "benchmarks" / "README.md")],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout.strip().splitlines()[-1]) == []
+    assert python_answer(CHECK, str(ROOT / "benchmarks" / "README.md")) == []
