@@ -22,12 +22,13 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import jsonpatch
 import jsonpointer
 import kmock
 
-from kvpool.connector.local.ports import free_port
+from kvpool.connector.local.ports import PortHold
 from kvpool.operator.app import OperatorOptions, run
 from kvpool.operator.crd import build_crd, build_grant_crd
 from kvpool.operator.names import (
@@ -607,6 +608,31 @@ class OperatorThread:
         self.stop_flag.set()
         await asyncio.to_thread(self._thread.join, timeout)
         assert not self._thread.is_alive(), "the operator did not stop"
+        release_ports(self.options)
+
+
+#: Ports drawn for operators under test, held from every other draw until their operator stops.
+_HELD_PORTS: dict[int, PortHold] = {}
+
+
+def held_port() -> int:
+    """A free loopback port for an operator under test, held (:class:`PortHold`) until the
+    operator given it stops (:meth:`OperatorThread.stop`): the operator binds its liveness,
+    metrics and webhook ports only once it runs, and a port merely drawn free could be taken
+    meanwhile by a server another test process starts."""
+    hold = PortHold.drawn()
+    _HELD_PORTS[hold.port] = hold
+    return hold.port
+
+
+def release_ports(options: OperatorOptions) -> None:
+    """Let go of the held ports ``options`` names (the operator has stopped)."""
+    ports = [options.metrics_port, options.webhook.port if options.webhook else None]
+    if options.liveness_endpoint:
+        ports.append(urlsplit(options.liveness_endpoint).port)
+    for port in ports:
+        if port is not None and (hold := _HELD_PORTS.pop(port, None)) is not None:
+            hold.release()
 
 
 #: No master runs behind an emulated cluster: unless a test names one, the operator asks a
@@ -618,12 +644,13 @@ RARE_OBSERVE_INTERVAL_S = 3600.0
 
 
 def quick_options(kubeconfig: Path, **overrides: Any) -> dict[str, Any]:
-    """Run options for an operator under test: loopback endpoints on free ports, quick timings."""
+    """Run options for an operator under test: loopback endpoints on held ports (:func:`held_port`),
+    quick timings."""
     return {
         "kubeconfig": str(kubeconfig),
-        "liveness_endpoint": f"http://127.0.0.1:{free_port()}/healthz",
+        "liveness_endpoint": f"http://127.0.0.1:{held_port()}/healthz",
         "metrics_host": "127.0.0.1",
-        "metrics_port": free_port(),
+        "metrics_port": held_port(),
         "resync_interval": 0.5,
         "retry_delay": 0.3,
         "request_timeout": 10.0,

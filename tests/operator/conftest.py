@@ -13,7 +13,7 @@ from kvpool.operator.app import OperatorOptions, WebhookOptions
 from testing.kube_api import (
     Cluster,
     emulated_cluster,
-    free_port,
+    held_port,
     quick_options,
     running_operator,
     write_kubeconfig,
@@ -46,7 +46,7 @@ async def operator(
     overrides = dict(operator_config)
     webhook_url = None
     if overrides.pop("webhook", False):
-        port = free_port()
+        port = held_port()
         overrides["webhook"] = WebhookOptions(port=port, addr="127.0.0.1", host="127.0.0.1", insecure=True)
         webhook_url = f"http://127.0.0.1:{port}"
     options = OperatorOptions(

@@ -20,6 +20,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvpool.connector.local.ports import free_port
 from kvpool.operator import consumer_hits, names
 from kvpool.operator.consumer_hits import (
     ConsumerPod,
@@ -41,7 +42,7 @@ from kvpool.operator.metric_names import (
 )
 from kvpool.operator.metrics import consumer_hit_numbers, grant_hit_numbers
 from kvpool.operator.spec import PoolStatus
-from testing.kube_api import GRANTS_PATH, NAMESPACE, TENANT_NAMESPACE, Cluster, eventually, free_port
+from testing.kube_api import GRANTS_PATH, NAMESPACE, TENANT_NAMESPACE, Cluster, eventually
 from testing.operator_objects import Operator, pool_manifest, pool_spec, vllm_deployment
 from tests.operator.test_grants_on_the_api import create_shared_pool, tenant_deployment
 

@@ -17,6 +17,7 @@ import pytest_asyncio
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvpool.connector.local.ports import free_port
 from kvpool.operator import names
 from kvpool.operator.capacity import apply_observation, capacity_status
 from kvpool.operator.crd import build_grant_crd
@@ -29,7 +30,7 @@ from kvpool.operator.names import GRANTS
 from kvpool.operator.observation import Observation
 from kvpool.operator.policy import OperatorPolicy
 from kvpool.operator.spec import GrantStatus, PoolStatus
-from testing.kube_api import GRANTS_PATH, NAMESPACE, Cluster, eventually, free_port
+from testing.kube_api import GRANTS_PATH, NAMESPACE, Cluster, eventually
 from testing.operator_objects import Operator, consumer, pool_manifest, pool_pod, pool_spec, vllm_deployment
 from tests.operator.test_capacity import MASTER_TEXT, ready_status
 

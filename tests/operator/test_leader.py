@@ -17,6 +17,7 @@ import pytest
 import pytest_asyncio
 from aiohttp import web
 
+from kvpool.connector.local.ports import free_port
 from kvpool.operator import names
 from kvpool.operator.leader import (
     AddressRefused,
@@ -25,7 +26,7 @@ from kvpool.operator.leader import (
     parse_leader_address,
     pod_ips,
 )
-from testing.kube_api import Cluster, eventually, free_port
+from testing.kube_api import Cluster, eventually
 from testing.operator_objects import Operator, pool_manifest, pool_pod, pool_spec
 
 STANDBY = "127.0.0.2"  # a master pod of the pool, asked first (the master Service)

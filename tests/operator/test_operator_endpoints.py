@@ -12,6 +12,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from kvpool.connector.local.ports import PortHold
 from kvpool.operator import metric_names as names
 from kvpool.operator.app import VALIDATE_ID
 from kvpool.operator.names import POOLS
@@ -19,7 +20,6 @@ from testing.kube_api import (
     NAMESPACE,
     Cluster,
     eventually,
-    free_port,
     post_admission_review,
     write_kubeconfig,
 )
@@ -110,7 +110,9 @@ async def test_the_webhook_rejects_bad_specs_naming_the_field(cluster: Cluster, 
 async def test_the_console_script_runs_and_stops_on_sigterm(cluster: Cluster, tmp_path: Path) -> None:
     script = Path(sys.executable).parent / "kvpool-operator"
     kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", cluster.url)
-    liveness = f"http://127.0.0.1:{free_port()}/healthz"
+    # Held from other draws until the operator stops: it binds them only once it runs.
+    holds = [PortHold.drawn(), PortHold.drawn()]
+    liveness = f"http://127.0.0.1:{holds[0].port}/healthz"
     env = {k: v for k, v in os.environ.items() if k != "KUBERNETES_SERVICE_HOST"}
     process = await asyncio.create_subprocess_exec(
         str(script),
@@ -122,7 +124,7 @@ async def test_the_console_script_runs_and_stops_on_sigterm(cluster: Cluster, tm
         "--metrics-host",
         "127.0.0.1",
         "--metrics-port",
-        str(free_port()),
+        str(holds[1].port),
         "--resync-interval",
         "1",
         env=env,
@@ -144,6 +146,9 @@ async def test_the_console_script_runs_and_stops_on_sigterm(cluster: Cluster, tm
             process.kill()
             await process.wait()
             raise
+        finally:
+            for hold in holds:
+                hold.release()
     assert process.returncode == 0, stderr.decode()[-2000:]
 
 

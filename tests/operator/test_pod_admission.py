@@ -34,7 +34,7 @@ from testing.kube_api import (
     OperatorThread,
     emulated_cluster,
     eventually,
-    free_port,
+    held_port,
     post_admission_review,
     quick_options,
     write_kubeconfig,
@@ -221,7 +221,7 @@ async def a_standby(cluster: Cluster, tmp_path: Path, lease_duration: float) -> 
         headers={"Content-Type": "application/merge-patch+json"},
     )
     assert response.status == 200, await response.text()
-    port = free_port()
+    port = held_port()
     options = OperatorOptions(
         **quick_options(
             write_kubeconfig(tmp_path / "kubeconfig", cluster.url),

@@ -31,6 +31,7 @@ from aiohttp import web
 from kubernetes_asyncio.client import ApiClient
 
 from kvpool.connector.local.pool import MooncakeMaster, MooncakeStore, wait_for_capacity
+from kvpool.connector.local.ports import free_port
 from kvpool.connector.pool_client import PoolClient
 from kvpool.operator.app import OperatorOptions
 from kvpool.operator.drain_jobs import DrainRefused, cancel_drain_job, create_drain_job, query_drain_job
@@ -63,7 +64,6 @@ from testing.kube_api import (
     UNSERVED_MASTER_HEALTH_URL,
     Cluster,
     eventually,
-    free_port,
     quick_options,
     running_operator,
     write_kubeconfig,
