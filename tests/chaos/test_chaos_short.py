@@ -38,31 +38,60 @@ def test_the_short_chaos_run_is_right_bounded_and_catches_its_negative_control(
         timeout=1400,
         check=False,
     )
-    tail = f"stdout:\n{done.stdout[-6000:]}\nstderr:\n{done.stderr[-4000:]}"
-    check_short_run(tmp_path, done.returncode, tail)
-    injected = set(json.loads((tmp_path / "judgement.json").read_text())["injected"])
+    # The run's output goes to the report's captured stdout; each failure's message (what CI's
+    # summary line shows) names what was not met and the judgement's numbers.
+    print(f"stdout:\n{done.stdout[-6000:]}\nstderr:\n{done.stderr[-4000:]}")
+    check_short_run(tmp_path, done.returncode)
+    judgement = json.loads((tmp_path / "judgement.json").read_text())
+    injected = set(judgement["injected"])
     if module == "chaos_colocated":  # no store to fault: a server frozen instead, with its segment
-        assert "server_frozen" in injected and not injected & STORE_FAULTS, tail
+        assert "server_frozen" in injected and not injected & STORE_FAULTS, summary(judgement)
     else:
-        assert injected >= STORE_FAULTS and "server_frozen" not in injected, tail
+        assert injected >= STORE_FAULTS and "server_frozen" not in injected, summary(judgement)
 
 
-def check_short_run(out_dir: Path, returncode: int, tail: str) -> None:
-    """What a short run kept in ``out_dir`` must show (``tail``: its output, for the failure)."""
+def check_short_run(out_dir: Path, returncode: int) -> None:
+    """What a short run kept in ``out_dir`` must show (its output is in the captured stdout)."""
+    assert (out_dir / "judgement.json").exists(), f"the run exited {returncode} with no judgement"
     judgement = json.loads((out_dir / "judgement.json").read_text())
     chaos = read(out_dir / "history.jsonl").phase("chaos")
+    why = summary(judgement)
     # Every fault kind the platform allows was injected, and each one is in the history.
-    assert judgement["injected"] and all(n >= 1 for n in judgement["injected"].values()), tail
-    assert {f.kind for f in chaos.faults} >= set(judgement["injected"]), tail
+    assert judgement["injected"] and all(n >= 1 for n in judgement["injected"].values()), why
+    assert {f.kind for f in chaos.faults} >= set(judgement["injected"]), why
     # Traffic ran throughout, and most of it completed.
-    assert judgement["completed"] > 50, tail
+    assert judgement["completed"] > 50, why
     # The judgement: right answers, nothing hung, no unexplained break, /metrics agreeing.
-    assert judgement["wrong"] == 0, tail
-    assert judgement["hung"] == 0, tail
-    assert judgement["failed"] == 0, tail
-    assert judgement["metrics_disagreements"] == [], tail
-    assert judgement["leaks"] == [], tail
+    assert judgement["wrong"] == 0, why
+    assert judgement["hung"] == 0, why
+    assert judgement["failed"] == 0, why
+    assert judgement["metrics_disagreements"] == [], why
+    assert judgement["leaks"] == [], why
     # The negative control: with the payload check off, overwritten objects were served as KV.
-    assert judgement["control_wrong"] > 0, tail
+    assert judgement["control_wrong"] > 0, why
     # And every other target of the run (the hit rate's recoveries among them) was met.
-    assert returncode == 0, tail
+    assert returncode == 0, f"the run exited {returncode} (a target not met: its table is in stdout); {why}"
+
+
+#: The judgement's numbers a failure names, in one line.
+SUMMARY_FIELDS = (
+    "injected",
+    "completed",
+    "wrong",
+    "hung",
+    "failed",
+    "refused",
+    "control_wrong",
+    "control_completed",
+    "leaks",
+    "metrics_disagreements",
+)
+
+
+def summary(judgement: dict[str, object]) -> str:
+    """The judgement's numbers, with each fault's recoveries (seconds), in one line."""
+    numbers = {name: judgement.get(name) for name in SUMMARY_FIELDS}
+    kinds = judgement.get("kinds")
+    if isinstance(kinds, list):
+        numbers["recoveries"] = {k.get("kind"): k.get("recoveries") for k in kinds if isinstance(k, dict)}
+    return "judgement: " + json.dumps(numbers, separators=(",", ":"))
