@@ -49,11 +49,14 @@ TRANSFERS = f'operation=~"{m.LOAD}|{m.SAVE}"'
 
 def _failed_share(labels: list[str]) -> str:
     """Keys loaded or saved that failed over those tried (moved or failed), every rank's: 0
-    where none failed; where none moved, the failed keys are all that was tried."""
+    where none failed; where none moved, the failed keys are all that was tried; none where
+    none was tried (idle)."""
     failed = sum_rate(m.FAILURES.exported, _with(SEL, TRANSFERS, NOT_FAILED_MATCHER), labels)
     tried = sum_rate(m.FAILURES.exported, _with(SEL, TRANSFERS), labels)
     moved = sum_rate(m.TRANSFER_KEYS.exported, _with(SEL, TRANSFERS), labels)
-    return f"(\n{failed}\nor {moved} * 0\n)\n/ (\n({moved} or {tried} * 0)\n+ ({tried} or {moved} * 0)\n)"
+    return ratio(
+        f"(\n{failed}\nor {moved} * 0\n)", f"(\n({moved} or {tried} * 0)\n+ ({tried} or {moved} * 0)\n)"
+    )
 
 
 def build() -> Board:

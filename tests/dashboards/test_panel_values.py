@@ -3,7 +3,7 @@
 ``promtool test rules`` evaluates each query (as Grafana sends it: variables "All", a 5-minute
 rate interval) over a synthetic history, and compares every series it returns with the one
 expected: a query that sums what it should keep apart, or keeps apart what it should sum,
-fails here.
+fails here. On an idle fleet (``tests.dashboards.idle``) no query may answer NaN or ±Inf.
 """
 
 from __future__ import annotations
@@ -12,10 +12,13 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
 import yaml
 
-from dashboards import connector_board, external, generate, pool_board
+from dashboards import connector_board, external, generate, operator_board, pool_board
 from kvpool.connector.contract import metric_names as m
+from kvpool.operator import metric_names as o
+from tests.dashboards.idle import IDLE_FLEETS, idle_history, non_finite
 from tests.dashboards.queries import panel_queries, substitute
 from tests.dashboards.test_alerts import promtool, series
 
@@ -114,6 +117,56 @@ def _no_master_serves() -> tuple[dict[str, str], dict[str, float]]:
     return history, {_labels(**pool): 0.0}
 
 
+def _group_hit_rate() -> tuple[dict[str, str], dict[str, float]]:
+    """Two models' group 0 hitting 1 and 3 tokens a second of the 2 and 4 each looks up: the
+    per-group share divides by its own model's lookups (many-to-one on the model)."""
+    history, _ = _per_model_group(m.GROUP_HIT_TOKENS)
+    history[series(m.LOOKUP_QUERY_TOKENS.exported, **ENGINE, model_name="small")] = per_second(2)
+    history[series(m.LOOKUP_QUERY_TOKENS.exported, **ENGINE, model_name="large")] = per_second(4)
+    group = {"group": "0", "group_kind": "full"}
+    return history, {
+        _labels(model_name="small", **group): 0.5,
+        _labels(model_name="large", **group): 0.75,
+    }
+
+
+def _failed_share() -> tuple[dict[str, str], dict[str, float]]:
+    """Loads: 1 key a second missing, 3 moved (a quarter failed); saves: 1 a second in flight
+    (not a failure), 1 moved (none failed)."""
+    small = {**ENGINE, "model_name": "small", "group": "0", "group_kind": "full"}
+    failures, moved = m.FAILURES.exported, m.TRANSFER_KEYS.exported
+    history = {
+        series(failures, **small, operation=m.LOAD, reason="missing"): per_second(1),
+        series(moved, **small, operation=m.LOAD): per_second(3),
+        series(failures, **small, operation=m.SAVE, reason="in_flight"): per_second(1),
+        series(moved, **small, operation=m.SAVE): per_second(1),
+    }
+    return history, {
+        _labels(model_name="small", operation=m.LOAD): 0.25,
+        _labels(model_name="small", operation=m.SAVE): 0.0,
+    }
+
+
+def _reconcile_p50() -> tuple[dict[str, str], dict[str, float]]:
+    """Every resync pass takes under 0.1 s (one a second): its median reads 0.05 s, the middle
+    of the first bucket."""
+    bucket = o.RECONCILE_DURATION.exported + "_bucket"
+    history = {series(bucket, trigger="resync", le=le): per_second(1) for le in ("0.1", "+Inf")}
+    return history, {_labels(trigger="resync"): 0.05}
+
+
+def _quota_use() -> tuple[dict[str, str], dict[str, float]]:
+    """A grant charged a quarter of its quota, one without quota (no line: not NaN, not Inf)."""
+    pool = {"namespace": "team-a", "pool": "pool-a"}
+    history = {
+        series(o.GRANT_USED_BYTES.exported, **pool, grant="g1"): "250x10",
+        series(o.GRANT_QUOTA_BYTES.exported, **pool, grant="g1"): "1000x10",
+        series(o.GRANT_USED_BYTES.exported, **pool, grant="g2"): "250x10",
+        series(o.GRANT_QUOTA_BYTES.exported, **pool, grant="g2"): "0x10",
+    }
+    return history, {_labels(**pool, grant="g1"): 0.25}
+
+
 def cases() -> list[Case]:
     board = connector_board.UID
     present = "Blocks present in the pool, and blocks the hit uses, per group"
@@ -121,6 +174,10 @@ def cases() -> list[Case]:
     history, tokens, shares = _by_source()
     return [
         Case(pool_board.UID, "Masters up and serving", "B", *_no_master_serves()),
+        Case(pool_board.UID, "Use of quota per grant", "A", *_quota_use()),
+        Case(operator_board.UID, "Reconcile duration p50 and p99", "A", *_reconcile_p50()),
+        Case(board, "Hit rate per KV-cache group, and the HMA hit", "A", *_group_hit_rate()),
+        Case(board, "Share of keys that failed", "A", *_failed_share()),
         Case(board, "Prompt tokens by where their KV came from", "A", history, tokens),
         Case(board, "Share of prompt tokens whose prefill was skipped", "A", history, shares),
         Case(board, present, "A", *_per_model_group(m.PRESENT_BLOCKS)),
@@ -168,6 +225,31 @@ def test_panel_queries_give_the_expected_series(tmp_path: Path) -> None:
     path = tmp_path / "panels_test.yaml"
     path.write_text(
         yaml.safe_dump({"rule_files": [], "evaluation_interval": "1m", "tests": tests}, sort_keys=False)
+    )
+    result = subprocess.run(
+        [promtool(), "test", "rules", str(path)], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("fleet", sorted(IDLE_FLEETS))
+def test_no_panel_query_reads_nan_or_inf_on_an_idle_fleet(fleet: str, tmp_path: Path) -> None:
+    """Every panel query, over every series the panels read held still (``fleet``): no data,
+    or 0 where 0 is the truth; never NaN (0/0, a quantile of no observation) nor ±Inf."""
+    queries = [q for uid, model in generate.dashboards().items() for q in panel_queries(uid, model)]
+    exprs = {str(q): substitute(q.expr) for q in queries}
+    history = idle_history(exprs.values(), IDLE_FLEETS[fleet], minutes=20)
+    test = {
+        "interval": "1m",
+        "input_series": [{"series": s, "values": v} for s, v in history.items()],
+        "promql_expr_test": [
+            {"expr": non_finite(expr, name), "eval_time": EVAL_TIME, "exp_samples": []}
+            for name, expr in exprs.items()
+        ],
+    }
+    path = tmp_path / "idle_panels_test.yaml"
+    path.write_text(
+        yaml.safe_dump({"rule_files": [], "evaluation_interval": "1m", "tests": [test]}, sort_keys=False)
     )
     result = subprocess.run(
         [promtool(), "test", "rules", str(path)], capture_output=True, text=True, timeout=120
