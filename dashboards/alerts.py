@@ -7,7 +7,7 @@ from typing import Any
 
 from dashboards import external as ext
 from dashboards.conventions import MASTER_JOB, MODEL, NAMESPACE, OPERATOR_JOB, OPERATOR_RELEASE, POOL
-from dashboards.promql import by
+from dashboards.promql import by, ratio
 from kvpool.connector.contract import metric_names as m
 from kvpool.connector.pool_client import Outcome
 from kvpool.operator import metric_names as o
@@ -81,10 +81,12 @@ def _sum_rate(metric: str, labels: list[str], window: str, sel: str = "", offset
 
 
 def _group_hit_rate(window: str, offset: str = "") -> str:
-    return (
-        f"{_sum_rate(m.GROUP_HIT_TOKENS.exported, PER_GROUP, window, offset=offset)}\n"
-        f"  / on ({', '.join(PER_MODEL)}) group_left\n"
-        f"{_sum_rate(m.LOOKUP_QUERY_TOKENS.exported, PER_MODEL, window, offset=offset)}"
+    """Each group's hit tokens over its model's looked-up tokens; none where none was looked up."""
+    return ratio(
+        _sum_rate(m.GROUP_HIT_TOKENS.exported, PER_GROUP, window, offset=offset),
+        _sum_rate(m.LOOKUP_QUERY_TOKENS.exported, PER_MODEL, window, offset=offset),
+        on=PER_MODEL,
+        group_left=True,
     )
 
 
@@ -107,8 +109,8 @@ def _serving(counter: str) -> str:
 
 def _failed_share(failed: str, moved: str, tried: str) -> str:
     """``failed`` over the keys tried: those ``moved`` plus those that failed (``tried``; zero
-    keys moved when an engine moved none)."""
-    return f"(\n{failed}\n)\n/ (\n{tried}\n  + (\n{moved}\n  or\n{tried} * 0\n  )\n)"
+    keys moved when an engine moved none); none where none was tried (idle)."""
+    return ratio(f"(\n{failed}\n)", f"(\n{tried}\n  + (\n{moved}\n  or\n{tried} * 0\n  )\n)")
 
 
 def connector_alerts() -> list[Alert]:
@@ -152,7 +154,7 @@ def connector_alerts() -> list[Alert]:
         ),
         Alert(
             "KVPoolLookupErrors",
-            f"(\n{lookup_failed}\n)\n/ (\n{lookups}\n)\n> {LOOKUP_ERROR_SHARE}",
+            ratio(f"(\n{lookup_failed}\n)", lookups) + f"\n> {LOOKUP_ERROR_SHARE}",
             "10m",
             "warning",
             "Lookups in the KV pool fail for {{ $labels.model_name }}",
@@ -279,8 +281,8 @@ def pool_alerts() -> list[Alert]:
             "KVPoolStoreFull",
             _failed_share(store_full, saved, save_tried)
             + f"\n> {STORE_FULL_SHARE}\nor\n"
-            + f"{_sum_rate(ext.MASTER_PUT_ALLOC_FAILURES, PER_POOL, '5m')}\n/ (\n  {put_starts}\n)\n"
-            + f"> {STORE_FULL_SHARE}",
+            + ratio(_sum_rate(ext.MASTER_PUT_ALLOC_FAILURES, PER_POOL, "5m"), f"(\n  {put_starts}\n)")
+            + f"\n> {STORE_FULL_SHARE}",
             "5m",
             "warning",
             "The KV pool {{ $labels.namespace }}/{{ $labels.pool }} is full",

@@ -1,5 +1,6 @@
 """The alert rules pass ``promtool check rules``, and ``promtool test rules`` shows each one
-firing on a synthetic history that should fire it and staying quiet on one that should not."""
+firing on a synthetic history that should fire it and staying quiet on one that should not;
+those that divide stay quiet on an idle fleet, and none of their ratios reads NaN or ±Inf there."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import promql_parser
 import pytest
 import yaml
 
@@ -16,6 +18,7 @@ from dashboards import alerts, external, generate
 from dashboards.conventions import MASTER_JOB, OPERATOR_JOB
 from kvpool.connector.contract import metric_names as cm
 from kvpool.operator import metric_names as om
+from tests.dashboards.idle import IDLE_FLEETS, idle_history, non_finite
 
 RULES_FILE = generate.ROOT / generate.CHART_FILES / generate.ALERTS_FILE
 NS = "team-a"
@@ -492,6 +495,54 @@ def test_every_alert_fires_and_stays_quiet_in_promtool(tmp_path: Path) -> None:
     assert fired == names and quiet == names
     path = tmp_path / "alerts_test.yaml"
     path.write_text(yaml.safe_dump(promtool_tests(), sort_keys=False))
+    result = subprocess.run(
+        [promtool(), "test", "rules", str(path)], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def divisions(expr: str) -> list[str]:
+    """Every ``a / b`` in ``expr``, as PromQL text."""
+    found: list[str] = []
+
+    def visit(node: object) -> bool:
+        if isinstance(node, promql_parser.BinaryExpr) and str(node.op) == "/":
+            found.append(node.prettify())
+        return True
+
+    promql_parser.walk(promql_parser.parse(expr), visit)
+    return found
+
+
+IDLE_MINUTES = 90  # past the longest window the rules read (an hour, 10 minutes ago)
+IDLE_CHECKS = ("15m", "45m", "80m")
+
+
+@pytest.mark.parametrize("fleet", sorted(IDLE_FLEETS))
+def test_alerts_that_divide_stay_quiet_and_finite_on_an_idle_fleet(fleet: str, tmp_path: Path) -> None:
+    """Over an idle fleet (``fleet``) no alert whose rule divides fires at any time, and each of
+    its ratios answers no sample rather than NaN (0/0) or ±Inf (x/0)."""
+    dividing = [a for a in alerts.all_alerts() if divisions(a.expr)]
+    assert {a.name for a in dividing} >= {"KVPoolLoadErrorsRising", "KVPoolStoreFull"}
+    history = idle_history([a.expr for a in dividing], IDLE_FLEETS[fleet], IDLE_MINUTES)
+    ratios = {f"{a.name} ratio {i}": d for a in dividing for i, d in enumerate(divisions(a.expr), 1)}
+    test = {
+        "interval": "1m",
+        "input_series": [{"series": s, "values": v} for s, v in history.items()],
+        "alert_rule_test": [
+            {"eval_time": time, "alertname": a.name, "exp_alerts": []}
+            for a in dividing
+            for time in IDLE_CHECKS
+        ],
+        "promql_expr_test": [
+            {"expr": non_finite(ratio, name), "eval_time": time, "exp_samples": []}
+            for name, ratio in ratios.items()
+            for time in IDLE_CHECKS
+        ],
+    }
+    path = tmp_path / "idle_alerts_test.yaml"
+    rules = {"rule_files": [str(RULES_FILE)], "evaluation_interval": "1m", "tests": [test]}
+    path.write_text(yaml.safe_dump(rules, sort_keys=False))
     result = subprocess.run(
         [promtool(), "test", "rules", str(path)], capture_output=True, text=True, timeout=120
     )
