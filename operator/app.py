@@ -570,6 +570,7 @@ async def run(
             injection_mode=options.injection_mode,
             observe_timeout=options.observe_timeout,
             addresses_ttl=options.observe_interval,
+            observe_interval=options.observe_interval,
         )
         stopped = asyncio.Event()
         stack.enter_context(_forward(stop_flag, stopped))

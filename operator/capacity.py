@@ -245,11 +245,13 @@ def apply_observation(
     expected: int | None,
     now: str,
     tenants: Mapping[str, str] | None = None,
+    held: Sequence[Condition] | None = None,
 ) -> dict[str, Any]:
     """``status`` (a valid pool's) with ``capacity``, ``Observed``, ``Degraded`` and the phase
     they lead to. A poll that failed keeps the last numbers; a pool not asked has none. The
     same numbers keep their ``changedAt``: a pool whose master's numbers hold still is not
-    written."""
+    written. ``held``: ``Observed`` and ``Degraded`` as the status holds them, kept in place of
+    what ``observation`` says (``first_poll``: this process has not polled the master yet)."""
     kept = [
         Condition.model_validate(c)
         for c in status.get("conditions") or []
@@ -257,7 +259,7 @@ def apply_observation(
     ]
     new = merge_conditions(
         old.get("conditions") or [],
-        list(conditions_of(asked, observation, external, expected)),
+        list(held) if held else list(conditions_of(asked, observation, external, expected)),
         now,
         status.get("observedGeneration"),
     )

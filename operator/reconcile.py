@@ -49,6 +49,13 @@ from kvpool.operator.external_guard import (
     pool_addresses,
     vet_endpoints,
 )
+from kvpool.operator.first_poll import (
+    EXTERNAL_CONDITIONS,
+    POLL_CONDITIONS,
+    first_poll_bound,
+    holds_for_first_poll,
+    kept_conditions,
+)
 from kvpool.operator.grant_usage import grant_usage, with_changed_at
 from kvpool.operator.grants import (
     NAMESPACE_NOT_ALLOWED,
@@ -87,7 +94,7 @@ from kvpool.operator.pod_injection import (
     template_refusal,
 )
 from kvpool.operator.policy import OperatorPolicy
-from kvpool.operator.spec import StoreDrainStatus
+from kvpool.operator.spec import Condition, StoreDrainStatus
 from kvpool.operator.status import (
     TIME_FORMAT,
     ConsumerState,
@@ -254,11 +261,13 @@ async def write_grant_statuses(
     now: str,
     observation: Observation | None,
     pool_status: Mapping[str, Any] | None = None,
+    keep_usage: bool = False,
 ) -> None:
     """Each grant of ``pool``: its tenant and ceiling as the master admits it, its usage as
     the last poll (``observation``) counts it, where its consumers stand and the hit rate
     they report (the pool's status, ``pool_status``), or why the pool does not serve it
-    (written only when it changed)."""
+    (written only when it changed). ``keep_usage``: the usage as the grant's status holds it
+    (this process has not polled the master yet: ``first_poll``)."""
     listed_elsewhere = {(c.grant.namespace, c.grant.name): c.listed_elsewhere for c in plan.grant_children}
     pool_consumers = (pool_status or {}).get("consumers") or []
     hits = {str(h.get("grant")): h for h in ((pool_status or {}).get("hits") or {}).get("grants") or []}
@@ -277,7 +286,9 @@ async def write_grant_statuses(
         ref = grant_ref(grant, plan.namespace)
         if plan.tenancy is not None and ref in plan.tenancy.tenants and ref in hits:
             new["hits"] = {k: v for k, v in hits[ref].items() if k != "grant"}
-        if plan.tenancy is not None and ref in plan.tenancy.tenants:
+        if plan.tenancy is not None and ref in plan.tenancy.tenants and keep_usage and old.get("usage"):
+            new["usage"] = old["usage"]
+        elif plan.tenancy is not None and ref in plan.tenancy.tenants:
             usage = grant_usage(
                 ref, plan.tenancy.tenants, observation, asked=plan.observed, external=plan.external
             )
@@ -638,10 +649,13 @@ async def converge(
     leader_check: LeaderCheck | None = None,
     mode: str = DEPLOYMENT_PATCH,
     observation: Observation | None = None,
+    first_poll_pending: bool = False,
 ) -> dict[str, Any]:
     """Apply a valid plan to what the pool owns; the status it leads to. ``mode``: how
     consumers get their settings (Deployment patching, or Pod admission); ``observation``:
-    the last poll of the pool's master (the observation timer's, never made here)."""
+    the last poll of the pool's master (the observation timer's, never made here);
+    ``first_poll_pending``: this process has not polled it yet, and what the poll decides is
+    kept as the status holds it (``first_poll``)."""
     meta = pool.get("metadata", {})
     name, namespace, uid = meta["name"], meta["namespace"], meta["uid"]
     scale = await store_scale_of(kube, plan, uid, pool.get("status") or {}, observation, now)
@@ -690,14 +704,19 @@ async def converge(
     leader = await leader_check(plan) if plan.ha and leader_check is not None else None
     master = live.get(f"Deployment/{names.master_name(name)}")
     store = live.get(f"Deployment/{names.store_name(name)}")
-    ready = (
-        external_conditions(plan.observed, observation, plan.embedded)
-        if plan.external
-        else (
+    old = pool.get("status") or {}
+    # An external pool's MasterReady/StoreReady are its master's answer: none yet, the last one stands.
+    answer = kept_conditions(old, EXTERNAL_CONDITIONS) if first_poll_pending and plan.external else None
+    ready: tuple[Condition, Condition]
+    if answer is not None:
+        ready = (answer[0], answer[1])
+    elif plan.external:
+        ready = external_conditions(plan.observed, observation, plan.embedded)
+    else:
+        ready = (
             master_condition(master, names.MASTER in blocked, plan.ha, leader, unprotected),
             store_condition(store, names.STORE in blocked, plan.embedded, unprotected),
         )
-    )
     serves = pool_serves(*ready)
     if refused:
         # A consumer pointed at a Service or ConfigMap that is not the pool's would send its
@@ -732,7 +751,6 @@ async def converge(
             pass
         except ApiError as exc:  # a namespace the operator no longer reads: said by validation
             logger.warning("releasing consumers of %s/%s in %s: %s", namespace, name, other, exc)
-    old = pool.get("status") or {}
     status = valid_status(
         master_address=plan.master_address,
         master=master,
@@ -752,13 +770,19 @@ async def converge(
         last_scale_down=scale_down,
         store_drain=dump(scale.drain),
     )
-    return observed_status(status, old, observation, plan, now)
+    return observed_status(status, old, observation, plan, now, first_poll_pending)
 
 
 def observed_status(
-    status: Mapping[str, Any], old: Mapping[str, Any], observation: Observation | None, plan: Plan, now: str
+    status: Mapping[str, Any],
+    old: Mapping[str, Any],
+    observation: Observation | None,
+    plan: Plan,
+    now: str,
+    first_poll_pending: bool = False,
 ) -> dict[str, Any]:
-    """``status`` with what the last poll of the plan's master found (``apply_observation``)."""
+    """``status`` with what the last poll of the plan's master found (``apply_observation``);
+    ``first_poll_pending``: ``Observed`` and ``Degraded`` as ``old`` holds them instead."""
     return apply_observation(
         status,
         old,
@@ -768,6 +792,7 @@ def observed_status(
         expected=plan.store_replicas,
         now=now,
         tenants=plan.tenancy.tenants if plan.tenancy is not None else None,
+        held=kept_conditions(old, POLL_CONDITIONS) if first_poll_pending else None,
     )
 
 
@@ -837,6 +862,7 @@ class Reconciler:
         injection_mode: str = DEPLOYMENT_PATCH,
         observe_timeout: float = 3.0,
         addresses_ttl: float = 15.0,
+        observe_interval: float = 15.0,
     ):
         self.kube = kube
         self.addresses_ttl = addresses_ttl
@@ -850,6 +876,9 @@ class Reconciler:
         self.observe_timeout = observe_timeout
         # The last poll of each pool's master (the observation timer's).
         self.observations: dict[tuple[str, str], Observation] = {}
+        # When a pass first found no poll of a pool's master (``first_poll``), loop time.
+        self._unpolled_since: dict[tuple[str, str], float] = {}
+        self.first_poll_bound = first_poll_bound(observe_interval, observe_timeout)
         self._locks: dict[tuple[str, str], asyncio.Lock] = {}
         # The pool generation whose unlisted grants were last looked for (``refuse_unlisted_grants``).
         self._swept: dict[tuple[str, str], int | None] = {}
@@ -921,6 +950,7 @@ class Reconciler:
             plan = build_plan(name, namespace, pool.get("spec"), self.policy, network, grants)
             valid = plan.valid
             observation = self.observation_of(plan)
+            pending = self.first_poll_pending(plan, old, pool["metadata"].get("generation"))
             if plan.valid:
                 status = await converge(
                     self.kube,
@@ -931,11 +961,14 @@ class Reconciler:
                     self.check_leader,
                     self.injection_mode,
                     observation,
+                    pending,
                 )
             else:
                 status = invalid_status(plan.problems, old, pool["metadata"].get("generation"), utcnow())
             # After the policy is applied: a grant says what the master was told.
-            await write_grant_statuses(self.kube, name, grants, plan, utcnow(), observation, status)
+            await write_grant_statuses(
+                self.kube, name, grants, plan, utcnow(), observation, status, keep_usage=pending
+            )
             if plan.valid:
                 status = await with_grants_elsewhere(self.kube, pool, status, plan, utcnow())
             elif GRANTS_ELSEWHERE in old:  # an invalid spec changes nothing it served elsewhere
@@ -980,7 +1013,7 @@ class Reconciler:
                     "(see their kvpool.mooncake.io/consumer-of label); children go with the pool",
                 )
                 self.metrics.forget_pool(namespace, name)
-                self.observations.pop((namespace, name), None)
+                self.forget_polls(namespace, name)
                 self._locks.pop((namespace, name), None)
                 return
             try:
@@ -999,7 +1032,7 @@ class Reconciler:
                 raise
             self.metrics.reconciles.labels("delete", "success").inc()
             self.metrics.forget_pool(namespace, name)
-            self.observations.pop((namespace, name), None)
+            self.forget_polls(namespace, name)
             self._swept.pop((namespace, name), None)
             self._locks.pop((namespace, name), None)
 
@@ -1139,6 +1172,27 @@ class Reconciler:
         if plan.external:
             return ("external", plan.master_address, plan.metrics_endpoints)
         return ("pool", self.master_base(plan), plan.metrics_port, plan.ha)
+
+    def forget_polls(self, namespace: str, name: str) -> None:
+        """A pool gone: its last poll, and when a pass first found none."""
+        self.observations.pop((namespace, name), None)
+        self._unpolled_since.pop((namespace, name), None)
+
+    def first_poll_pending(self, plan: Plan, status: Mapping[str, Any], generation: int | None) -> bool:
+        """Whether a pass keeps what the poll decides as ``status`` holds it: this process has
+        not polled the pool's master yet, for less than ``first_poll_bound`` (``first_poll``)."""
+        key = (plan.namespace, plan.pool)
+        polled = key in self.observations
+        now = asyncio.get_running_loop().time()
+        since = now if polled else self._unpolled_since.setdefault(key, now)
+        return holds_for_first_poll(
+            asked=plan.observed,
+            polled=polled,
+            waited=now - since,
+            bound=self.first_poll_bound,
+            status=status,
+            generation=generation,
+        )
 
     def observation_of(self, plan: Plan) -> Observation | None:
         """The last poll of the pool's master, if it asked what ``plan`` names: after a spec
