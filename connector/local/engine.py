@@ -20,7 +20,6 @@ import contextlib
 import gc
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
@@ -29,6 +28,7 @@ from pathlib import Path
 from typing import Any, Self
 
 from kvpool.connector.local.pool import LOOPBACK
+from kvpool.connector.local.supervised import run_in_own_group
 
 #: Environment of a CPU engine in its own process: no hub access, no usage
 #: reports, loopback addresses, no engine-core subprocess.
@@ -208,7 +208,10 @@ def run_module(
 
     The child's environment is :data:`ENGINE_ENV`, this process's environment
     over it, then ``env``. Its stdout/stderr go to ``log_path`` (a temporary
-    file if None), whose tail is in the error raised when the child fails.
+    file if None), whose tail is in the error raised when the child fails. The child runs
+    in a process group of its own (:func:`~kvpool.connector.local.supervised.run_in_own_group`):
+    what it forks (vLLM's engine core, its workers) ends with it, past ``timeout`` (then
+    :class:`subprocess.TimeoutExpired`), on a stop signal here, or with this process.
     """
     with tempfile.TemporaryDirectory(prefix="kvpool-engine-") as tmp:
         spec_path = Path(tmp) / "spec.json"
@@ -216,17 +219,15 @@ def run_module(
         spec_path.write_text(json.dumps(spec))
         log = Path(log_path) if log_path is not None else Path(tmp) / "engine.log"
         with open(log, "wb") as out:
-            proc = subprocess.run(
+            returncode = run_in_own_group(
                 [sys.executable, "-m", module, str(spec_path), str(result_path)],
                 env={**ENGINE_ENV, **os.environ, **(env or {})},
                 stdout=out,
-                stderr=subprocess.STDOUT,
                 timeout=timeout,
-                check=False,
             )
-        if proc.returncode != 0 or not result_path.exists():
+        if returncode != 0 or not result_path.exists():
             tail = log.read_text(errors="replace")[-4000:]
-            raise RuntimeError(f"engine subprocess failed (rc={proc.returncode}):\n{tail}")
+            raise RuntimeError(f"engine subprocess failed (rc={returncode}):\n{tail}")
         return json.loads(result_path.read_text())
 
 
