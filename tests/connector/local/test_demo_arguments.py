@@ -9,6 +9,7 @@ SIGTERM while its first engine starts.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import subprocess
 import sys
@@ -93,5 +94,38 @@ def test_sigterm_stops_the_engine_and_the_pool(tmp_path: Path) -> None:
         assert [pid for pid in started if running(pid)] == []  # the engine, the master, the store
         assert status == 128 + signal.SIGTERM
         assert "kvpool-demo: stopped by SIGTERM" in process.stderr.read()
+    finally:
+        kill_leftovers(process, started)
+
+
+@pytest.mark.mooncake
+def test_sigkill_takes_the_engine_and_the_pool_with_it(tmp_path: Path) -> None:
+    """A SIGKILLed demo (the OOM killer, ``timeout -s KILL``) took its master and store with it
+    (their watchdogs), but its engine ran on, orphaned. The engine is stopped (SIGSTOP) first:
+    it stands for one that does not end on its own, as a hung engine does not."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kvpool.connector.local.demo", "--model-dir", str(tmp_path / "model")],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    started: dict[int, list[bytes]] = {}
+    try:
+        assert process.stdout is not None
+        for line in process.stdout:
+            if line.startswith("  reference:"):  # the pool serves; the first engine starts
+                break
+        engine = ENGINE_MODULE.encode()
+        deadline = time.monotonic() + STARTUP_S
+        while not any(engine in command for command in started.values()):
+            assert process.poll() is None and time.monotonic() < deadline, "no engine process started"
+            time.sleep(0.05)
+            started = children(process.pid)
+        (engine_pid,) = [pid for pid, command in started.items() if engine in command]
+        os.kill(engine_pid, signal.SIGSTOP)
+        process.kill()
+        process.wait()
+        deadline = time.monotonic() + STARTUP_S
+        while left := [pid for pid in started if running(pid)]:
+            assert time.monotonic() < deadline, f"still running: {left} of {list(started)}"
+            time.sleep(0.05)
     finally:
         kill_leftovers(process, started)
