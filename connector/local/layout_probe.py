@@ -30,6 +30,7 @@ from typing import Any
 from kvpool.connector.contract.layout import KVLayout
 from kvpool.connector.local.ports import free_port
 from kvpool.connector.local.stopping import deferred
+from kvpool.connector.local.watchdog import release, watch
 
 LOOPBACK = "127.0.0.1"
 RANK_TIMEOUT_S = 600.0
@@ -160,6 +161,7 @@ def rank_specs(
     try:
         for process in processes:
             process.start()
+            watch(process)  # a SIGKILLed probe takes its ranks (and their shared memory) with it
         for key, value in env_before.items():  # the ranks have their environment
             _restore(key, value)
         while len(collected) < world:
@@ -179,6 +181,7 @@ def rank_specs(
                 if process.is_alive():
                     process.kill()
                     process.join()
+                release(process)
             for key, value in env_before.items():
                 _restore(key, value)
             shutil.rmtree(rank_temp, ignore_errors=True)

@@ -198,6 +198,43 @@ def test_sigterm_stops_the_ranks_and_removes_their_files(model_dir) -> None:
     assert left == []
 
 
+def test_sigkill_takes_the_ranks_and_their_shared_memory_with_it(model_dir) -> None:
+    """A SIGKILLed command (the OOM killer, ``timeout -s KILL``) left its ranks running, orphaned,
+    and their CPU communicator's shared memory in /dev/shm. The ranks are stopped (SIGSTOP) in
+    their group first: they stand for ranks that do not end on their own."""
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_RPC_BASE_PATH"}
+    with tempfile.TemporaryDirectory(prefix="kvpool-test-") as temp:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "kvpool.connector.local.layout_command", "--model", str(model_dir),
+             "--block-size", str(BLOCK), "--dtype", DTYPE, "-tp", "2"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**env, "TMPDIR": temp},
+        )  # fmt: skip
+        segments = f"kvpool-layout-{process.pid}-"  # the probe's VLLM_DIST_IDENT
+        ranks: list[int] = []
+        try:
+            deadline = time.monotonic() + 600
+            while len(ranks) < 2 or len(_shared_memory(segments)) < 2:  # both ranks in their group
+                assert process.poll() is None and time.monotonic() < deadline, "no ranks in a group"
+                time.sleep(0.05)
+                ranks = [
+                    pid
+                    for pid, command in children(process.pid).items()
+                    if b"spawn_main" in b" ".join(command)
+                ]
+            for pid in ranks:
+                os.kill(pid, signal.SIGSTOP)
+            process.kill()
+            process.wait()
+            deadline = time.monotonic() + 120
+            while [pid for pid in ranks if running(pid)] or _shared_memory(segments):
+                assert time.monotonic() < deadline, (ranks, _shared_memory(segments))
+                time.sleep(0.05)
+        finally:
+            kill_leftovers(process, ranks)
+            for name in _shared_memory(segments):
+                os.unlink(f"/dev/shm/{name}")
+
+
 def _shared_memory(prefix: str) -> list[str]:
     return sorted(name for name in os.listdir("/dev/shm") if name.startswith(prefix))
 
