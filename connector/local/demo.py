@@ -18,7 +18,9 @@ and whether B's output equals the reference.
 Exit status: 0 (RESULT: OK) when B's output equals the reference and B
 took the whole shared prefix (in whole blocks) from the pool; 1 otherwise;
 2 for a bad argument (refused before anything starts); 128 + the signal's
-number after Ctrl-C (SIGINT) or SIGTERM, which stop the engine and the pool.
+number after Ctrl-C (SIGINT) or SIGTERM, which stop the engine and the pool. Killed
+(SIGKILL included), it takes them with it: each has a watchdog, and the engine runs in a
+process group of its own, ended whole.
 """
 
 from __future__ import annotations

@@ -14,8 +14,9 @@ with its fingerprint, the value ``status.consumers[].layoutFingerprint`` will sh
 Exit status: 0 with the layout; 1 when it cannot be computed, or the connector cannot
 serve it; 2 for a bad argument, a ``--block-size`` vLLM's attention backends on this
 platform do not run included (its workers refuse it too); 128 + the signal's number
-after SIGINT or SIGTERM, which stop the ranks. The ranks' temporary files (vLLM's IPC
-sockets) go in a folder of their own, removed when they stop.
+after SIGINT or SIGTERM, which stop the ranks (a SIGKILL takes them with it: each rank has a
+watchdog). The ranks' temporary files (vLLM's IPC sockets) go in a folder of their own,
+removed when they stop.
 """
 
 from __future__ import annotations
