@@ -61,7 +61,8 @@ def kill_leftovers(command: subprocess.Popen[Any], pids: Iterable[int]) -> None:
 #: Where Python's ``multiprocessing`` keeps what it names: ``SharedMemory`` segments
 #: (``psm_*``, vLLM's message queues between an engine and its workers) and named semaphores
 #: (``sem.mp-*``). Their owners unlink them when they end cleanly; a SIGKILLed owner leaves
-#: them, and so does a killed ``resource_tracker`` (it is in the same process group).
+#: them to its ``resource_tracker`` (in the same process group), which a SIGKILL of the
+#: whole group stops before it unlinks them (:func:`kill_group` kills it last).
 SHM_FOLDER = "/dev/shm"
 SHM_PREFIXES = ("psm_", "sem.mp-")
 
@@ -126,11 +127,46 @@ def remove_shared_memory(held: set[tuple[int, int]]) -> list[str]:
     return removed
 
 
-def kill_group(pgid: int) -> set[tuple[int, int]]:
-    """SIGKILL process group ``pgid``; what its processes held in ``/dev/shm`` just before
-    (for :func:`remove_shared_memory` once the group is gone)."""
-    held = shared_memory_held(group_members(pgid))
-    with contextlib.suppress(ProcessLookupError):
+#: What a ``multiprocessing`` resource tracker runs (``python -c``). Its processes register
+#: the names they create with it (a spawned child uses its parent's); once none of them is
+#: left (end of file on its pipe) it unlinks those they did not, and ends.
+RESOURCE_TRACKER = b"from multiprocessing.resource_tracker import main"
+#: How long a killed group's resource trackers get to unlink what the group left, and end.
+TRACKER_GRACE_S = 10.0
+
+
+def is_resource_tracker(pid: int) -> bool:
+    """Whether ``pid`` runs a ``multiprocessing`` resource tracker."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return RESOURCE_TRACKER in f.read()
+    except OSError:
+        return False
+
+
+def kill_group(pgid: int, tracker_grace: float = TRACKER_GRACE_S) -> set[tuple[int, int]]:
+    """SIGKILL process group ``pgid``, its resource trackers last; what its processes held
+    in ``/dev/shm`` just before (for :func:`remove_shared_memory` once the group is gone).
+
+    A tracker killed with the rest would leave the names it keeps: those of a process killed
+    earlier (vLLM's shutdown SIGKILLs a worker that lingers), which nothing maps any more. So
+    the group is stopped, every other member is killed, and the trackers, continued, unlink
+    those names and end (within ``tracker_grace`` seconds, else they are killed too)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGSTOP)  # nothing starts, maps or forks meanwhile
+    members = group_members(pgid)
+    held = shared_memory_held(members)
+    trackers = [pid for pid in members if is_resource_tracker(pid)]
+    for pid in members:
+        if pid not in trackers:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGCONT)
+    deadline = time.monotonic() + tracker_grace
+    while any(running(pid) for pid in trackers) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, signal.SIGKILL)
     return held
 

@@ -14,12 +14,16 @@ from testing.child_processes import kill_group, remove_shared_memory, wait_group
 
 #: A group like an engine's: a process that creates a SharedMemory segment and a named
 #: semaphore (spawn's: kept under its name until its finalizer or resource tracker unlinks
-#: it), a child that maps the segment too, and the resource tracker.
+#: it), a child that maps the segment too, and the resource tracker, which does not keep
+#: these two (as it keeps none of the names vLLM's processes open by name): only what the
+#: group maps names them.
 HOLDER = """
 import multiprocessing, sys, time
-from multiprocessing import shared_memory
+from multiprocessing import resource_tracker, shared_memory
 segment = shared_memory.SharedMemory(create=True, size=1 << 20)
 lock = multiprocessing.get_context("spawn").Lock()
+resource_tracker.unregister(segment._name, "shared_memory")
+resource_tracker.unregister(lock._semlock.name, "semaphore")
 if __name__ == "__main__":
     child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(300,))
     child.start()
@@ -58,6 +62,51 @@ def test_a_killed_groups_shared_memory_is_removed_and_nothing_else() -> None:
                 os.unlink(path)
         ours.close()
         ours.unlink()
+
+
+#: A group like a vLLM server after its own shutdown SIGKILLed a lingering worker: the
+#: worker's semaphore (registered with the leader's resource tracker, mapped by no one now)
+#: waits for the tracker, which unlinks it once the leader, its last user, is gone.
+WORKER = """
+import multiprocessing, time
+lock = multiprocessing.get_context("spawn").Lock()
+conn.send(lock._semlock.name)
+time.sleep(300)
+"""
+LEADER = f"""
+import multiprocessing, os, signal, time
+if __name__ == "__main__":
+    ctx = multiprocessing.get_context("spawn")
+    ours, theirs = ctx.Pipe()
+    worker = ctx.Process(target=exec, args=({WORKER!r}, {{"conn": theirs}}))
+    worker.start()
+    name = ours.recv()
+    os.kill(worker.pid, signal.SIGKILL)
+    worker.join()
+    print(name, flush=True)
+    time.sleep(300)
+"""
+
+
+def test_a_killed_groups_resource_tracker_unlinks_what_a_worker_killed_before_left() -> None:
+    process = subprocess.Popen(
+        [sys.executable, "-c", LEADER], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+    assert process.stdout is not None
+    path = f"/dev/shm/sem.{process.stdout.readline().strip().lstrip('/')}"
+    try:
+        assert os.path.exists(path), "the killed worker's semaphore waits for its tracker"
+        held = kill_group(process.pid)
+        process.wait(30)
+        assert wait_group_gone(process.pid)
+        remove_shared_memory(held)
+        assert not os.path.exists(path), "the group's tracker unlinked it before it ended"
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(30)
+        if os.path.exists(path):
+            os.unlink(path)
 
 
 def test_a_name_still_mapped_elsewhere_or_taken_since_stays() -> None:
