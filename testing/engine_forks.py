@@ -25,7 +25,6 @@ import ctypes
 import json
 import os
 import select
-import signal
 import subprocess
 import sys
 import tempfile
@@ -346,14 +345,14 @@ def _end_group(pgid: int, timeout: float = GROUP_END_TIMEOUT_S) -> None:
     deadline = time.monotonic() + timeout
     held: set[tuple[int, int]] = set()  # what the group held in /dev/shm: a killed engine leaves it
     while time.monotonic() < deadline:
-        held |= child_processes.shared_memory_held(child_processes.group_members(pgid))
-        try:
-            os.killpg(pgid, signal.SIGKILL)
-        except ProcessLookupError:
-            break
+        held |= child_processes.kill_group(pgid)  # its resource trackers end last, their names unlinked
         with contextlib.suppress(ChildProcessError):
             while os.waitpid(-pgid, os.WNOHANG)[0] > 0:
                 pass
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            break
         time.sleep(0.01)
     else:
         print(f"process group {pgid} outlived its run by {timeout} s", file=sys.stderr)

@@ -103,9 +103,7 @@ async def stop_process(process: subprocess.Popen[bytes], grace: float) -> int:
     # The leader is not reaped yet, so its group id is still its own: the rest of its group
     # (what it started) goes with it, and so do the names it held in /dev/shm (vLLM's
     # message queues: a SIGKILLed engine leaves them), once the group is gone.
-    held = child_processes.shared_memory_held(child_processes.group_members(process.pid))
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(process.pid, signal.SIGKILL)
+    held = await asyncio.to_thread(child_processes.kill_group, process.pid)
     while _exit_status(process) is None:
         await asyncio.sleep(0.05)
     deadline = time.monotonic() + GROUP_GONE_S
