@@ -12,6 +12,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -59,6 +60,33 @@ def test_a_run_ends_with_every_process_it_started(tmp_path: Path, hang: bool) ->
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+SEMAPHORE_LEAVER = "tests.testing.leaves_a_semaphore"
+
+
+def test_a_run_that_killed_a_worker_leaves_no_semaphore(tmp_path: Path) -> None:
+    """A worker the run SIGKILLed left its semaphore to the run's resource tracker: the run's
+    end kills the rest of its group first, and the tracker unlinks the name before it ends."""
+    env = child_environment({"PYTHONPATH": str(ROOT)})
+    forks = EngineForks(env, warm_imports=())
+    spec_path, result, log = tmp_path / "spec.json", tmp_path / "result.json", tmp_path / "run.log"
+    spec_path.write_text("{}")
+    left: dict[str, Any] = {"semaphore": "", "pids": []}
+    try:
+        assert forks.run(SEMAPHORE_LEAVER, spec_path, result, log, env, timeout=60) == 0
+        left = json.loads(result.read_text())
+        assert left["semaphore"], log.read_text()
+        assert not os.path.exists(f"/dev/shm/sem.{left['semaphore'].lstrip('/')}"), "the tracker unlinked it"
+        assert [pid for pid in left["pids"] if Path(f"/proc/{pid}").exists()] == []
+    finally:
+        forks.stop()
+        for pid in left["pids"]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        if left["semaphore"]:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(f"/dev/shm/sem.{left['semaphore'].lstrip('/')}")
 
 
 def test_only_run_time_variables_may_differ() -> None:
