@@ -4,13 +4,18 @@ group holds, and :func:`remove_shared_memory` unlinks exactly those once it is g
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from multiprocessing import shared_memory
 
+import pytest
+
 from testing.child_processes import kill_group, remove_shared_memory, wait_group_gone
+from testing.node.kubelet import stop_process
 
 #: A group like an engine's: a process that creates a SharedMemory segment and a named
 #: semaphore (spawn's: kept under its name until its finalizer or resource tracker unlinks
@@ -76,6 +81,7 @@ time.sleep(300)
 LEADER = f"""
 import multiprocessing, os, signal, time
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # it lingers past any grace: a SIGKILL ends it
     ctx = multiprocessing.get_context("spawn")
     ours, theirs = ctx.Pipe()
     worker = ctx.Process(target=exec, args=({WORKER!r}, {{"conn": theirs}}))
@@ -88,18 +94,27 @@ if __name__ == "__main__":
 """
 
 
-def test_a_killed_groups_resource_tracker_unlinks_what_a_worker_killed_before_left() -> None:
-    process = subprocess.Popen(
-        [sys.executable, "-c", LEADER], stdout=subprocess.PIPE, text=True, start_new_session=True
-    )
+def _stop_by_kill_group(process: subprocess.Popen[bytes]) -> None:
+    held = kill_group(process.pid)
+    process.wait(30)
+    assert wait_group_gone(process.pid)
+    remove_shared_memory(held)
+
+
+def _stop_as_a_pod(process: subprocess.Popen[bytes]) -> None:
+    assert asyncio.run(stop_process(process, grace=0.5)) == -signal.SIGKILL
+
+
+@pytest.mark.parametrize("stop", [_stop_by_kill_group, _stop_as_a_pod], ids=["kill_group", "pod"])
+def test_a_killed_groups_resource_tracker_unlinks_what_a_worker_killed_before_left(
+    stop: Callable[[subprocess.Popen[bytes]], None],
+) -> None:
+    process = subprocess.Popen([sys.executable, "-c", LEADER], stdout=subprocess.PIPE, start_new_session=True)
     assert process.stdout is not None
-    path = f"/dev/shm/sem.{process.stdout.readline().strip().lstrip('/')}"
+    path = f"/dev/shm/sem.{process.stdout.readline().decode().strip().lstrip('/')}"
     try:
         assert os.path.exists(path), "the killed worker's semaphore waits for its tracker"
-        held = kill_group(process.pid)
-        process.wait(30)
-        assert wait_group_gone(process.pid)
-        remove_shared_memory(held)
+        stop(process)
         assert not os.path.exists(path), "the group's tracker unlinked it before it ended"
     finally:
         if process.poll() is None:
