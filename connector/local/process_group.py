@@ -98,8 +98,49 @@ def remove_shared_memory(held: set[tuple[int, int]]) -> list[str]:
 
 
 def _signal_group(pgid: int, signum: int) -> None:
-    with contextlib.suppress(ProcessLookupError):
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, signum)
+
+
+#: What a ``multiprocessing`` resource tracker runs (``python -c``). Its processes register the
+#: names they create with it (a spawned child uses its parent's); once none of them is left (end
+#: of file on its pipe) it unlinks those they did not, and ends. It ignores SIGTERM.
+RESOURCE_TRACKER = b"from multiprocessing.resource_tracker import main"
+#: How long a killed group's resource trackers get to unlink what the group left, and end.
+TRACKER_GRACE_S = 10.0
+
+
+def is_resource_tracker(pid: int) -> bool:
+    """Whether ``pid`` runs a ``multiprocessing`` resource tracker."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return RESOURCE_TRACKER in f.read()
+    except OSError:
+        return False
+
+
+def kill_group(pgid: int, tracker_grace: float = TRACKER_GRACE_S) -> set[tuple[int, int]]:
+    """SIGKILL process group ``pgid``, its resource trackers last; what its processes held in
+    ``/dev/shm`` just before (for :func:`remove_shared_memory` once the group is gone).
+
+    A tracker killed with the rest would leave the names it keeps: those of a process killed
+    earlier (vLLM's shutdown SIGKILLs a worker that lingers), which nothing maps any more. So
+    the group is stopped, every other member is killed, and the trackers, continued, unlink
+    those names and end (within ``tracker_grace`` seconds, else they are killed too)."""
+    _signal_group(pgid, signal.SIGSTOP)  # nothing starts, maps or forks meanwhile
+    members = group_members(pgid)
+    held = shared_memory_held(members)
+    trackers = [pid for pid in members if is_resource_tracker(pid)]
+    for pid in members:
+        if pid not in trackers:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+    _signal_group(pgid, signal.SIGCONT)
+    deadline = time.monotonic() + tracker_grace
+    while any(running(pid) for pid in trackers) and time.monotonic() < deadline:
+        time.sleep(POLL_S)
+    _signal_group(pgid, signal.SIGKILL)
+    return held
 
 
 def _wait_gone(pgid: int, timeout: float, held: set[tuple[int, int]]) -> bool:
@@ -114,7 +155,8 @@ def _wait_gone(pgid: int, timeout: float, held: set[tuple[int, int]]) -> bool:
 
 
 def end_group(pgid: int, grace_s: float = TERM_GRACE_S, timeout_s: float = GONE_TIMEOUT_S) -> bool:
-    """SIGTERM process group ``pgid``, SIGKILL what is left of it after ``grace_s`` (at once for 0),
+    """SIGTERM process group ``pgid``, SIGKILL what is left of it after ``grace_s`` (at once for 0;
+    its resource trackers last, :func:`kill_group`),
     wait until none of it runs (at most ``timeout_s``), then remove the ``/dev/shm`` files it held
     that no live process holds. Whether it is gone.
 
@@ -126,7 +168,7 @@ def end_group(pgid: int, grace_s: float = TERM_GRACE_S, timeout_s: float = GONE_
         _signal_group(pgid, signal.SIGTERM)
         gone = _wait_gone(pgid, grace_s, held)
     if not gone:
-        _signal_group(pgid, signal.SIGKILL)
+        held |= kill_group(pgid)
         gone = _wait_gone(pgid, timeout_s, held)
     remove_shared_memory(held)
     return gone

@@ -14,6 +14,7 @@ from multiprocessing import shared_memory
 
 import pytest
 
+from kvpool.connector.local.process_group import end_group
 from testing.child_processes import kill_group, remove_shared_memory, wait_group_gone
 from testing.node.kubelet import stop_process
 
@@ -105,7 +106,15 @@ def _stop_as_a_pod(process: subprocess.Popen[bytes]) -> None:
     assert asyncio.run(stop_process(process, grace=0.5)) == -signal.SIGKILL
 
 
-@pytest.mark.parametrize("stop", [_stop_by_kill_group, _stop_as_a_pod], ids=["kill_group", "pod"])
+def _stop_as_an_engine(process: subprocess.Popen[bytes]) -> None:
+    """As ``kvpool-demo`` ends its engine's group (``supervised.run_in_own_group``)."""
+    assert end_group(process.pid, grace_s=0.5)
+    process.wait(30)
+
+
+@pytest.mark.parametrize(
+    "stop", [_stop_by_kill_group, _stop_as_a_pod, _stop_as_an_engine], ids=["kill_group", "pod", "engine"]
+)
 def test_a_killed_groups_resource_tracker_unlinks_what_a_worker_killed_before_left(
     stop: Callable[[subprocess.Popen[bytes]], None],
 ) -> None:
