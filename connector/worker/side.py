@@ -228,6 +228,7 @@ class WorkerSide:
         self.jobs = JobBoard()  # every transfer in flight, with its deadline
         self._job_of: dict[int, Job] = {}  # id(RequestLoad | RequestSave) -> its job
         self._futures: dict[Job, Future[Any]] = {}  # of jobs submitted and not yet returned
+        self._queued_saves: dict[Job, RequestSave] = {}  # saves submitted and not yet started
         self._load_errors: set[int] = set()
         self._local = threading.local()
         self._slots: list[StagingSlot] = []  # every staging buffer allocated (and registered)
@@ -525,6 +526,8 @@ class WorkerSide:
 
         def run() -> Any:
             started = time.monotonic()
+            with self._lock:
+                self._queued_saves.pop(job, None)
             try:
                 return fn(request)
             finally:
@@ -537,6 +540,9 @@ class WorkerSide:
                 job.returned()
                 self._forget(job, request)
 
+        with self._lock:
+            if isinstance(request, RequestSave):
+                self._queued_saves[job] = request
         future = self._pool.submit(run)
         with self._lock:
             self._futures[job] = future
@@ -1192,7 +1198,8 @@ class WorkerSide:
 
     # --- teardown -------------------------------------------------------------------
     def shutdown(self) -> bool:
-        """Drain saves for up to ``shutdown_timeout_s``, then abandon whatever is left.
+        """Drain saves for up to ``shutdown_timeout_s``, then abandon whatever is left; a save
+        still queued then never starts, and is recorded failed (``timeout``) on its keys.
 
         True when no call is left in flight; False when one is still stuck in
         Mooncake (its staging buffer stays; the client closes after it returns).
@@ -1218,6 +1225,11 @@ class WorkerSide:
         self._fetchers.shutdown(wait=False)
         cancelled = [job for job, future in submitted.items() if future.cancelled()]
         for job in cancelled:  # never started: nothing of it is in the pool
+            with self._lock:
+                save = self._queued_saves.pop(job, None)
+            if save is not None:  # reported like any save given up at its deadline
+                results = [self._not_saved(g, _timed_out) for g in save.groups]
+                self._record("save", save.req_id, save.groups, results, time.perf_counter())
             job.returned()
             self._forget(job)
         for job in self.jobs.live():

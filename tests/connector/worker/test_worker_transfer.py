@@ -376,6 +376,48 @@ def test_shutdown_forgets_transfers_that_never_started(pool_client, cache_prefix
     assert len(ran) == TRANSFER_THREADS, "the queued saves never ran"
 
 
+def test_a_save_still_queued_at_shutdown_is_recorded_not_saved(
+    pool_client, cache_prefix, monkeypatch
+) -> None:
+    """A save cancelled at shutdown (queued behind busy transfer threads past the drain) is
+    in the records, its blocks failed at their deadline: every save asked for is accounted for."""
+    import threading
+
+    from kvpool.connector.worker.side import TRANSFER_THREADS, Deadlines
+
+    gate = threading.Event()
+    ran: list[str] = []
+
+    def busy_save(self, save) -> None:
+        ran.append(save.req_id)
+        gate.wait(30)
+
+    monkeypatch.setattr(WorkerSide, "_save_request", busy_save)
+    w = single_group_worker(
+        pool_client, cache_prefix, num_blocks=NUM_BLOCKS, deadlines=Deadlines(shutdown_s=0.05)
+    )
+    w.register_kv_caches({"l0": torch.randn(SHAPE)})
+    saves = [
+        RequestSave(f"s{i}", [GroupTransfer(0, [f"d{i}", f"e{i}"], [1 + 2 * i, 2 + 2 * i])])
+        for i in range(TRANSFER_THREADS + 2)
+    ]
+    w.start_saves(PoolConnectorMetadata(saves=saves))
+    deadline = time.monotonic() + 30
+    while len(ran) < TRANSFER_THREADS:
+        assert time.monotonic() < deadline, "the transfer threads never started"
+        time.sleep(0.01)
+    try:
+        w.shutdown()
+    finally:
+        gate.set()
+    queued = {s.req_id for s in saves} - set(ran)
+    records = {t.req_id: t for t in w.stats.transfers if t.operation == "save"}
+    assert set(records) == queued, "each save that never started is recorded, once"
+    for record in records.values():
+        assert (record.blocks, record.failures) == ((0,), {Outcome.TIMEOUT.value: 2})
+        assert record.group_attempted == (False,), "no latency or size for a save that never ran"
+
+
 def test_get_finished_refuses_rather_than_report_a_failed_load_as_a_success() -> None:
     """vLLM's older ``get_finished`` has no way to say a load failed: a caller of it (vLLM
     0.32 calls ``get_transfer_results``) is told so at once, never handed a success."""
