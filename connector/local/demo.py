@@ -57,6 +57,22 @@ def _timed(label: str, fn: Any) -> tuple[Any, float]:
     return result, time.perf_counter() - started
 
 
+def stored_line(run: EngineRun) -> str:
+    """What engine A's saves stored, from its records (read after its shutdown drained them)."""
+    saves = [t for t in run.transfers if t["operation"] == "save"]
+    stored = sum(sum(t["blocks"]) for t in saves)
+    failed = sum(sum(t["failures"].values()) for t in saves)
+    line = f"engine A stored {stored} blocks"
+    if saves:
+        per_group = ", ".join(str(sum(t["blocks"][g] for t in saves)) for g in range(len(saves[0]["blocks"])))
+        line += f" (per group: {per_group})"
+    if failed:
+        line += f", {failed} not stored (failed)"
+    if run.unreported_saves:
+        line += f", {run.unreported_saves} save(s) unreported at its shutdown (not counted)"
+    return line
+
+
 def group_table(run: EngineRun) -> list[str]:
     """Per group: blocks looked up, present, needed by the hit, masked, loaded, bytes."""
     lookups = [r for r in run.lookups if r["hit_tokens"] > 0] or run.lookups
@@ -111,12 +127,11 @@ def run_demo(model_dir: Path, prefix_len: int, max_tokens: int) -> bool:
         b, b_s = _timed(
             "engine B (new process) serves P2", lambda: run_engine_subprocess(with_pool, [[p2]], max_tokens)
         )
-    saved = sum(sum(t["blocks"]) for t in a.transfers if t["operation"] == "save")
     equal = b.token_ids == reference.token_ids
     cached = b.results[0].num_cached_tokens
     print()
     print(f"P1 {len(p1)} tokens, P2 {len(p2)} tokens, shared prefix {prefix_len} tokens")
-    print(f"engine A stored {saved} blocks ({a_s:.1f} s); engine B ({b_s:.1f} s); reference ({ref_s:.1f} s)")
+    print(f"{stored_line(a)} ({a_s:.1f} s); engine B ({b_s:.1f} s); reference ({ref_s:.1f} s)")
     print("engine B, per KV-cache group:")
     print("\n".join(group_table(b)))
     print(f"engine B tokens from the pool: {cached} (expected {expected_hit})")

@@ -25,10 +25,13 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
 from kvpool.connector.local.pool import LOOPBACK
 from kvpool.connector.local.supervised import run_in_own_group
+
+if TYPE_CHECKING:
+    from kvpool.connector.local.recording import Recording
 
 #: Environment of a CPU engine in its own process: no hub access, no usage
 #: reports, loopback addresses, no engine-core subprocess.
@@ -89,11 +92,17 @@ class RequestResult:
 
 @dataclass
 class EngineRun:
-    """Per-batch results, and the recording connector's records as dicts (empty without it)."""
+    """Per-batch results, and the recording connector's records as dicts (empty without it).
+
+    ``unreported_saves``: saves the worker made whose record had not come when the run was
+    read (given up at the engine's shutdown while a call of theirs was still in the pool):
+    what they stored is not in ``transfers``.
+    """
 
     batches: list[list[RequestResult]]
     lookups: list[dict[str, Any]] = field(default_factory=list)
     transfers: list[dict[str, Any]] = field(default_factory=list)
+    unreported_saves: int = 0
 
     @property
     def results(self) -> list[RequestResult]:
@@ -158,16 +167,32 @@ def generate(llm: Any, prompts: list[Prompt], max_tokens: int = 16) -> list[Requ
     ]
 
 
-def connector_records(llm: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """The recording connector's lookups (scheduler) and transfers (worker), as dicts."""
+def connector_recordings(llm: Any) -> tuple[Recording | None, Recording | None]:
+    """The recording connector's recordings of an in-process engine: (scheduler, worker); None
+    without it. They keep filling after the last request finished, until the engine's shutdown."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 
     core = getattr(llm.llm_engine.engine_core, "engine_core", None)
     scheduler = None if core is None else core.scheduler.get_kv_connector()
     worker = get_kv_transfer_group() if has_kv_transfer_group() else None
-    lookups = getattr(getattr(scheduler, "recording", None), "lookups", ())
-    transfers = getattr(getattr(worker, "recording", None), "transfers", ())
-    return [asdict(r) for r in lookups], [asdict(r) for r in transfers]
+    return getattr(scheduler, "recording", None), getattr(worker, "recording", None)
+
+
+def recorded(
+    scheduler: Recording | None, worker: Recording | None
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], int]:
+    """Lookups (scheduler) and transfers (worker) as dicts, and the saves not reported yet."""
+    lookups = list(scheduler.lookups) if scheduler is not None else []
+    transfers = list(worker.transfers) if worker is not None else []
+    unreported = worker.unreported_saves() if worker is not None else 0
+    return [asdict(r) for r in lookups], [asdict(r) for r in transfers], unreported
+
+
+def connector_records(llm: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The recording connector's lookups (scheduler) and transfers (worker) so far, as dicts:
+    saves still in flight are not in them (:func:`run_engine` reads them after its shutdown)."""
+    lookups, transfers, _ = recorded(*connector_recordings(llm))
+    return lookups, transfers
 
 
 def shutdown_llm(llm: Any) -> None:
@@ -186,14 +211,18 @@ def run_engine(opts: EngineOptions, batches: list[list[Prompt]], max_tokens: int
     """Create an engine, run each batch as one ``generate`` call (in order), shut it down.
 
     Batches run one after another, so KV saved by batch ``i`` can be hit by
-    batch ``i + 1``.
+    batch ``i + 1``. The connector's records are read after the shutdown, which
+    drains the saves still in flight: every save the engine made is in them.
     """
     llm = create_llm(opts)
     try:
         results = [generate(llm, batch, max_tokens) for batch in batches]
-        return EngineRun(results, *connector_records(llm))
+        recordings = connector_recordings(llm)
     finally:
         shutdown_llm(llm)
+    # Saves publish off the forward path: the last ones may report after the last request
+    # finished. The connector's shutdown drained them (``shutdown_timeout_s``); read only now.
+    return EngineRun(results, *recorded(*recordings))
 
 
 def run_module(

@@ -14,15 +14,24 @@ from typing import Any
 
 from kvpool.connector.connector import KVPoolConnector
 from kvpool.connector.contract.settings import ConnectorSettings
+from kvpool.connector.metadata import PoolConnectorMetadata
 from kvpool.connector.observability.records import LookupRecord, StatsCollector, TransferRecord
 
 
 @dataclass
 class Recording:
-    """Every lookup (scheduler side) and transfer (worker side) record a collector took."""
+    """Every lookup (scheduler side) and transfer (worker side) record a collector took, and
+    how many saves the worker was asked to make (each reports one save record, once it
+    returned: after the request's finish, until the engine's shutdown drained it)."""
 
     lookups: list[LookupRecord] = field(default_factory=list)
     transfers: list[TransferRecord] = field(default_factory=list)
+    saves_asked: int = 0
+
+    def unreported_saves(self) -> int:
+        """Saves asked for whose record has not come (yet)."""
+        reported = sum(1 for t in list(self.transfers) if t.operation == "save")
+        return max(0, self.saves_asked - reported)
 
     def tap(self, collector: StatsCollector) -> None:
         """Keep a copy of each record ``collector`` takes from now on; the collector works as before."""
@@ -47,6 +56,12 @@ class RecordingKVPoolConnector(KVPoolConnector):
         super().__init__(*args, **kwargs)
         self.recording = Recording()
         self.recording.tap(self.stats)
+
+    def wait_for_save(self) -> None:
+        meta = self._connector_metadata
+        if isinstance(meta, PoolConnectorMetadata):
+            self.recording.saves_asked += len(meta.saves)
+        super().wait_for_save()
 
 
 def recording_transfer_config(settings: ConnectorSettings, kv_role: str = "kv_both") -> dict[str, Any]:
