@@ -24,8 +24,10 @@ from kvpool.connector.local.engine import (
     EngineRun,
     Prompt,
     apply_engine_env,
+    connector_recordings,
     connector_records,
     create_llm,
+    recorded,
     run_module,
     serve_module,
     shutdown_llm,
@@ -42,6 +44,7 @@ __all__ = [
     "Prompt",
     "RequestResult",
     "apply_engine_env",
+    "connector_records",
     "create_llm",
     "engine_core",
     "engine_env",
@@ -309,7 +312,7 @@ def run_engine(
     trace_headers: dict[str, str] | None = None,
     reset_local_cache: bool = False,
 ) -> EngineReport:
-    """Create an engine, run each batch as one ``generate`` call (in order), report, shut down.
+    """Create an engine, run each batch as one ``generate`` call (in order), shut down, report.
 
     With a connector, each batch's saves have landed before the next batch starts, so the
     next one's lookups see them (every rank's: a save is asynchronous, a lookup is not
@@ -328,10 +331,19 @@ def run_engine(
             if reset_local_cache:
                 assert llm.reset_prefix_cache(), "vLLM's prefix cache was reset"
         metrics = None if opts.disable_log_stats else collect_metrics(llm)
-        lookups, transfers = connector_records(llm)
-        return EngineReport(results, lookups, transfers, metrics, layout)
+        recordings = connector_recordings(llm)
     finally:
         shutdown_llm(llm)
+    # Read after the shutdown, which drained the saves still in flight (as the demo's runner).
+    lookups, transfers, unreported = recorded(*recordings)
+    return EngineReport(
+        results,
+        lookups,
+        transfers,
+        unreported_saves=unreported,
+        metrics=metrics,
+        kv_cache_config=layout,
+    )
 
 
 def run_engine_subprocess(
