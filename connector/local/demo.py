@@ -131,7 +131,8 @@ def run_demo(model_dir: Path, prefix_len: int, max_tokens: int) -> bool:
     cached = b.results[0].num_cached_tokens
     print()
     print(f"P1 {len(p1)} tokens, P2 {len(p2)} tokens, shared prefix {prefix_len} tokens")
-    print(f"{stored_line(a)} ({a_s:.1f} s); engine B ({b_s:.1f} s); reference ({ref_s:.1f} s)")
+    print(stored_line(a))
+    print(f"engines: A {a_s:.1f} s, B {b_s:.1f} s, reference {ref_s:.1f} s")
     print("engine B, per KV-cache group:")
     print("\n".join(group_table(b)))
     print(f"engine B tokens from the pool: {cached} (expected {expected_hit})")
