@@ -28,7 +28,7 @@ import jsonpatch
 import jsonpointer
 import kmock
 
-from kvpool.connector.local.ports import PortHold
+from kvpool.connector.local.ports import held_port, release_port
 from kvpool.operator.app import OperatorOptions, run
 from kvpool.operator.crd import build_crd, build_grant_crd
 from kvpool.operator.names import (
@@ -611,28 +611,13 @@ class OperatorThread:
         release_ports(self.options)
 
 
-#: Ports drawn for operators under test, held from every other draw until their operator stops.
-_HELD_PORTS: dict[int, PortHold] = {}
-
-
-def held_port() -> int:
-    """A free loopback port for an operator under test, held (:class:`PortHold`) until the
-    operator given it stops (:meth:`OperatorThread.stop`): the operator binds its liveness,
-    metrics and webhook ports only once it runs, and a port merely drawn free could be taken
-    meanwhile by a server another test process starts."""
-    hold = PortHold.drawn()
-    _HELD_PORTS[hold.port] = hold
-    return hold.port
-
-
 def release_ports(options: OperatorOptions) -> None:
-    """Let go of the held ports ``options`` names (the operator has stopped)."""
+    """Let go of the held ports (:func:`held_port`) ``options`` names (the operator has stopped):
+    the operator binds its liveness, metrics and webhook ports only once it runs."""
     ports = [options.metrics_port, options.webhook.port if options.webhook else None]
     if options.liveness_endpoint:
         ports.append(urlsplit(options.liveness_endpoint).port)
-    for port in ports:
-        if port is not None and (hold := _HELD_PORTS.pop(port, None)) is not None:
-            hold.release()
+    release_port(*ports)
 
 
 #: No master runs behind an emulated cluster: unless a test names one, the operator asks a

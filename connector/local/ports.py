@@ -7,7 +7,8 @@ are drawn at random below that range, where the kernel never picks on its own, a
 a server that binds the same port in that instant can race.
 
 A port a server binds only later, or binds again after a restart, is held meanwhile
-(:class:`PortHold`): no other draw hands it out, and its own server still binds it.
+(:class:`PortHold`, or :func:`held_port` until :func:`release_port`): no other draw hands it
+out, and its own server still binds it (every server here sets ``SO_REUSEADDR``).
 """
 
 from __future__ import annotations
@@ -108,3 +109,24 @@ class PortHold:
         if self._socket is not None:
             self._socket.close()
             self._socket = None
+
+
+#: Ports drawn by :func:`held_port`, held until :func:`release_port`.
+_HELD: dict[int, PortHold] = {}
+
+
+def held_port(host: str = LOOPBACK) -> int:
+    """A free port for a server that binds it only later (or again after a restart), held
+    (:class:`PortHold`) until :func:`release_port`: a port merely drawn free could be taken
+    meanwhile by a server another process starts (``EADDRINUSE``)."""
+    hold = PortHold.drawn(host)
+    _HELD[hold.port] = hold
+    return hold.port
+
+
+def release_port(*ports: int | None) -> None:
+    """Let go of those of ``ports`` that :func:`held_port` drew (others are left as they are:
+    a port a user gave was never held)."""
+    for port in ports:
+        if port is not None and (hold := _HELD.pop(port, None)) is not None:
+            hold.release()

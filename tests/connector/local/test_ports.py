@@ -99,3 +99,19 @@ def test_a_master_starts_and_restarts_on_held_ports() -> None:
     finally:
         rpc.release()
         metrics.release()
+
+
+def test_a_held_port_is_kept_from_every_draw_until_released(monkeypatch: pytest.MonkeyPatch) -> None:
+    port = ports.held_port()
+    try:
+        assert not ports.bindable(port)  # a plain bind (another server's) is refused
+        assert _held_port_drawn_again(monkeypatch, port) != port
+    finally:
+        ports.release_port(port)
+    assert ports.bindable(port)
+    ports.release_port(port, None)  # released twice, or never held: nothing happens
+    with socket.socket() as given:  # a port a user gave (never held) stays as it is
+        given.bind((ports.LOOPBACK, 0))
+        ports.release_port(given.getsockname()[1])
+        assert given.getsockname()[1] != 0
+
