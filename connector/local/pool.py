@@ -29,7 +29,8 @@ from kvpool.connector.contract.mooncake_env import client_env
 from kvpool.connector.contract.settings import parse_size
 from kvpool.connector.local import tenant_quotas
 from kvpool.connector.local.disk_tier import DiskTier
-from kvpool.connector.local.ports import free_port
+from kvpool.connector.local.ports import free_port as free_port  # re-exported for callers
+from kvpool.connector.local.ports import held_port, release_port
 from kvpool.connector.local.stopping import deferred
 from kvpool.connector.local.watchdog import release, watch
 from kvpool.connector.observability.logs import get_logger
@@ -138,10 +139,11 @@ def start_logged(
 
 @dataclass
 class MooncakeMaster:
-    """``mooncake_master`` bound to loopback on free ports."""
+    """``mooncake_master`` bound to loopback on free ports, held (:func:`held_port`) from other
+    draws until :meth:`stop`: through its start and across a restart after :meth:`kill`."""
 
-    rpc_port: int = field(default_factory=free_port)
-    metrics_port: int = field(default_factory=free_port)
+    rpc_port: int = field(default_factory=held_port)
+    metrics_port: int = field(default_factory=held_port)
     extra_args: tuple[str, ...] = ()
     log_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="kvpool-master-")))
     process: subprocess.Popen[bytes] | None = None
@@ -186,10 +188,12 @@ class MooncakeMaster:
         return port_open(self.rpc_port)
 
     def stop(self) -> None:
+        """Stop it; its ports go back where :func:`held_port` drew them (a user's never were)."""
         stop_process(self.process)
+        release_port(self.rpc_port, self.metrics_port)
 
     def kill(self) -> None:
-        """SIGKILL: the master goes without a word to its clients."""
+        """SIGKILL: the master goes without a word to its clients (its drawn ports stay held)."""
         kill_process(self.process)
 
     def metrics(self) -> str:
@@ -216,7 +220,7 @@ class MooncakeStore:
     master_address: str
     segment_size: str = "256MB"
     host: str = LOOPBACK  # its transfer engine's address (its segment's name): a 127.x address
-    port: int = field(default_factory=free_port)
+    port: int = field(default_factory=held_port)  # drawn: held until stop, as the master's
     log_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="kvpool-store-")))
     process: subprocess.Popen[bytes] | None = None
     disk_tier: DiskTier | None = None  # a local disk tier under its memory: its directory goes on stop
@@ -250,6 +254,7 @@ class MooncakeStore:
 
     def stop(self) -> None:
         stop_process(self.process)
+        release_port(self.port)
         if self.disk_tier is not None:
             self.disk_tier.remove()
 
@@ -307,7 +312,7 @@ class LocalPool:
             )
         self._stopped = False
         master = MooncakeMaster(
-            rpc_port=self.rpc_port or free_port(), metrics_port=self.metrics_port or free_port()
+            rpc_port=self.rpc_port or held_port(), metrics_port=self.metrics_port or held_port()
         )
         extra = tuple(self.master_args)
         if self.tenant_quotas is not None:

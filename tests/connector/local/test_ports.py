@@ -115,3 +115,55 @@ def test_a_held_port_is_kept_from_every_draw_until_released(monkeypatch: pytest.
         ports.release_port(given.getsockname()[1])
         assert given.getsockname()[1] != 0
 
+
+@pytest.mark.mooncake
+def test_drawn_master_and_store_ports_are_held_until_stop() -> None:
+    """Drawn at construction, bound only once started: held meanwhile, and after a kill (a
+    restart binds them again); let go at stop. Ports a user gives are never held."""
+    from kvpool.connector.local.pool import MooncakeMaster, MooncakeStore
+
+    master = MooncakeMaster()
+    store = MooncakeStore(master.address, "32MB")
+    drawn = [master.rpc_port, master.metrics_port, store.port]
+    try:
+        assert not any(ports.bindable(p) for p in drawn), "drawn, not yet bound: held"
+        master.start(30)
+        store.start(master, 60)  # it serves: its segment is mounted on the master
+        assert master.capacity_bytes() > 0
+        store.kill()
+        master.kill()
+        assert not any(ports.bindable(p) for p in drawn), "killed: held for a restart"
+    finally:
+        store.stop()
+        master.stop()
+        shutil.rmtree(master.log_dir, ignore_errors=True)
+        shutil.rmtree(store.log_dir, ignore_errors=True)
+    assert all(ports.listenable(p) for p in drawn), "stopped: let go"
+    given = ports.free_port()
+    MooncakeMaster(rpc_port=given, metrics_port=given).stop()  # never started: nothing to stop
+    assert ports.bindable(given)
+
+
+@pytest.mark.mooncake
+def test_a_local_pool_holds_the_ports_it_draws_until_its_master_binds_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kvpool.connector.local import pool as local_pool
+
+    free_at_start: list[bool] = []
+    start = local_pool.MooncakeMaster.start
+
+    def observed(master: local_pool.MooncakeMaster, *args: object, **kwargs: object) -> object:
+        free_at_start.extend(ports.bindable(p) for p in (master.rpc_port, master.metrics_port))
+        return start(master, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(local_pool.MooncakeMaster, "start", observed)
+    with local_pool.LocalPool(segment_size="32MB") as drawn:
+        assert drawn.master is not None
+        rpc, metrics = drawn.master.rpc_port, drawn.master.metrics_port
+    assert free_at_start == [False, False], "drawn ports were free for anyone until the master bound them"
+    assert ports.listenable(rpc) and ports.listenable(metrics)  # let go at stop
+    given = [ports.free_port(), ports.free_port()]
+    with local_pool.LocalPool(segment_size="32MB", rpc_port=given[0], metrics_port=given[1]) as pool:
+        assert pool.address == f"{ports.LOOPBACK}:{given[0]}"
+    assert free_at_start[2:] == [True, True]  # given ports: not held, as before
