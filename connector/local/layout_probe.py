@@ -28,7 +28,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from kvpool.connector.contract.layout import KVLayout
-from kvpool.connector.local.ports import free_port
+from kvpool.connector.local.ports import held_port, release_port
 from kvpool.connector.local.stopping import deferred
 from kvpool.connector.local.watchdog import release, watch
 
@@ -139,7 +139,7 @@ def rank_specs(
     removed with whatever they left there once they are stopped."""
     context = multiprocessing.get_context("spawn")
     results: Any = context.Queue()
-    port = free_port()
+    port = held_port()  # rank 0 binds it once its interpreter is up: held until the probe ends
     rank_temp = _rank_temp_folder()
     # vLLM's CPU communicator names its shared-memory segments after VLLM_DIST_IDENT (its CPU
     # worker sets it from the init method's port): named after this probe, a rank stopped
@@ -186,6 +186,7 @@ def rank_specs(
                 _restore(key, value)
             shutil.rmtree(rank_temp, ignore_errors=True)
             _remove_shared_memory(shm_ident)
+            release_port(port)
     ordered = [collected[r] for r in range(world)]
     return [c[0] for c in ordered], [c[1] for c in ordered], ordered[0][2]
 
