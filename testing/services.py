@@ -17,6 +17,7 @@ from typing import Any
 
 from kvpool.connector.contract.metric_names import VLLM_NAME_RELABEL
 from kvpool.connector.local.pool import LOOPBACK, free_port, start_logged, stop_process, wait_for_port
+from kvpool.connector.local.ports import held_port, release_port
 
 
 def send_body(handler: BaseHTTPRequestHandler, body: bytes, content_type: str) -> None:
@@ -36,7 +37,7 @@ class PrometheusServer:
     # job name -> labels its targets get (as the chart's monitors give the pod's namespace and pool)
     target_labels: dict[str, dict[str, str]] = field(default_factory=dict)
     rule_files: list[Path] = field(default_factory=list)
-    port: int = field(default_factory=free_port)
+    port: int = field(default_factory=held_port)  # drawn: held until stop
     workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="kvpool-prom-")))
     process: subprocess.Popen[bytes] | None = None
 
@@ -87,6 +88,7 @@ class PrometheusServer:
 
     def stop(self) -> None:
         stop_process(self.process)
+        release_port(self.port)
         shutil.rmtree(self.workdir, ignore_errors=True)
 
     def __enter__(self) -> PrometheusServer:

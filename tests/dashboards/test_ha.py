@@ -26,10 +26,10 @@ from kvpool.connector.local.pool import (
     LOOPBACK,
     MooncakeMaster,
     MooncakeStore,
-    free_port,
     stop_process,
     wait_for_port,
 )
+from kvpool.connector.local.ports import held_port, release_port
 from testing.services import PrometheusServer
 from tests.dashboards.queries import panel_queries, substitute
 
@@ -42,7 +42,7 @@ def etcd() -> Iterator[str]:
     binary = shutil.which("etcd")
     if binary is None:
         pytest.skip("etcd not installed: run scripts/setup.sh")
-    client, peer = free_port(), free_port()
+    client, peer = held_port(), held_port()  # held until etcd stops
     data = Path(tempfile.mkdtemp(prefix="kvpool-etcd-"))
     process = subprocess.Popen(
         [
@@ -64,6 +64,7 @@ def etcd() -> Iterator[str]:
         yield f"{LOOPBACK}:{client}"
     finally:
         stop_process(process)
+        release_port(client, peer)
         shutil.rmtree(data, ignore_errors=True)
 
 

@@ -29,6 +29,7 @@ import pytest
 from dashboards import alerts, connector_board, generate, operator_board
 from dashboards.conventions import MASTER_JOB, OPERATOR_JOB, VAR_ENGINE, VAR_MODEL, VAR_NAMESPACE, VAR_POOL
 from kvpool.connector.local.pool import LOOPBACK, free_port
+from kvpool.connector.local.ports import held_port, release_port
 from kvpool.operator import names
 from testing.kube_api import NAMESPACE, Cluster, Fault
 from testing.operator_objects import Operator, converge, pool_manifest, pool_spec, vllm_deployment
@@ -164,7 +165,7 @@ def run(local_pool, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
         {"master_server_address": local_pool.address, "cache_prefix": f"dash{uuid.uuid4().hex[:8]}"}
     )
     server, thread = prometheus_client.start_http_server(free_port(), addr=LOOPBACK)
-    operator_port = free_port()
+    operator_port = held_port()  # the operator binds it tests later: held until the run ends
     targets = {
         MASTER_JOB: [f"{LOOPBACK}:{local_pool.master.metrics_port}"],
         VLLM_JOB: [f"{LOOPBACK}:{server.server_address[1]}"],
@@ -222,6 +223,7 @@ def run(local_pool, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
     finally:
         client.close()
         prom.stop()
+        release_port(operator_port)
         server.shutdown()
         thread.join(5)
 

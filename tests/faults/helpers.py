@@ -26,13 +26,12 @@ from kvpool.connector.local.pool import (
     LOOPBACK,
     MooncakeMaster,
     MooncakeStore,
-    free_port,
     start_logged,
     stop_process,
     wait_for_capacity,
     wait_for_port,
 )
-from kvpool.connector.local.ports import PortHold
+from kvpool.connector.local.ports import PortHold, held_port, release_port
 from testing.engine import worker_of
 from testing.worker import transfer_records, transfers_in_flight
 
@@ -73,8 +72,8 @@ def stream(count: int, prefixes: int = 3, suffixes: int = SUFFIXES, start: int =
 class Etcd:
     """Debian's ``etcd`` as a one-member cluster on loopback."""
 
-    client_port: int = field(default_factory=free_port)
-    peer_port: int = field(default_factory=free_port)
+    client_port: int = field(default_factory=held_port)  # drawn: held until stop
+    peer_port: int = field(default_factory=held_port)
     workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="kvpool-etcd-")))
     process: subprocess.Popen[bytes] | None = None
 
@@ -110,6 +109,7 @@ class Etcd:
 
     def stop(self) -> None:
         stop_process(self.process)
+        release_port(self.client_port, self.peer_port)
         shutil.rmtree(self.workdir, ignore_errors=True)
 
     def clear(self, timeout: float = 10.0) -> None:

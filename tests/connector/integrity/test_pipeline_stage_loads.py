@@ -29,7 +29,8 @@ from typing import Any
 
 import pytest
 
-from kvpool.connector.local.pool import LOOPBACK, free_port
+from kvpool.connector.local.pool import LOOPBACK
+from kvpool.connector.local.ports import held_port, release_port
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(300)]
 
@@ -139,7 +140,7 @@ def test_a_stage_loads_while_the_next_waits_for_it_and_its_failure_reaches_vllm(
     config, per_stage = stage_configs
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = free_port()
+    port = held_port()  # stage 0's store binds it once its interpreter is up
     transfer = local_pool_transfer(pool_settings)
     procs = [
         ctx.Process(target=_stage, args=(rank, port, config, per_stage[rank], transfer, out))
@@ -167,6 +168,7 @@ def test_a_stage_loads_while_the_next_waits_for_it_and_its_failure_reaches_vllm(
             proc.join(30)
             if proc.is_alive():
                 proc.kill()
+        release_port(port)
     assert loaded == {0: True, 1: False}, "stage 0 loaded its object; stage 1's was missing"
     # Both stages' outputs, aggregated as vLLM's executor aggregates its workers'.
     runs = [

@@ -42,6 +42,7 @@ from kvpool.connector.contract import metric_names as m
 from kvpool.connector.contract.keys import KeySpace, hash_digest
 from kvpool.connector.contract.mooncake_env import client_env
 from kvpool.connector.local.pool import LOOPBACK, free_port, port_open
+from kvpool.connector.local.ports import held_port, release_port
 from testing.child_processes import kill_group, remove_shared_memory, wait_group_gone
 from testing.models import build_gemma3
 from testing.pool_store import put_bytes
@@ -158,7 +159,7 @@ class ApiServer:
     kv_transfer_config: dict[str, Any]
     events_port: int
     log: Path  # under pytest's temporary directory: nothing left in /tmp
-    port: int = field(default_factory=free_port)
+    port: int = field(default_factory=held_port)  # it listens after its model loads: held until stop
     process: subprocess.Popen[bytes] | None = None
     exposition: str = ""  # the last /metrics text
 
@@ -256,6 +257,7 @@ class ApiServer:
         self.process.wait(30)
         wait_group_gone(self.process.pid)
         remove_shared_memory(held)
+        release_port(self.port)
 
     def tail(self, lines: int = 60) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
