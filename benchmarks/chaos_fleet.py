@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from benchmarks.serving import ApiServer
-from kvpool.connector.local.pool import MooncakeMaster, MooncakeStore, free_port
+from kvpool.connector.local.pool import MooncakeMaster, MooncakeStore
+from kvpool.connector.local.ports import held_port
 from testing import child_processes
 from testing.etcd_cluster import EtcdCluster
 
@@ -171,9 +172,10 @@ class Fleet:
         return index
 
     def restart_master(self, index: int) -> None:
-        """Master ``index`` again, on its ports, as a standby (or leader, if none leads)."""
+        """Master ``index`` again, on its ports, as a standby (or leader, if none leads). Its
+        ports stay held across the restart (a kill keeps them; a stop would let them go)."""
         old = self.master_list[index]
-        old.stop()
+        old.kill()
         self.master_list[index] = MooncakeMaster(
             rpc_port=old.rpc_port,
             metrics_port=old.metrics_port,
@@ -205,8 +207,9 @@ class Fleet:
         return self._spawner.submit(server.start).result()
 
     def start_servers(self, cores: list[int]) -> None:
+        # Each slot's port is held until its server stops at the end: a restarted server binds it again.
         for i in range(self.servers):
-            self.slots.append(ServerSlot(self._start(self.new_server(cores[i % len(cores)], free_port()))))
+            self.slots.append(ServerSlot(self._start(self.new_server(cores[i % len(cores)], held_port()))))
 
     def wait_servers(self) -> None:
         """Until every server serves (and, co-located, its segment is mounted)."""

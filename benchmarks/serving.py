@@ -297,9 +297,9 @@ class ApiServer:
         return env
 
     def start(self) -> ApiServer:
-        from kvpool.connector.local.pool import free_port
+        from kvpool.connector.local.ports import held_port
 
-        self.port = self.port or free_port()
+        self.port = self.port or held_port()  # vLLM listens after its model loads: held until stop
         log = self.log_path.open("ab")
         self.process = subprocess.Popen(
             self.command(), stdout=log, stderr=subprocess.STDOUT, env=self.env(), preexec_fn=_own_session
@@ -338,6 +338,9 @@ class ApiServer:
         process.wait(10)
         child_processes.wait_group_gone(process.pid)
         child_processes.remove_shared_memory(held)
+        from kvpool.connector.local.ports import release_port
+
+        release_port(self.port)
 
     def log_tail(self, lines: int = 40) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
