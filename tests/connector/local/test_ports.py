@@ -116,6 +116,47 @@ def test_a_held_port_is_kept_from_every_draw_until_released(monkeypatch: pytest.
         assert given.getsockname()[1] != 0
 
 
+def _serves_on(sock: socket.socket) -> bool:
+    """Whether the listening ``sock`` accepts a connection (the client closes first)."""
+    port = sock.getsockname()[1]
+    with socket.create_connection((ports.LOOPBACK, port), timeout=5) as client:
+        accepted, _ = sock.accept()
+        client.close()
+        accepted.close()
+    return True
+
+
+@pytest.mark.parametrize("reuse_port", [False, True])
+def test_vllms_api_server_socket_binds_a_held_port(reuse_port: bool) -> None:
+    """vLLM's OpenAI server binds its socket before its model loads and listens once it has."""
+    from vllm.entrypoints.launchers.launcher import create_server_socket
+
+    port = ports.held_port()
+    try:
+        with create_server_socket((ports.LOOPBACK, port), reuse_port=reuse_port) as sock:
+            assert not ports.bindable(port)
+            sock.listen()
+            assert _serves_on(sock)
+    finally:
+        ports.release_port(port)
+
+
+def test_a_gloo_rendezvous_store_binds_a_held_port() -> None:
+    """The ``tcp://`` init method's store (rank 0 binds it once its interpreter is up)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    port = ports.held_port()
+    try:
+        store = dist.TCPStore(ports.LOOPBACK, port, 1, True, timeout=timedelta(seconds=30))
+        store.set("key", "value")
+        assert dist.TCPStore(ports.LOOPBACK, port, 1, False).get("key") == b"value"
+        del store
+    finally:
+        ports.release_port(port)
+
+
 @pytest.mark.mooncake
 def test_drawn_master_and_store_ports_are_held_until_stop() -> None:
     """Drawn at construction, bound only once started: held meanwhile, and after a kill (a
