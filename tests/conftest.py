@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
+from kvpool.connector.local.ports import held_port, release_port
 from testing import engine_forks
 from testing.engine import apply_engine_env, fork_engine_runs, stop_forking_engine_runs
 from testing.private_temp import use_private_temp_folder
@@ -145,3 +146,17 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
     config.option.loadscopereorder = False  # keep the order above, not the most tests first
     return SharedFixtureScheduling(config, log)
+
+
+@pytest.fixture
+def held_ports() -> Iterator[Callable[[], int]]:
+    """Draws loopback ports held (:func:`held_port`) until the test ends: for servers it starts
+    only later (or again), which another test process's server could otherwise take first."""
+    drawn: list[int] = []
+
+    def draw() -> int:
+        drawn.append(held_port())
+        return drawn[-1]
+
+    yield draw
+    release_port(*drawn)

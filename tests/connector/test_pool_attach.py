@@ -8,7 +8,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -20,7 +20,6 @@ from kvpool.connector.local.pool import (
     LOOPBACK,
     MooncakeMaster,
     MooncakeStore,
-    free_port,
     stop_process,
 )
 from kvpool.connector.local.ports import PortHold
@@ -78,8 +77,9 @@ def setups(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 
 @pytest.fixture
-def rpc_port() -> Iterator[int]:
-    yield free_port()
+def rpc_port(held_ports: Callable[[], int]) -> int:
+    """Nothing listens on it until a test starts its master: no other test process's server either."""
+    return held_ports()
 
 
 def _wait(condition: Any, timeout_s: float, what: str) -> None:

@@ -31,7 +31,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -325,9 +325,13 @@ def client_reaches_the_leader(master_address: str, cluster_id: str) -> subproces
 @pytest.mark.asyncio
 @pytest.mark.parametrize("operator_config", [{"master_health_url": "http://127.0.0.2:{port}/health"}])
 async def test_an_ha_pool_runs_as_rendered_and_is_ready_once_a_leader_serves(
-    cluster: Cluster, operator: Operator, etcd: EtcdCluster, processes: Processes
+    cluster: Cluster,
+    operator: Operator,
+    etcd: EtcdCluster,
+    processes: Processes,
+    held_ports: Callable[[], int],
 ) -> None:
-    rpc_port, metrics_port = free_port(), free_port()
+    rpc_port, metrics_port = held_ports(), held_ports()  # the masters bind them later
     plan = ha_plan(etcd.endpoints, rpc_port, metrics_port)
     assert plan.master_address == "etcd://" + ",".join(etcd.endpoints)
     for host in MASTER_HOSTS:
@@ -445,12 +449,12 @@ def consumer_probe(settings: dict[str, Any], action: str) -> subprocess.Complete
 @pytest.mark.timeout(420)
 @pytest.mark.asyncio
 async def test_ha_pools_sharing_an_etcd_each_elect_their_own_leader(
-    etcd: EtcdCluster, processes: Processes
+    etcd: EtcdCluster, processes: Processes, held_ports: Callable[[], int]
 ) -> None:
     """Mooncake keeps an HA election under its cluster id: two pools on one etcd, each
     started as rendered, each lead (with one id between them only one would), a pool's store
     mounts on its own leader, and its consumers' settings reach that leader, not the other's."""
-    rpc_port, metrics_port = free_port(), free_port()
+    rpc_port, metrics_port = held_ports(), held_ports()  # the masters bind them later
     hosts = {"pool-a": MASTER_HOSTS[0], "pool-b": MASTER_HOSTS[1]}
     plans = {}
     for pool, host in hosts.items():
@@ -482,11 +486,11 @@ async def test_ha_pools_sharing_an_etcd_each_elect_their_own_leader(
 @pytest.mark.timeout(240)
 @pytest.mark.asyncio
 async def test_mooncake_takes_semicolons_between_etcd_endpoints_too(
-    etcd: EtcdCluster, processes: Processes
+    etcd: EtcdCluster, processes: Processes, held_ports: Callable[[], int]
 ) -> None:
     """Mooncake's own docs join etcd endpoints with ``;``; the operator renders ``,`` (the
     test above): either reaches the live members past a dead first one."""
-    rpc_port, metrics_port = free_port(), free_port()
+    rpc_port, metrics_port = held_ports(), held_ports()  # the masters bind them later
     plan = ha_plan(etcd.endpoints, rpc_port, metrics_port)
     joined = ";".join(etcd.endpoints)
     host = MASTER_HOSTS[0]
@@ -624,13 +628,13 @@ def put_objects(
 @pytest.mark.asyncio
 @pytest.mark.parametrize("operator_config", [OBSERVING])
 async def test_the_status_shows_the_masters_own_capacity_and_use(
-    cluster: Cluster, operator: Operator, processes: Processes
+    cluster: Cluster, operator: Operator, processes: Processes, held_ports: Callable[[], int]
 ) -> None:
     """Master and stores started from what the operator renders: the status's capacity, use,
     objects and per-store numbers are the master's own; a store down is Degraded and named;
     a scale-down says what it loses (Event and status) and changes no pod template; a master
     that stops answering is an Error."""
-    rpc_port, metrics_port = distinct_free_ports(2)
+    rpc_port, metrics_port = held_ports(), held_ports()  # the master binds them later
     spec = pool_spec(
         consumers=[],
         master={"rpcPort": rpc_port, "metricsPort": metrics_port},
@@ -734,7 +738,7 @@ def read_objects(master_address: str, count: int, size: int = 1 << 20) -> list[i
 @pytest.mark.asyncio
 @pytest.mark.parametrize("operator_config", [OBSERVING])
 async def test_a_scale_down_drains_the_leaving_store_first_and_loses_nothing(
-    cluster: Cluster, operator: Operator, processes: Processes
+    cluster: Cluster, operator: Operator, processes: Processes, held_ports: Callable[[], int]
 ) -> None:
     """Master and two stores started from what the operator renders; the test plays the
     kubelet (each store pod's rendered readiness probe decides its Ready condition) and the
@@ -742,7 +746,7 @@ async def test_a_scale_down_drains_the_leaving_store_first_and_loses_nothing(
     the Deployment stays at two while the master drains the emptiest store (which holds
     objects); only that store turns unready; then one replica is applied, that store stops,
     and every object reads back byte for byte. Events and the status say so."""
-    rpc_port, metrics_port = distinct_free_ports(2)
+    rpc_port, metrics_port = held_ports(), held_ports()  # the master binds them later
     spec = pool_spec(
         consumers=[],
         master={"rpcPort": rpc_port, "metricsPort": metrics_port},

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ import pytest
 
 from kvpool.connector.contract.settings import ConnectorSettings
 from kvpool.connector.contract.tenant_policy import POLICY_FILE
-from kvpool.connector.local.pool import LocalPool, free_port
+from kvpool.connector.local.pool import LocalPool
 from kvpool.connector.local.tenant_quotas import TenantQuota
 from kvpool.connector.pool_client import CODE_TENANT_QUOTA_EXCEEDED, open_client
 from kvpool.operator.grants import grant_status, read_grant
@@ -110,12 +111,12 @@ def usage_matches(usage: dict[str, Any], own: TenantQuota, rejected: int) -> boo
 @pytest.mark.asyncio
 @pytest.mark.parametrize("operator_config", [OBSERVING])
 async def test_each_grants_usage_in_its_status_is_the_masters_own(
-    cluster: Cluster, operator: Operator
+    cluster: Cluster, operator: Operator, held_ports: Callable[[], int]
 ) -> None:
     """A master started with what the operator renders for two grants: after real writes (and
     writes refused past a quota), each grant's status says what the master itself reports on
     its admin API (charge, enforced quota) and counts (refused writes)."""
-    metrics_port = free_port()
+    metrics_port = held_ports()  # the master binds it once the operator has rendered it
     await cluster.create(grant_manifest("team-a", "24MB"))
     await cluster.create(grant_manifest("team-b", "24MB"))
     spec = pool_spec(

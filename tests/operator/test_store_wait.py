@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import kubernetes_validate
@@ -88,8 +89,8 @@ def test_the_wait_ends_once_a_real_master_serves_and_not_before() -> None:
         shutil.rmtree(master.log_dir, ignore_errors=True)
 
 
-def test_the_wait_has_a_deadline_and_says_what_the_master_last_said() -> None:
-    base = f"http://127.0.0.1:{free_port()}"
+def test_the_wait_has_a_deadline_and_says_what_the_master_last_said(held_ports: Callable[[], int]) -> None:
+    base = f"http://127.0.0.1:{held_ports()}"  # held: nothing listens there meanwhile
     code, _, err = finish(start_wait(base, 1))
     assert code == 1
     assert f"{base} did not serve within 1 s: no usable answer from the master yet (URLError)" in err
