@@ -184,7 +184,8 @@ async def test_a_leader_that_loses_the_lease_stops_acting_at_once(
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     async with emulated_cluster(GatedApiServer) as cluster:
         api: GatedApiServer = cluster.api  # type: ignore[assignment]
-        leader = replica(cluster, tmp_path, "a")
+        # A Lease long enough that a loaded machine's stalls never lose it before it is taken.
+        leader = replica(cluster, tmp_path, "a", lease_duration=8.0, renew_deadline=6.0)
         duration = leader.options.leader_election.lease_duration  # type: ignore[union-attr]
         leader.start()
         try:

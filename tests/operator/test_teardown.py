@@ -207,7 +207,10 @@ async def test_a_pool_without_network_policies_waits_for_no_pod(cluster: Cluster
     for them to end (up to ``GUARD_WAIT_S`` for a pod on a node that does not answer)."""
     await cluster.create(vllm_deployment())
     await cluster.create(pool_manifest(spec=pool_spec(networkPolicy={"enabled": False})))
-    await converge(cluster, generation=1)
+    # Without policies the operator asks the pool's master (the unserved test URL) a second
+    # after the pool appears: its phase turns Error then, so this waits for the pool applied,
+    # not for Ready (which a loaded machine may never see before the first poll).
+    await eventually(lambda: applied(cluster), what="the pool applied")
     assert cluster.get(NETWORK_POLICIES_PATH, names.network_policy_name("pool")) is None
     await cluster.create(pool_pod("pool-master-0", "10.0.0.1", names.MASTER))
     await cluster.create(pool_pod("pool-store-0", "10.0.0.2", names.STORE))
@@ -216,6 +219,13 @@ async def test_a_pool_without_network_policies_waits_for_no_pod(cluster: Cluster
     await eventually(lambda: cluster.get(POOLS_PATH, "pool") is None, what="pool gone")
     assert cluster.get(DEPLOYMENTS_PATH, "pool-master") is None
     assert kv_flags(cluster.get(DEPLOYMENTS_PATH, "llm")) == []
+
+
+def applied(cluster: Cluster) -> bool:
+    """The pool's spec handled, its master and stores rolled out (the Deployment controller played)."""
+    cluster.settle()
+    ready = [cluster.condition("pool", kind).get("status") for kind in ("MasterReady", "StoreReady")]
+    return cluster.handled("pool") and ready == ["True", "True"]
 
 
 def test_pods_past_their_grace_period_or_ended_keep_no_policy_and_the_wait_has_a_deadline() -> None:
