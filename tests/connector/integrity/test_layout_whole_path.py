@@ -158,29 +158,36 @@ def test_a_block_size_the_backends_cannot_run_is_refused(model_dir) -> None:
     assert "No common block size for 7 (CPU_ATTN: [MultipleOf(32)])" in result.stderr
 
 
+def _start_tp2_layout(model_dir: Path, temp: str, **streams: Any) -> subprocess.Popen[str]:
+    """``kvpool-layout -tp 2`` with ``temp`` as its temporary folder (``streams``: its stdout and stderr)."""
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_RPC_BASE_PATH"}
+    command = [sys.executable, "-m", "kvpool.connector.local.layout_command", "--model", str(model_dir),
+               "--block-size", str(BLOCK), "--dtype", DTYPE, "-tp", "2"]  # fmt: skip
+    return subprocess.Popen(command, text=True, env={**env, "TMPDIR": temp}, **streams)
+
+
+def _wait_for_ranks(process: subprocess.Popen[str], segments: str, ranks: list[int]) -> None:
+    """Until both ranks of ``process`` run in their group (each with its shared memory, named
+    ``segments``...); their PIDs are in ``ranks`` meanwhile (for a failed wait's clean-up)."""
+    deadline = time.monotonic() + 600
+    while len(ranks) < 2 or len(_shared_memory(segments)) < 2:
+        assert process.poll() is None and time.monotonic() < deadline, "no ranks in a group"
+        time.sleep(0.05)
+        ranks[:] = [
+            pid for pid, command in children(process.pid).items() if b"spawn_main" in b" ".join(command)
+        ]
+
+
 def test_sigterm_stops_the_ranks_and_removes_their_files(model_dir) -> None:
     """Python's default SIGTERM ended the command alone: its ranks ran on, orphaned, and left
     their sockets in the temporary folder. Stopped in their group, the ranks' CPU communicator
     then left its shared memory (8 MB a rank) in /dev/shm for good."""
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_RPC_BASE_PATH"}
     with tempfile.TemporaryDirectory(prefix="kvpool-test-") as temp:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "kvpool.connector.local.layout_command", "--model", str(model_dir),
-             "--block-size", str(BLOCK), "--dtype", DTYPE, "-tp", "2"],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**env, "TMPDIR": temp},
-        )  # fmt: skip
+        process = _start_tp2_layout(model_dir, temp, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         segments = f"kvpool-layout-{process.pid}-"  # the probe's VLLM_DIST_IDENT
         ranks: list[int] = []
         try:
-            deadline = time.monotonic() + 600
-            while len(ranks) < 2 or len(_shared_memory(segments)) < 2:  # both ranks in their group
-                assert process.poll() is None and time.monotonic() < deadline, "no ranks in a group"
-                time.sleep(0.05)
-                ranks = [
-                    pid
-                    for pid, command in children(process.pid).items()
-                    if b"spawn_main" in b" ".join(command)
-                ]
+            _wait_for_ranks(process, segments, ranks)
             for pid in ranks:  # held in their group until they are stopped
                 os.kill(pid, signal.SIGSTOP)
             process.send_signal(signal.SIGTERM)
@@ -202,25 +209,12 @@ def test_sigkill_takes_the_ranks_and_their_shared_memory_with_it(model_dir) -> N
     """A SIGKILLed command (the OOM killer, ``timeout -s KILL``) left its ranks running, orphaned,
     and their CPU communicator's shared memory in /dev/shm. The ranks are stopped (SIGSTOP) in
     their group first: they stand for ranks that do not end on their own."""
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_RPC_BASE_PATH"}
     with tempfile.TemporaryDirectory(prefix="kvpool-test-") as temp:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "kvpool.connector.local.layout_command", "--model", str(model_dir),
-             "--block-size", str(BLOCK), "--dtype", DTYPE, "-tp", "2"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**env, "TMPDIR": temp},
-        )  # fmt: skip
+        process = _start_tp2_layout(model_dir, temp, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         segments = f"kvpool-layout-{process.pid}-"  # the probe's VLLM_DIST_IDENT
         ranks: list[int] = []
         try:
-            deadline = time.monotonic() + 600
-            while len(ranks) < 2 or len(_shared_memory(segments)) < 2:  # both ranks in their group
-                assert process.poll() is None and time.monotonic() < deadline, "no ranks in a group"
-                time.sleep(0.05)
-                ranks = [
-                    pid
-                    for pid, command in children(process.pid).items()
-                    if b"spawn_main" in b" ".join(command)
-                ]
+            _wait_for_ranks(process, segments, ranks)
             for pid in ranks:
                 os.kill(pid, signal.SIGSTOP)
             process.kill()

@@ -67,26 +67,37 @@ def test_a_model_dir_that_cannot_be_made_is_named(tmp_path: Path, capsys: pytest
     assert "pool:" not in out  # no pool was started
 
 
+def _start_demo(tmp_path: Path, stderr: int) -> subprocess.Popen[str]:
+    """``kvpool-demo`` on a model it builds under ``tmp_path``, its stdout piped."""
+    command = [sys.executable, "-m", "kvpool.connector.local.demo", "--model-dir", str(tmp_path / "model")]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True)
+
+
+def _wait_for_its_engine(process: subprocess.Popen[str], started: dict[int, list[bytes]]) -> None:
+    """Until the demo's first engine process runs (the pool serves by then); its children (the
+    engine, the master, the store) are in ``started`` meanwhile, for a failed wait's clean-up."""
+    assert process.stdout is not None
+    for line in process.stdout:
+        if line.startswith("  reference:"):  # the pool serves; the first engine starts
+            break
+    engine = ENGINE_MODULE.encode()
+    deadline = time.monotonic() + STARTUP_S
+    while not any(engine in command for command in started.values()):
+        assert process.poll() is None and time.monotonic() < deadline, "no engine process started"
+        time.sleep(0.05)
+        started.clear()
+        started.update(children(process.pid))
+
+
 @pytest.mark.mooncake
 def test_sigterm_stops_the_engine_and_the_pool(tmp_path: Path) -> None:
     """Python's default SIGTERM ended the demo alone: its engine ran on, and its master and
     store (sessions of their own) kept serving with nobody to stop them."""
-    process = subprocess.Popen(
-        [sys.executable, "-m", "kvpool.connector.local.demo", "--model-dir", str(tmp_path / "model")],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    process = _start_demo(tmp_path, stderr=subprocess.PIPE)
     started: dict[int, list[bytes]] = {}
     try:
-        assert process.stdout is not None and process.stderr is not None
-        for line in process.stdout:
-            if line.startswith("  reference:"):  # the pool serves; the first engine starts
-                break
-        engine = ENGINE_MODULE.encode()
-        deadline = time.monotonic() + STARTUP_S
-        while not any(engine in command for command in started.values()):
-            assert process.poll() is None and time.monotonic() < deadline, "no engine process started"
-            time.sleep(0.05)
-            started = children(process.pid)
+        assert process.stderr is not None
+        _wait_for_its_engine(process, started)
         programs = [command[0].rsplit(b"/", 1)[-1] for command in started.values()]
         assert b"mooncake_master" in programs and b"mooncake_client" in programs
         process.send_signal(signal.SIGTERM)
@@ -103,22 +114,11 @@ def test_sigkill_takes_the_engine_and_the_pool_with_it(tmp_path: Path) -> None:
     """A SIGKILLed demo (the OOM killer, ``timeout -s KILL``) took its master and store with it
     (their watchdogs), but its engine ran on, orphaned. The engine is stopped (SIGSTOP) first:
     it stands for one that does not end on its own, as a hung engine does not."""
-    process = subprocess.Popen(
-        [sys.executable, "-m", "kvpool.connector.local.demo", "--model-dir", str(tmp_path / "model")],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-    )  # fmt: skip
+    process = _start_demo(tmp_path, stderr=subprocess.DEVNULL)
     started: dict[int, list[bytes]] = {}
     try:
-        assert process.stdout is not None
-        for line in process.stdout:
-            if line.startswith("  reference:"):  # the pool serves; the first engine starts
-                break
+        _wait_for_its_engine(process, started)
         engine = ENGINE_MODULE.encode()
-        deadline = time.monotonic() + STARTUP_S
-        while not any(engine in command for command in started.values()):
-            assert process.poll() is None and time.monotonic() < deadline, "no engine process started"
-            time.sleep(0.05)
-            started = children(process.pid)
         (engine_pid,) = [pid for pid, command in started.items() if engine in command]
         os.kill(engine_pid, signal.SIGSTOP)
         process.kill()

@@ -7,6 +7,7 @@ hybrid allocator does on CPU.
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -338,11 +339,11 @@ def test_shutdown_takes_a_finished_save_for_done_before_its_thread_returns(
         left.set()
 
 
-def test_shutdown_forgets_transfers_that_never_started(pool_client, cache_prefix, monkeypatch) -> None:
-    """Saves still queued behind busy transfer threads are cancelled at shutdown: they never
-    ran, so once the busy ones return nothing is in flight (no call is reported stuck)."""
-    import threading
-
+def _with_busy_transfer_threads(
+    pool_client, cache_prefix, monkeypatch, blocks_per_save: int
+) -> tuple[WorkerSide, list[RequestSave], list[str], threading.Event]:
+    """A worker (shutdown drain 0.05 s) whose saves hold every transfer thread until the gate
+    is set, two more queued behind them: (worker, its saves, those that ran, the gate)."""
     from kvpool.connector.worker.side import TRANSFER_THREADS, Deadlines
 
     gate = threading.Event()
@@ -357,18 +358,31 @@ def test_shutdown_forgets_transfers_that_never_started(pool_client, cache_prefix
         pool_client, cache_prefix, num_blocks=NUM_BLOCKS, deadlines=Deadlines(shutdown_s=0.05)
     )
     w.register_kv_caches({"l0": torch.randn(SHAPE)})
-    saves = [
-        RequestSave(f"s{i}", [GroupTransfer(0, [f"d{i}"], [1 + i])]) for i in range(TRANSFER_THREADS + 2)
-    ]
+    n = blocks_per_save
+
+    def group(i: int) -> GroupTransfer:
+        return GroupTransfer(0, [f"d{i}-{b}" for b in range(n)], list(range(1 + n * i, 1 + n * i + n)))
+
+    saves = [RequestSave(f"s{i}", [group(i)]) for i in range(TRANSFER_THREADS + 2)]
     w.start_saves(PoolConnectorMetadata(saves=saves))
     deadline = time.monotonic() + 30
     while len(ran) < TRANSFER_THREADS:
         assert time.monotonic() < deadline, "the transfer threads never started"
         time.sleep(0.01)
+    return w, saves, ran, gate
+
+
+def test_shutdown_forgets_transfers_that_never_started(pool_client, cache_prefix, monkeypatch) -> None:
+    """Saves still queued behind busy transfer threads are cancelled at shutdown: they never
+    ran, so once the busy ones return nothing is in flight (no call is reported stuck)."""
+    from kvpool.connector.worker.side import TRANSFER_THREADS
+
+    w, _, ran, gate = _with_busy_transfer_threads(pool_client, cache_prefix, monkeypatch, 1)
     try:
         assert w.shutdown() is False, "the busy saves are still in flight"
     finally:
         gate.set()
+    deadline = time.monotonic() + 30
     while w.jobs.stalled:
         assert time.monotonic() < deadline, "a transfer that never started is still taken for stuck"
         time.sleep(0.01)
@@ -381,31 +395,7 @@ def test_a_save_still_queued_at_shutdown_is_recorded_not_saved(
 ) -> None:
     """A save cancelled at shutdown (queued behind busy transfer threads past the drain) is
     in the records, its blocks failed at their deadline: every save asked for is accounted for."""
-    import threading
-
-    from kvpool.connector.worker.side import TRANSFER_THREADS, Deadlines
-
-    gate = threading.Event()
-    ran: list[str] = []
-
-    def busy_save(self, save) -> None:
-        ran.append(save.req_id)
-        gate.wait(30)
-
-    monkeypatch.setattr(WorkerSide, "_save_request", busy_save)
-    w = single_group_worker(
-        pool_client, cache_prefix, num_blocks=NUM_BLOCKS, deadlines=Deadlines(shutdown_s=0.05)
-    )
-    w.register_kv_caches({"l0": torch.randn(SHAPE)})
-    saves = [
-        RequestSave(f"s{i}", [GroupTransfer(0, [f"d{i}", f"e{i}"], [1 + 2 * i, 2 + 2 * i])])
-        for i in range(TRANSFER_THREADS + 2)
-    ]
-    w.start_saves(PoolConnectorMetadata(saves=saves))
-    deadline = time.monotonic() + 30
-    while len(ran) < TRANSFER_THREADS:
-        assert time.monotonic() < deadline, "the transfer threads never started"
-        time.sleep(0.01)
+    w, saves, ran, gate = _with_busy_transfer_threads(pool_client, cache_prefix, monkeypatch, 2)
     try:
         w.shutdown()
     finally:
