@@ -181,7 +181,9 @@ def test_drawn_master_and_store_ports_are_held_until_stop() -> None:
         shutil.rmtree(store.log_dir, ignore_errors=True)
     assert all(ports.listenable(p) for p in drawn), "stopped: let go"
     given = ports.free_port()
-    MooncakeMaster(rpc_port=given, metrics_port=given).stop()  # never started: nothing to stop
+    unstarted = MooncakeMaster(rpc_port=given, metrics_port=given)
+    unstarted.stop()  # never started: nothing to stop
+    shutil.rmtree(unstarted.log_dir, ignore_errors=True)
     assert ports.bindable(given)
 
 
