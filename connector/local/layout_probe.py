@@ -29,6 +29,7 @@ from typing import Any
 
 from kvpool.connector.contract.layout import KVLayout
 from kvpool.connector.local.ports import held_port, release_port
+from kvpool.connector.local.process_group import SHARED_MEMORY
 from kvpool.connector.local.stopping import deferred
 from kvpool.connector.local.watchdog import release, watch
 
@@ -46,8 +47,6 @@ RANK_TEMP_VARIABLES = ("VLLM_RPC_BASE_PATH", "TMPDIR")
 SOCKET_PATH_MAX = 107
 #: vLLM names its IPC sockets with a UUID (36 characters) in its folder.
 SOCKET_NAME_LENGTH = 36
-#: Where POSIX shared memory (``shm_open``) lives on Linux.
-SHARED_MEMORY = "/dev/shm"
 
 
 class ProbeError(RuntimeError):
